@@ -1,0 +1,1 @@
+"""Subcommands of the ``lightning-resume`` CLI: one module each, exposing ``register(subparsers)``."""

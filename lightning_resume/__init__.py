@@ -1,5 +1,6 @@
 """lightning-resume: a Lightning run that survives any stop and continues bit for bit."""
 
+from lightning_resume.callback import ExactResume
 from lightning_resume.errors import (
     CheckpointCorruptError,
     ConfigurationError,
@@ -8,9 +9,14 @@ from lightning_resume.errors import (
     UnsafeCheckpointError,
 )
 
+from lightning_resume.state.data import ResumableDataset, ResumableIterableDataset
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExactResume",
+    "ResumableDataset",
+    "ResumableIterableDataset",
     "CheckpointCorruptError",
     "ConfigurationError",
     "LightningResumeError",

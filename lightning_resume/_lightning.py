@@ -1,0 +1,138 @@
+"""Every use of Lightning 2.6 internals, in one place.
+
+Exact resume needs a few things Lightning keeps private: the training loaders after Lightning
+processed them, the batches its fetcher has already prefetched, re-creating the training iterator
+after a loader state was applied, and whether validation is due at the current step. Each is one
+small function here, with the file:line it relies on (lightning 2.6.6), so that a Lightning upgrade
+breaks one module, loudly, and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning
+import lightning.pytorch as pl
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+from lightning.pytorch.loops.evaluation_loop import RestartStage
+from lightning.pytorch.trainer import call
+
+SUPPORTED = ("2.6.",)
+
+
+def check_version() -> Optional[str]:
+    """A warning line if this Lightning version was not verified with these internals."""
+    if lightning.__version__.startswith(SUPPORTED):
+        return None
+    return f"lightning {lightning.__version__} is not verified with lightning-resume (built for {SUPPORTED})"
+
+
+def train_loaders(trainer: "pl.Trainer") -> list[Any]:
+    """The training loaders as Lightning iterates them (fit_loop.py:239-251, after _process_dataloader)."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def prefetched_batches(trainer: "pl.Trainer") -> list[Any]:
+    """Batches fetched from the loaders but not yet trained on (fetchers.py:104-117: iterables only)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    return list(fetcher.batches) if isinstance(fetcher, _PrefetchDataFetcher) else []
+
+
+def epoch_exhausted(trainer: "pl.Trainer") -> bool:
+    """Whether the last batch of the current epoch has been trained (training_epoch_loop.py:324)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def validation_due(trainer: "pl.Trainer") -> bool:
+    """Whether validation runs after the current training batch (training_epoch_loop.py:390, :529)."""
+    loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    return fetcher is not None and bool(loop._should_check_val_fx(fetcher))
+
+
+def restart_train_iterator(trainer: "pl.Trainer", prefetched: Optional[list[Any]] = None) -> None:
+    """Create a new training iterator, so loader states set with ``load_state_dict`` take effect.
+
+    ``prefetched`` (for iterable loaders) are the batches the saving run had fetched ahead; they are
+    put back in the fetcher's queue instead of being fetched again, so the loader is asked for the
+    next batch at the same moment as in the uninterrupted run (fetchers.py:98-110).
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return
+    if prefetched and isinstance(fetcher, _PrefetchDataFetcher):
+        depth, fetcher.prefetch_batches = fetcher.prefetch_batches, 0
+        try:
+            iter(fetcher)
+        finally:
+            fetcher.prefetch_batches = depth
+        fetcher.batches = list(prefetched)
+        fetcher.fetched += len(prefetched)
+    else:
+        iter(fetcher)
+
+
+def apply_loader_states(loaders: list[Any]) -> None:
+    """Apply pending loader states by creating one iterator each and dropping it.
+
+    Used when the saved position is the end of an epoch: torchdata resumes such a state into an empty
+    iterator, and the iterator after it starts the next epoch from the restored sampler state.
+    """
+    for loader in loaders:
+        if getattr(loader, "next_iter_state", None) is not None:
+            iterator = iter(loader)
+            del iterator
+
+
+def set_sampler_epoch(loaders: list[Any], epoch: int) -> None:
+    """What fit_loop.on_advance_start does before an epoch's iterator is made (fit_loop.py:428-430)."""
+    for loader in loaders:
+        _set_sampler_epoch(loader, epoch)
+
+
+def defer_validation_to_loop(trainer: "pl.Trainer") -> None:
+    """Make the restarted epoch loop run the validation that was due right after the saved step.
+
+    Lightning fast-forwards over it on resume (training_epoch_loop.py:281-292). Marking the val loop
+    as restarted mid-evaluation makes the first ``advance`` return early and ``on_advance_end`` run a
+    full validation (:390-406), at the same point of the RNG streams as the uninterrupted run.
+    That ``on_advance_end`` also counts the step for loggers once more than the uninterrupted run
+    did (reset() counted it already, :191-198), which is undone here.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop.val_loop._restart_stage = RestartStage.RESTARTED_MID_EVALUATION
+    epoch_loop.val_loop.restarting = False
+    if not epoch_loop._should_accumulate():
+        epoch_loop._batches_that_stepped -= 1
+
+
+def skip_validation_fast_forward(trainer: "pl.Trainer") -> None:
+    """Stop the restarted epoch loop from fast-forwarding over a validation once, at its first step.
+
+    After a resume at an epoch boundary Lightning may "skip" a validation that the uninterrupted
+    run never had at that point (training_epoch_loop.py:281-292); skipping it still iterates the
+    validation loader (evaluation_loop.py:268-272, :256), which draws from the global RNG.
+    """
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+
+    def once() -> None:
+        del val_loop.increment_progress_to_evaluation_end  # back to the class method
+
+    val_loop.increment_progress_to_evaluation_end = once  # type: ignore[method-assign]
+
+
+def run_validation(trainer: "pl.Trainer") -> None:
+    """Run the validation that was due right after the saved step, as epoch_loop.on_advance_end does
+    (training_epoch_loop.py:396-408); Lightning skips it on resume (training_epoch_loop.py:281-292)."""
+    loop = trainer.fit_loop.epoch_loop
+    # The restored val loop counts the saved run's finished validation; this one starts from scratch.
+    loop.val_loop.restarting = False
+    trainer.validating = True
+    first_loop_iter = trainer._logger_connector._first_loop_iter
+    if not loop._should_accumulate():
+        call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
+    loop.val_loop.run()
+    trainer.training = True
+    trainer._logger_connector._first_loop_iter = first_loop_iter

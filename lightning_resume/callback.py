@@ -1,0 +1,242 @@
+"""ExactResume: the Lightning hooks that make every checkpoint resume bit for bit.
+
+Thin by design. At save time it gathers, per rank, the state Lightning leaves out (RNG streams, the
+data position aligned with the last trained batch, a fingerprint) and at resume it restores them at
+the one moment that makes the next step identical to the uninterrupted run's: ``on_train_start``,
+after Lightning created the training iterator (which draws from the global RNG) and before the
+first batch is fetched. The mechanisms live in ``lightning_resume.state``; Lightning internals in
+``lightning_resume._lightning``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torchdata.stateful_dataloader.stateful import Stateful
+
+from lightning_resume import _lightning as lt
+from lightning_resume.errors import ResumeMismatchError
+from lightning_resume.state.data import loader_problems, loader_signature
+from lightning_resume.state.fingerprint import digest, fingerprint, fingerprint_mismatches
+from lightning_resume.state.rng import capture_rng, restore_rng, rng_mismatches
+
+FORMAT_VERSION = 1
+NOT_RESTORED_WITHOUT_EXACT_RESUME = (
+    "RNG streams (Python, NumPy, torch CPU/CUDA, registered generators), the data position aligned with"
+    " the last trained batch, loader worker RNG, validation due at the saved step"
+)
+
+
+class ExactResume(Callback):
+    """Make every checkpoint the trainer writes resumable bit for bit.
+
+    Args:
+        generators: extra ``torch.Generator`` objects to save and restore, by name
+            (e.g. a generator your augmentation draws from).
+        strict: if ``True`` (default), a checkpoint that does not fit this run (world size, loader
+            configuration, dataset length, model or optimizer structure, a fingerprint that does not
+            match after restore) raises ``ResumeMismatchError``. If ``False``, training continues
+            approximately and a warning lists what will not be exact.
+        fingerprint: record digests of weights, optimizer, RNG and data state in each checkpoint and
+            check them after restore. Costs one pass of hashing over the state at each save.
+    """
+
+    def __init__(
+        self,
+        generators: Optional[dict[str, torch.Generator]] = None,
+        strict: bool = True,
+        fingerprint: bool = True,
+    ) -> None:
+        self.generators: dict[str, torch.Generator] = dict(generators or {})
+        self.strict = strict
+        self.fingerprint = fingerprint
+        self._trainer: Optional[pl.Trainer] = None
+        self._pending: Optional[dict[str, Any]] = None
+        self._phase = "idle"
+        self.resume_report: dict[str, Any] = {}
+
+    @property
+    def state_key(self) -> str:
+        return "ExactResume"
+
+    # ----------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._trainer = trainer
+        if (warning := lt.check_version()) is not None:
+            rank_zero_warn(warning)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._warn_about_loaders(trainer)
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._restore(trainer, pl_module, pending)
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self._phase = "batch"
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self._phase = "batch_end"
+
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._phase = "validation"
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._phase = "epoch_end"
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        if trainer is None or not trainer.training and not trainer.validating:
+            return {}
+        local = self._capture(trainer)
+        return {
+            "format": FORMAT_VERSION,
+            "world_size": trainer.world_size,
+            "signature": self._signature(trainer),
+            "ranks": _gather(local, trainer.world_size),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict if state_dict else None
+
+    def on_load_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        if not checkpoint.get("callbacks", {}).get(self.state_key):
+            rank_zero_warn(
+                "ExactResume: this checkpoint was written without ExactResume; training resumes but these are not"
+                f" restored: {NOT_RESTORED_WITHOUT_EXACT_RESUME}. The resumed run will differ from an uninterrupted one."
+            )
+
+    # ----------------------------------------------------------------------------------- capture
+    def _capture(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        loaders = lt.train_loaders(trainer)
+        states = [dl.state_dict() if isinstance(dl, Stateful) else None for dl in loaders]
+        prefetched = lt.prefetched_batches(trainer)
+        local = {
+            "rank": trainer.global_rank,
+            "rng": capture_rng(self.generators),
+            "loaders": states,
+            "prefetched": prefetched,
+            "epoch_exhausted": lt.epoch_exhausted(trainer),
+            "validation_pending": self._phase == "batch_end" and lt.validation_due(trainer),
+        }
+        if self.fingerprint:
+            local["fingerprint"] = self._fingerprint(trainer, local["rng"], [states, prefetched])
+        return local
+
+    def _fingerprint(self, trainer: "pl.Trainer", rng: Any, data: Any) -> dict[str, str]:
+        return fingerprint(
+            trainer.lightning_module.state_dict(),
+            [opt.state_dict() for opt in trainer.optimizers],
+            rng,
+            data,
+            trainer.global_step,
+        )
+
+    def _signature(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        module = trainer.lightning_module
+        return {
+            "loaders": [loader_signature(dl) for dl in lt.train_loaders(trainer)],
+            "model": digest([(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]),
+            "optimizers": [
+                [type(opt).__name__, [len(g["params"]) for g in opt.param_groups]] for opt in trainer.optimizers
+            ],
+        }
+
+    # ----------------------------------------------------------------------------------- restore
+    def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", saved: dict[str, Any]) -> None:
+        differences = self._differences(trainer, saved)
+        mine = saved["ranks"][trainer.global_rank] if trainer.global_rank < len(saved["ranks"]) else None
+        if differences:
+            self._refuse_or_warn(differences)
+        if mine is None:
+            return
+        restored_rng = self._restore_position_and_rng(trainer, mine)
+        self.resume_report = {"step": trainer.global_step, "exact": not differences, "differences": differences}
+        if self.fingerprint and "fingerprint" in mine:
+            self._check_fingerprint(trainer, mine, restored_rng)
+
+    def _restore_position_and_rng(self, trainer: "pl.Trainer", mine: Mapping[str, Any]) -> Any:
+        """Restore in the order the uninterrupted run consumed randomness; return the RNG as restored."""
+        loaders = lt.train_loaders(trainer)
+        for loader, state in zip(loaders, mine["loaders"]):
+            if state is not None and isinstance(loader, Stateful):
+                loader.load_state_dict(state)
+        if mine["epoch_exhausted"]:
+            lt.apply_loader_states(loaders)
+        else:
+            lt.restart_train_iterator(trainer, mine["prefetched"])
+        restore_rng(mine["rng"], self.generators)
+        restored_rng = capture_rng(self.generators)
+        if mine["validation_pending"] and mine["epoch_exhausted"]:
+            lt.run_validation(trainer)
+        elif mine["validation_pending"]:
+            lt.defer_validation_to_loop(trainer)
+        if mine["epoch_exhausted"]:
+            # The next epoch's iterator is made now, after the RNG it draws its seed from is restored.
+            lt.set_sampler_epoch(loaders, trainer.current_epoch)
+            lt.restart_train_iterator(trainer)
+            lt.skip_validation_fast_forward(trainer)
+        return restored_rng
+
+    def _differences(self, trainer: "pl.Trainer", saved: Mapping[str, Any]) -> list[str]:
+        out = []
+        if saved.get("format") != FORMAT_VERSION:
+            out.append(f"ExactResume state format {saved.get('format')!r}, this version reads {FORMAT_VERSION}")
+        if saved.get("world_size") != trainer.world_size:
+            out.append(
+                f"world size: checkpoint written by {saved.get('world_size')} processes, this run has"
+                f" {trainer.world_size} (each rank's RNG and data position cannot be mapped)"
+            )
+        now = self._signature(trainer)
+        then = saved.get("signature", {})
+        for i, (a, b) in enumerate(zip(then.get("loaders", []), now["loaders"])):
+            out += [f"train loader {i} {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in b if a.get(k) != b[k]]
+        if len(then.get("loaders", [])) != len(now["loaders"]):
+            out.append(f"number of train loaders: checkpoint {len(then.get('loaders', []))}, now {len(now['loaders'])}")
+        if then.get("model") != now["model"]:
+            out.append("model structure (parameter names, shapes or dtypes) differs from the checkpoint")
+        if then.get("optimizers") != now["optimizers"]:
+            out.append(f"optimizer structure: checkpoint {then.get('optimizers')}, now {now['optimizers']}")
+        ranks = saved.get("ranks", [])
+        if trainer.global_rank < len(ranks):
+            out += rng_mismatches(ranks[trainer.global_rank]["rng"], self.generators)
+        return out
+
+    def _check_fingerprint(self, trainer: "pl.Trainer", mine: Mapping[str, Any], restored_rng: Any) -> None:
+        restored = self._fingerprint(trainer, restored_rng, None)
+        bad = fingerprint_mismatches(mine["fingerprint"], restored, ("weights", "optimizer", "rng", "step"))
+        self.resume_report["fingerprint_ok"] = not bad
+        if bad:
+            self._refuse_or_warn([f"fingerprint after restore: {line}" for line in bad])
+
+    def _refuse_or_warn(self, differences: list[str]) -> None:
+        if self.strict:
+            raise ResumeMismatchError(
+                "the checkpoint",
+                differences,
+                "Fix the run to match the checkpoint, or pass ExactResume(strict=False) to continue approximately.",
+            )
+        rank_zero_warn(
+            "ExactResume(strict=False): resuming approximately; these will not be exact:\n"
+            + "\n".join(f"  - {d}" for d in differences)
+        )
+
+    def _warn_about_loaders(self, trainer: "pl.Trainer") -> None:
+        for i, loader in enumerate(lt.train_loaders(trainer)):
+            for problem in loader_problems(f"train loader {i}", loader):
+                rank_zero_warn(f"ExactResume: resume will not be exact: {problem}")
+
+
+def _gather(local: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """Every rank's state, in rank order, on every rank (the file is written by rank 0 only)."""
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return [local]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, local)
+    return out

@@ -155,3 +155,12 @@ def test_configuration_errors_are_collected():
 def test_record_state_round_trip():
     record = rec(7, metric=0.25, tags=frozenset({"rolling", ANCHOR}))
     assert CheckpointRecord.from_state(record.to_state()) == record
+
+
+def test_one_anchor_per_interval_even_when_an_earlier_step_arrives_later():
+    policy = RetentionPolicy(anchor_every_n_steps=10)
+    tagged = rec(15, time=1.0, tags=frozenset({ANCHOR}))
+    # a restart from step 8 later saves step 12, inside the same interval [10, 20)
+    later = rec(12, time=2.0)
+    assert [r.step for r in policy.anchors([tagged, later])] == [15]
+    assert [r.step for r in policy.anchors([rec(15, time=1.0), later])] == [12]  # untagged: smallest step wins

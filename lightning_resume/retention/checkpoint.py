@@ -1,0 +1,253 @@
+"""``RetentionCheckpoint``: Lightning's ``ModelCheckpoint`` with a retention policy (the hook).
+
+This module connects Lightning to ``retention.policy`` (what to keep) and ``retention.files`` (names,
+verification, fsync). It gathers records, asks the policy, deletes in order on rank 0, and keeps the
+records in its ``state_dict``. It holds no retention rule itself. With no retention argument set it
+is exactly ``ModelCheckpoint``: every override below falls through to the parent in that case.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _PATH
+from lightning_resume.durations import parse_duration
+from lightning_resume.errors import ConfigurationError
+from lightning_resume.retention import files
+from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
+
+_STATE = "retention"
+
+
+class RetentionCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` plus rolling (``keep_last``), best (``keep_best``) and anchor retention.
+
+    When any of ``keep_last``, ``keep_best``, ``anchor_every_n_steps``, ``anchor_every`` is set, each
+    save writes ``dirpath/step=000000123.ckpt``; the union of the keep rules decides what stays, and
+    the resume source, the newest verified checkpoint, saves in flight and files this callback did not
+    write are never deleted. ``fit(ckpt_path="last")`` then resolves to the newest file in ``dirpath``
+    that verifies. ``save_top_k`` and ``filename`` are replaced by these rules and must stay unset.
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[_PATH] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        verbose: bool = False,
+        save_last: Optional[Union[bool, Literal["link"]]] = None,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[timedelta] = None,
+        every_n_epochs: Optional[int] = None,
+        save_on_train_epoch_end: Optional[bool] = None,
+        enable_version_counter: bool = True,
+        keep_last: Optional[int] = None,
+        keep_best: Optional[int] = None,
+        anchor_every_n_steps: Optional[int] = None,
+        anchor_every: Optional[Union[str, float, timedelta]] = None,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose, save_last=save_last,
+            save_top_k=save_top_k, save_on_exception=save_on_exception, save_weights_only=save_weights_only,
+            mode=mode, auto_insert_metric_name=auto_insert_metric_name, every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval, every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
+        )
+        self.policy = self._build_policy(filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every)
+        self._records: dict = {}
+        self._resume_source: Optional[str] = None
+
+    def _build_policy(self, filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every):
+        problems = []
+        seconds = None
+        if anchor_every is not None:
+            try:
+                seconds = parse_duration(anchor_every, "anchor_every")
+            except ValueError as err:
+                problems.append(str(err))
+        problems += policy_problems(keep_last, keep_best, self.mode, anchor_every_n_steps, seconds)
+        active = any(v is not None for v in (keep_last, keep_best, anchor_every_n_steps, anchor_every))
+        if keep_best is not None and self.monitor is None:
+            problems.append(f"keep_best={keep_best} needs a metric; set monitor to a logged key such as 'val/loss'")
+        if active and save_top_k != 1:
+            problems.append(f"save_top_k={save_top_k} conflicts with the retention rules; remove it and use keep_best")
+        if active and filename is not None:
+            problems.append(f"filename={filename!r} is unused: retention names files step=000000123.ckpt; remove it")
+        if problems:
+            raise ConfigurationError(type(self).__name__, problems)
+        return RetentionPolicy(keep_last, keep_best, self.mode, anchor_every_n_steps, seconds)
+
+    @property
+    def state_key(self) -> str:
+        """The key stock ``ModelCheckpoint`` uses for the same arguments, so either can resume the other."""
+        key = super().state_key
+        return ModelCheckpoint.__qualname__ + key[len(type(self).__qualname__) :]
+
+    # ---- saving -------------------------------------------------------------------------------
+
+    def _save_topk_checkpoint(self, trainer: "pl.Trainer", monitor_candidates: dict) -> None:
+        if not self.policy.active:
+            return super()._save_topk_checkpoint(trainer, monitor_candidates)
+        self._save_retained(trainer, monitor_candidates, tag="rolling")
+
+    def save_snapshot(self, trainer: "pl.Trainer", reason: str) -> str:
+        """Write a full checkpoint now (all ranks must call), counted as rolling; return its path."""
+        path = self._rolling_path(trainer.global_step)
+        if self._last_global_step_saved == trainer.global_step and path in self._records:
+            return path  # this step is already on disk; the same state would be written again
+        return self._save_retained(trainer, self._monitor_candidates(trainer), tag="scheduled")
+
+    def _save_retained(self, trainer: "pl.Trainer", monitor_candidates: dict, tag: str) -> str:
+        """Save, make durable, then prune: a crash in between leaves extra files only."""
+        path = self._rolling_path(trainer.global_step)
+        # rank 0's clock and metric, so every rank holds the same records and decides the same
+        now, metric = trainer.strategy.broadcast((time.time(), self._metric_of(monitor_candidates)))
+        record = CheckpointRecord(
+            path, trainer.global_step, trainer.current_epoch, now, metric,
+            frozenset({tag}), verified=False, in_flight=True, owned=True,
+        )
+        self._records[path] = record
+        self.current_score = None if metric is None else torch.tensor(metric)
+        self._update_best_from_records()  # part of the state written into this very file
+        self._save_checkpoint(trainer, path)
+        if trainer.is_global_zero:
+            files.fsync_file_and_dir(path)
+        self._records[path] = replace(record, verified=True, in_flight=False)
+        self._apply_retention(trainer)
+        return path
+
+    def _rolling_path(self, step: int) -> str:
+        return os.path.normpath(os.path.join(str(self.dirpath), files.rolling_name(step, self.FILE_EXTENSION)))
+
+    def _metric_of(self, monitor_candidates: dict) -> Optional[float]:
+        value = monitor_candidates.get(self.monitor) if self.monitor else None
+        if value is None:
+            return None
+        value = float(value)
+        return None if math.isnan(value) else value
+
+    # ---- pruning ------------------------------------------------------------------------------
+
+    def _apply_retention(self, trainer: "pl.Trainer") -> None:
+        """Ask the policy; tag new anchors; delete the rest oldest first (only rank 0 touches files)."""
+        records = list(self._records.values())
+        anchors = {r.path for r in self.policy.anchors(records)}
+        for decision in self.policy.decide(records, self._resume_source):
+            record = decision.record
+            if not decision.keep:
+                self._remove_checkpoint(trainer, record.path)  # Strategy.remove_checkpoint: rank 0 only
+                del self._records[record.path]
+            elif record.path in anchors and ANCHOR not in record.tags:
+                self._records[record.path] = replace(record, tags=record.tags | {ANCHOR})
+            if self.verbose and not decision.keep:
+                rank_zero_warn(f"RetentionCheckpoint deleted {record.path}: {'; '.join(decision.reasons)}")
+        self._update_best_from_records()
+
+    def _update_best_from_records(self) -> None:
+        """Mirror the records into ``ModelCheckpoint``'s best-k fields (``best_model_path``...)."""
+        candidates = [r for r in self._records.values() if r.verified or r.in_flight]
+        ranked = self.policy.ranked_by_metric([replace(r, verified=True, in_flight=False) for r in candidates])
+        if not ranked:
+            return
+        best = ranked[: self.policy.keep_best or len(ranked)]
+        self.best_k_models = {r.path: torch.tensor(r.metric) for r in best}
+        self.best_model_path, self.best_model_score = best[0].path, torch.tensor(best[0].metric)
+        self.kth_best_model_path, self.kth_value = best[-1].path, torch.tensor(best[-1].metric)
+
+    # ---- resuming -----------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)
+        if not self.policy.active:
+            return
+        resume = trainer.ckpt_path
+        self._resume_source = os.path.realpath(resume) if resume else None
+        records = self._reconciled_records(trainer) if trainer.is_global_zero else None
+        self._records = {r.path: r for r in trainer.strategy.broadcast(records)}
+        self._apply_retention(trainer)
+
+    def _reconciled_records(self, trainer: "pl.Trainer") -> list:
+        """Records from the state, checked against the files now in ``dirpath`` (rank 0 reads disk)."""
+        on_disk = {e.path: e for e in files.list_checkpoint_files(str(self.dirpath), self.FILE_EXTENSION)}
+        io = trainer.strategy.checkpoint_io
+        records = []
+        for path, entry in on_disk.items():
+            step = files.parse_rolling_name(path, self.FILE_EXTENSION)
+            if step is None:
+                continue  # not our naming: never ours to delete, not ours to track
+            known = self._records.get(path) or self._record_from_file(path, step, entry.mtime)
+            if known.in_flight or path not in self._records:
+                ok = path == self._resume_source or files.verify_problem(path, io) is None
+                known = replace(known, in_flight=False, verified=ok, owned=True)
+            records.append(known)
+        return records
+
+    def _record_from_file(self, path: str, step: int, mtime: float) -> CheckpointRecord:
+        """A record for a file an earlier run wrote: its own saved record if readable, else the file's facts."""
+        state = files.read_checkpoint_callback_state(path, self.state_key) or {}
+        for saved in state.get(_STATE, {}).get("records", []):
+            if saved.get("path") == path:
+                return CheckpointRecord.from_state(saved)
+        score = state.get("current_score")
+        metric = float(score) if score is not None and not math.isnan(float(score)) else None
+        return CheckpointRecord(path, step, 0, mtime, metric, frozenset({"rolling"}))
+
+    def _find_last_checkpoints(self, trainer: "pl.Trainer") -> set:
+        """``ckpt_path="last"``: the newest file in ``dirpath`` that verifies; corrupt newer ones are skipped.
+
+        Called by ``_CheckpointConnector._parse_ckpt_path`` (lightning/pytorch/trainer/connectors/
+        checkpoint_connector.py:181-186) before ``setup`` and before any process group exists, so it
+        uses no collective: every rank reads the same files and reaches the same answer.
+        """
+        if not self.policy.active:
+            return super()._find_last_checkpoints(trainer)
+        entries = files.list_checkpoint_files(self._resolved_dirpath(trainer), self.FILE_EXTENSION)
+        io = trainer.strategy.checkpoint_io
+        for entry in reversed(entries):
+            problem = files.verify_problem(entry.path, io)
+            if problem is None:
+                return {entry.path}
+            rank_zero_warn(f"ckpt_path='last': skipping {entry.path}, it does not verify: {problem}")
+        return set()
+
+    def _resolved_dirpath(self, trainer: "pl.Trainer") -> str:
+        """Where ``setup`` will put checkpoints; mirrors the private ``ModelCheckpoint.__resolve_ckpt_dir``
+        (lightning/pytorch/callbacks/model_checkpoint.py:837-865), which a subclass cannot call."""
+        if self.dirpath is not None:
+            return str(self.dirpath)
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+            version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+            return os.path.join(save_dir, str(logger.name), version, "checkpoints")
+        return os.path.join(trainer.default_root_dir, "checkpoints")
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.policy.active:
+            state[_STATE] = {"records": [r.to_state() for r in sorted(self._records.values(), key=lambda r: r.recency)]}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        same_dir = state_dict.get("dirpath", self.dirpath) == self.dirpath
+        if self.policy.active and same_dir and _STATE in state_dict:
+            saved = [CheckpointRecord.from_state(s) for s in state_dict[_STATE]["records"]]
+            self._records = {r.path: r for r in saved}

@@ -34,6 +34,17 @@ def train_loaders(trainer: "pl.Trainer") -> list[Any]:
     return list(combined.flattened) if combined is not None else []
 
 
+def drop_loader_state(checkpoint: dict[str, Any]) -> None:
+    """Keep Lightning from loading its own loader state (fit_loop.py:498-506, :551-555).
+
+    That state is taken one prefetched batch late for iterables and is applied before any check that
+    the loaders still match (torchdata raises on a changed ``num_workers``). ExactResume applies its
+    own, aligned state itself after checking. Only the in-memory dict is changed, never the file.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    fit_loop.get("state_dict", {}).pop("combined_loader", None)
+
+
 def prefetched_batches(trainer: "pl.Trainer") -> list[Any]:
     """Batches fetched from the loaders but not yet trained on (fetchers.py:104-117: iterables only)."""
     fetcher = trainer.fit_loop._data_fetcher

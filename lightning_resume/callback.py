@@ -106,7 +106,9 @@ class ExactResume(Callback):
     def on_load_checkpoint(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
     ) -> None:
-        if not checkpoint.get("callbacks", {}).get(self.state_key):
+        if checkpoint.get("callbacks", {}).get(self.state_key):
+            lt.drop_loader_state(checkpoint)
+        else:
             rank_zero_warn(
                 "ExactResume: this checkpoint was written without ExactResume; training resumes but these are not"
                 f" restored: {NOT_RESTORED_WITHOUT_EXACT_RESUME}. The resumed run will differ from an uninterrupted one."
@@ -156,17 +158,22 @@ class ExactResume(Callback):
             self._refuse_or_warn(differences)
         if mine is None:
             return
-        restored_rng = self._restore_position_and_rng(trainer, mine)
+        restored_rng = self._restore_position_and_rng(trainer, mine, saved)
         self.resume_report = {"step": trainer.global_step, "exact": not differences, "differences": differences}
         if self.fingerprint and "fingerprint" in mine:
             self._check_fingerprint(trainer, mine, restored_rng)
 
-    def _restore_position_and_rng(self, trainer: "pl.Trainer", mine: Mapping[str, Any]) -> Any:
+    def _restore_position_and_rng(self, trainer: "pl.Trainer", mine: Mapping[str, Any], saved: Mapping[str, Any]) -> Any:
         """Restore in the order the uninterrupted run consumed randomness; return the RNG as restored."""
         loaders = lt.train_loaders(trainer)
-        for loader, state in zip(loaders, mine["loaders"]):
-            if state is not None and isinstance(loader, Stateful):
-                loader.load_state_dict(state)
+        signatures = saved.get("signature", {}).get("loaders", [])
+        for i, (loader, state) in enumerate(zip(loaders, mine["loaders"])):
+            if state is None or not isinstance(loader, Stateful):
+                continue
+            if i < len(signatures) and signatures[i].get("num_workers") != loader_signature(loader)["num_workers"]:
+                rank_zero_warn(f"ExactResume: train loader {i} changed num_workers; its epoch restarts from the beginning")
+                continue
+            loader.load_state_dict(state)
         if mine["epoch_exhausted"]:
             lt.apply_loader_states(loaders)
         else:

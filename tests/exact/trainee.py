@@ -179,7 +179,7 @@ def main(cfg: dict) -> None:
     pl.seed_everything(cfg.get("seed", 0), workers=True)
     callbacks = [ModelCheckpoint(dirpath=cfg["ckpt_dir"], **cfg.get("ckpt", {}))]
     if cfg.get("exact", True):
-        callbacks.insert(0, ExactResume())
+        callbacks.insert(0, ExactResume(strict=cfg.get("strict", True)))
     if cfg.get("debug_rng"):
         callbacks.append(DebugRng())
     if cfg.get("pause_before") is not None:

@@ -3,7 +3,8 @@
 Mechanism only: no Lightning, no decisions. It runs a caller-given forward under
 ``torch.autograd.graph.saved_tensors_hooks`` and counts every *storage* saved for backward once
 (views of one storage share it), leaving out parameters and buffers (they are not activations).
-Each storage is charged to the innermost watched block running when it was first saved. Exact and
+Each storage is charged to every watched block running when it was first saved (a block's bytes
+include its children's). Exact and
 deterministic on CPU for a given input; it reads no allocator statistics.
 """
 
@@ -22,7 +23,7 @@ from lightning_resume.activation.policy import BlockRecord
 @dataclass(frozen=True)
 class SavedBytes:
     """``total``: unique saved bytes of the forward (plus the inputs of ``keep_inputs_of`` modules).
-    ``per_block``: bytes charged to each watched block, its own inputs excluded.
+    ``per_block``: bytes saved while each watched block ran (children included), its own inputs excluded.
     ``input_bytes``: bytes of each watched block's inputs that something saved."""
 
     total: int
@@ -44,7 +45,7 @@ def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
 class _Meter:
     def __init__(self, root: nn.Module) -> None:
         self.excluded = {k[0] for t in [*root.parameters(), *root.buffers()] if (k := _storage_key(t))}
-        self.saved: dict[int, tuple[int, Optional[str]]] = {}  # ptr -> (bytes, owner block)
+        self.saved: dict[int, tuple[int, tuple[str, ...]]] = {}  # ptr -> (bytes, blocks running)
         self.inputs: dict[str, dict[int, int]] = {}
         self.stack: list[str] = []
         self.alive: list[torch.Tensor] = []  # keep inputs alive so no address is reused mid-pass
@@ -52,7 +53,7 @@ class _Meter:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key is not None and key[0] not in self.excluded and key[0] not in self.saved:
-            self.saved[key[0]] = (key[1], self.stack[-1] if self.stack else None)
+            self.saved[key[0]] = (key[1], tuple(self.stack))
             self.alive.append(t)
         return t
 
@@ -75,7 +76,7 @@ class _Meter:
         per_block, input_bytes = {}, {}
         for name in blocks:
             own = self.inputs.get(name, {})
-            per_block[name] = sum(b for p, (b, o) in self.saved.items() if o == name and p not in own)
+            per_block[name] = sum(b for p, (b, o) in self.saved.items() if name in o and p not in own)
             input_bytes[name] = sum(b for p, b in own.items() if p in self.saved)
         return SavedBytes(sum(kept.values()), per_block, input_bytes)
 

@@ -259,3 +259,21 @@ def _estimate(
         freed = [sum((by_name[n].saved_bytes or 0) + (by_name[n].input_bytes or 0) * (j > 0) for j, n in enumerate(u)) for u in units]
         before, after, peak = total, total - sum(freed), max(freed, default=0)
     return CheckpointPlan(mode, units, len(candidates), extra, before, after, peak, notes)
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(value: "int | str | None", name: str) -> Optional[int]:
+    """``1048576``, ``"512MiB"``, ``"1.5 GB"`` -> bytes (``None`` stays ``None``)."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgib")
+    unit = text[len(number):]
+    try:
+        if unit not in _BYTE_UNITS:
+            raise ValueError(unit)
+        return int(float(number) * _BYTE_UNITS[unit])
+    except ValueError as err:
+        raise ConfigurationError(OWNER, [f"{name}={value!r} is not a size; use bytes or a string like '512MiB'"]) from err

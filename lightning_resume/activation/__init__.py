@@ -1,0 +1,1 @@
+"""Activation checkpointing: pure block policy, key-preserving mechanism, Lightning strategy hook."""

@@ -1,5 +1,14 @@
-"""lightning-resume: a Lightning run that survives any stop and continues bit for bit."""
+"""lightning-resume: a Lightning run that survives any stop and continues bit for bit.
 
+The public API, nothing else. See README.md for what each part guarantees.
+"""
+
+from lightning_resume.activation.hook import (
+    ActivationCheckpointingDDPStrategy,
+    ActivationCheckpointingFSDPStrategy,
+    ActivationCheckpointingStrategy,
+)
+from lightning_resume.activation.policy import BlockSelection, CheckpointPlan, plan_checkpointing
 from lightning_resume.callback import ExactResume
 from lightning_resume.errors import (
     CheckpointCorruptError,
@@ -8,18 +17,42 @@ from lightning_resume.errors import (
     ResumeMismatchError,
     UnsafeCheckpointError,
 )
-
+from lightning_resume.preemption import PreemptionFlag
+from lightning_resume.retention import CheckpointRecord, Decision, RetentionCheckpoint, RetentionPolicy
+from lightning_resume.schedule import (
+    Formula,
+    ScheduleConfig,
+    daly_interval,
+    expected_waste,
+    young_interval,
+)
 from lightning_resume.state.data import ResumableDataset, ResumableIterableDataset
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationCheckpointingDDPStrategy",
+    "ActivationCheckpointingFSDPStrategy",
+    "ActivationCheckpointingStrategy",
+    "BlockSelection",
+    "CheckpointCorruptError",
+    "CheckpointPlan",
+    "CheckpointRecord",
+    "ConfigurationError",
+    "Decision",
     "ExactResume",
+    "Formula",
+    "LightningResumeError",
+    "PreemptionFlag",
     "ResumableDataset",
     "ResumableIterableDataset",
-    "CheckpointCorruptError",
-    "ConfigurationError",
-    "LightningResumeError",
     "ResumeMismatchError",
+    "RetentionCheckpoint",
+    "RetentionPolicy",
+    "ScheduleConfig",
     "UnsafeCheckpointError",
+    "daly_interval",
+    "expected_waste",
+    "plan_checkpointing",
+    "young_interval",
 ]

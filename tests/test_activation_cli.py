@@ -64,7 +64,7 @@ def cli_with(tmp_path, monkeypatch, strategy_yaml: str) -> LightningCLI:
 
 def test_yaml_class_path_and_sqrt_segments(tmp_path, monkeypatch):
     cli = cli_with(tmp_path, monkeypatch, textwrap.dedent("""\
-        class_path: lightning_resume.activation.hook.ActivationCheckpointingStrategy
+        class_path: lightning_resume.ActivationCheckpointingStrategy
         init_args:
           blocks: tests.test_activation_cli.TinyBlock
           select: sqrt
@@ -78,7 +78,7 @@ def test_yaml_class_path_and_sqrt_segments(tmp_path, monkeypatch):
 
 def test_yaml_budget_with_glob_and_size_string(tmp_path, monkeypatch):
     cli = cli_with(tmp_path, monkeypatch, textwrap.dedent("""\
-        class_path: lightning_resume.activation.hook.ActivationCheckpointingStrategy
+        class_path: lightning_resume.ActivationCheckpointingStrategy
         init_args:
           pattern: trunk.*
           select: budget

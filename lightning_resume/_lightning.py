@@ -56,6 +56,12 @@ def epoch_exhausted(trainer: "pl.Trainer") -> bool:
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
+def at_optimizer_step(trainer: "pl.Trainer") -> bool:
+    """Whether the batch just trained ended with an optimizer step (no gradients half accumulated,
+    which checkpoints do not hold): training_epoch_loop.py:_should_accumulate."""
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
 def validation_due(trainer: "pl.Trainer") -> bool:
     """Whether validation runs after the current training batch (training_epoch_loop.py:390, :529)."""
     loop = trainer.fit_loop.epoch_loop

@@ -10,22 +10,31 @@ first batch is fetched. The mechanisms live in ``lightning_resume.state``; Light
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchdata.stateful_dataloader.stateful import Stateful
 
 from lightning_resume import _lightning as lt
-from lightning_resume.errors import ResumeMismatchError
+from lightning_resume.errors import ConfigurationError, ResumeMismatchError
+from lightning_resume.preemption import DEFAULT_SIGNALS, PreemptionFlag
+from lightning_resume.protocols import SnapshotTarget
+from lightning_resume.schedule import ScheduleConfig
+from lightning_resume.scheduling import SnapshotScheduler
 from lightning_resume.state.data import loader_problems, loader_signature
 from lightning_resume.state.fingerprint import digest, fingerprint, fingerprint_mismatches
 from lightning_resume.state.rng import capture_rng, restore_rng, rng_mismatches
 
 FORMAT_VERSION = 1
+SNAPSHOT_PREFIX = "last-snapshot-step="
+Duration = Union[str, float, timedelta]
 NOT_RESTORED_WITHOUT_EXACT_RESUME = (
     "RNG streams (Python, NumPy, torch CPU/CUDA, registered generators), the data position aligned with"
     " the last trained batch, loader worker RNG, validation due at the saved step"
@@ -33,7 +42,8 @@ NOT_RESTORED_WITHOUT_EXACT_RESUME = (
 
 
 class ExactResume(Callback):
-    """Make every checkpoint the trainer writes resumable bit for bit.
+    """Make every checkpoint the trainer writes resumable bit for bit, and take snapshots on the
+    optimal schedule.
 
     Args:
         generators: extra ``torch.Generator`` objects to save and restore, by name
@@ -44,6 +54,22 @@ class ExactResume(Callback):
             approximately and a warning lists what will not be exact.
         fingerprint: record digests of weights, optimizer, RNG and data state in each checkpoint and
             check them after restore. Costs one pass of hashing over the state at each save.
+        mtbf: mean time between failures of one node (``"24h"``, seconds or a ``timedelta``), or
+            ``"observed"`` to estimate it from this run's failure history with ``mtbf_prior`` as the
+            prior. Snapshots are then taken every T* = sqrt(2 C M) (Young; ``formula="daly"`` for
+            Daly's refinement), C being the measured blocking time of a save and M = mtbf / nodes.
+            ``None`` (default) takes no scheduled snapshots; every other checkpoint stays exact.
+        num_nodes: nodes sharing the failure rate (default: the trainer's ``num_nodes``).
+        min_interval, max_interval: bounds on the interval between snapshots.
+        every_n_train_steps_max: take a snapshot at least every this many optimizer steps.
+        mtbf_prior: the prior MTBF for ``mtbf="observed"``.
+        initial_cost: conservative guess of C before the first measurement (the first snapshot
+            comes after ``min_interval`` to measure it).
+        check_interval: longest time between two schedule decisions; also bounds how late a
+            preemption signal is acted on in multi-process runs.
+        preemption_signals: signals that request a snapshot and a clean stop at the next step
+            boundary (the handler only sets a flag). ``None`` or ``[]`` leaves signals alone.
+        clock: monotonic clock in seconds (tests pass a fake one).
     """
 
     def __init__(
@@ -51,10 +77,28 @@ class ExactResume(Callback):
         generators: Optional[dict[str, torch.Generator]] = None,
         strict: bool = True,
         fingerprint: bool = True,
+        mtbf: Optional[Duration] = None,
+        num_nodes: Optional[int] = None,
+        formula: Literal["young", "daly"] = "young",
+        min_interval: Duration = "1min",
+        max_interval: Duration = "6h",
+        every_n_train_steps_max: Optional[int] = None,
+        mtbf_prior: Optional[Duration] = None,
+        initial_cost: Duration = "60s",
+        check_interval: Duration = "10s",
+        preemption_signals: Optional[list[str]] = list(DEFAULT_SIGNALS),
+        clock: Optional[Callable[[], float]] = None,
     ) -> None:
         self.generators: dict[str, torch.Generator] = dict(generators or {})
         self.strict = strict
         self.fingerprint = fingerprint
+        self.scheduler = _make_scheduler(
+            mtbf, num_nodes, formula, min_interval, max_interval, every_n_train_steps_max,
+            mtbf_prior, initial_cost, check_interval, clock,
+        )
+        self._num_nodes = num_nodes
+        self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
+        self.preempted = False
         self._trainer: Optional[pl.Trainer] = None
         self._pending: Optional[dict[str, Any]] = None
         self._phase = "idle"
@@ -72,15 +116,29 @@ class ExactResume(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._warn_about_loaders(trainer)
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
+        pending, self._pending = self._pending, None
+        if pending is not None:
             self._restore(trainer, pl_module, pending)
+        if self.scheduler is not None:
+            self._start_schedule(trainer, pending or {})
+        if self.preemption is not None:
+            self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.scheduler is not None:
+            self.scheduler.clean_stop(trainer.is_global_zero)
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self.preemption is not None:
+            self.preemption.uninstall()
 
     def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
         self._phase = "batch"
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
         self._phase = "batch_end"
+        if (self.scheduler is not None or self.preemption is not None) and lt.at_optimizer_step(trainer):
+            self._scheduled_snapshot(trainer)
 
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._phase = "validation"
@@ -95,6 +153,8 @@ class ExactResume(Callback):
         local = self._capture(trainer)
         return {
             "format": FORMAT_VERSION,
+            "saved_at": time.time(),
+            "schedule": self.scheduler.state_dict() if self.scheduler is not None else {},
             "world_size": trainer.world_size,
             "signature": self._signature(trainer),
             "ranks": _gather(local, trainer.world_size),
@@ -234,6 +294,49 @@ class ExactResume(Callback):
             + "\n".join(f"  - {d}" for d in differences)
         )
 
+    # ----------------------------------------------------------------------------------- schedule
+    def _start_schedule(self, trainer: "pl.Trainer", pending: Mapping[str, Any]) -> None:
+        assert self.scheduler is not None
+        self.scheduler.start(
+            step=trainer.global_step,
+            num_nodes=self._num_nodes or trainer.num_nodes,
+            history_dir=_snapshot_dir(trainer),
+            restored=pending.get("schedule"),
+            checkpoint_wall_time=pending.get("saved_at"),
+            is_rank_zero=trainer.is_global_zero,
+        )
+
+    def _scheduled_snapshot(self, trainer: "pl.Trainer") -> None:
+        """At an optimizer-step boundary: save if the schedule or a preemption signal says so."""
+        local_preempt = self.preemption is not None and self.preemption.requested
+        if self.scheduler is not None:
+            agree = lambda values: _max_over_ranks(trainer, values)  # noqa: E731
+            save, preempt, reason = self.scheduler.decide(trainer.global_step, local_preempt, agree, trainer.is_global_zero)
+        elif trainer.world_size > 1:
+            save, preempt, reason = False, bool(_max_over_ranks(trainer, [int(local_preempt)])[0]), "preemption"
+        else:
+            save, preempt, reason = False, local_preempt, "preemption"
+        if save or preempt:
+            self._snapshot(trainer, "preemption" if preempt else reason)
+        if preempt:
+            self.preempted = True
+            if self.scheduler is not None:
+                self.scheduler.clean_stop(trainer.is_global_zero)
+            trainer.should_stop = True
+            rank_zero_info(f"ExactResume: preemption signal received; snapshot at step {trainer.global_step} is durable; stopping.")
+
+    def _snapshot(self, trainer: "pl.Trainer", reason: str) -> None:
+        started = time.monotonic()
+        path = _save_snapshot(trainer, reason)
+        blocked = time.monotonic() - started
+        if self.scheduler is None or self.scheduler.state is None:
+            return
+        nbytes = os.path.getsize(path) if trainer.is_global_zero and os.path.isfile(path) else None
+        metrics = self.scheduler.record(trainer.global_step, blocked, nbytes)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
     def _warn_about_loaders(self, trainer: "pl.Trainer") -> None:
         for i, loader in enumerate(lt.train_loaders(trainer)):
             for problem in loader_problems(f"train loader {i}", loader):
@@ -247,3 +350,64 @@ def _gather(local: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     out: list[Any] = [None] * world_size
     dist.all_gather_object(out, local)
     return out
+
+
+def _make_scheduler(
+    mtbf: Optional[Duration], num_nodes: Optional[int], formula: str, min_interval: Duration,
+    max_interval: Duration, every_n_train_steps_max: Optional[int], mtbf_prior: Optional[Duration],
+    initial_cost: Duration, check_interval: Duration, clock: Optional[Callable[[], float]],
+) -> Optional[SnapshotScheduler]:
+    if mtbf is None and every_n_train_steps_max is None:
+        return None
+    config = ScheduleConfig.from_user(
+        mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
+        max_interval=max_interval, every_n_train_steps_max=every_n_train_steps_max,
+        initial_cost=initial_cost, mtbf_prior=mtbf_prior, check_interval=check_interval,
+    )
+    return SnapshotScheduler(config, clock or time.monotonic)
+
+
+def _max_over_ranks(trainer: "pl.Trainer", values: list[int]) -> list[int]:
+    """Element-wise max over ranks: rank 0's decision reaches all, any rank's preemption flag counts."""
+    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64, device=trainer.strategy.root_device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+def _snapshot_target(trainer: "pl.Trainer") -> Optional[SnapshotTarget]:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, SnapshotTarget)), None)  # type: ignore[arg-type]
+
+
+def _first_model_checkpoint(trainer: "pl.Trainer") -> Optional[ModelCheckpoint]:
+    return next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+
+def _snapshot_dir(trainer: "pl.Trainer") -> Optional[str]:
+    target = _snapshot_target(trainer) or _first_model_checkpoint(trainer)
+    dirpath = getattr(target, "dirpath", None)
+    return None if dirpath is None else str(dirpath)
+
+
+def _save_snapshot(trainer: "pl.Trainer", reason: str) -> str:
+    """Through the run's RetentionCheckpoint when there is one (a rolling checkpoint), else beside the
+    first ModelCheckpoint's files as ``last-snapshot-step=N.ckpt``, which ``ckpt_path="last"`` finds
+    (model_checkpoint.py:867-877) and its top-k bookkeeping never sees. The previous such snapshot is
+    removed only after the new one is written."""
+    target = _snapshot_target(trainer)
+    if target is not None:
+        return target.save_snapshot(trainer, reason)
+    dirpath = _snapshot_dir(trainer)
+    if dirpath is None:
+        raise ConfigurationError(
+            "ExactResume", ["scheduled snapshots need a checkpoint directory; add a RetentionCheckpoint or ModelCheckpoint"]
+        )
+    path = os.path.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
+    trainer.save_checkpoint(path)
+    if trainer.is_global_zero:
+        for name in os.listdir(dirpath):
+            old = os.path.join(dirpath, name)
+            if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and old != path:
+                trainer.strategy.remove_checkpoint(old)
+    return path

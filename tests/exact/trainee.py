@@ -102,6 +102,8 @@ class Model(pl.LightningModule):
         self.log_file.write(json.dumps(rec) + "\n")
 
     def training_step(self, batch, batch_idx):
+        if self.cfg.get("slow"):
+            time.sleep(self.cfg["slow"])
         loss = nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
         self._log_step(batch, loss)
         return loss

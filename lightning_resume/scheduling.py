@@ -1,0 +1,94 @@
+"""Drive the snapshot schedule from a run: the clock, the failure history, the preemption flag and
+the rank-0 decision that every rank follows.
+
+The decision itself is ``lightning_resume.schedule`` (pure); this module feeds it measurements and
+keeps the run-time state (schedule state, next check step, history file). Ranks agree through one
+small collective per check (``agree``, given by the caller), never per step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable, Optional, Sequence
+
+from lightning_resume import failures
+from lightning_resume.health import save_metrics
+from lightning_resume.schedule import (
+    Decision,
+    MtbfMode,
+    SaveReason,
+    ScheduleConfig,
+    ScheduleState,
+    record_save,
+    schedule_state_dict,
+    should_save,
+    start_schedule,
+)
+
+Agree = Callable[[Sequence[int]], Sequence[int]]
+"""Element-wise max of small integer vectors over all ranks (identity on one process)."""
+
+
+class SnapshotScheduler:
+    """When to take the next snapshot, for one process of a run."""
+
+    def __init__(self, config: ScheduleConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.state: Optional[ScheduleState] = None
+        self.next_check_step = 0
+        self.history_file: Optional[str] = None
+        self.last_durable: Optional[float] = None
+
+    def start(
+        self,
+        step: int,
+        num_nodes: int,
+        history_dir: Optional[str],
+        restored: Optional[dict],
+        checkpoint_wall_time: Optional[float],
+        is_rank_zero: bool,
+    ) -> None:
+        """Begin timing at ``step``; record this start in the failure history (rank 0 writes it)."""
+        config = self.config.with_nodes(num_nodes)
+        mtbf = None
+        if history_dir is not None:
+            self.history_file = failures.history_path(history_dir)
+            history = failures.record_start(failures.load_history(self.history_file), time.time(), checkpoint_wall_time)
+            if is_rank_zero:
+                os.makedirs(history_dir, exist_ok=True)
+                failures.save_history(self.history_file, history)
+            if config.mtbf_mode is MtbfMode.OBSERVED:
+                mtbf = failures.estimate_mtbf(history, config.job_mtbf_s, config.prior_weight, time.time())
+        self.state = start_schedule(config, self.clock(), step, mtbf_s=mtbf, restored=restored)
+        self.next_check_step = step + 1
+
+    def decide(self, step: int, preempt_local: bool, agree: Agree, is_rank_zero: bool) -> tuple[bool, bool, str]:
+        """(save, preempt, reason) at a step boundary; a collective only at check steps."""
+        if self.state is None or step < self.next_check_step:
+            return False, False, SaveReason.NOT_DUE.value
+        decision = should_save(self.state, self.clock(), step) if is_rank_zero else Decision(False, SaveReason.NOT_DUE, 0)
+        save, next_check, preempt = agree([int(decision.save), decision.next_check_step, int(preempt_local)])
+        self.next_check_step = max(int(next_check), step + 1)
+        return bool(save), bool(preempt), decision.reason.value
+
+    def record(self, step: int, blocked_s: float, nbytes: Optional[int]) -> dict[str, float]:
+        """Account a synchronous save that ended now and blocked ``blocked_s``; return its metrics."""
+        assert self.state is not None
+        now = self.clock()
+        self.state = record_save(self.state, now, step, blocked_s, write_s=blocked_s)
+        self.last_durable = now
+        self.next_check_step = step + 1
+        metrics = save_metrics(self.state, now, blocked_s, blocked_s, nbytes, self.last_durable)
+        return {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}
+
+    def clean_stop(self, is_rank_zero: bool) -> None:
+        """Tell the next process of this run that this one stopped on purpose (not a failure)."""
+        if self.history_file is not None and is_rank_zero:
+            history = failures.record_clean_stop(failures.load_history(self.history_file), time.time())
+            failures.save_history(self.history_file, history)
+
+    def state_dict(self) -> dict:
+        return schedule_state_dict(self.state) if self.state is not None else {}

@@ -1,0 +1,154 @@
+"""Whole-file save, load and verify of checkpoints: the mechanism under ``SafetensorsCheckpointIO``.
+
+Save: encode the whole tree first (so an unencodable value fails before any file is touched),
+hash every tensor, then write header and tensor bytes through ``atomic_write``. Load: the content,
+not the extension, decides the format (safetensors if a JSON header follows the 8-byte length,
+anything else goes to the weights-only ``torch.load`` of ``legacy``); local files are memory-mapped
+copy-on-write, so tensors are views of the page cache until Lightning copies them into the model.
+This module knows files and tensors, not Lightning's loops.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Dict, Optional, Tuple
+
+import fsspec
+import torch
+
+from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.io import container, integrity
+from lightning_resume.io.atomic import atomic_write, is_local
+from lightning_resume.io.format import TreeFormatError, decode, encode
+from lightning_resume.io.legacy import load_legacy
+
+TREE_KEY = "lightning_resume.tree"
+INTEGRITY_KEY = "lightning_resume.integrity"
+FORMAT_KEY = "format"
+FORMAT_VALUE = "pt"  # what the safetensors/transformers tooling expects for torch tensors
+
+
+@dataclass
+class Loaded:
+    """A parsed file: the checkpoint tree and, for our format, its header (``None`` for legacy)."""
+
+    checkpoint: Dict[str, Any]
+    header: Optional[container.Header]
+    size: int
+
+
+def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = "sha256") -> None:
+    """Encode ``checkpoint`` and commit it atomically at ``path``."""
+    encoded = encode(checkpoint)
+    tree_json = json.dumps(encoded.tree, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+    entries = container.layout(encoded.tensors)
+    views = {e.name: container.host_bytes(encoded.tensors[e.name]) for e in entries}
+    digests = {name: integrity.digest(algorithm, view) for name, view in views.items()}
+    metadata = {
+        FORMAT_KEY: FORMAT_VALUE,
+        TREE_KEY: tree_json,
+        INTEGRITY_KEY: integrity.make_record(algorithm, tree_json, entries, digests),
+    }
+    header = container.header_bytes(entries, metadata)
+
+    def write(f: BinaryIO) -> None:
+        f.write(header)
+        for e in entries:
+            f.write(views[e.name])
+
+    atomic_write(path, write)
+
+
+def load_file(path: str, verify: bool = True, map_location: Any = None, lenient: bool = False) -> Loaded:
+    """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong."""
+    path = str(path)
+    buf, size = _map(path)
+    if size >= 9 and bytes(buf[8:9]) == b"{":
+        return _load_safetensors(path, buf, size, verify, map_location, lenient)
+    source = _local_path(path) if is_local(path) else io.BytesIO(bytes(buf))
+    return Loaded(load_legacy(path, source, map_location), None, size)
+
+
+def verify_file(path: str) -> None:
+    """Check every checksum and that the whole tree decodes; raise ``CheckpointCorruptError`` if not."""
+    load_file(path, verify=True, lenient=True)
+
+
+def is_safetensors(path: str) -> bool:
+    with fsspec.open(str(path), "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{"
+
+
+def _map(path: str) -> Tuple[Any, int]:
+    """The whole file as a buffer: a private (copy-on-write) memory map locally, bytes remotely."""
+    if not is_local(path):
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        with fs.open(fs_path, "rb") as f:
+            data = bytearray(f.read())
+        return memoryview(data), len(data)
+    with open(_local_path(path), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise CheckpointCorruptError(path, "file is empty", "> 0 bytes", 0)
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), size
+
+
+def _local_path(path: str) -> str:
+    return fsspec.core.url_to_fs(path)[1] if "://" in path else path
+
+
+def _load_safetensors(path: str, buf: Any, size: int, verify: bool, map_location: Any, lenient: bool) -> Loaded:
+    header = container.parse_header(path, memoryview(buf)[: 8 + container.header_length(path, buf[:8], size)], size)
+    for key in (TREE_KEY, INTEGRITY_KEY):
+        if key not in header.metadata:
+            raise CheckpointCorruptError(path, f"not a lightning-resume checkpoint: header metadata lacks '{key}'")
+    record = integrity.parse_record(path, header.metadata[INTEGRITY_KEY])
+    integrity.check_index(path, record, header.entries)
+    tree_json = header.metadata[TREE_KEY]
+    integrity.verify_tree(path, record, tree_json)
+    data = memoryview(buf)[header.data_start :]
+    if verify:
+        ordered = sorted(header.entries.values(), key=lambda e: e.begin)
+        integrity.verify_data(path, record, ordered, data)
+    tensors = {name: _tensor(buf, header.data_start, e, map_location) for name, e in header.entries.items()}
+    return Loaded(_decode_tree(path, tree_json, tensors, lenient), header, size)
+
+
+def _tensor(buf: Any, data_start: int, e: container.Entry, map_location: Any) -> torch.Tensor:
+    dtype = container.DTYPES[e.dtype]
+    start = data_start + e.begin
+    if e.end == e.begin:
+        t = torch.empty(e.shape, dtype=dtype)
+    elif start % dtype.itemsize:  # a hand-made file may misalign; never hand kernels unaligned memory
+        t = torch.frombuffer(buf, dtype=torch.uint8, count=e.end - e.begin, offset=start).clone().view(dtype).reshape(e.shape)
+    else:
+        t = torch.frombuffer(buf, dtype=dtype, count=(e.end - e.begin) // dtype.itemsize, offset=start).reshape(e.shape)
+    device = _device(map_location)
+    return t if device is None else t.to(device)
+
+
+def _device(map_location: Any) -> Optional[torch.device]:
+    """``str``/``int``/``torch.device`` move tensors; ``None``, callables and dicts keep them on CPU."""
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    if isinstance(map_location, int) and not isinstance(map_location, bool):
+        return torch.device("cuda", map_location)
+    return None
+
+
+def _decode_tree(path: str, tree_json: str, tensors: Dict[str, torch.Tensor], lenient: bool) -> Dict[str, Any]:
+    try:
+        tree = decode(json.loads(tree_json), tensors, lenient=lenient)
+    except (ValueError, RecursionError) as err:  # TreeFormatError and json's errors are ValueErrors
+        raise CheckpointCorruptError(path, f"typed JSON tree is malformed: {err}") from err
+    if type(tree) is not dict:
+        raise CheckpointCorruptError(path, "checkpoint root is not a dict", "dict", type(tree).__name__)
+    return tree
+
+
+__all__ = ["Loaded", "TreeFormatError", "is_safetensors", "load_file", "save_file", "verify_file"]

@@ -132,7 +132,7 @@ def _entry(path: str, name: str, spec: Any) -> Entry:
     if type(spec) is not dict or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise CheckpointCorruptError(path, f"{where}: header entry malformed", "{dtype, shape, data_offsets}", _short(spec))
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in DTYPES:
         raise CheckpointCorruptError(path, f"{where}: unknown dtype", sorted(DTYPES), dtype)
     if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise CheckpointCorruptError(path, f"{where}: shape is not a list of non-negative ints", None, _short(shape))

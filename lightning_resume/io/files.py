@@ -14,8 +14,10 @@ import io
 import json
 import mmap
 import os
+import threading
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Dict, Optional, Tuple
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 import fsspec
 import torch
@@ -43,24 +45,64 @@ class Loaded:
 
 def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = "sha256") -> None:
     """Encode ``checkpoint`` and commit it atomically at ``path``."""
-    encoded = encode(checkpoint)
+    encoded = encode(checkpoint)  # fails on an unencodable value before any file exists
     tree_json = json.dumps(encoded.tree, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
     entries = container.layout(encoded.tensors)
     views = {e.name: container.host_bytes(encoded.tensors[e.name]) for e in entries}
-    digests = {name: integrity.digest(algorithm, view) for name, view in views.items()}
-    metadata = {
-        FORMAT_KEY: FORMAT_VALUE,
-        TREE_KEY: tree_json,
-        INTEGRITY_KEY: integrity.make_record(algorithm, tree_json, entries, digests),
-    }
-    header = container.header_bytes(entries, metadata)
+
+    def header(digests: Dict[str, str]) -> bytes:
+        record = integrity.make_record(algorithm, tree_json, entries, digests)
+        return container.header_bytes(entries, {FORMAT_KEY: FORMAT_VALUE, TREE_KEY: tree_json, INTEGRITY_KEY: record})
+
+    def hash_all() -> Dict[str, str]:
+        return {name: integrity.digest(algorithm, view) for name, view in views.items()}
 
     def write(f: BinaryIO) -> None:
-        f.write(header)
-        for e in entries:
-            f.write(views[e.name])
+        if _is_local_file(f):
+            _write_hashing_during_flush(f, header, hash_all, [views[e.name] for e in entries], algorithm)
+        else:
+            f.write(header(hash_all()))
+            for e in entries:
+                f.write(views[e.name])
 
     atomic_write(path, write)
+
+
+def _write_hashing_during_flush(f: BinaryIO, header: Any, hash_all: Any, views: List[memoryview], algorithm: str) -> None:
+    """Hash on a worker thread while this one writes and flushes the data, then patch in the real header.
+
+    Hashing costs about as much as the disk write here; both release the GIL, so overlapping them keeps
+    a save close to raw write speed. Digests are fixed-length hex, so the real header has exactly the
+    placeholder's size. The caller flushes and fsyncs again (now only the header page) before the rename.
+    """
+    result: Dict[str, Any] = {}
+    hasher = threading.Thread(target=lambda: result.update(digests=hash_all()), daemon=True)
+    hasher.start()
+    blank = "0" * len(integrity.digest(algorithm, b""))
+    placeholder = header(defaultdict(lambda: blank))
+    try:
+        f.write(placeholder)
+        for view in views:
+            f.write(view)
+        f.flush()
+        os.fsync(f.fileno())
+    finally:
+        hasher.join()
+    if "digests" not in result:
+        raise RuntimeError("hashing the checkpoint tensors failed; see the worker thread's traceback above")
+    final = header(result["digests"])
+    if len(final) != len(placeholder):
+        raise RuntimeError("internal error: header length changed between placeholder and final header")
+    f.seek(0)
+    f.write(final)
+
+
+def _is_local_file(f: Any) -> bool:
+    try:
+        f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return False
+    return f.seekable()
 
 
 def load_file(path: str, verify: bool = True, map_location: Any = None, lenient: bool = False) -> Loaded:

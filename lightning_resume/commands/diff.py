@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = diff(load_file(args.a, lenient=True).checkpoint, load_file(args.b, lenient=True).checkpoint)
+        result = diff(load_file(args.a, lenient=True, mmap=True).checkpoint, load_file(args.b, lenient=True, mmap=True).checkpoint)
     except (LightningResumeError, OSError) as err:
         print(f"error: {err}")
         return 2

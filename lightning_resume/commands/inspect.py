@@ -20,7 +20,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        info = describe(args.file, load_file(args.file, verify=False, lenient=True))
+        info = describe(args.file, load_file(args.file, verify=False, lenient=True, mmap=True))
     except (LightningResumeError, OSError) as err:
         print(f"error: {err}")
         return 1

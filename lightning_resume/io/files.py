@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import json
-import mmap
+import mmap as mmap_module
 import os
 import threading
 from collections import defaultdict
@@ -105,19 +105,34 @@ def _is_local_file(f: Any) -> bool:
     return f.seekable()
 
 
-def load_file(path: str, verify: bool = True, map_location: Any = None, lenient: bool = False) -> Loaded:
+@dataclass(frozen=True)
+class ReadOptions:
+    """``verify``: hash every tensor. ``map_location``: device for tensors (``None``: CPU).
+    ``lenient``: unknown enum classes/converters decode to plain values (inspection tools).
+    ``mmap``: return copy-on-write views of the file instead of copies (zero-copy, but the file's
+    disk space stays in use while any such tensor lives, e.g. optimizer moments for a whole run)."""
+
+    verify: bool = True
+    map_location: Any = None
+    lenient: bool = False
+    mmap: bool = False
+
+
+def load_file(path: str, verify: bool = True, map_location: Any = None, lenient: bool = False, mmap: bool = False) -> Loaded:
     """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong."""
     path = str(path)
     buf, size = _map(path)
     if size >= 9 and bytes(buf[8:9]) == b"{":
-        return _load_safetensors(path, buf, size, verify, map_location, lenient)
+        return _load_safetensors(path, buf, size, ReadOptions(verify, map_location, lenient, mmap))
+    if not (bytes(buf[:4]) == b"PK\x03\x04" or bytes(buf[:1]) == b"\x80"):
+        raise CheckpointCorruptError(path, "not a checkpoint: neither safetensors nor torch.save (zip or pickle)", None, bytes(buf[:8]))
     source = _local_path(path) if is_local(path) else io.BytesIO(bytes(buf))
     return Loaded(load_legacy(path, source, map_location), None, size)
 
 
 def verify_file(path: str) -> None:
     """Check every checksum and that the whole tree decodes; raise ``CheckpointCorruptError`` if not."""
-    load_file(path, verify=True, lenient=True)
+    load_file(path, verify=True, lenient=True, mmap=True)
 
 
 def is_safetensors(path: str) -> bool:
@@ -137,14 +152,14 @@ def _map(path: str) -> Tuple[Any, int]:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise CheckpointCorruptError(path, "file is empty", "> 0 bytes", 0)
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), size
+        return mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_COPY), size
 
 
 def _local_path(path: str) -> str:
     return fsspec.core.url_to_fs(path)[1] if "://" in path else path
 
 
-def _load_safetensors(path: str, buf: Any, size: int, verify: bool, map_location: Any, lenient: bool) -> Loaded:
+def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Loaded:
     header = container.parse_header(path, memoryview(buf)[: 8 + container.header_length(path, buf[:8], size)], size)
     for key in (TREE_KEY, INTEGRITY_KEY):
         if key not in header.metadata:
@@ -153,15 +168,35 @@ def _load_safetensors(path: str, buf: Any, size: int, verify: bool, map_location
     integrity.check_index(path, record, header.entries)
     tree_json = header.metadata[TREE_KEY]
     integrity.verify_tree(path, record, tree_json)
-    data = memoryview(buf)[header.data_start :]
-    if verify:
-        ordered = sorted(header.entries.values(), key=lambda e: e.begin)
-        integrity.verify_data(path, record, ordered, data)
-    tensors = {name: _tensor(buf, header.data_start, e, map_location) for name, e in header.entries.items()}
-    return Loaded(_decode_tree(path, tree_json, tensors, lenient), header, size)
+    ordered = sorted(header.entries.values(), key=lambda e: e.begin)
+    verify = _Background(integrity.verify_data, path, record, ordered, memoryview(buf)[header.data_start :]) if opts.verify else None
+    tensors = {name: _tensor(buf, header.data_start, e, opts) for name, e in header.entries.items()}
+    if verify is not None:
+        verify.result()  # raises CheckpointCorruptError before anything built from the bytes is returned
+    return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
 
 
-def _tensor(buf: Any, data_start: int, e: container.Entry, map_location: Any) -> torch.Tensor:
+class _Background:
+    """Run ``fn(*args)`` on a thread (hashing releases the GIL, so it overlaps with copying tensors)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any, args: Tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as err:  # handed to the caller's thread by result()
+            self._error = err
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _tensor(buf: Any, data_start: int, e: container.Entry, opts: ReadOptions) -> torch.Tensor:
     dtype = container.DTYPES[e.dtype]
     start = data_start + e.begin
     if e.end == e.begin:
@@ -170,7 +205,8 @@ def _tensor(buf: Any, data_start: int, e: container.Entry, map_location: Any) ->
         t = torch.frombuffer(buf, dtype=torch.uint8, count=e.end - e.begin, offset=start).clone().view(dtype).reshape(e.shape)
     else:
         t = torch.frombuffer(buf, dtype=dtype, count=(e.end - e.begin) // dtype.itemsize, offset=start).reshape(e.shape)
-    device = _device(map_location)
+        t = t if opts.mmap else t.clone()
+    device = _device(opts.map_location)
     return t if device is None else t.to(device)
 
 

@@ -36,6 +36,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
         checksum: digest written into new files: ``"sha256"`` (default), ``"blake2b"`` or ``"crc32"``.
         fallback_to_verified: when a ``last*.ckpt`` file fails verification on load, load the newest
             sibling checkpoint that verifies (with a warning) instead of failing.
+        mmap: load tensors as copy-on-write views of the file instead of copies: no extra memory and
+            no read copy, but the file's disk space stays in use while any loaded tensor lives (the
+            optimizer keeps its loaded moments for the whole run), even after the file is deleted.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         verify: bool = True,
         checksum: Literal["sha256", "blake2b", "crc32"] = "sha256",
         fallback_to_verified: bool = True,
+        mmap: bool = False,
     ) -> None:
         problems = []
         if checksum not in DIGESTS:
@@ -54,6 +58,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self.verify = verify
         self.checksum = checksum
         self.fallback_to_verified = fallback_to_verified
+        self.mmap = mmap
         self._cleaned: Set[str] = set()
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -74,12 +79,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         self._clean_once(path)
         try:
-            return files.load_file(path, verify=self.verify, map_location=map_location).checkpoint
+            return files.load_file(path, verify=self.verify, map_location=map_location, mmap=self.mmap).checkpoint
         except CheckpointCorruptError as err:
             fallback = self._fallback_for(path, err)
             if fallback is None:
                 raise
-            return files.load_file(fallback, verify=False, map_location=map_location).checkpoint
+            return files.load_file(fallback, verify=False, map_location=map_location, mmap=self.mmap).checkpoint
 
     def _fallback_for(self, path: str, err: CheckpointCorruptError) -> Optional[str]:
         if not (self.fallback_to_verified and is_last_name(path)):

@@ -14,6 +14,7 @@ import io
 import json
 import mmap as mmap_module
 import os
+import queue
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -120,14 +121,23 @@ class ReadOptions:
 
 def load_file(path: str, verify: bool = True, map_location: Any = None, lenient: bool = False, mmap: bool = False) -> Loaded:
     """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong."""
-    path = str(path)
+    path, opts = str(path), ReadOptions(verify, map_location, lenient, mmap)
+    if is_local(path) and not mmap:
+        return _load_local_copy(path, opts)
     buf, size = _map(path)
-    if size >= 9 and bytes(buf[8:9]) == b"{":
-        return _load_safetensors(path, buf, size, ReadOptions(verify, map_location, lenient, mmap))
-    if not (bytes(buf[:4]) == b"PK\x03\x04" or bytes(buf[:1]) == b"\x80"):
-        raise CheckpointCorruptError(path, "not a checkpoint: neither safetensors nor torch.save (zip or pickle)", None, bytes(buf[:8]))
+    if _is_safetensors_head(path, bytes(buf[:9])):
+        return _load_safetensors(path, buf, size, opts)
     source = _local_path(path) if is_local(path) else io.BytesIO(bytes(buf))
     return Loaded(load_legacy(path, source, map_location), None, size)
+
+
+def _is_safetensors_head(path: str, head: bytes) -> bool:
+    """Decide the format from the first bytes; refuse what is neither ours nor ``torch.save``'s."""
+    if len(head) == 9 and head[8:9] == b"{":
+        return True
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        return False
+    raise CheckpointCorruptError(path, "not a checkpoint: neither safetensors nor torch.save (zip or pickle)", None, head[:8])
 
 
 def verify_file(path: str) -> None:
@@ -159,8 +169,8 @@ def _local_path(path: str) -> str:
     return fsspec.core.url_to_fs(path)[1] if "://" in path else path
 
 
-def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Loaded:
-    header = container.parse_header(path, memoryview(buf)[: 8 + container.header_length(path, buf[:8], size)], size)
+def _checked_metadata(path: str, header: container.Header) -> Tuple[Dict[str, Any], str]:
+    """The integrity record and tree JSON, after the cheap checks (index matches record, tree digest)."""
     for key in (TREE_KEY, INTEGRITY_KEY):
         if key not in header.metadata:
             raise CheckpointCorruptError(path, f"not a lightning-resume checkpoint: header metadata lacks '{key}'")
@@ -168,8 +178,58 @@ def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Load
     integrity.check_index(path, record, header.entries)
     tree_json = header.metadata[TREE_KEY]
     integrity.verify_tree(path, record, tree_json)
+    return record, tree_json
+
+
+def _load_local_copy(path: str, opts: ReadOptions) -> Loaded:
+    """Read each tensor straight into its own fresh memory (one copy, no page-cache mapping kept)."""
+    with open(_local_path(path), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(9)
+        if not _is_safetensors_head(path, head):
+            return Loaded(load_legacy(path, _local_path(path), opts.map_location), None, size)
+        n = container.header_length(path, head, size)
+        header = container.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
+        record, tree_json = _checked_metadata(path, header)
+        pending: "queue.Queue[Any]" = queue.Queue()
+        verify = _Background(integrity.verify_data, path, record, iter(pending.get, None)) if opts.verify else None
+        tensors = {}
+        try:
+            for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
+                t = torch.empty(e.shape, dtype=container.DTYPES[e.dtype])
+                view = container.host_bytes(t)
+                if len(view):
+                    _read_exact(path, f, len(view), into=view)
+                pending.put((e, view))
+                tensors[e.name] = t
+        finally:
+            pending.put(None)
+        if verify is not None:
+            verify.result()
+    device = _device(opts.map_location)
+    tensors = tensors if device is None else {k: t.to(device) for k, t in tensors.items()}
+    return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
+
+
+def _read_exact(path: str, f: Any, n: int, into: Any = None) -> Any:
+    """Read exactly ``n`` bytes (into ``into`` if given); a short read means the file changed or is truncated."""
+    buf = into if into is not None else bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            raise CheckpointCorruptError(path, "file ended while reading (truncated during the read?)", n, got)
+        got += k
+    return buf
+
+
+def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Loaded:
+    header = container.parse_header(path, memoryview(buf)[: 8 + container.header_length(path, buf[:8], size)], size)
+    record, tree_json = _checked_metadata(path, header)
     ordered = sorted(header.entries.values(), key=lambda e: e.begin)
-    verify = _Background(integrity.verify_data, path, record, ordered, memoryview(buf)[header.data_start :]) if opts.verify else None
+    data = memoryview(buf)[header.data_start :]
+    pairs = [(e, data[e.begin : e.end]) for e in ordered]
+    verify = _Background(integrity.verify_data, path, record, pairs) if opts.verify else None
     tensors = {name: _tensor(buf, header.data_start, e, opts) for name, e in header.entries.items()}
     if verify is not None:
         verify.result()  # raises CheckpointCorruptError before anything built from the bytes is returned

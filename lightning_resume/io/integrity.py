@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from typing import Any, Callable, Dict, Iterable, Literal, Mapping
+from typing import Any, Callable, Dict, Iterable, Literal, Mapping, Tuple
 
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io.container import Entry
@@ -92,12 +92,12 @@ def verify_tree(path: str, record: Mapping[str, Any], tree_json: str) -> None:
         raise CheckpointCorruptError(path, "checksum mismatch in the non-tensor state (typed JSON tree)", record["tree"], actual)
 
 
-def verify_data(path: str, record: Mapping[str, Any], ordered: Iterable[Entry], data: memoryview) -> None:
-    """Hash every tensor's bytes (``data`` is the data section) and the data section's hash list."""
+def verify_data(path: str, record: Mapping[str, Any], pairs: Iterable[Tuple[Entry, Any]]) -> None:
+    """Hash every tensor's bytes (``pairs`` of entry and its bytes, in file order) and the hash list."""
     algorithm, recorded = record["algorithm"], record["tensors"]
     parts = []
-    for e in ordered:
-        actual = digest(algorithm, data[e.begin : e.end])
+    for e, data in pairs:
+        actual = digest(algorithm, data)
         if actual != recorded[e.name][2]:
             raise CheckpointCorruptError(path, f"tensor '{e.name}': checksum mismatch", recorded[e.name][2], actual)
         parts.append(actual)

@@ -1,0 +1,43 @@
+"""``lightning-resume inspect FILE``: what a checkpoint holds, without the model that wrote it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Dict
+
+from lightning_resume.errors import LightningResumeError
+from lightning_resume.io.files import load_file
+from lightning_resume.io.summary import describe
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("inspect", help="show step, epoch, versions, state parts and tensor sizes of a checkpoint")
+    p.add_argument("file", help="checkpoint file (safetensors or legacy torch.save)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        info = describe(args.file, load_file(args.file, verify=False, lenient=True, mmap=True))
+    except (LightningResumeError, OSError) as err:
+        print(f"error: {err}")
+        return 1
+    print(json.dumps(info, indent=2, default=str) if args.json else render(info))
+    return 0
+
+
+def render(info: Dict[str, Any]) -> str:
+    lines = [
+        f"file:     {info['path']} ({info['file_bytes']:,} bytes, {info['format']})",
+        f"epoch:    {info['epoch']}    global_step: {info['global_step']}",
+        f"lightning: {info['pytorch-lightning_version']}",
+        f"keys:     {', '.join(info['top_level_keys'])}",
+    ]
+    for name, keys in info["callbacks"].items():
+        lines.append(f"callback  {name}: {', '.join(keys) or '(empty)'}")
+    lines.append("tensors by group:")
+    for group, g in sorted(info["tensor_groups"].items()):
+        lines.append(f"  {group:<24} {g['tensors']:>6} tensors {g['bytes']:>16,} bytes")
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""Atomic file commit: a file appears under its final name complete and durable, or not at all.
+
+Local paths: write ``.<name>.tmp-<pid>-<8 hex>`` in the same directory, flush and fsync it,
+``os.replace`` it over the final name, then fsync the directory so the rename itself survives a
+power loss. A kill at any instant leaves the previous file (or nothing, before the first save)
+under the final name, plus at worst one temporary that :func:`clean_stale_temporaries` removes
+later. Remote fsspec paths (``s3://``, ``gs://``, ``memory://``...) get the best their filesystem
+offers: the bytes go to a temporary sibling, then ``fs.mv`` renames it. On object stores an upload
+becomes visible only when complete and ``mv`` is a server-side copy plus delete, so readers never see
+a partial object, but there is no directory fsync and no atomic replace of an existing object.
+This module knows files, not tensors or Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from typing import BinaryIO, Callable, List
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def temp_name(final_name: str) -> str:
+    return f".{final_name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def is_local(path: str) -> bool:
+    fs, _ = fsspec.core.url_to_fs(str(path))
+    return isinstance(fs, LocalFileSystem)
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Run ``write(fileobj)`` into a temporary sibling and commit it as ``path``."""
+    path = str(path)
+    if is_local(path):
+        _local_atomic_write(_local(path), write)
+    else:
+        _remote_write_then_move(path, write)
+
+
+def _local(path: str) -> str:
+    return fsspec.core.url_to_fs(path)[1] if "://" in path else path
+
+
+def _local_atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, temp_name(os.path.basename(path)))
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    fsync_directory(directory)
+
+
+def _remote_write_then_move(path: str, write: Callable[[BinaryIO], None]) -> None:
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    parent, name = fs_path.rsplit("/", 1) if "/" in fs_path else ("", fs_path)
+    tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    try:
+        with fs.open(tmp, "wb") as f:
+            write(f)
+        fs.mv(tmp, fs_path)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
+
+
+def fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable (no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def clean_stale_temporaries(directory: str) -> List[str]:
+    """Remove our temporaries in ``directory`` whose writing process is gone; return what was removed.
+
+    Only names matching ``.<name>.tmp-<pid>-<8 hex>`` are considered, and only when ``<pid>`` is not a
+    live process on this host, so a save in flight in another process is never touched.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _TEMP.match(name)
+        if match and not _pid_alive(int(match["pid"])):
+            full = os.path.join(directory, name)
+            if _remove_quietly(full):
+                removed.append(full)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid > 0  # exists but belongs to someone else; out-of-range pids do not exist
+    return True
+
+
+def _remove_quietly(path: str) -> bool:
+    try:
+        os.remove(path)
+        return True
+    except OSError:
+        return False

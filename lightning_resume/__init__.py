@@ -17,6 +17,14 @@ from lightning_resume.errors import (
     ResumeMismatchError,
     UnsafeCheckpointError,
 )
+from lightning_resume.io import (
+    SafetensorsCheckpointIO,
+    SkippedCheckpointWarning,
+    UnencodableValueError,
+    UnknownTypeError,
+    newest_verified,
+    register_converter,
+)
 from lightning_resume.preemption import PreemptionFlag
 from lightning_resume.retention import CheckpointRecord, Decision, RetentionCheckpoint, RetentionPolicy
 from lightning_resume.schedule import (
@@ -47,6 +55,12 @@ __all__ = [
     "ResumableDataset",
     "ResumableIterableDataset",
     "ResumeMismatchError",
+    "SafetensorsCheckpointIO",
+    "SkippedCheckpointWarning",
+    "UnencodableValueError",
+    "UnknownTypeError",
+    "newest_verified",
+    "register_converter",
     "RetentionCheckpoint",
     "RetentionPolicy",
     "ScheduleConfig",

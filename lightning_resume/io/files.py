@@ -44,7 +44,7 @@ class Loaded:
     size: int
 
 
-def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = "sha256") -> None:
+def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = "crc32") -> None:
     """Encode ``checkpoint`` and commit it atomically at ``path``."""
     encoded = encode(checkpoint)  # fails on an unencodable value before any file exists
     tree_json = json.dumps(encoded.tree, separators=(",", ":"), allow_nan=False, ensure_ascii=True)

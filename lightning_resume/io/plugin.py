@@ -33,7 +33,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
     Args:
         verify: check every checksum when loading (on by default; ``False`` skips hashing the tensor
             bytes, the header is still fully validated).
-        checksum: digest written into new files: ``"sha256"`` (default), ``"blake2b"`` or ``"crc32"``.
+        checksum: digest written into new files: ``"crc32"`` (default: fastest, catches accidental damage), ``"sha256"`` or ``"blake2b"``.
         fallback_to_verified: when a ``last*.ckpt`` file fails verification on load, load the newest
             sibling checkpoint that verifies (with a warning) instead of failing.
         mmap: load tensors as copy-on-write views of the file instead of copies: no extra memory and
@@ -44,7 +44,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
     def __init__(
         self,
         verify: bool = True,
-        checksum: Literal["sha256", "blake2b", "crc32"] = "sha256",
+        checksum: Literal["crc32", "sha256", "blake2b"] = "crc32",
         fallback_to_verified: bool = True,
         mmap: bool = False,
     ) -> None:

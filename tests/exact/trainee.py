@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
-from lightning_resume import ExactResume, ResumableDataset  # noqa: E402
+from lightning_resume import ExactResume, ResumableDataset, SafetensorsCheckpointIO  # noqa: E402
 
 DIM = 8
 
@@ -187,7 +187,9 @@ def main(cfg: dict) -> None:
     if cfg.get("pause_before") is not None:
         callbacks.append(PauseBefore(out, cfg["pause_before"]))
     devices = cfg.get("devices", 1)
+    plugins = [SafetensorsCheckpointIO()] if cfg.get("safetensors") else []
     trainer = pl.Trainer(
+        plugins=plugins,
         accelerator="cpu",
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",

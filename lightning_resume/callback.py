@@ -28,7 +28,7 @@ from lightning_resume.preemption import DEFAULT_SIGNALS, PreemptionFlag
 from lightning_resume.protocols import SnapshotTarget
 from lightning_resume.schedule import ScheduleConfig
 from lightning_resume.scheduling import SnapshotScheduler
-from lightning_resume.state.data import loader_problems, loader_signature
+from lightning_resume.state.data import loader_problems, loader_signature, remap_position
 from lightning_resume.state.fingerprint import digest, fingerprint, fingerprint_mismatches
 from lightning_resume.state.rng import capture_rng, restore_rng, rng_mismatches
 
@@ -213,15 +213,33 @@ class ExactResume(Callback):
     # ----------------------------------------------------------------------------------- restore
     def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", saved: dict[str, Any]) -> None:
         differences = self._differences(trainer, saved)
-        mine = saved["ranks"][trainer.global_rank] if trainer.global_rank < len(saved["ranks"]) else None
         if differences:
             self._refuse_or_warn(differences)
-        if mine is None:
-            return
+        mine = self._state_for_this_rank(trainer, saved)
         restored_rng = self._restore_position_and_rng(trainer, mine, saved)
         self.resume_report = {"step": trainer.global_step, "exact": not differences, "differences": differences}
         if self.fingerprint and "fingerprint" in mine:
             self._check_fingerprint(trainer, mine, restored_rng)
+
+    def _state_for_this_rank(self, trainer: "pl.Trainer", saved: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's saved state; on another world size (``strict=False`` only), rank ``r % old``'s RNG
+        and the data position remapped so the epoch's consumed samples are skipped, not retrained."""
+        ranks, old_world = saved["ranks"], int(saved.get("world_size", 1))
+        mine = dict(ranks[trainer.global_rank % len(ranks)])
+        if old_world == trainer.world_size:
+            return mine
+        loaders, notes = [], []
+        for loader, state in zip(lt.train_loaders(trainer), mine["loaders"]):
+            try:
+                state, note = remap_position(state, old_world, trainer.world_size, loader.batch_size)
+                notes.append(note)
+            except (ValueError, TypeError, AttributeError) as err:
+                state = None
+                notes.append(f"data position not restored ({err}); the epoch restarts from its beginning")
+            loaders.append(state)
+        mine.update(loaders=loaders, prefetched=[])
+        rank_zero_warn("ExactResume(strict=False): " + "; ".join(notes))
+        return mine
 
     def _restore_position_and_rng(self, trainer: "pl.Trainer", mine: Mapping[str, Any], saved: Mapping[str, Any]) -> Any:
         """Restore in the order the uninterrupted run consumed randomness; return the RNG as restored."""

@@ -117,3 +117,31 @@ def loader_signature(loader: Any) -> dict[str, Any]:
         "drop_last": getattr(loader, "drop_last", None),
         "dataset_length": length,
     }
+
+
+def remap_position(state: dict[str, Any], old_world: int, new_world: int, batch_size: int) -> tuple[dict[str, Any], str]:
+    """A single-process ``StatefulDataLoader`` + ``StatefulDistributedSampler`` position, moved to another
+    world size so that the samples of the epoch consumed by all old ranks are exactly the ones the new
+    ranks skip (a distributed sampler deals the same permutation out round-robin, so the first
+    ``old_world * yielded`` indices are the consumed ones whatever the world size).
+
+    Returns the new state and a line saying what is not exact. Raises ``ValueError`` for a state it
+    does not recognise (worker snapshots, no sampler counter).
+    """
+    iter_state = state.get("_sampler_iter_state") or {}
+    sampler_state = iter_state.get("sampler_state") or {}
+    if "yielded" not in sampler_state or "samples_yielded" not in iter_state or "_snapshot" in state:
+        raise ValueError("only num_workers=0 loaders with a StatefulDistributedSampler can be remapped")
+    consumed = int(sampler_state["yielded"]) * old_world
+    per_rank, leftover = divmod(consumed, new_world)
+    batches = per_rank // batch_size
+    per_rank = batches * batch_size  # a batch boundary: the next batch starts cleanly
+    repeated = consumed - per_rank * new_world
+    new = dict(state, _num_yielded=batches, _sampler_iter_yielded=batches)
+    new["_sampler_iter_state"] = dict(iter_state, samples_yielded=per_rank, sampler_state=dict(sampler_state, yielded=per_rank))
+    note = (
+        f"data position remapped from {old_world} to {new_world} ranks: {consumed} samples of this epoch were"
+        f" trained; the new ranks skip {per_rank * new_world}"
+        + (f", so {repeated} samples are trained again" if repeated else " (none repeated or skipped)")
+    )
+    return new, note

@@ -126,8 +126,9 @@ class Model(pl.LightningModule):
             return StatefulDataLoader(dataset, **kwargs)
         if cfg.get("num_workers", 0) > 0:
             dataset = ResumableDataset(dataset)
-        if cfg.get("devices", 1) > 1:
-            sampler = StatefulDistributedSampler(dataset, shuffle=shuffle, seed=7)
+        if cfg.get("devices", 1) > 1 or cfg.get("distributed_sampler"):
+            world, rank = self.trainer.world_size, self.trainer.global_rank
+            sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=7)
             return StatefulDataLoader(dataset, sampler=sampler, **kwargs)
         return StatefulDataLoader(dataset, shuffle=shuffle, **kwargs)
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping, Optional
 
+from lightning_resume.io.atomic import atomic_write
+
 HISTORY_FILENAME = "resume_history.json"
 FORMAT_VERSION = 1
 
@@ -187,34 +189,12 @@ def load_history(path: str) -> FailureHistory:
 def save_history(path: str, history: FailureHistory) -> bool:
     """Write atomically (temp file, fsync, ``os.replace``, directory fsync). Returns ``False`` and
     warns on an OS error (disk full, permissions): losing the history must not stop training."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    data = json.dumps(history_to_json(history), indent=1, sort_keys=True).encode("utf-8")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(history_to_json(history), f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        atomic_write(path, lambda f: f.write(data))
         return True
     except OSError as err:
         warnings.warn(f"{path}: could not write the resume history ({err}); training continues without it.",
                       HistoryWarning, stacklevel=2)
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
         return False
 
-
-def _fsync_dir(dirpath: str) -> None:
-    """Make the rename durable; some filesystems refuse to open a directory, which is harmless here."""
-    try:
-        fd = os.open(dirpath, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -9,7 +9,6 @@ small collective per check (``agree``, given by the caller), never per step.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Callable, Optional, Sequence
 
@@ -58,7 +57,6 @@ class SnapshotScheduler:
             self.history_file = failures.history_path(history_dir)
             history = failures.record_start(failures.load_history(self.history_file), time.time(), checkpoint_wall_time)
             if is_rank_zero:
-                os.makedirs(history_dir, exist_ok=True)
                 failures.save_history(self.history_file, history)
             if config.mtbf_mode is MtbfMode.OBSERVED:
                 mtbf = failures.estimate_mtbf(history, config.job_mtbf_s, config.prior_weight, time.time())

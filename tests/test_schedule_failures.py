@@ -97,8 +97,9 @@ def test_corrupt_history_warns_and_starts_fresh(tmp_path, content):
 
 def test_missing_file_is_a_fresh_history_and_a_write_error_only_warns(tmp_path):
     assert load_history(str(tmp_path / "nope.json")) == FailureHistory()
+    (tmp_path / "a_file").write_text("not a directory")
     with pytest.warns(HistoryWarning, match="could not write"):
-        assert not save_history(str(tmp_path / "no_such_dir" / "resume_history.json"), FailureHistory(run_start=1.0))
+        assert not save_history(str(tmp_path / "a_file" / "resume_history.json"), FailureHistory(run_start=1.0))
 
 
 def test_fresh_run_discards_an_old_history():

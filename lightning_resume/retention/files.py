@@ -14,6 +14,7 @@ import zipfile
 from typing import Any, NamedTuple, Optional
 
 from lightning_resume.errors import LightningResumeError
+from lightning_resume.io.atomic import fsync_directory
 from lightning_resume.protocols import VerifyingCheckpointIO
 
 STEP_DIGITS = 9
@@ -86,11 +87,7 @@ def fsync_file_and_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 def read_checkpoint_callback_state(path: str, state_key: Optional[str] = None) -> Optional[dict]:

@@ -62,17 +62,8 @@ def kill(proc: subprocess.Popen) -> None:
 
 def run_until_paused(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -> None:
     """Start a run that blocks at ``cfg['pause_before']``, then SIGKILL it from outside."""
-    proc = _start(cfg, workdir)
     marker = Path(cfg["out"]) / "paused"
-    deadline = time.monotonic() + timeout
-    while not marker.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended before pausing ({proc.returncode}):\n{_output(cfg)}")
-        if time.monotonic() > deadline:
-            kill(proc)
-            raise AssertionError(f"run did not pause in time:\n{_output(cfg)}")
-        time.sleep(0.05)
-    kill(proc)
+    run_and_kill_when(cfg, workdir, marker.exists, timeout)
 
 
 def run_and_kill_when(cfg: dict[str, Any], workdir: Path, ready, timeout: float = 240) -> None:

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.exact import harness as h
 
@@ -71,3 +72,18 @@ def test_demo_proves_its_claims() -> None:
     assert "ExactResume : 20/20 steps after the resume identical" in proc.stdout
     assert "weights only: 0/20 steps identical" in proc.stdout
     assert "PROOF HOLDS" in proc.stdout
+
+
+def test_fingerprint_catches_state_that_was_not_restored_as_saved(killed: Path, tmp_path: Path) -> None:
+    """A checkpoint whose weights were changed after the fingerprint was taken is refused."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(killed / "ckpt", ckpt)
+    state = torch.load(ckpt / "last.ckpt", weights_only=True)
+    name = next(iter(state["state_dict"]))
+    state["state_dict"][name] = state["state_dict"][name] + 1e-3
+    torch.save(state, ckpt / "last.ckpt")
+    cfg = dict(BASE, out=str(tmp_path / "C"), ckpt_dir=str(ckpt), resume="last")
+    proc = h._start(cfg, tmp_path)
+    assert proc.wait(timeout=240) != 0
+    out = h._output(cfg)
+    assert "fingerprint after restore: weights" in out and "optimizer" not in out.split("fingerprint after restore")[1][:200]

@@ -4,6 +4,7 @@ bitwise-exact resume."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -158,3 +159,65 @@ def test_sigterm_gives_durable_snapshot_clean_exit_and_exact_resume(tmp_path: Pa
     c = dict(cfg, out=str(tmp_path / "C"), ckpt_dir=b["ckpt_dir"], resume="last")
     h.run(c, tmp_path)
     h.assert_exact_resume(a["out"], c["out"], resumed_after=saved_step)
+
+
+class Recorder(pl.loggers.Logger):
+    """A logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
+def test_each_snapshot_logs_its_health_metrics(tmp_path: Path) -> None:
+    clock, recorder = StepClock(), Recorder()
+    target = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=0)
+    trainer = pl.Trainer(
+        max_steps=9, accelerator="cpu", logger=recorder, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[clock, ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock), target],
+        limit_val_batches=0, log_every_n_steps=1000,
+    )
+    trainer.fit(Model({"out": str(tmp_path), "n": 200, "batch_size": 4}))
+    rows = [(s, m) for s, m in recorder.rows if "ckpt/blocked_s" in m]
+    assert [s for s, _ in rows] == [3, 6, 9]
+    metrics = rows[-1][1]
+    assert metrics["ckpt/interval_s"] == 30.0 and metrics["ckpt/mtbf_s"] == 3600.0
+    assert metrics["ckpt/bytes"] == os.path.getsize(tmp_path / "ckpt" / "last-snapshot-step=000000009.ckpt")
+    assert 0 < metrics["ckpt/blocked_s"] < 60 and 0 < metrics["ckpt/expected_waste"] < 1
+    assert metrics["ckpt/cost_s"] > 0 and metrics["ckpt/write_MBps"] > 0
+
+
+def test_observed_mtbf_learns_from_restarts(tmp_path: Path) -> None:
+    """Each resume appends to resume_history.json; mtbf="observed" turns failures into a shorter M."""
+    from lightning_resume.failures import history_path, load_history
+
+    ckpt = tmp_path / "ckpt"
+    for run, steps in enumerate((6, 12, 18)):
+        clock = StepClock()
+        exact = ExactResume(mtbf="observed", mtbf_prior="1000h", every_n_train_steps_max=3, clock=clock)
+        trainer = pl.Trainer(
+            max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0,
+            callbacks=[clock, exact, ModelCheckpoint(dirpath=str(ckpt), save_top_k=0)],
+        )
+        if run:  # the previous "process" died: its clean stop is not in the history
+            path = Path(history_path(str(ckpt)))
+            path.write_text(json.dumps(dict(json.loads(path.read_text()), clean_stop_time=None)))
+        trainer.fit(Model({"out": str(tmp_path), "n": 200, "batch_size": 4}), ckpt_path="last" if run else None)
+    history = load_history(history_path(str(ckpt)))
+    assert len(history.events) == 2 and len(history.failures) == 2
+    assert exact.scheduler.state.mtbf_s < 1000 * 3600 / 2  # two failures in seconds of uptime: M far below the prior

@@ -32,6 +32,9 @@ CASES = {
     "iterable_without_len": ({"iterable": True}, 7, 6),
     "safetensors_io_iterable": ({"iterable": True, "safetensors": True, "scheduler": True}, 7, 6),
     "safetensors_io_workers2_validation": ({"num_workers": 2, "val_check_interval": 3, "safetensors": True}, 7, 6),
+    "scheduled_snapshots_through_retention": (
+        {"retention": {"keep_last": 2}, "exact_args": {"every_n_train_steps_max": 3}, "safetensors": True}, 7, 6
+    ),
     "workers2_accumulate_validation_epoch_end": (
         {"num_workers": 2, "accumulate": 3, "val_check_interval": 3, "ckpt": {**EVERY_3, "every_n_train_steps": 1}},
         11,

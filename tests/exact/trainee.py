@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
-from lightning_resume import ExactResume, ResumableDataset, SafetensorsCheckpointIO  # noqa: E402
+from lightning_resume import ExactResume, ResumableDataset, RetentionCheckpoint, SafetensorsCheckpointIO  # noqa: E402
 
 DIM = 8
 
@@ -180,9 +180,12 @@ def main(cfg: dict) -> None:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(cfg.get("seed", 0), workers=True)
-    callbacks = [ModelCheckpoint(dirpath=cfg["ckpt_dir"], **cfg.get("ckpt", {}))]
+    if cfg.get("retention") is not None:
+        callbacks = [RetentionCheckpoint(dirpath=cfg["ckpt_dir"], **cfg["retention"])]
+    else:
+        callbacks = [ModelCheckpoint(dirpath=cfg["ckpt_dir"], **cfg.get("ckpt", {}))]
     if cfg.get("exact", True):
-        callbacks.insert(0, ExactResume(strict=cfg.get("strict", True)))
+        callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **cfg.get("exact_args", {})))
     if cfg.get("debug_rng"):
         callbacks.append(DebugRng())
     if cfg.get("pause_before") is not None:

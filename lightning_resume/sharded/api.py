@@ -9,18 +9,20 @@ with or without an initialised process group (one process: ``no_dist``). No Ligh
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
-from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.meta import read_meta, write_meta
-from lightning_resume.sharded.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
+from lightning_resume.sharded.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_metadata
 
 DCP_METADATA = ".metadata"
 
@@ -40,6 +42,18 @@ class _RecordingWriter(FileSystemWriter):
 
 class _SafeFullLoadPlanner(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
     """Rebuilds the whole state from the metadata (DCP's private empty-state planner), pickle-restricted."""
+
+
+@contextlib.contextmanager
+def _domain_errors() -> Iterator[None]:
+    """DCP wraps every rank's exception in a ``CheckpointException``; surface ours unwrapped."""
+    try:
+        yield
+    except CheckpointException as err:
+        for exc, _trace in err.failures.values():
+            if isinstance(exc, LightningResumeError):
+                raise exc from err
+        raise
 
 
 def _distributed() -> bool:
@@ -129,8 +143,10 @@ def load_sharded(state_template: Dict[str, Any], directory: str, digests: bool =
     """
     directory = os.path.abspath(directory)
     record = _verified_everywhere(directory, digests)
-    dcp.load(state_template, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(),
-             no_dist=not _distributed())
+    load_metadata(os.path.join(directory, DCP_METADATA))  # refuse a hostile file here, with its own error
+    with _domain_errors():
+        dcp.load(state_template, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(),
+                 no_dist=not _distributed())
     return record
 
 
@@ -148,8 +164,11 @@ def load_full(directory: str, digests: bool = True) -> Dict[str, Any]:
     # dcp_to_torch_save does (format_utils.py:224).
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    load_metadata(os.path.join(directory, DCP_METADATA))
     state: Dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=SafeFileSystemReader(directory), planner=_SafeFullLoadPlanner(), no_dist=True)
+    with _domain_errors():
+        _load_state_dict(state, storage_reader=SafeFileSystemReader(directory), planner=_SafeFullLoadPlanner(),
+                         no_dist=True)
     return state
 
 

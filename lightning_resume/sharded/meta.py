@@ -50,11 +50,9 @@ def _encode(value: Any, key: str, tensors: Dict[str, torch.Tensor]) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else {"float": repr(value)}
     if isinstance(value, torch.Tensor):
-        tensors[str(len(tensors))] = value.detach().cpu().contiguous().clone()
-        return {"tensor": str(len(tensors) - 1)}
+        return {"tensor": _put(tensors, key, value.detach().cpu().contiguous().clone())}
     if isinstance(value, np.ndarray):
-        tensors[str(len(tensors))] = torch.from_numpy(np.ascontiguousarray(value).copy())
-        return {"ndarray": str(len(tensors) - 1)}
+        return {"ndarray": _put(tensors, key, torch.from_numpy(np.ascontiguousarray(value).copy()))}
     if isinstance(value, np.generic):
         return {"npscalar": value.dtype.str, "value": _encode(value.item(), key, tensors)}
     if isinstance(value, (list, tuple)):
@@ -63,6 +61,16 @@ def _encode(value: Any, key: str, tensors: Dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         return {"dict": [[_encode(k, f"{key}<key>", tensors), _encode(v, f"{key}.{k}", tensors)] for k, v in value.items()]}
     raise UnencodableStateError(key.lstrip(".") or "<root>", value)
+
+
+def _put(tensors: Dict[str, torch.Tensor], key: str, tensor: torch.Tensor) -> str:
+    """Store under the value's path (``state_dict.net.0.weight``), made unique if two paths print alike."""
+    name = key.lstrip(".") or "<root>"
+    unique, n = name, 1
+    while unique in tensors:
+        unique, n = f"{name}#{n}", n + 1
+    tensors[unique] = tensor
+    return unique
 
 
 def decode(encoded: Any, tensors: Dict[str, torch.Tensor]) -> Any:

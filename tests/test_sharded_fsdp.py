@@ -1,0 +1,87 @@
+"""FSDP2 (``fully_shard``) on 2 CPU processes over gloo: SIGKILL mid-save, resume bitwise, reshard on 1 and 4.
+
+Lightning's ``FSDPStrategy`` refuses CPU, so this is raw FSDP2 + our DCP commit protocol
+(tests/sharded_job.py); the Lightning path is ``ModelParallelStrategy`` (test_sharded_lightning.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.sharded import load_full, newest_committed, verify_sharded
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def job(out: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "tests/sharded_job.py", str(out), *flags], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def run(out: Path, *flags: str, timeout: float = 120) -> dict:
+    proc = job(out, *flags)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, output[-3000:]
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    return out, run(out)
+
+
+def kill_while_committing(out: Path, step: int) -> None:
+    proc = job(out, "--stall-at", str(step))
+    deadline = time.monotonic() + 120
+    while not (out / "stalled").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "job ended before the stall"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)  # every rank, mid-save: shards written, marker not yet
+    proc.wait(timeout=30)
+
+
+def test_sigkill_during_a_save_then_resume_in_fresh_processes_is_bitwise(tmp_path, uninterrupted):
+    _, expected = uninterrupted
+    kill_while_committing(tmp_path, step=4)
+    root = tmp_path / "ckpt"
+    with pytest.raises(CheckpointCorruptError, match="no COMMITTED"):
+        verify_sharded(str(root / "step-0004"))
+    assert (root / "step-0004" / "__1_0.distcp").exists()  # the shards were there, only the commit was missing
+    assert newest_committed(str(root)) == str(root / "step-0002")
+
+    resumed = run(tmp_path, "--resume")
+    assert_bitwise(expected["model"], resumed["model"])
+    assert all(torch.equal(a, b) for a, b in zip(expected["losses"][2:], resumed["losses"]))
+    assert torch.equal(expected["optim"]["state"]["0.weight"]["exp_avg_sq"], resumed["optim"]["state"]["0.weight"]["exp_avg_sq"])
+    assert verify_sharded(str(root / "step-0004")).world_size == 2  # the stale dir was cleaned and rewritten
+
+
+def test_save_on_two_load_on_one_and_four_gives_the_same_full_weights(tmp_path, uninterrupted):
+    out, expected = uninterrupted
+    last = newest_committed(str(out / "ckpt"))
+    assert last.endswith("step-0006")
+    on_one = load_full(last)["model"]  # one process, no process group: DCP reshards to full tensors
+    assert_bitwise(expected["model"], on_one)
+    on_four = run(tmp_path, "--world", "4", "--load-only", last)
+    assert_bitwise(expected["model"], on_four["model"])

@@ -1,0 +1,55 @@
+"""Lightning ``ModelParallelStrategy`` (FSDP2) on 2 CPU processes: committed pickle-free DCP dirs, exact resume."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_resume.sharded import load_full, load_meta, newest_committed, verify_sharded
+from lightning_resume.sharded.strategy import ShardedCheckpointIO
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def fit(out: Path, ckpt: str | None = None) -> dict:
+    cmd = [sys.executable, "tests/sharded_lightning_job.py", str(out)] + ([ckpt] if ckpt else [])
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def test_trainer_checkpoints_are_committed_dcp_dirs_and_fit_resumes_bitwise(tmp_path):
+    full = fit(tmp_path / "full")
+    root = tmp_path / "full" / "ckpt"
+    names = sorted(os.listdir(root))
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
+    for name in names:
+        record = verify_sharded(str(root / name))
+        assert record.world_size == 2 and f"step={record.step}" in name
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json"} <= set(record.files)
+        assert "meta.pt" not in os.listdir(root / name)  # no pickle for the non-sharded part
+    ShardedCheckpointIO().verify_checkpoint(str(root / names[0]))
+    meta = load_meta(str(root / names[0]))
+    assert meta["global_step"] == 2 and any(k.startswith("ExactResume") for k in meta["callbacks"])
+    assert newest_committed(str(root)) == str(root / names[-1])
+
+    resumed = fit(tmp_path / "resumed", str(root / names[0]))  # fresh processes
+    assert len(resumed["losses"]) == 4 and torch.equal(torch.stack(full["losses"][2:]), torch.stack(resumed["losses"]))
+    assert all(torch.equal(full["model"][k], resumed["model"][k]) for k in full["model"])
+    consolidated = load_full(str(root / names[-1]))["state_dict"]
+    assert all(torch.equal(full["model"][k], consolidated[k]) for k in full["model"])
+
+
+def test_removing_a_checkpoint_uncommits_it_first(tmp_path):
+    from lightning_resume.sharded import save_sharded
+
+    directory = save_sharded({"w": torch.ones(2)}, str(tmp_path / "a.ckpt"), step=1)
+    ShardedCheckpointIO().remove_checkpoint(directory)
+    assert not os.path.exists(directory)

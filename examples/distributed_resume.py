@@ -62,13 +62,15 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="auto", devices=args.devices, max_steps=args.steps,
         strategy=ShardedModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
-        callbacks=[ExactResume(fingerprint=False),
+        callbacks=[ExactResume(),
                    ModelCheckpoint(dirpath=args.root, filename="{step:06d}", every_n_train_steps=8, save_top_k=-1)],
         logger=False, enable_progress_bar=False,
     )
     # newest *committed and verified* directory, or None (fresh start). Each rank computes it; the
     # strategy then broadcasts rank 0's path.
     trainer.fit(Regressor(), ckpt_path=newest_committed(args.root))
+    if torch.distributed.is_initialized():  # close gloo before exit: its threads otherwise may abort the process
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def main(out: str, ckpt: str | None) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=ShardedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ExactResume(fingerprint=False),  # its fingerprint cannot hash DTensors yet
+        callbacks=[ExactResume(),
                     ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=2, save_top_k=-1)],
         default_root_dir=out,
     )
@@ -65,6 +65,10 @@ def main(out: str, ckpt: str | None) -> None:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
         torch.save({"model": full, "losses": model.losses}, os.path.join(out, "final.pt"))
+    # Close gloo before interpreter exit: its threads otherwise abort the process now and then.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

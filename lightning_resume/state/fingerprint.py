@@ -15,9 +15,11 @@ import torch
 
 def _feed(h: "hashlib._Hash", obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().to("cpu").contiguous().reshape(-1)
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
+        t = local.detach().to("cpu").contiguous().reshape(-1)
         h.update(f"T{t.dtype}{tuple(obj.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).numpy()))
     elif isinstance(obj, Mapping):
         h.update(b"{")
         for key in sorted(obj, key=repr):

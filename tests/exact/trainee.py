@@ -224,6 +224,8 @@ def main(cfg: dict) -> None:
             "epoch": trainer.current_epoch,
         }
         torch.save(final, out / "final.pt")
+    if torch.distributed.is_initialized():  # close gloo before exit: its threads may otherwise abort the process
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

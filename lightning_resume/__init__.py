@@ -27,6 +27,14 @@ from lightning_resume.io import (
 )
 from lightning_resume.preemption import PreemptionFlag
 from lightning_resume.retention import CheckpointRecord, Decision, RetentionCheckpoint, RetentionPolicy
+from lightning_resume.sharded import (
+    load_full,
+    load_sharded,
+    newest_committed,
+    save_sharded,
+    verify_sharded,
+)
+from lightning_resume.sharded.strategy import ShardedCheckpointIO, ShardedModelParallelStrategy
 from lightning_resume.schedule import (
     Formula,
     ScheduleConfig,
@@ -61,12 +69,19 @@ __all__ = [
     "UnknownTypeError",
     "newest_verified",
     "register_converter",
+    "save_sharded",
+    "verify_sharded",
     "RetentionCheckpoint",
     "RetentionPolicy",
     "ScheduleConfig",
+    "ShardedCheckpointIO",
+    "ShardedModelParallelStrategy",
     "UnsafeCheckpointError",
     "daly_interval",
     "expected_waste",
+    "load_full",
+    "load_sharded",
+    "newest_committed",
     "plan_checkpointing",
     "young_interval",
 ]

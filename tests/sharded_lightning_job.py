@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from lightning_resume import ExactResume
+from lightning_resume import ExactResume, RetentionCheckpoint
 from lightning_resume.sharded.strategy import ShardedModelParallelStrategy
 
 
@@ -50,15 +50,17 @@ class Tiny(L.LightningModule):
         return StatefulDataLoader(data, batch_size=4, shuffle=False)
 
 
-def main(out: str, ckpt: str | None) -> None:
+def main(out: str, ckpt: str | None, retention: bool = False) -> None:
     torch.set_num_threads(1)
     L.seed_everything(7)
     model = Tiny()
+    ckpt_dir = os.path.join(out, "ckpt")
+    saver = (RetentionCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, keep_last=2) if retention
+             else ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=ShardedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ExactResume(),
-                    ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=2, save_top_k=-1)],
+        callbacks=[ExactResume(), saver],
         default_root_dir=out,
     )
     trainer.fit(model, ckpt_path=ckpt)
@@ -72,4 +74,5 @@ def main(out: str, ckpt: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    args = [a for a in sys.argv[1:] if a != "--retention"]
+    main(args[0], args[1] if len(args) > 1 else None, retention="--retention" in sys.argv)

@@ -18,8 +18,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWAR
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def fit(out: Path, ckpt: str | None = None) -> dict:
-    cmd = [sys.executable, "tests/sharded_lightning_job.py", str(out)] + ([ckpt] if ckpt else [])
+def fit(out: Path, ckpt: str | None = None, *flags: str) -> dict:
+    cmd = [sys.executable, "tests/sharded_lightning_job.py", str(out)] + ([ckpt] if ckpt else []) + list(flags)
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out / "final.pt", weights_only=True)
@@ -53,3 +53,15 @@ def test_removing_a_checkpoint_uncommits_it_first(tmp_path):
     directory = save_sharded({"w": torch.ones(2)}, str(tmp_path / "a.ckpt"), step=1)
     ShardedCheckpointIO().remove_checkpoint(directory)
     assert not os.path.exists(directory)
+
+
+def test_retention_prunes_sharded_directories_and_last_finds_the_newest(tmp_path):
+    """RetentionCheckpoint keeps the 2 newest committed directories, and "last" resumes the newest."""
+    full = fit(tmp_path / "full", None, "--retention")
+    root = tmp_path / "full" / "ckpt"
+    assert sorted(n for n in os.listdir(root) if n.endswith(".ckpt")) == ["step=000000004.ckpt", "step=000000006.ckpt"]
+    os.remove(root / "step=000000006.ckpt" / "COMMITTED")  # as if killed before its commit: not "last"
+    resumed = fit(tmp_path / "full", "last", "--retention")
+    assert len(resumed["losses"]) == 2  # resumed at step 4, trained 5 and 6
+    assert torch.equal(torch.stack(full["losses"][4:]), torch.stack(resumed["losses"]))
+    assert all(torch.equal(full["model"][k], resumed["model"][k]) for k in full["model"])

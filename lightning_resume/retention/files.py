@@ -40,13 +40,14 @@ class FileEntry(NamedTuple):
 
 
 def list_checkpoint_files(dirpath: str, extension: str = ".ckpt") -> list:
-    """Regular files in ``dirpath`` ending in ``extension``, oldest modification first."""
+    """Checkpoints in ``dirpath`` ending in ``extension``: files, and directories (sharded checkpoints
+    written through torch.distributed.checkpoint), oldest modification first."""
     if not os.path.isdir(dirpath):
         return []
     entries = []
     for name in os.listdir(dirpath):
         path = os.path.join(dirpath, name)
-        if name.endswith(extension) and os.path.isfile(path):
+        if name.endswith(extension) and (os.path.isfile(path) or os.path.isdir(path)):
             entries.append(FileEntry(os.path.normpath(path), os.path.getmtime(path)))
     return sorted(entries, key=lambda e: (e.mtime, e.path))
 
@@ -64,7 +65,19 @@ def verify_problem(path: str, checkpoint_io: Any = None) -> Optional[str]:
         except LightningResumeError as err:
             return str(err)
         return None
+    if os.path.isdir(path):
+        return _sharded_problem(path)
     return _zip_problem(path)
+
+
+def _sharded_problem(path: str) -> Optional[str]:
+    from lightning_resume.sharded import verify_sharded  # DCP is imported only for sharded runs
+
+    try:
+        verify_sharded(path)
+    except LightningResumeError as err:
+        return str(err)
+    return None
 
 
 def _zip_problem(path: str) -> Optional[str]:

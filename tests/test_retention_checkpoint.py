@@ -144,7 +144,7 @@ def test_last_skips_corrupt_newest_files(tmp_path):
     messages = " ".join(str(w.message) for w in warned)
     assert str(newest) in messages and str(second) in messages
     assert trainer.ckpt_path == str(tmp_path / rolling_name(4))
-    # the corrupt files failed verification at reconciliation and were pruned; training from 4 rewrote 6 and 8
+    # the corrupt files were kept (never deleted on failed verification); training from 4 rewrote 6 and 8
     assert listing(tmp_path) == [rolling_name(s) for s in (4, 6, 8, 10)]
     assert all(verify_problem(str(tmp_path / rolling_name(s))) is None for s in (6, 8))
 

@@ -76,11 +76,19 @@ def test_at_most_the_rules_plus_protected_remain(policy, history, data):
         return
     resume = data.draw(st.sampled_from([None] + [r.path for r in history]))
     kept = kept_paths(policy.decide(history, resume))
-    protected = {r.path for r in history if r.in_flight or not r.owned} | {resume} - {None}
+    protected = {r.path for r in history if r.in_flight or not r.owned or not r.verified} | {resume} - {None}
     newest = newest_verified(history)
     protected |= {newest.path} if newest else set()
     bound = (policy.keep_last or 0) + (policy.keep_best or 0) + len(policy.anchors(history)) + len(protected)
     assert len(kept) <= bound
+
+
+@settings(max_examples=200, deadline=None)
+@given(policies, histories())
+def test_a_file_that_does_not_verify_is_never_deleted(policy, history):
+    """It may be damaged or of a format this version cannot read: a person decides, not the policy."""
+    unverified = {r.path for r in history if not r.verified}
+    assert unverified <= kept_paths(policy.decide(history))
 
 
 @settings(max_examples=200, deadline=None)
@@ -129,8 +137,9 @@ def test_nan_and_none_are_never_best_and_mode_max():
 def test_corrupt_newest_is_not_the_newest_verified():
     history = [rec(1), rec(2), rec(3, verified=False)]
     decisions = {d.record.step: d for d in RetentionPolicy(keep_last=1).decide(history)}
-    assert decisions[2].keep and not decisions[3].keep
-    assert decisions[3].reasons == ("delete: failed verification",)
+    assert decisions[2].keep and "protected: newest verified checkpoint" in decisions[2].reasons
+    assert not decisions[1].keep  # the rolling rule counts only verified files
+    assert decisions[3].keep and decisions[3].reasons == ("protected: does not verify (kept for inspection; delete it by hand)",)
 
 
 def test_time_anchors_use_a_fixed_grid():

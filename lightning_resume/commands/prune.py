@@ -50,8 +50,18 @@ def run(args: argparse.Namespace) -> int:
     if not args.dry_run:
         for decision in decisions:
             if not decision.keep:
-                os.remove(decision.record.path)
+                _remove(decision.record.path)
     return 0
+
+
+def _remove(path: str) -> None:
+    """A file, or a sharded checkpoint directory (its commit marker first, so it is never half "last")."""
+    if os.path.isdir(path):
+        from lightning_resume.sharded.strategy import ShardedCheckpointIO
+
+        ShardedCheckpointIO().remove_checkpoint(path)
+    else:
+        os.remove(path)
 
 
 def _policy(args: argparse.Namespace) -> RetentionPolicy:

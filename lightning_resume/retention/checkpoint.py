@@ -192,8 +192,10 @@ class RetentionCheckpoint(ModelCheckpoint):
                 continue  # not our naming: never ours to delete, not ours to track
             known = self._records.get(path) or self._record_from_file(path, step, entry.mtime)
             if known.in_flight or path not in self._records:
-                ok = path == self._resume_source or files.verify_problem(path, io) is None
-                known = replace(known, in_flight=False, verified=ok, owned=True)
+                problem = None if path == self._resume_source else files.verify_problem(path, io)
+                if problem is not None:
+                    rank_zero_warn(f"RetentionCheckpoint: {path} does not verify ({problem}); it is kept, not counted.")
+                known = replace(known, in_flight=False, verified=problem is None, owned=True)
             records.append(known)
         return records
 

@@ -14,6 +14,7 @@ import zipfile
 from typing import Any, NamedTuple, Optional
 
 from lightning_resume.errors import LightningResumeError
+from lightning_resume.io import files as io_files
 from lightning_resume.io.atomic import fsync_directory
 from lightning_resume.protocols import VerifyingCheckpointIO
 
@@ -53,30 +54,36 @@ def list_checkpoint_files(dirpath: str, extension: str = ".ckpt") -> list:
 
 
 def verify_problem(path: str, checkpoint_io: Any = None) -> Optional[str]:
-    """``None`` if ``path`` verifies, else what is wrong with it.
-
-    Uses the run's ``CheckpointIO`` when it can verify (``VerifyingCheckpointIO``); otherwise checks
-    torch's zip container: a truncated file has no central directory, and ``testzip`` re-reads every
-    record against the CRC-32 that ``torch.save`` writes (``torch.serialization.get_crc32_options``).
+    """``None`` if ``path`` verifies, else what is wrong with it. The content decides how, whatever IO
+    wrote it: a directory is a sharded checkpoint (its ``COMMITTED`` marker and digests); a
+    safetensors file has its checksums; a ``torch.save`` zip is re-read against the CRC-32 of every
+    record. ``checkpoint_io`` verifies anything else if it can (``VerifyingCheckpointIO``). Any error
+    a hostile file raises is turned into the reason, never raised: one bad file must not stop the
+    search for a good one.
     """
-    if isinstance(checkpoint_io, VerifyingCheckpointIO):
-        try:
-            checkpoint_io.verify_checkpoint(path)
-        except LightningResumeError as err:
-            return str(err)
-        return None
-    if os.path.isdir(path):
-        return _sharded_problem(path)
-    return _zip_problem(path)
-
-
-def _sharded_problem(path: str) -> Optional[str]:
-    from lightning_resume.sharded import verify_sharded  # DCP is imported only for sharded runs
-
     try:
-        verify_sharded(path)
+        return _problem(path, checkpoint_io)
     except LightningResumeError as err:
         return str(err)
+    except Exception as err:  # noqa: BLE001 - a crafted file can make any reader fail
+        return f"unreadable ({type(err).__name__}: {err})"
+
+
+def _problem(path: str, checkpoint_io: Any) -> Optional[str]:
+    if os.path.isdir(path):
+        from lightning_resume.sharded import verify_sharded  # DCP is imported only for sharded runs
+
+        verify_sharded(path)
+        return None
+    if io_files.is_safetensors(path):
+        io_files.verify_file(path)
+        return None
+    if zipfile.is_zipfile(path):
+        return _zip_problem(path)
+    if isinstance(checkpoint_io, VerifyingCheckpointIO):
+        checkpoint_io.verify_checkpoint(path)
+        return None
+    io_files.verify_file(path)  # raises CheckpointCorruptError naming the format problem
     return None
 
 
@@ -105,15 +112,17 @@ def fsync_file_and_dir(path: str) -> None:
 
 def read_checkpoint_callback_state(path: str, state_key: Optional[str] = None) -> Optional[dict]:
     """The ``ModelCheckpoint``-family state saved in ``path`` (under ``state_key`` if given, else the
-    first one), or ``None`` if it cannot be read safely.
-
-    Loads with ``weights_only=True`` (no code runs) and ``mmap=True`` (tensors are not read).
+    first one), or ``None`` if it cannot be read safely. Reads any of the formats without running code
+    and without reading tensors it does not need (memory-mapped, unverified: the state is advisory).
     """
-    import torch  # local: listing and naming must not pay torch's import
-
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # any unreadable or unsafe file simply has no usable state
+        if os.path.isdir(path):
+            from lightning_resume.sharded import load_meta
+
+            checkpoint = load_meta(path)
+        else:
+            checkpoint = io_files.load_file(path, verify=False, lenient=True, mmap=True).checkpoint
+    except Exception:  # noqa: BLE001 - any unreadable or unsafe file simply has no usable state
         return None
     callbacks = checkpoint.get("callbacks", {}) if isinstance(checkpoint, dict) else {}
     for key, state in callbacks.items():

@@ -94,11 +94,18 @@ def is_not_owned(record: CheckpointRecord, ctx: _Context) -> bool:
     return not record.owned
 
 
+def is_unverified(record: CheckpointRecord, ctx: _Context) -> bool:
+    # A file that does not verify may be damaged, or of a format this version cannot read: deleting
+    # it on that evidence could destroy the only copy. It is reported and left to a person.
+    return not record.verified and not record.in_flight
+
+
 PROTECTIONS: tuple = (
     ("protected: resume source of this run", is_resume_source),
     ("protected: newest verified checkpoint", is_newest_verified),
     ("protected: save still in flight", is_in_flight),
     ("protected: not created by this callback", is_not_owned),
+    ("protected: does not verify (kept for inspection; delete it by hand)", is_unverified),
 )
 
 
@@ -218,8 +225,6 @@ class RetentionPolicy:
         return sorted(scored, key=lambda r: (sign * r.metric, r.recency))
 
     def _why_not(self, record: CheckpointRecord) -> str:
-        if not record.verified:
-            return "delete: failed verification"
         rules = []
         if self.keep_last is not None:
             rules.append(f"older than the {self.keep_last} most recent")

@@ -395,7 +395,8 @@ def _max_over_ranks(trainer: "pl.Trainer", values: list[int]) -> list[int]:
 
 
 def _snapshot_target(trainer: "pl.Trainer") -> Optional[SnapshotTarget]:
-    return next((cb for cb in trainer.callbacks if isinstance(cb, SnapshotTarget)), None)  # type: ignore[arg-type]
+    targets = (cb for cb in trainer.callbacks if isinstance(cb, SnapshotTarget) and cb.accepts_snapshots)
+    return next(targets, None)  # type: ignore[arg-type]
 
 
 def _first_model_checkpoint(trainer: "pl.Trainer") -> Optional[ModelCheckpoint]:

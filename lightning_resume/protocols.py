@@ -23,7 +23,15 @@ class VerifyingCheckpointIO(Protocol):
 
 @runtime_checkable
 class SnapshotTarget(Protocol):
-    """A checkpoint callback that writes a snapshot when asked (used by ``ExactResume``'s schedule)."""
+    """A checkpoint callback that writes a snapshot when asked (used by ``ExactResume``'s schedule).
+
+    ``accepts_snapshots`` is ``False`` while it should not be asked (e.g. a ``RetentionCheckpoint``
+    with no retention rule, which must behave exactly like ``ModelCheckpoint``).
+    """
+
+    @property
+    def accepts_snapshots(self) -> bool:
+        """Whether scheduled snapshots should go through this callback now."""
 
     def save_snapshot(self, trainer: "pl.Trainer", reason: str) -> str:
         """Write a full checkpoint of ``trainer`` now, count it as a rolling checkpoint, return its path."""

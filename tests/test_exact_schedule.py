@@ -38,6 +38,8 @@ class StepClock(Callback):
 class SpyTarget(ModelCheckpoint):
     """A snapshot target that records when it was asked to save."""
 
+    accepts_snapshots = True
+
     def __init__(self, dirpath: str) -> None:
         super().__init__(dirpath=dirpath, save_top_k=0)
         self.saves: list[tuple[int, str]] = []
@@ -221,3 +223,21 @@ def test_observed_mtbf_learns_from_restarts(tmp_path: Path) -> None:
     history = load_history(history_path(str(ckpt)))
     assert len(history.events) == 2 and len(history.failures) == 2
     assert exact.scheduler.state.mtbf_s < 1000 * 3600 / 2  # two failures in seconds of uptime: M far below the prior
+
+
+def test_default_retention_checkpoint_keeps_its_topk_untouched(tmp_path: Path) -> None:
+    """RetentionCheckpoint with default arguments is ModelCheckpoint: snapshots go beside its files."""
+    from lightning_resume import RetentionCheckpoint
+
+    clock = StepClock()
+    topk = RetentionCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss", save_top_k=2)
+    trainer = pl.Trainer(
+        max_steps=20, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[clock, ExactResume(every_n_train_steps_max=3, clock=clock), topk],
+        val_check_interval=10, limit_val_batches=2, num_sanity_val_steps=0,
+    )
+    trainer.fit(Model({"out": str(tmp_path), "n": 80, "batch_size": 4, "val_check_interval": 10}))
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".ckpt")
+    assert len(topk.best_k_models) == 2 and all("last-snapshot" not in p for p in topk.best_k_models)
+    assert [n for n in names if n.startswith("last-snapshot")] == ["last-snapshot-step=000000018.ckpt"]
+    assert not any(n.startswith("step=") for n in names)

@@ -105,6 +105,12 @@ class RetentionCheckpoint(ModelCheckpoint):
             return super()._save_topk_checkpoint(trainer, monitor_candidates)
         self._save_retained(trainer, monitor_candidates, tag="rolling")
 
+    @property
+    def accepts_snapshots(self) -> bool:
+        """Only with a retention rule: with default arguments this is exactly ``ModelCheckpoint``, whose
+        top-k bookkeeping scheduled snapshots must not touch (they go beside its files instead)."""
+        return self.policy.active
+
     def save_snapshot(self, trainer: "pl.Trainer", reason: str) -> str:
         """Write a full checkpoint now (all ranks must call), counted as rolling; return its path."""
         path = self._rolling_path(trainer.global_step)

@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
-from typing import Any, Callable, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchdata.stateful_dataloader.stateful import Stateful
 
 from lightning_resume import _lightning as lt
+from lightning_resume.durations import Duration
 from lightning_resume.errors import ConfigurationError, ResumeMismatchError
 from lightning_resume.preemption import DEFAULT_SIGNALS, PreemptionFlag
 from lightning_resume.protocols import SnapshotTarget
+from lightning_resume.retention.files import fsync_file_and_dir
 from lightning_resume.schedule import ScheduleConfig
 from lightning_resume.scheduling import SnapshotScheduler
 from lightning_resume.state.data import loader_problems, loader_signature, remap_position
@@ -34,7 +36,6 @@ from lightning_resume.state.rng import capture_rng, restore_rng, rng_mismatches
 
 FORMAT_VERSION = 1
 SNAPSHOT_PREFIX = "last-snapshot-step="
-Duration = Union[str, float, timedelta]
 NOT_RESTORED_WITHOUT_EXACT_RESUME = (
     "RNG streams (Python, NumPy, torch CPU/CUDA, registered generators), the data position aligned with"
     " the last trained batch, loader worker RNG, validation due at the saved step"
@@ -86,18 +87,18 @@ class ExactResume(Callback):
         mtbf_prior: Optional[Duration] = None,
         initial_cost: Duration = "60s",
         check_interval: Duration = "10s",
-        preemption_signals: Optional[list[str]] = list(DEFAULT_SIGNALS),
+        preemption_signals: Optional[Sequence[str]] = DEFAULT_SIGNALS,
         clock: Optional[Callable[[], float]] = None,
     ) -> None:
         self.generators: dict[str, torch.Generator] = dict(generators or {})
         self.strict = strict
         self.fingerprint = fingerprint
+        self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
         self.scheduler = _make_scheduler(
             mtbf, num_nodes, formula, min_interval, max_interval, every_n_train_steps_max,
-            mtbf_prior, initial_cost, check_interval, clock,
+            mtbf_prior, initial_cost, check_interval, clock, checks_needed=self.preemption is not None,
         )
         self._num_nodes = num_nodes
-        self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
         self.preempted = False
         self._trainer: Optional[pl.Trainer] = None
         self._pending: Optional[dict[str, Any]] = None
@@ -113,6 +114,16 @@ class ExactResume(Callback):
         self._trainer = trainer
         if (warning := lt.check_version()) is not None:
             rank_zero_warn(warning)
+        if _snapshot_target(trainer) is None and _first_model_checkpoint(trainer) is None:
+            if self.scheduler is not None and self.scheduler.takes_snapshots:
+                raise ConfigurationError(
+                    "ExactResume", ["scheduled snapshots need a checkpoint directory: add a RetentionCheckpoint or"
+                                    " ModelCheckpoint, or leave mtbf and every_n_train_steps_max unset"]
+                )
+            if self.preemption is not None:
+                rank_zero_warn("ExactResume: no checkpoint callback, so preemption signals cannot save a snapshot;"
+                               " they keep their default behaviour")
+                self.preemption = None
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._warn_about_loaders(trainer)
@@ -132,12 +143,17 @@ class ExactResume(Callback):
         if self.preemption is not None:
             self.preemption.uninstall()
 
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        # Lightning does not call ``teardown`` on callbacks after an exception: give the signals back now.
+        if self.preemption is not None:
+            self.preemption.uninstall()
+
     def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
         self._phase = "batch"
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
         self._phase = "batch_end"
-        if (self.scheduler is not None or self.preemption is not None) and lt.at_optimizer_step(trainer):
+        if self.scheduler is not None and lt.at_optimizer_step(trainer):
             self._scheduled_snapshot(trainer)
 
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -212,7 +228,7 @@ class ExactResume(Callback):
 
     # ----------------------------------------------------------------------------------- restore
     def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", saved: dict[str, Any]) -> None:
-        differences = self._differences(trainer, saved)
+        differences = _agreed(trainer, self._differences(trainer, saved))
         if differences:
             self._refuse_or_warn(differences)
         mine = self._state_for_this_rank(trainer, saved)
@@ -296,14 +312,16 @@ class ExactResume(Callback):
     def _check_fingerprint(self, trainer: "pl.Trainer", mine: Mapping[str, Any], restored_rng: Any) -> None:
         restored = self._fingerprint(trainer, restored_rng, None)
         bad = fingerprint_mismatches(mine["fingerprint"], restored, ("weights", "optimizer", "rng", "step"))
+        bad = _agreed(trainer, bad)
         self.resume_report["fingerprint_ok"] = not bad
         if bad:
             self._refuse_or_warn([f"fingerprint after restore: {line}" for line in bad])
 
     def _refuse_or_warn(self, differences: list[str]) -> None:
         if self.strict:
+            source = self._trainer.ckpt_path if self._trainer is not None else None
             raise ResumeMismatchError(
-                "the checkpoint",
+                str(source or "the checkpoint"),
                 differences,
                 "Fix the run to match the checkpoint, or pass ExactResume(strict=False) to continue approximately.",
             )
@@ -318,28 +336,30 @@ class ExactResume(Callback):
         self.scheduler.start(
             step=trainer.global_step,
             num_nodes=self._num_nodes or trainer.num_nodes,
-            history_dir=_snapshot_dir(trainer),
+            history_dir=_snapshot_dir(trainer) if self.scheduler.takes_snapshots else None,
             restored=pending.get("schedule"),
             checkpoint_wall_time=pending.get("saved_at"),
             is_rank_zero=trainer.is_global_zero,
         )
 
     def _scheduled_snapshot(self, trainer: "pl.Trainer") -> None:
-        """At an optimizer-step boundary: save if the schedule or a preemption signal says so."""
+        """At an optimizer-step boundary: save if the schedule or a preemption signal says so.
+
+        One process acts on its own flag at once; ranks agree at check steps only (rank 0's decision,
+        any rank's signal), so no collective runs between checks.
+        """
+        assert self.scheduler is not None
         local_preempt = self.preemption is not None and self.preemption.requested
-        if self.scheduler is not None:
+        if local_preempt and trainer.world_size == 1:
+            save, preempt, reason = False, True, "preemption"
+        else:
             agree = lambda values: _max_over_ranks(trainer, values)  # noqa: E731
             save, preempt, reason = self.scheduler.decide(trainer.global_step, local_preempt, agree, trainer.is_global_zero)
-        elif trainer.world_size > 1:
-            save, preempt, reason = False, bool(_max_over_ranks(trainer, [int(local_preempt)])[0]), "preemption"
-        else:
-            save, preempt, reason = False, local_preempt, "preemption"
         if save or preempt:
             self._snapshot(trainer, "preemption" if preempt else reason)
         if preempt:
             self.preempted = True
-            if self.scheduler is not None:
-                self.scheduler.clean_stop(trainer.is_global_zero)
+            self.scheduler.clean_stop(trainer.is_global_zero)
             trainer.should_stop = True
             rank_zero_info(f"ExactResume: preemption signal received; snapshot at step {trainer.global_step} is durable; stopping.")
 
@@ -361,8 +381,22 @@ class ExactResume(Callback):
                 rank_zero_warn(f"ExactResume: resume will not be exact: {problem}")
 
 
-def _gather(local: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
-    """Every rank's state, in rank order, on every rank (the file is written by rank 0 only)."""
+def _agreed(trainer: "pl.Trainer", lines: list[str]) -> list[str]:
+    """Every rank's lines on every rank, so that all ranks refuse (or warn) together: a rank that raised
+    alone would leave the others waiting in the next collective. Lines not seen on every rank say
+    which ranks saw them."""
+    per_rank = _gather(lines, trainer.world_size)
+    if len(per_rank) == 1:
+        return lines
+    out: dict[str, list[int]] = {}
+    for rank, rank_lines in enumerate(per_rank):
+        for line in rank_lines:
+            out.setdefault(line, []).append(rank)
+    return [line if len(ranks) == len(per_rank) else f"{line} (ranks {ranks})" for line, ranks in out.items()]
+
+
+def _gather(local: Any, world_size: int) -> list[Any]:
+    """Every rank's value, in rank order, on every rank (e.g. its state: the file is written by rank 0 only)."""
     if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return [local]
     out: list[Any] = [None] * world_size
@@ -373,9 +407,11 @@ def _gather(local: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
 def _make_scheduler(
     mtbf: Optional[Duration], num_nodes: Optional[int], formula: str, min_interval: Duration,
     max_interval: Duration, every_n_train_steps_max: Optional[int], mtbf_prior: Optional[Duration],
-    initial_cost: Duration, check_interval: Duration, clock: Optional[Callable[[], float]],
+    initial_cost: Duration, check_interval: Duration, clock: Optional[Callable[[], float]], checks_needed: bool,
 ) -> Optional[SnapshotScheduler]:
-    if mtbf is None and every_n_train_steps_max is None:
+    """The scheduler, also without snapshots (``mtbf=None``, no step cap) when preemption signals need
+    its cadence of rank-agreed checks; ``None`` when there is nothing to decide."""
+    if mtbf is None and every_n_train_steps_max is None and not checks_needed:
         return None
     config = ScheduleConfig.from_user(
         mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
@@ -425,8 +461,19 @@ def _save_snapshot(trainer: "pl.Trainer", reason: str) -> str:
     path = os.path.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
     trainer.save_checkpoint(path)
     if trainer.is_global_zero:
-        for name in os.listdir(dirpath):
-            old = os.path.join(dirpath, name)
-            if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and old != path:
-                trainer.strategy.remove_checkpoint(old)
+        fsync_file_and_dir(path)  # durable before the older snapshot goes (a no-op for remote paths)
+        for old in _older_snapshots(dirpath, trainer.global_step):
+            trainer.strategy.remove_checkpoint(old)
     return path
+
+
+def _older_snapshots(dirpath: str, step: int) -> list[str]:
+    """This directory's ``last-snapshot-step=N.ckpt`` with N < ``step``: superseded by the new one."""
+    fs = get_filesystem(dirpath)
+    found = []
+    for entry in fs.ls(dirpath, detail=False):
+        name = os.path.basename(str(entry))
+        digits = name[len(SNAPSHOT_PREFIX) : -len(".ckpt")]
+        if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and digits.isdigit() and int(digits) < step:
+            found.append(os.path.join(dirpath, name))
+    return found

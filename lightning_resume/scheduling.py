@@ -41,6 +41,11 @@ class SnapshotScheduler:
         self.history_file: Optional[str] = None
         self.last_durable: Optional[float] = None
 
+    @property
+    def takes_snapshots(self) -> bool:
+        """Whether this schedule ever saves on its own (else it only paces preemption checks)."""
+        return self.config.mtbf_s is not None or self.config.every_n_train_steps_max is not None
+
     def start(
         self,
         step: int,

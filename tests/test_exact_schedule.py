@@ -86,7 +86,8 @@ def test_step_cap_and_off(tmp_path: Path) -> None:
     clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
     _fit(tmp_path, ExactResume(every_n_train_steps_max=7, clock=clock), clock, target)
     assert [s for s, _ in target.saves] == [7, 14]
-    assert ExactResume().scheduler is None  # mtbf=None: no scheduled snapshots
+    assert not ExactResume().scheduler.takes_snapshots  # mtbf=None: no scheduled snapshots, only preemption checks
+    assert ExactResume(preemption_signals=None).scheduler is None
 
 
 def test_schedule_arguments_are_validated_together() -> None:
@@ -241,3 +242,21 @@ def test_default_retention_checkpoint_keeps_its_topk_untouched(tmp_path: Path) -
     assert len(topk.best_k_models) == 2 and all("last-snapshot" not in p for p in topk.best_k_models)
     assert [n for n in names if n.startswith("last-snapshot")] == ["last-snapshot-step=000000018.ckpt"]
     assert not any(n.startswith("step=") for n in names)
+
+
+def test_signal_handlers_are_given_back_when_fit_fails(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+
+    class Boom(Model):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    trainer = pl.Trainer(
+        max_steps=5, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ExactResume(), ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))], limit_val_batches=0,
+    )
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Boom({"out": str(tmp_path), "n": 40, "batch_size": 4}))
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -25,7 +25,7 @@ from torchdata.stateful_dataloader.stateful import Stateful
 from lightning_resume import _lightning as lt
 from lightning_resume.errors import ConfigurationError, ResumeMismatchError
 from lightning_resume.preemption import DEFAULT_SIGNALS, PreemptionFlag
-from lightning_resume.protocols import SnapshotTarget
+from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget
 from lightning_resume.schedule import ScheduleConfig
 from lightning_resume.scheduling import SnapshotScheduler
 from lightning_resume.state.data import loader_problems, loader_signature
@@ -328,11 +328,14 @@ class ExactResume(Callback):
     def _snapshot(self, trainer: "pl.Trainer", reason: str) -> None:
         started = time.monotonic()
         path = _save_snapshot(trainer, reason)
-        blocked = time.monotonic() - started
+        blocked = time.monotonic() - started  # with an async writer: the snapshot part only
+        writer = _async_writer(trainer)
+        if reason == "preemption" and writer is not None:
+            _wait_durable(writer, path)
         if self.scheduler is None or self.scheduler.state is None:
             return
         nbytes = os.path.getsize(path) if trainer.is_global_zero and os.path.isfile(path) else None
-        metrics = self.scheduler.record(trainer.global_step, blocked, nbytes)
+        metrics = self.scheduler.record(trainer.global_step, blocked, nbytes, writer)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
@@ -411,3 +414,14 @@ def _save_snapshot(trainer: "pl.Trainer", reason: str) -> str:
             if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and old != path:
                 trainer.strategy.remove_checkpoint(old)
     return path
+
+
+def _async_writer(trainer: "pl.Trainer") -> Optional[AsyncCheckpointWriter]:
+    io = trainer.strategy.checkpoint_io
+    return io if isinstance(io, AsyncCheckpointWriter) else None
+
+
+def _wait_durable(writer: AsyncCheckpointWriter, path: str) -> None:
+    """Before a preemption stop: the snapshot must be on disk, within the writer's ``flush_timeout``."""
+    if not writer.wait(None, timeout=writer.flush_timeout):
+        rank_zero_warn(f"ExactResume: snapshot {path} was not durable within {writer.flush_timeout}s of the preemption signal")

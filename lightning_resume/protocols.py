@@ -39,6 +39,7 @@ class AsyncCheckpointWriter(Protocol):
 
     last_blocked_seconds: Optional[float]
     last_write_seconds: Optional[float]
+    flush_timeout: float
 
     def write_in_flight(self, path: Optional[str] = None) -> bool:
         """Whether a write (of ``path``, if given) is queued or running."""

@@ -240,7 +240,15 @@ class AsyncSaver:
         self._last_write: Optional[Job] = None
         self.last_wait_seconds = 0.0
         self.last_blocked_seconds = 0.0
-        self.last_write_seconds: Optional[float] = None
+        self._write_seconds: Optional[float] = None
+
+    @property
+    def last_write_seconds(self) -> Optional[float]:
+        """Worker time of the newest write that completed (``None`` before the first)."""
+        job = self._last_write
+        if job is not None and job.done.is_set() and job.error is None:
+            self._write_seconds = job.seconds
+        return self._write_seconds
 
     def save(self, checkpoint: dict, path: str) -> None:
         """Wait for the previous save (measured), report its failure, snapshot ``checkpoint``, queue its write."""
@@ -271,9 +279,6 @@ class AsyncSaver:
 
     def report(self, on_error: Optional[str] = None) -> None:
         """Hand every failure since the last report to this thread: raise the first, warn the others."""
-        job = self._last_write
-        if job is not None and job.done.is_set() and job.error is None:
-            self.last_write_seconds = job.seconds
         errors = [AsyncWriteError(j.path, j.error, j.kind) for j in self.writer.take_failed() if j.error is not None]
         raising = (on_error or self.on_error) == "raise" and errors
         for err in errors[1:] if raising else errors:

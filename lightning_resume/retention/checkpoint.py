@@ -136,6 +136,15 @@ class RetentionCheckpoint(ModelCheckpoint):
         self._apply_retention(trainer)
         return path
 
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Async IO: once the last write is durable (teardown would wait for it anyway), count it and prune."""
+        super().on_train_end(trainer, pl_module)
+        writer = trainer.strategy.checkpoint_io
+        if self.policy.active and isinstance(writer, AsyncCheckpointWriter):
+            writer.wait()
+            self._settle_async_writes(trainer, writer)
+            self._apply_retention(trainer)
+
     def _settle_async_writes(self, trainer: "pl.Trainer", writer: AsyncCheckpointWriter) -> None:
         """Async IO: a file stays in flight (never deleted, never "newest verified") until its atomic
         commit is done. Rank 0's writer knows; one broadcast keeps every rank's records the same. A

@@ -26,7 +26,7 @@ from lightning_resume import _lightning as lt
 from lightning_resume.durations import Duration
 from lightning_resume.errors import ConfigurationError, ResumeMismatchError
 from lightning_resume.preemption import DEFAULT_SIGNALS, PreemptionFlag
-from lightning_resume.protocols import SnapshotTarget
+from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget
 from lightning_resume.retention.files import fsync_file_and_dir
 from lightning_resume.schedule import ScheduleConfig
 from lightning_resume.scheduling import SnapshotScheduler
@@ -366,11 +366,14 @@ class ExactResume(Callback):
     def _snapshot(self, trainer: "pl.Trainer", reason: str) -> None:
         started = time.monotonic()
         path = _save_snapshot(trainer, reason)
-        blocked = time.monotonic() - started
+        blocked = time.monotonic() - started  # with an async writer: the snapshot part only
+        writer = _async_writer(trainer)
+        if reason == "preemption" and writer is not None:
+            _wait_durable(writer, path)
         if self.scheduler is None or self.scheduler.state is None:
             return
         nbytes = os.path.getsize(path) if trainer.is_global_zero and os.path.isfile(path) else None
-        metrics = self.scheduler.record(trainer.global_step, blocked, nbytes)
+        metrics = self.scheduler.record(trainer.global_step, blocked, nbytes, writer)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
@@ -477,3 +480,14 @@ def _older_snapshots(dirpath: str, step: int) -> list[str]:
         if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and digits.isdigit() and int(digits) < step:
             found.append(os.path.join(dirpath, name))
     return found
+
+
+def _async_writer(trainer: "pl.Trainer") -> Optional[AsyncCheckpointWriter]:
+    io = trainer.strategy.checkpoint_io
+    return io if isinstance(io, AsyncCheckpointWriter) else None
+
+
+def _wait_durable(writer: AsyncCheckpointWriter, path: str) -> None:
+    """Before a preemption stop: the snapshot must be on disk, within the writer's ``flush_timeout``."""
+    if not writer.wait(None, timeout=writer.flush_timeout):
+        rank_zero_warn(f"ExactResume: snapshot {path} was not durable within {writer.flush_timeout}s of the preemption signal")

@@ -7,7 +7,7 @@ through whatever checkpoint callback can take a snapshot on demand.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -35,3 +35,22 @@ class SnapshotTarget(Protocol):
 
     def save_snapshot(self, trainer: "pl.Trainer", reason: str) -> str:
         """Write a full checkpoint of ``trainer`` now, count it as a rolling checkpoint, return its path."""
+
+
+@runtime_checkable
+class AsyncCheckpointWriter(Protocol):
+    """A ``CheckpointIO`` whose saves may return before the file is durable (written on a worker).
+
+    ``ExactResume`` records only the snapshot part as blocking time and starts no save while a write
+    is in flight; ``RetentionCheckpoint`` keeps such a file in flight until it is durable.
+    """
+
+    last_blocked_seconds: Optional[float]
+    last_write_seconds: Optional[float]
+    flush_timeout: float
+
+    def write_in_flight(self, path: Optional[str] = None) -> bool:
+        """Whether a write (of ``path``, if given) is queued or running."""
+
+    def wait(self, path: Optional[str] = None, timeout: Optional[float] = None) -> bool:
+        """Block until ``path`` (or every pending write) is durable; raise its failure; ``False`` on timeout."""

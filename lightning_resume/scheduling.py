@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from lightning_resume import failures
 from lightning_resume.health import save_metrics
+from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.schedule import (
     Decision,
     MtbfMode,
@@ -21,6 +22,7 @@ from lightning_resume.schedule import (
     ScheduleConfig,
     ScheduleState,
     record_save,
+    record_write_done,
     schedule_state_dict,
     should_save,
     start_schedule,
@@ -40,6 +42,7 @@ class SnapshotScheduler:
         self.next_check_step = 0
         self.history_file: Optional[str] = None
         self.last_durable: Optional[float] = None
+        self._writer: Optional[AsyncCheckpointWriter] = None
 
     @property
     def takes_snapshots(self) -> bool:
@@ -72,20 +75,39 @@ class SnapshotScheduler:
         """(save, preempt, reason) at a step boundary; a collective only at check steps."""
         if self.state is None or step < self.next_check_step:
             return False, False, SaveReason.NOT_DUE.value
+        self.poll_write()
         decision = should_save(self.state, self.clock(), step) if is_rank_zero else Decision(False, SaveReason.NOT_DUE, 0)
         save, next_check, preempt = agree([int(decision.save), decision.next_check_step, int(preempt_local)])
         self.next_check_step = max(int(next_check), step + 1)
         return bool(save), bool(preempt), decision.reason.value
 
-    def record(self, step: int, blocked_s: float, nbytes: Optional[int]) -> dict[str, float]:
-        """Account a synchronous save that ended now and blocked ``blocked_s``; return its metrics."""
+    def record(
+        self, step: int, blocked_s: float, nbytes: Optional[int], writer: Optional[AsyncCheckpointWriter] = None
+    ) -> dict[str, float]:
+        """Account a save whose blocking part ended now and took ``blocked_s``; return its metrics.
+
+        With ``writer`` still writing it (async save), the write is timed by the writer and recorded
+        by :meth:`poll_write` once durable; until then ``should_save`` starts no new save.
+        """
         assert self.state is not None
         now = self.clock()
-        self.state = record_save(self.state, now, step, blocked_s, write_s=blocked_s)
-        self.last_durable = now
+        in_flight = writer is not None and writer.write_in_flight()
+        write_s = None if in_flight else blocked_s
+        self.state = record_save(self.state, now, step, blocked_s, write_s=write_s)
+        self._writer = writer if in_flight else None
+        self.last_durable = self.last_durable if in_flight else now
         self.next_check_step = step + 1
-        metrics = save_metrics(self.state, now, blocked_s, blocked_s, nbytes, self.last_durable)
+        metrics = save_metrics(self.state, now, blocked_s, write_s, nbytes, self.last_durable)
         return {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}
+
+    def poll_write(self) -> bool:
+        """If the async write recorded last has become durable, account it; ``True`` when it did now."""
+        if self._writer is None or self.state is None or self._writer.write_in_flight():
+            return False
+        now = self.clock()
+        self.state = record_write_done(self.state, now, self._writer.last_write_seconds)
+        self.last_durable, self._writer = now, None
+        return True
 
     def clean_stop(self, is_rank_zero: bool) -> None:
         """Tell the next process of this run that this one stopped on purpose (not a failure)."""

@@ -31,6 +31,7 @@ CASES = {
     "accumulate_step_scheduler_bf16": ({"accumulate": 2, "scheduler": True, "precision": "bf16-mixed"}, 9, 6),
     "iterable_without_len": ({"iterable": True}, 7, 6),
     "safetensors_io_iterable": ({"iterable": True, "safetensors": True, "scheduler": True}, 7, 6),
+    "safetensors_async_io": ({"safetensors": True, "async": True, "scheduler": True, "ckpt": {**EVERY_3, "every_n_train_steps": 2}}, 7, 6),
     "safetensors_io_workers2_validation": ({"num_workers": 2, "val_check_interval": 3, "safetensors": True}, 7, 6),
     "scheduled_snapshots_through_retention": (
         {"retention": {"keep_last": 2}, "exact_args": {"every_n_train_steps_max": 3}, "safetensors": True}, 7, 6

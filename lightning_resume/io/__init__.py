@@ -3,8 +3,11 @@
 from lightning_resume.io.format import UnencodableValueError, UnknownTypeError, register_converter
 from lightning_resume.io.last import SkippedCheckpointWarning, newest_verified
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.io.staging import AsyncWriteError, AsyncWriteWarning
 
 __all__ = [
+    "AsyncWriteError",
+    "AsyncWriteWarning",
     "SafetensorsCheckpointIO",
     "SkippedCheckpointWarning",
     "UnencodableValueError",

@@ -46,10 +46,21 @@ class Loaded:
 
 def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = "crc32") -> None:
     """Encode ``checkpoint`` and commit it atomically at ``path``."""
-    encoded = encode(checkpoint)  # fails on an unencodable value before any file exists
+    tree_json, tensors = encode_tree(checkpoint)  # fails on an unencodable value before any file exists
+    commit(path, tree_json, tensors, algorithm)
+
+
+def encode_tree(checkpoint: Dict[str, Any]) -> Tuple[str, Dict[str, torch.Tensor]]:
+    """The typed JSON text of ``checkpoint`` and its tensors by name (the tensors are not copied)."""
+    encoded = encode(checkpoint)
     tree_json = json.dumps(encoded.tree, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
-    entries = container.layout(encoded.tensors)
-    views = {e.name: container.host_bytes(encoded.tensors[e.name]) for e in entries}
+    return tree_json, encoded.tensors
+
+
+def commit(path: str, tree_json: str, tensors: Dict[str, torch.Tensor], algorithm: str = "crc32") -> None:
+    """Write an encoded checkpoint (from :func:`encode_tree`) atomically at ``path``, hashing while writing."""
+    entries = container.layout(tensors)
+    views = {e.name: container.host_bytes(tensors[e.name]) for e in entries}
 
     def header(digests: Dict[str, str]) -> bytes:
         record = integrity.make_record(algorithm, tree_json, entries, digests)
@@ -289,4 +300,4 @@ def _decode_tree(path: str, tree_json: str, tensors: Dict[str, torch.Tensor], le
     return tree
 
 
-__all__ = ["Loaded", "TreeFormatError", "is_safetensors", "load_file", "save_file", "verify_file"]
+__all__ = ["Loaded", "TreeFormatError", "commit", "encode_tree", "is_safetensors", "load_file", "save_file", "verify_file"]

@@ -6,23 +6,35 @@ newest ``last*.ckpt`` by mtime and hands that path to ``load_checkpoint``
 (``lightning/pytorch/trainer/connectors/checkpoint_connector.py`` ``_parse_ckpt_path``); if that file
 fails verification, the plugin loads the newest sibling checkpoint that verifies instead and warns
 naming both. A file asked for by any other name is never substituted.
+
+With ``async_save=True`` a save blocks only for the snapshot (``staging.AsyncSaver``): the write,
+and every deletion after it, run in order on one worker. Failures reach the training thread at the
+next save, ``wait`` or ``teardown``. ``teardown`` runs inside Lightning's exception handler too
+(``lightning/pytorch/trainer/call.py`` ``_call_and_handle_interrupt``); there it flushes for at most
+``flush_timeout`` and warns instead of raising, so the original exception is the one that propagates.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 import warnings
-from typing import Any, Dict, Literal, Optional, Set
+import weakref
+from datetime import timedelta
+from typing import Any, Dict, Literal, Optional, Set, Union
 
 import fsspec
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from lightning_resume.durations import parse_duration
 from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
 from lightning_resume.io import files
 from lightning_resume.io.atomic import clean_stale_temporaries, is_local
 from lightning_resume.io.integrity import DIGESTS
 from lightning_resume.io.last import SkippedCheckpointWarning, is_last_name, newest_verified, sibling_checkpoints
+from lightning_resume.io.staging import AsyncSaver, AsyncWriteWarning
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +51,13 @@ class SafetensorsCheckpointIO(CheckpointIO):
         mmap: load tensors as copy-on-write views of the file instead of copies: no extra memory and
             no read copy, but the file's disk space stays in use while any loaded tensor lives (the
             optimizer keeps its loaded moments for the whole run), even after the file is deleted.
+        async_save: block training only to copy the state into reusable host buffers; a background
+            worker writes the file (atomic, checksummed). At most one write is in flight: the next save
+            waits for it. Deletions are queued behind the writes they follow.
+        on_error: what a failed background write does at the next save, ``wait`` or teardown:
+            ``"raise"`` an ``AsyncWriteError`` naming the file (default), or ``"warn"`` and go on.
+        flush_timeout: longest wait for a pending write when the run ends by an exception,
+            ``KeyboardInterrupt`` or interpreter exit (``"10min"``, seconds or a ``timedelta``).
     """
 
     def __init__(
@@ -47,25 +66,49 @@ class SafetensorsCheckpointIO(CheckpointIO):
         checksum: Literal["crc32", "sha256", "blake2b"] = "crc32",
         fallback_to_verified: bool = True,
         mmap: bool = False,
+        async_save: bool = False,
+        on_error: Literal["raise", "warn"] = "raise",
+        flush_timeout: Union[str, float, timedelta] = "10min",
     ) -> None:
         problems = []
         if checksum not in DIGESTS:
             problems.append(f"checksum={checksum!r} is not supported; use one of {sorted(DIGESTS)}")
         if not isinstance(verify, bool):
             problems.append(f"verify={verify!r} must be True or False")
+        if on_error not in ("raise", "warn"):
+            problems.append(f"on_error={on_error!r} is not supported; use 'raise' or 'warn'")
+        try:
+            self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
+        except ValueError as err:
+            problems.append(str(err))
         if problems:
             raise ConfigurationError("SafetensorsCheckpointIO", problems)
         self.verify = verify
         self.checksum = checksum
         self.fallback_to_verified = fallback_to_verified
         self.mmap = mmap
+        self.on_error = on_error
         self._cleaned: Set[str] = set()
+        self._saver: Optional[AsyncSaver] = None
+        if async_save:
+            self._saver = AsyncSaver(files.encode_tree, self._commit, on_error)
+            atexit.register(_flush_at_exit, weakref.ref(self))
+
+    @property
+    def async_save(self) -> bool:
+        return self._saver is not None
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"SafetensorsCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r})")
         self._clean_once(str(path))
-        files.save_file(checkpoint, str(path), algorithm=self.checksum)
+        if self._saver is not None:
+            self._saver.save(checkpoint, str(path))
+        else:
+            files.save_file(checkpoint, str(path), algorithm=self.checksum)
+
+    def _commit(self, path: str, tree_json: str, tensors: Dict[str, Any]) -> None:
+        files.commit(path, tree_json, tensors, self.checksum)
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Load ``path`` (our format or a legacy ``torch.save`` file, decided by content).
@@ -74,6 +117,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         read with ``weights_only=True``, and our format never runs code.
         """
         path = str(path)
+        if self._saver is not None and self._saver.in_flight(path):
+            self.wait(path)
         fs, fs_path = fsspec.core.url_to_fs(path)
         if not fs.exists(fs_path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -99,17 +144,71 @@ class SafetensorsCheckpointIO(CheckpointIO):
         return choice
 
     def remove_checkpoint(self, path: Any) -> None:
-        fs, fs_path = fsspec.core.url_to_fs(str(path))
-        if fs.exists(fs_path):
-            fs.rm(fs_path, recursive=True)
-            log.debug("Removed checkpoint: %s", path)
+        """Delete ``path``; in async mode, queued after every write submitted before it."""
+        if self._saver is not None:
+            self._saver.remove(str(path), lambda: _remove(str(path)))
+        else:
+            _remove(str(path))
 
     def verify_checkpoint(self, path: str) -> None:
         """Return if ``path`` verifies; raise ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) if not."""
         files.verify_file(str(path))
 
+    # ---- async status (``lightning_resume.protocols.AsyncCheckpointWriter``) ----------------------
+
+    def write_in_flight(self, path: Optional[str] = None) -> bool:
+        """Whether a write (of ``path``, if given) is queued or running."""
+        return self._saver is not None and self._saver.in_flight(None if path is None else str(path))
+
+    def wait(self, path: Optional[str] = None, timeout: Optional[float] = None) -> bool:
+        """Block until ``path`` (or every pending write and deletion) is durable; report failures
+        per ``on_error``. ``False`` if ``timeout`` seconds passed first."""
+        return True if self._saver is None else self._saver.wait(None if path is None else str(path), timeout)
+
+    @property
+    def last_blocked_seconds(self) -> Optional[float]:
+        """Training-thread time of the newest async save: encoding the tree and copying the tensors."""
+        return None if self._saver is None else self._saver.last_blocked_seconds
+
+    @property
+    def last_wait_seconds(self) -> Optional[float]:
+        """How long the newest async save waited for the write before it (back-pressure)."""
+        return None if self._saver is None else self._saver.last_wait_seconds
+
+    @property
+    def last_write_seconds(self) -> Optional[float]:
+        """Worker time of the newest completed write (write, hash, fsync, rename)."""
+        return None if self._saver is None else self._saver.last_write_seconds
+
     def teardown(self) -> None:
-        """Nothing to release: saves are synchronous and complete when ``save_checkpoint`` returns."""
+        """Wait until every pending write is durable and report a failure (raise per ``on_error``).
+
+        Inside an exception handler (Lightning tears down on exceptions and ``KeyboardInterrupt``) the
+        wait is bounded by ``flush_timeout`` and failures are warned, never raised over the original error.
+        """
+        if self._saver is None:
+            return
+        if sys.exc_info()[1] is not None:
+            self.flush(self.flush_timeout)
+            return
+        self._saver.wait()
+        self._saver.buffers.release()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait at most ``timeout`` for pending writes and warn (never raise) about failures or a timeout."""
+        if self._saver is None:
+            return True
+        pending = [j.path for j in self._saver.writer.outstanding(kind="write")]
+        done = self._saver.writer.wait(self._saver.writer.outstanding(), timeout)
+        self._saver.report(on_error="warn")
+        if not done:
+            warnings.warn(
+                f"checkpoint write of {', '.join(pending)} did not finish within flush_timeout={timeout}s; the file will"
+                " not appear (atomic commit) and the previous checkpoints are intact",
+                AsyncWriteWarning,
+                stacklevel=2,
+            )
+        return done
 
     def _clean_once(self, path: str) -> None:
         if not is_local(path):
@@ -120,3 +219,17 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._cleaned.add(directory)
         for removed in clean_stale_temporaries(directory):
             log.info("removed stale temporary %s left by an interrupted save", removed)
+
+
+def _remove(path: str) -> None:
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    if fs.exists(fs_path):
+        fs.rm(fs_path, recursive=True)
+        log.debug("Removed checkpoint: %s", path)
+
+
+def _flush_at_exit(ref: "weakref.ReferenceType[SafetensorsCheckpointIO]") -> None:
+    """At interpreter exit (the worker is a daemon thread), give a pending write ``flush_timeout`` to finish."""
+    io = ref()
+    if io is not None and io.write_in_flight():
+        io.flush(io.flush_timeout)

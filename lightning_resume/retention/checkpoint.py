@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning_resume.durations import parse_duration
 from lightning_resume.errors import ConfigurationError
+from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.retention import files
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
 
@@ -131,11 +132,38 @@ class RetentionCheckpoint(ModelCheckpoint):
         self.current_score = None if metric is None else torch.tensor(metric)
         self._update_best_from_records()  # part of the state written into this very file
         self._save_checkpoint(trainer, path)
-        if trainer.is_global_zero:
-            files.fsync_file_and_dir(path)
-        self._records[path] = replace(record, verified=True, in_flight=False)
+        writer = trainer.strategy.checkpoint_io
+        if isinstance(writer, AsyncCheckpointWriter):
+            self._settle_async_writes(trainer, writer)
+        else:
+            if trainer.is_global_zero:
+                files.fsync_file_and_dir(path)
+            self._records[path] = replace(record, verified=True, in_flight=False)
         self._apply_retention(trainer)
         return path
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Async IO: once the last write is durable (teardown would wait for it anyway), count it and prune."""
+        super().on_train_end(trainer, pl_module)
+        writer = trainer.strategy.checkpoint_io
+        if self.policy.active and isinstance(writer, AsyncCheckpointWriter):
+            writer.wait()
+            self._settle_async_writes(trainer, writer)
+            self._apply_retention(trainer)
+
+    def _settle_async_writes(self, trainer: "pl.Trainer", writer: AsyncCheckpointWriter) -> None:
+        """Async IO: a file stays in flight (never deleted, never "newest verified") until its atomic
+        commit is done. Rank 0's writer knows; one broadcast keeps every rank's records the same. A
+        write that failed (``on_error="warn"``) leaves no file, so its record is dropped."""
+        settled = None
+        if trainer.is_global_zero:
+            pending = [p for p, r in self._records.items() if r.in_flight]
+            settled = {p: self._fs.exists(p) for p in pending if not writer.write_in_flight(p)}
+        for path, durable in trainer.strategy.broadcast(settled).items():
+            if durable:
+                self._records[path] = replace(self._records[path], verified=True, in_flight=False)
+            else:
+                del self._records[path]
 
     def _rolling_path(self, step: int) -> str:
         return os.path.normpath(os.path.join(str(self.dirpath), files.rolling_name(step, self.FILE_EXTENSION)))

@@ -28,6 +28,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
 from lightning_resume import ExactResume, ResumableDataset, RetentionCheckpoint, SafetensorsCheckpointIO  # noqa: E402
+from lightning_resume.protocols import AsyncCheckpointWriter  # noqa: E402
 
 DIM = 8
 
@@ -151,6 +152,8 @@ class PauseBefore(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.seen == self.batch_index:
+            if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointWriter):
+                trainer.strategy.checkpoint_io.wait()  # the checkpoints before this batch are durable
             if trainer.global_rank == 0:
                 (self.out / "paused").write_text(str(trainer.global_step))
             while True:
@@ -191,7 +194,7 @@ def main(cfg: dict) -> None:
     if cfg.get("pause_before") is not None:
         callbacks.append(PauseBefore(out, cfg["pause_before"]))
     devices = cfg.get("devices", 1)
-    plugins = [SafetensorsCheckpointIO()] if cfg.get("safetensors") else []
+    plugins = [SafetensorsCheckpointIO(async_save=cfg.get("async", False))] if cfg.get("safetensors") else []
     trainer = pl.Trainer(
         plugins=plugins,
         accelerator="cpu",

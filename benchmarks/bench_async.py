@@ -1,0 +1,381 @@
+"""Async saving: how long training is blocked, and how long until the file is durable.
+
+One process, one state (``bench_io.make_state``: transformer-shaped fp32 weights plus AdamW moments),
+every method interleaved ``--repeats`` times; medians and ratios to the two limits measured in the
+same run:
+
+- memcpy: the state's bytes copied (``ctypes.memmove``, one call per tensor) into preallocated,
+  already-touched buffers. Nothing that snapshots the state can block for less.
+- raw write+fsync: the same bytes written to one file and fsync'd (no format, no checksums, no
+  rename). No save can be durable sooner.
+
+"blocked" is the time until ``save`` returns; "total" until the file is durable (or, for the peers
+that do not fsync, written). ``os.sync()`` runs untimed before each measurement. Peers: our
+synchronous save, ``torch.save`` (+fsync), Lightning ``TorchCheckpointIO`` (no fsync), Lightning
+``AsyncCheckpointIO`` (clones the tensors on the caller, total = ``teardown``), and
+``torch.distributed.checkpoint.async_save`` (``no_dist=True``, its default thread stager).
+
+Then: peak extra RSS of one save (first save, pool allocated; and a later one, pool reused), the
+slowdown of a CPU training step while a background write runs, and steps/s of a real Lightning fit
+saving every ``--every`` steps.
+
+Usage: ``python benchmarks/bench_async.py --size-mb 600 --repeats 5`` (defaults are small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning as L  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from benchmarks.bench_io import all_tensors, make_state, raw_write  # noqa: E402
+from lightning_resume.io import SafetensorsCheckpointIO  # noqa: E402
+from lightning_resume.io.container import host_bytes  # noqa: E402
+
+Timing = Tuple[float, float]  # (blocked, total) seconds
+
+
+# ---------------------------------------------------------------------------------------- methods
+
+
+class Methods:
+    """Each method saves ``state`` to a fresh path under ``root`` and returns (blocked, total)."""
+
+    def __init__(self, state: Dict, root: str) -> None:
+        self.state, self.root, self.n = state, root, 0
+        self.tensors = all_tensors(state)
+        self.views = [host_bytes(t) for t in self.tensors]
+        self.buffers = [torch.empty_like(t).fill_(0) for t in self.tensors]  # preallocated and touched
+        self.ours_async = SafetensorsCheckpointIO(async_save=True)
+        self.ours_sync = SafetensorsCheckpointIO()
+        self.torch_io = TorchCheckpointIO()
+
+    def path(self, ext: str = ".ckpt") -> str:
+        self.n += 1
+        return os.path.join(self.root, f"m{self.n}{ext}")
+
+    def memcpy(self) -> Timing:
+        t0 = time.perf_counter()
+        for dst, src in zip(self.buffers, self.tensors):
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+        t = time.perf_counter() - t0
+        return t, t
+
+    def raw_write(self) -> Timing:
+        t = _timed(lambda: raw_write(self.views, self.path()))
+        return t, t
+
+    def ours_async_save(self) -> Timing:
+        t0 = time.perf_counter()
+        self.ours_async.save_checkpoint(self.state, self.path())
+        blocked = time.perf_counter() - t0
+        self.ours_async.wait()
+        return blocked, time.perf_counter() - t0
+
+    def ours_sync_save(self) -> Timing:
+        t = _timed(lambda: self.ours_sync.save_checkpoint(self.state, self.path()))
+        return t, t
+
+    def torch_save(self) -> Timing:
+        path = self.path()
+
+        def save() -> None:
+            with open(path, "wb") as f:
+                torch.save(self.state, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        t = _timed(save)
+        return t, t
+
+    def lightning_torch_io(self) -> Timing:
+        t = _timed(lambda: self.torch_io.save_checkpoint(self.state, self.path()))
+        return t, t
+
+    def lightning_async_io(self) -> Timing:
+        io = AsyncCheckpointIO(TorchCheckpointIO())
+        t0 = time.perf_counter()
+        io.save_checkpoint(self.state, self.path())
+        blocked = time.perf_counter() - t0
+        io.teardown()
+        return blocked, time.perf_counter() - t0
+
+    def dcp_async_save(self) -> Timing:
+        t0 = time.perf_counter()
+        future = dcp.async_save(self.state, checkpoint_id=self.path(".dcp"), no_dist=True)
+        blocked = time.perf_counter() - t0
+        future.result()
+        return blocked, time.perf_counter() - t0
+
+    def clean(self) -> None:
+        for name in os.listdir(self.root):
+            shutil.rmtree(os.path.join(self.root, name)) if os.path.isdir(os.path.join(self.root, name)) else os.remove(os.path.join(self.root, name))
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+ROWS = [
+    ("memcpy into preallocated buffers (blocked limit)", "memcpy"),
+    ("raw write+fsync (total limit)", "raw_write"),
+    ("SafetensorsCheckpointIO(async_save=True)", "ours_async_save"),
+    ("SafetensorsCheckpointIO() sync", "ours_sync_save"),
+    ("torch.save + fsync", "torch_save"),
+    ("Lightning TorchCheckpointIO (no fsync)", "lightning_torch_io"),
+    ("Lightning AsyncCheckpointIO (no fsync)", "lightning_async_io"),
+    ("torch.distributed.checkpoint.async_save", "dcp_async_save"),
+]
+PEERS = ["ours_sync_save", "torch_save", "lightning_torch_io", "lightning_async_io", "dcp_async_save"]
+
+
+def measure_saves(methods: Methods, repeats: int) -> Dict[str, List[Timing]]:
+    results: Dict[str, List[Timing]] = {key: [] for _, key in ROWS}
+    for key in results:  # warm-up: allocate pools, thread pools, first-touch pages (not counted)
+        getattr(methods, key)()
+        methods.clean()
+    for _ in range(repeats):
+        for _, key in ROWS:
+            os.sync()
+            results[key].append(getattr(methods, key)())
+            methods.clean()
+    return results
+
+
+def save_table(results: Dict[str, List[Timing]], nbytes: int) -> Tuple[str, Dict[str, Tuple[float, float]]]:
+    med = {k: (statistics.median(b for b, _ in v), statistics.median(t for _, t in v)) for k, v in results.items()}
+    memcpy, raw = med["memcpy"][0], med["raw_write"][1]
+    lines = [
+        f"state: {nbytes / 1e6:.0f} MB, {len(results['memcpy'])} interleaved repeats, medians",
+        "",
+        "| method | blocked (s) | blocked / memcpy | total (s) | total / raw write+fsync | GB/s (total) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, key in ROWS:
+        b, t = med[key]
+        lines.append(f"| {label} | {b:.3f} | {b / memcpy:.2f}x | {t:.3f} | {t / raw:.2f}x | {nbytes / t / 1e9:.2f} |")
+    return "\n".join(lines), med
+
+
+def verdict(med: Dict[str, Tuple[float, float]]) -> str:
+    b, t = med["ours_async_save"]
+    memcpy, raw = med["memcpy"][0], med["raw_write"][1]
+    best_b = min(med[k][0] for k in PEERS)
+    best_t = min(med[k][1] for k in PEERS)
+    return "\n".join([
+        f"- blocked {b / memcpy:.2f}x memcpy (target <= 1.3x): {'met' if b <= 1.3 * memcpy else 'NOT met'}",
+        f"- total {t / raw:.2f}x raw write+fsync (target <= 1.5x): {'met' if t <= 1.5 * raw else 'NOT met'}",
+        f"- blocked vs best peer ({best_b:.3f}s): {'better' if b < best_b else 'NOT better'}",
+        f"- total vs best peer ({best_t:.3f}s): {'better' if t < best_t else 'NOT better'}",
+    ])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def peak_extra_rss(fn: Callable[[], object]) -> float:
+    gc.collect()
+    if not _reset_peak():
+        return float("nan")
+    before = _status("VmRSS")
+    fn()
+    return (_status("VmHWM") - before) / 1e6
+
+
+MEMORY_PROBES = ["ours_async_first", "ours_async_reused", "lightning_async_io", "dcp_async_save"]
+
+
+def memory_probe(kind: str, size_mb: float, root: str) -> float:
+    """Peak extra RSS (MB) of one save, in this fresh process (so freed memory of other methods cannot hide it)."""
+    state = make_state(size_mb)
+    if kind == "lightning_async_io":
+        return peak_extra_rss(lambda: _lightning_async_once(state, root))
+    if kind == "dcp_async_save":
+        return peak_extra_rss(lambda: _dcp_once(state, root))
+    io = SafetensorsCheckpointIO(async_save=True)
+
+    def save_and_wait() -> None:
+        io.save_checkpoint(state, os.path.join(root, "rss.ckpt"))
+        io.wait()
+
+    first = peak_extra_rss(save_and_wait)
+    return first if kind == "ours_async_first" else peak_extra_rss(save_and_wait)
+
+
+def measure_memory(size_mb: float, root: str) -> Dict[str, float]:
+    out = {}
+    for kind in MEMORY_PROBES:
+        cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", kind, "--size-mb", str(size_mb), "--dir", root]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        lines = [line for line in result.stdout.splitlines() if line.startswith("RSS ")]
+        out[kind] = float(lines[-1].split()[1]) if lines else float("nan")
+    return out
+
+
+def _lightning_async_once(state: Dict, root: str) -> None:
+    io = AsyncCheckpointIO(TorchCheckpointIO())
+    io.save_checkpoint(state, os.path.join(root, "la.ckpt"))
+    io.teardown()
+
+
+def _dcp_once(state: Dict, root: str) -> None:
+    dcp.async_save(state, checkpoint_id=os.path.join(root, "d.dcp"), no_dist=True).result()
+
+
+# ---------------------------------------------------------------------------------------- training
+
+
+def step_slowdown(state: Dict, root: str, steps: int = 60) -> Tuple[float, float]:
+    """Median CPU training-step time alone and while our background write of ``state`` runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 512)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for _ in range(10):
+        step()
+    alone = statistics.median(step() for _ in range(steps))
+    io = SafetensorsCheckpointIO(async_save=True)
+    during: List[float] = []
+    for i in range(3):
+        io.save_checkpoint(state, os.path.join(root, f"bg{i}.ckpt"))
+        while io.write_in_flight():
+            during.append(step())
+        io.wait()
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    return alone, statistics.median(during) if during else float("nan")
+
+
+class Fit(L.LightningModule):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def fit_steps_per_second(plugin, root: str, every: int, steps: int, width: int) -> float:
+    torch.manual_seed(0)
+    x = torch.randn(steps * 8, width)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    callbacks = [] if plugin == "none" else [ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1, monitor=None)]
+    trainer = L.Trainer(
+        max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        devices=1, callbacks=callbacks, enable_checkpointing=plugin != "none",
+        plugins=None if plugin in ("none", "lightning") else [plugin], default_root_dir=root,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    trainer.fit(Fit(width), loader)  # includes the wait for the last write (teardown)
+    elapsed = time.perf_counter() - t0
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    return steps / elapsed
+
+
+def measure_fits(root: str, every: int, steps: int, width: int, repeats: int) -> Dict[str, float]:
+    kinds = {
+        "no checkpoints": lambda: "none",
+        "Lightning default (TorchCheckpointIO)": lambda: "lightning",
+        "Lightning AsyncCheckpointIO": lambda: AsyncCheckpointIO(TorchCheckpointIO()),
+        "SafetensorsCheckpointIO() sync": lambda: SafetensorsCheckpointIO(),
+        "SafetensorsCheckpointIO(async_save=True)": lambda: SafetensorsCheckpointIO(async_save=True),
+    }
+    runs: Dict[str, List[float]] = {k: [] for k in kinds}
+    for _ in range(repeats):
+        for name, make in kinds.items():
+            runs[name].append(fit_steps_per_second(make(), root, every, steps, width))
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-mb", type=float, default=48.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where files are written (default: a temporary directory)")
+    parser.add_argument("--every", type=int, default=10, help="fit: save every this many steps")
+    parser.add_argument("--fit-steps", type=int, default=200)
+    parser.add_argument("--fit-width", type=int, default=1024, help="fit: hidden width (1024: 2.1M params, ~25 MB saved)")
+    parser.add_argument("--memory-probe", choices=MEMORY_PROBES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_probe:
+        print(f"RSS {memory_probe(args.memory_probe, args.size_mb, args.dir or tempfile.gettempdir())}")
+        return
+    root = tempfile.mkdtemp(prefix="bench_async_", dir=args.dir)
+    try:
+        state = make_state(args.size_mb)
+        nbytes = sum(t.numel() * t.element_size() for t in all_tensors(state))
+        table, med = save_table(measure_saves(Methods(state, root), args.repeats), nbytes)
+        print(table + "\n\n" + verdict(med) + "\n")
+        mem = measure_memory(args.size_mb, root)
+        print(f"peak extra RSS during one save (state {nbytes / 1e6:.0f} MB):")
+        for key, mb in mem.items():
+            print(f"- {key}: {mb:.0f} MB ({mb * 1e6 / nbytes:.2f}x state)")
+        print("  (ours_async_first allocates the reusable pool; ours_async_reused is every later save)")
+        alone, during = step_slowdown(state, root)
+        print(f"\ntraining step (CPU MLP, 1 thread): {alone * 1e3:.2f} ms alone, {during * 1e3:.2f} ms while a write runs ({during / alone:.2f}x)")
+        fits = measure_fits(root, args.every, args.fit_steps, args.fit_width, max(1, args.repeats // 2))
+        print(f"\nLightning fit, {args.fit_steps} steps, save every {args.every} steps (steps/s, median):")
+        for name, sps in fits.items():
+            print(f"- {name}: {sps:.1f} ({sps / fits['no checkpoints']:.2f}x of no checkpoints)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

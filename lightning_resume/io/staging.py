@@ -1,0 +1,287 @@
+"""Async saving mechanism: snapshot into reusable host buffers, then write on one ordered worker.
+
+Two phases, in order. On the training thread, :class:`HostBuffers` copies every tensor of the
+checkpoint into one preallocated host byte pool (pinned, with non-blocking copies and one
+synchronisation per device, when a source is on CUDA), and the non-tensor tree is encoded to its
+JSON text: after that nothing the next optimizer step mutates is referenced. On one background
+thread, :class:`OrderedWriter` runs jobs strictly in submission order: the atomic, checksummed
+commit of ``files.commit`` and the deletions asked for after it, so a prune never overtakes the
+save it depends on, and a deletion queued behind a failed write is skipped (nothing good is deleted
+on a full disk). :class:`AsyncSaver` ties them together: at most one save in flight (the next
+waits for it, and that wait is measured), a worker's error is handed to the training thread at the
+next save, at :meth:`AsyncSaver.wait` or at teardown, never lost. This module knows tensors,
+threads and files, not Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from lightning_resume.errors import LightningResumeError
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+"""Byte alignment of every staged tensor in the pool (a cache line; covers every dtype's itemsize)."""
+
+
+class AsyncWriteError(LightningResumeError, OSError):
+    """A background checkpoint write failed; raised on the training thread, naming the file."""
+
+    def __init__(self, path: str, cause: BaseException, action: str = "write") -> None:
+        self.path = path
+        self.cause = cause
+        self.action = action
+        super().__init__(
+            f"background {action} of checkpoint {path} failed: {type(cause).__name__}: {cause}. No partial file was left and"
+            " earlier checkpoints are untouched. Fix the cause (free disk space, directory permissions, the storage"
+            " backend), or pass SafetensorsCheckpointIO(on_error='warn') to keep training without this checkpoint."
+        )
+
+
+class AsyncWriteWarning(UserWarning):
+    """A background checkpoint write failed or did not finish, and ``on_error='warn'`` (or shutdown) let training go on."""
+
+
+# ------------------------------------------------------------------------------------ host buffers
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
+    """The pool: page-locked when copies come from CUDA, so they can run as DMA without a bounce buffer."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def _synchronize(device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class HostBuffers:
+    """One host byte pool sized to the state and reused by every save.
+
+    The pool is allocated on the first save and again only if a later state needs more bytes, or
+    needs pinning and the pool is not pinned; ``allocations`` counts that.
+    """
+
+    def __init__(self) -> None:
+        self._pool: Optional[torch.Tensor] = None
+        self.pinned = False
+        self.allocations = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._pool is None else self._pool.numel()
+
+    def stage(self, tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Copy ``tensors`` into the pool and return them as contiguous CPU views of it.
+
+        The views stay valid until the next ``stage`` or ``release``; the caller must not stage again
+        while a writer still reads them.
+        """
+        slots, total = _slots(tensors)
+        self._ensure(total, pinned=any(_is_cuda(t) for t in tensors.values()))
+        assert self._pool is not None
+        out, devices = {}, set()
+        for name, (offset, t) in slots.items():
+            nbytes = t.numel() * t.element_size()
+            dst = self._pool[offset : offset + nbytes].view(t.dtype).view(t.shape) if nbytes else torch.empty(t.shape, dtype=t.dtype)
+            dst.copy_(t.detach(), non_blocking=_is_cuda(t))
+            if _is_cuda(t):
+                devices.add(t.device)
+            out[name] = dst
+        for device in devices:  # one synchronisation per device, after every copy was queued
+            _synchronize(device)
+        return out
+
+    def release(self) -> None:
+        self._pool = None
+
+    def _ensure(self, nbytes: int, pinned: bool) -> None:
+        if self._pool is not None and self.capacity >= nbytes and (self.pinned or not pinned):
+            return
+        self._pool = None  # drop the old pool before allocating the new one: never two at once
+        self._pool = _allocate(max(nbytes, ALIGN), pinned)
+        self.pinned = pinned
+        self.allocations += 1
+
+
+def _slots(tensors: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, Tuple[int, torch.Tensor]], int]:
+    """Each tensor's offset in the pool (aligned), and the pool size they need."""
+    slots, offset = {}, 0
+    for name, t in tensors.items():
+        slots[name] = (offset, t)
+        offset += _aligned(t.numel() * t.element_size())
+    return slots, offset
+
+
+# ------------------------------------------------------------------------------------ ordered writer
+
+
+@dataclass(eq=False)
+class Job:
+    """One unit of background work. ``after`` is the write a deletion depends on."""
+
+    kind: str  # "write" or "remove"
+    path: str
+    run: Callable[[], None]
+    after: Optional["Job"] = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    skipped: bool = False
+    seconds: float = 0.0
+
+
+class OrderedWriter:
+    """A single daemon thread that runs submitted jobs one at a time, in submission order."""
+
+    def __init__(self, name: str = "lightning-resume-writer") -> None:
+        self._name = name
+        self._cv = threading.Condition()
+        self._queue: Deque[Job] = deque()
+        self._outstanding: List[Job] = []
+        self._failed: List[Job] = []
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, job: Job) -> Job:
+        with self._cv:
+            self._outstanding.append(job)
+            self._queue.append(job)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return job
+
+    def outstanding(self, path: Optional[str] = None, kind: Optional[str] = None) -> List[Job]:
+        """Jobs queued or running (for ``path`` and of ``kind`` when given), oldest first."""
+        with self._cv:
+            return [j for j in self._outstanding if (path is None or j.path == path) and (kind is None or j.kind == kind)]
+
+    def wait(self, jobs: List[Job], timeout: Optional[float] = None) -> bool:
+        """Block until every job in ``jobs`` is done; ``False`` if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.done.wait(left):
+                return False
+        return True
+
+    def take_failed(self) -> List[Job]:
+        """Jobs that raised since the last call, oldest first (each is handed out once)."""
+        with self._cv:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    if not self._cv.wait(timeout=30.0) and not self._queue:
+                        self._thread = None  # idle: exit; the next submit starts a fresh thread
+                        return
+                job = self._queue.popleft()
+            self._run(job)
+            with self._cv:
+                self._outstanding.remove(job)
+                if job.error is not None:
+                    self._failed.append(job)
+                job.done.set()
+                self._cv.notify_all()
+
+    def _run(self, job: Job) -> None:
+        if job.after is not None and job.after.error is not None:
+            job.skipped = True  # the write this deletion made redundant did not happen: keep the old file
+            log.warning("skipped deleting %s: the checkpoint written before it (%s) failed", job.path, job.after.path)
+            return
+        started = time.monotonic()
+        try:
+            job.run()
+        except BaseException as err:  # handed to the training thread by AsyncSaver; never lost here
+            job.error = err
+        job.seconds = time.monotonic() - started
+
+
+# ------------------------------------------------------------------------------------ the saver
+
+
+WriteFn = Callable[[str, str, Dict[str, torch.Tensor]], None]
+"""``write(path, tree_json, staged_tensors)``: the durable commit (``files.commit`` with a digest)."""
+
+
+class AsyncSaver:
+    """Snapshot on the caller's thread, write on the worker; at most one save in flight.
+
+    ``encode(checkpoint) -> (tree_json, tensors)`` runs on the caller's thread, ``write`` on the worker.
+    A failed job is reported on the caller's thread by the next :meth:`save`, :meth:`wait` or
+    :meth:`report`: raised as ``AsyncWriteError`` (``on_error="raise"``) or warned (``"warn"``).
+    """
+
+    def __init__(self, encode: Callable[[dict], Tuple[str, Dict[str, torch.Tensor]]], write: WriteFn, on_error: str = "raise") -> None:
+        self._encode = encode
+        self._write = write
+        self.on_error = on_error
+        self.buffers = HostBuffers()
+        self.writer = OrderedWriter()
+        self._last_write: Optional[Job] = None
+        self.last_wait_seconds = 0.0
+        self.last_blocked_seconds = 0.0
+        self._write_seconds: Optional[float] = None
+
+    @property
+    def last_write_seconds(self) -> Optional[float]:
+        """Worker time of the newest write that completed (``None`` before the first)."""
+        job = self._last_write
+        if job is not None and job.done.is_set() and job.error is None:
+            self._write_seconds = job.seconds
+        return self._write_seconds
+
+    def save(self, checkpoint: dict, path: str) -> None:
+        """Wait for the previous save (measured), report its failure, snapshot ``checkpoint``, queue its write."""
+        started = time.monotonic()
+        self.writer.wait(self.writer.outstanding())  # the pool is reused: the previous write must be done
+        snapshot_start = time.monotonic()
+        self.last_wait_seconds = snapshot_start - started
+        self.report()
+        tree_json, tensors = self._encode(checkpoint)  # unencodable values fail here, before any file
+        staged = self.buffers.stage(tensors)
+        self.last_blocked_seconds = time.monotonic() - snapshot_start
+        job = Job("write", path, lambda: self._write(path, tree_json, staged))
+        self._last_write = self.writer.submit(job)
+
+    def remove(self, path: str, remove: Callable[[], None]) -> None:
+        """Queue a deletion after everything submitted so far (skipped if the write before it failed)."""
+        self.writer.submit(Job("remove", path, remove, after=self._last_write))
+
+    def in_flight(self, path: Optional[str] = None) -> bool:
+        return bool(self.writer.outstanding(path, kind="write"))
+
+    def wait(self, path: Optional[str] = None, timeout: Optional[float] = None) -> bool:
+        """Until ``path``'s writes (or every job) are done, then :meth:`report`; ``False`` on timeout."""
+        jobs = self.writer.outstanding(path, kind="write") if path is not None else self.writer.outstanding()
+        done = self.writer.wait(jobs, timeout)
+        self.report()
+        return done
+
+    def report(self, on_error: Optional[str] = None) -> None:
+        """Hand every failure since the last report to this thread: raise the first, warn the others."""
+        errors = [AsyncWriteError(j.path, j.error, j.kind) for j in self.writer.take_failed() if j.error is not None]
+        raising = (on_error or self.on_error) == "raise" and errors
+        for err in errors[1:] if raising else errors:
+            warnings.warn(str(err), AsyncWriteWarning, stacklevel=3)
+        if raising:
+            raise errors[0] from errors[0].cause

@@ -1,0 +1,185 @@
+"""The async mechanism alone: the reusable host pool (CPU, mocked CUDA, real CUDA when present) and
+the ordered writer (order, deletions behind failed writes, errors handed over once)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_resume.io import staging
+from lightning_resume.io.staging import ALIGN, AsyncSaver, AsyncWriteError, AsyncWriteWarning, HostBuffers, Job, OrderedWriter
+from tests.io_helpers import tensor_bits
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]
+
+
+def _state(shapes, dtypes):
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        t = torch.randn(shape, generator=g, dtype=torch.float64) * 100
+        out[f"t{i}"] = (t > 0) if dtype is torch.bool else t.to(dtype)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=3), st.sampled_from(DTYPES)), min_size=1, max_size=8))
+def test_staged_tensors_are_bitwise_copies_in_aligned_slots(spec):
+    tensors = _state([s for s, _ in spec], [d for _, d in spec])
+    staged = HostBuffers().stage(tensors)
+    for name, t in tensors.items():
+        s = staged[name]
+        assert (s.dtype, s.shape, s.is_contiguous()) == (t.dtype, t.shape, True)
+        assert tensor_bits(s) == tensor_bits(t)
+        if s.numel():
+            assert s.data_ptr() % ALIGN == 0
+            assert s.data_ptr() != t.data_ptr()
+
+
+def test_pool_is_allocated_once_and_reused_across_saves():
+    buffers = HostBuffers()
+    state = {"w": torch.randn(100, 10), "b": torch.randn(10), "step": torch.tensor(3)}
+    first = buffers.stage(state)
+    ptr = first["w"].data_ptr()
+    for _ in range(5):
+        for t in state.values():
+            t.add_(1)
+        again = buffers.stage(state)
+        assert again["w"].data_ptr() == ptr and torch.equal(again["w"], state["w"])
+    smaller = buffers.stage({"w": torch.randn(5)})  # a smaller state fits: no reallocation either
+    assert buffers.allocations == 1 and smaller["w"].data_ptr() == ptr
+    buffers.stage({"w": torch.randn(10_000)})
+    assert buffers.allocations == 2
+
+
+def test_noncontiguous_conjugate_and_negative_views_are_materialised():
+    base = torch.randn(6, 4, dtype=torch.complex64)
+    tensors = {"t": base.t(), "conj": base.conj(), "neg": torch.randn(4)._neg_view(), "slice": torch.randn(8, 8)[::2, 1::3]}
+    staged = HostBuffers().stage(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(staged[name], t.resolve_conj().resolve_neg()), name
+        assert not staged[name].is_conj() and not staged[name].is_neg()
+
+
+def test_cuda_sources_use_a_pinned_pool_non_blocking_copies_and_one_sync_per_device(monkeypatch):
+    """No GPU here: CPU tensors stand in for CUDA ones; allocation, copy and sync are recorded."""
+    calls = {"alloc": [], "sync": [], "non_blocking": []}
+    monkeypatch.setattr(staging, "_is_cuda", lambda t: True)
+    monkeypatch.setattr(staging, "_allocate", lambda n, pinned: calls["alloc"].append(pinned) or torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(staging, "_synchronize", lambda device: calls["sync"].append(device))
+    real_copy = torch.Tensor.copy_
+
+    def spy(self, src, non_blocking=False):
+        calls["non_blocking"].append(non_blocking)
+        return real_copy(self, src)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    state = {"a": torch.randn(10), "b": torch.randn(3, 3), "c": torch.arange(4)}
+    staged = HostBuffers().stage(state)
+    assert calls["alloc"] == [True]
+    assert calls["non_blocking"] == [True, True, True]
+    assert calls["sync"] == [torch.device("cpu")]  # one per source device, after all copies were queued
+    assert all(torch.equal(staged[k], v) for k, v in state.items())
+
+
+def test_a_pool_first_sized_for_cpu_is_replaced_by_a_pinned_one_for_cuda(monkeypatch):
+    pinned = []
+    monkeypatch.setattr(staging, "_allocate", lambda n, p: pinned.append(p) or torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(staging, "_synchronize", lambda device: None)
+    buffers = HostBuffers()
+    buffers.stage({"a": torch.randn(10)})
+    monkeypatch.setattr(staging, "_is_cuda", lambda t: True)
+    buffers.stage({"a": torch.randn(10)})
+    buffers.stage({"a": torch.randn(10)})
+    assert pinned == [False, True] and buffers.pinned
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_staging_is_pinned_and_exact():
+    state = {"w": torch.randn(1000, 100, device="cuda"), "m": torch.randn(7, device="cuda", dtype=torch.bfloat16)}
+    buffers = HostBuffers()
+    staged = buffers.stage(state)
+    assert buffers.pinned and all(s.is_pinned() and s.device.type == "cpu" for s in staged.values())
+    state["w"].add_(1)  # after stage() returns the copy is complete (synchronised)
+    assert torch.equal(staged["w"] + 1, state["w"].cpu()) and torch.equal(staged["m"], state["m"].cpu())
+
+
+# ------------------------------------------------------------------------------------ ordered writer
+
+
+def test_jobs_run_one_at_a_time_in_submission_order():
+    writer, log, gate = OrderedWriter(), [], threading.Event()
+    jobs = [writer.submit(Job("write", "a", lambda: (gate.wait(5), log.append("a"))))]
+    jobs += [writer.submit(Job("remove", p, lambda p=p: log.append(p))) for p in "bcde"]
+    time.sleep(0.05)
+    assert log == [] and len(writer.outstanding()) == 5  # nothing overtakes the blocked write
+    gate.set()
+    assert writer.wait(jobs, timeout=5)
+    assert log == list("abcde") and writer.outstanding() == []
+
+
+def test_a_deletion_behind_a_failed_write_is_skipped():
+    writer, removed = OrderedWriter(), []
+    failed = writer.submit(Job("write", "new", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device"))))
+    skipped = writer.submit(Job("remove", "old", lambda: removed.append("old"), after=failed))
+    writer.wait([failed, skipped], timeout=5)
+    assert skipped.skipped and removed == []
+    assert [j.path for j in writer.take_failed()] == ["new"] and writer.take_failed() == []
+
+
+def test_wait_times_out_and_reports_false():
+    writer, gate = OrderedWriter(), threading.Event()
+    job = writer.submit(Job("write", "a", lambda: gate.wait(5)))
+    assert writer.wait([job], timeout=0.05) is False
+    gate.set()
+    assert writer.wait([job], timeout=5) is True
+
+
+def _saver(write, on_error="raise"):
+    return AsyncSaver(lambda ckpt: ("{}", dict(ckpt)), write, on_error)
+
+
+def test_saver_raises_a_failed_write_once_at_the_next_save_naming_the_file():
+    def write(path, tree_json, tensors):
+        if path == "bad.ckpt":
+            raise PermissionError(13, "Permission denied")
+
+    saver = _saver(write)
+    saver.save({"w": torch.zeros(3)}, "bad.ckpt")
+    with pytest.raises(AsyncWriteError, match="bad.ckpt.*Permission denied") as info:
+        saver.save({"w": torch.zeros(3)}, "good.ckpt")
+    assert isinstance(info.value.__cause__, PermissionError) and info.value.path == "bad.ckpt"
+    saver.save({"w": torch.zeros(3)}, "good.ckpt")  # reported once; the next save goes through
+    assert saver.wait() is True
+
+
+def test_saver_in_warn_mode_warns_and_goes_on():
+    saver = _saver(lambda path, *_: (_ for _ in ()).throw(OSError(5, "Input/output error")), on_error="warn")
+    saver.save({"w": torch.zeros(3)}, "a.ckpt")
+    with pytest.warns(AsyncWriteWarning, match="a.ckpt.*Input/output error"):
+        saver.save({"w": torch.zeros(3)}, "b.ckpt")
+    with pytest.warns(AsyncWriteWarning, match="b.ckpt"):
+        saver.wait()
+
+
+def test_next_save_waits_for_the_previous_write_and_measures_the_wait():
+    gate, seen = threading.Event(), []
+
+    def write(path, tree_json, tensors):
+        gate.wait(5)
+        seen.append((path, tensors["w"].clone()))
+
+    saver = _saver(write)
+    saver.save({"w": torch.zeros(3)}, "a")
+    threading.Timer(0.2, gate.set).start()
+    saver.save({"w": torch.ones(3)}, "b")  # must not overwrite the pool while "a" is being written
+    assert saver.last_wait_seconds >= 0.15
+    saver.wait()
+    assert [p for p, _ in seen] == ["a", "b"]
+    assert torch.equal(seen[0][1], torch.zeros(3)) and torch.equal(seen[1][1], torch.ones(3))
+    assert saver.last_write_seconds is not None and saver.last_blocked_seconds < saver.last_wait_seconds

@@ -214,7 +214,7 @@ def test_empty_and_garbage_files(tmp_path):
 
 json_trees = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=4),
-              st.sampled_from(["dict", "odict", "tuple", "tensor", "enum", "float", "bytes", "path", "size", "npscalar",
+              st.sampled_from(["dict", "odict", "tuple", "tensor", "enum", "float", "bytes", "path", "size", "npscalar", "device", "bogus",
                                "custom", "dtype", "datetime", "timedelta", "ndarray", "t", "lightning.pytorch.trainer.states:TrainerFn"])),
     lambda kids: st.one_of(st.lists(kids, max_size=3),
                            st.dictionaries(st.sampled_from(["@", "v", "i", "k", "cls", "name", "dtype", "param", "grad"]), kids, max_size=4)),
@@ -249,3 +249,30 @@ def test_deeply_nested_tree_is_refused_cleanly():
     meta = {TREE_KEY: tree_json, INTEGRITY_KEY: integrity.make_record("sha256", tree_json, [], {})}
     with pytest.raises(CheckpointCorruptError):
         _load_bytes(container.header_bytes([], meta))
+
+
+@pytest.mark.parametrize(
+    "tree, entry",
+    [
+        ({"@": "device", "v": "bogus"}, container.Entry("t", "F32", (1,), 0, 4)),
+        ({"@": "tensor", "k": "t", "param": True, "grad": True}, container.Entry("t", "I32", (1,), 0, 4)),
+        ({"@": "tensor", "k": "t"}, container.Entry("t", "F32", (2**70, 0), 0, 0)),
+    ],
+    ids=["bogus-device", "grad-on-integers", "huge-dimension"],
+)
+def test_crafted_values_torch_refuses_give_clean_errors(tree, entry):
+    """Values a well-formed file can carry but torch rejects: a library error or a clean load, never a raw one."""
+    import json
+
+    from lightning_resume.io import integrity
+    from lightning_resume.io.files import INTEGRITY_KEY, TREE_KEY
+
+    tree_json = json.dumps({"@": "dict", "v": {"x": tree}})
+    nbytes = entry.end - entry.begin
+    digests = {"t": integrity.digest("sha256", b"\x00" * nbytes)}
+    meta = {TREE_KEY: tree_json, INTEGRITY_KEY: integrity.make_record("sha256", tree_json, [entry], digests)}
+    try:
+        loaded = _load_bytes(container.header_bytes([entry], meta) + b"\x00" * nbytes)
+    except LightningResumeError:
+        return
+    assert not loaded["x"].requires_grad  # grad on integers is dropped, not raised

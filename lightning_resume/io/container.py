@@ -127,6 +127,10 @@ def _metadata(path: str, meta: Any) -> Dict[str, str]:
     return meta
 
 
+MAX_DIMS = 64  # torch's own limit on tensor dimensions
+MAX_DIM = 2**62  # a dimension torch can index; larger ones only come from crafted headers
+
+
 def _entry(path: str, name: str, spec: Any) -> Entry:
     where = f"tensor '{name}'"
     if type(spec) is not dict or set(spec) != {"dtype", "shape", "data_offsets"}:
@@ -134,8 +138,8 @@ def _entry(path: str, name: str, spec: Any) -> Entry:
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if type(dtype) is not str or dtype not in DTYPES:
         raise CheckpointCorruptError(path, f"{where}: unknown dtype", sorted(DTYPES), dtype)
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
-        raise CheckpointCorruptError(path, f"{where}: shape is not a list of non-negative ints", None, _short(shape))
+    if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
+        raise CheckpointCorruptError(path, f"{where}: shape is not a list of at most {MAX_DIMS} ints in [0, 2**62)", None, _short(shape))
     if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
         raise CheckpointCorruptError(path, f"{where}: data_offsets malformed", "[begin, end]", _short(offsets))
     numel = 1

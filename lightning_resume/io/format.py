@@ -261,7 +261,8 @@ class _Decoder:
             raise TreeFormatError(f"unexpected node {_short(x)}")
         try:
             return self.tagged(x["@"], x, depth + 1)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, struct.error) as err:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RuntimeError, struct.error) as err:
+            # RuntimeError: torch refusing a value the tree asks for (a bogus device, grad on integers)
             if isinstance(err, TreeFormatError):
                 raise
             raise TreeFormatError(f"malformed {x['@']!r} node {_short(x)}: {err}") from err
@@ -299,9 +300,10 @@ class _Decoder:
         t = self.tensors[name]
         if tag == "ndarray":
             return t.numpy()
+        grad = bool(x.get("grad")) and (t.is_floating_point() or t.is_complex())  # only these can require grad
         if x.get("param"):
-            return torch.nn.Parameter(t, requires_grad=bool(x.get("grad")))
-        return t.requires_grad_(True) if x.get("grad") and t.is_floating_point() else t
+            return torch.nn.Parameter(t, requires_grad=grad)
+        return t.requires_grad_(True) if grad else t
 
     def enum(self, x: Dict[str, Any]) -> Any:
         cls = _resolve_loaded_class(x["cls"])

@@ -19,7 +19,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("convert", help="convert a legacy torch.save checkpoint to the safetensors format")
     p.add_argument("old", help="legacy checkpoint (torch.save zip or pickle)")
     p.add_argument("new", help="path of the new checkpoint (any extension; *.ckpt works with ModelCheckpoint)")
-    p.add_argument("--checksum", choices=["sha256", "blake2b", "crc32"], default="sha256")
+    p.add_argument("--checksum", choices=["crc32", "sha256", "blake2b"], default="crc32")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 

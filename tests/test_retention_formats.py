@@ -51,3 +51,12 @@ def test_a_hostile_file_does_not_stop_last_from_finding_a_good_one(tmp_path) -> 
     with pytest.warns(UserWarning, match="step=000000006.ckpt"):
         trainer = _fit(tmp_path, [SafetensorsCheckpointIO()], 6, ckpt_path="last", keep_last=10)
     assert trainer.ckpt_path == str(tmp_path / rolling_name(4))
+
+
+def test_lightnings_async_io_is_refused_with_the_fix(tmp_path) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_resume import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="SafetensorsCheckpointIO\\(async_save=True\\)"):
+        _fit(tmp_path, [AsyncCheckpointIO()], 4, keep_last=2)

@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import lightning.pytorch as pl
@@ -204,6 +205,16 @@ class RetentionCheckpoint(ModelCheckpoint):
         self.kth_best_model_path, self.kth_value = best[-1].path, torch.tensor(best[-1].metric)
 
     # ---- resuming -----------------------------------------------------------------------------
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.policy.active and isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+            # It returns before the file exists and says nothing when it does: a prune could then
+            # delete the newest durable checkpoint while its successor is still being written.
+            raise ConfigurationError(type(self).__name__, [
+                "Lightning's AsyncCheckpointIO cannot tell when a file is durable, so retention cannot run"
+                " safely with it; use plugins=[SafetensorsCheckpointIO(async_save=True)] instead"
+            ])
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_train_start(trainer, pl_module)

@@ -60,19 +60,3 @@ def test_lightnings_async_io_is_refused_with_the_fix(tmp_path) -> None:
 
     with pytest.raises(ConfigurationError, match="SafetensorsCheckpointIO\\(async_save=True\\)"):
         _fit(tmp_path, [AsyncCheckpointIO()], 4, keep_last=2)
-
-
-def test_resume_source_is_protected_with_a_relative_dirpath(tmp_path, monkeypatch) -> None:
-    """Record paths follow the dirpath given ("ckpt/..."), trainer.ckpt_path may be absolute."""
-    monkeypatch.chdir(tmp_path)
-    lightning.seed_everything(0, verbose=False)
-
-    def fit(max_steps, ckpt_path=None):
-        callback = RetentionCheckpoint(dirpath="ckpt", every_n_train_steps=2, keep_last=1)
-        trainer = tiny_trainer([callback], max_epochs=None, max_steps=max_steps, limit_train_batches=4)
-        trainer.fit(TinyModel(), datamodule=TinyData(), ckpt_path=ckpt_path)
-
-    fit(8)
-    (tmp_path / "ckpt" / rolling_name(4)).write_bytes((tmp_path / "ckpt" / rolling_name(8)).read_bytes())
-    fit(12, ckpt_path=str(tmp_path / "ckpt" / rolling_name(4)))
-    assert rolling_name(4) in listing(tmp_path / "ckpt")  # keep_last=1, but it is the resume source

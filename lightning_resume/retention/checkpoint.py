@@ -224,11 +224,6 @@ class RetentionCheckpoint(ModelCheckpoint):
         self._resume_source = os.path.realpath(resume) if resume else None
         records = self._reconciled_records(trainer) if trainer.is_global_zero else None
         self._records = {r.path: r for r in trainer.strategy.broadcast(records)}
-        # The policy compares paths as strings: name the resume source exactly as its record does
-        # (a relative dirpath gives relative record paths; trainer.ckpt_path may be absolute).
-        self._resume_source = next(
-            (p for p in self._records if os.path.realpath(p) == self._resume_source), self._resume_source
-        )
         self._apply_retention(trainer)
 
     def _reconciled_records(self, trainer: "pl.Trainer") -> list:
@@ -242,7 +237,7 @@ class RetentionCheckpoint(ModelCheckpoint):
                 continue  # not our naming: never ours to delete, not ours to track
             known = self._records.get(path) or self._record_from_file(path, step, entry.mtime)
             if known.in_flight or path not in self._records:
-                problem = None if os.path.realpath(path) == self._resume_source else files.verify_problem(path, io)
+                problem = None if path == self._resume_source else files.verify_problem(path, io)
                 if problem is not None:
                     rank_zero_warn(f"RetentionCheckpoint: {path} does not verify ({problem}); it is kept, not counted.")
                 known = replace(known, in_flight=False, verified=problem is None, owned=True)

@@ -48,3 +48,23 @@ def test_shipped_yaml_trains_snapshots_and_resumes(tmp_path: Path) -> None:
     exact = next(c for c in resumed.trainer.callbacks if isinstance(c, ExactResume))
     assert exact.resume_report["exact"] and exact.resume_report["fingerprint_ok"]
     assert resumed.trainer.global_step == 14
+
+
+def test_inspect_shows_what_exact_resume_saved(tmp_path: Path, capsys) -> None:
+    import json
+
+    from lightning_resume import cli
+    from tests.exact import harness as h
+
+    cfg = {"out": str(tmp_path / "A"), "ckpt_dir": str(tmp_path / "ckpt"), "n": 40, "batch_size": 4, "max_epochs": 1,
+           "num_workers": 2, "augment": True, "safetensors": True,
+           "ckpt": {"every_n_train_steps": 5, "save_top_k": -1, "filename": "{step}"}}
+    h.run(cfg, tmp_path)
+    assert cli.main(["inspect", str(tmp_path / "ckpt" / "step=5.ckpt"), "--json"]) == 0
+    exact = json.loads(capsys.readouterr().out)["exact_resume"]
+    (rank,) = exact["ranks"]
+    assert exact["world_size"] == 1 and rank["rng_streams"][:3] == ["python", "numpy", "torch"]
+    assert rank["loader_positions"] == ["5 batches yielded, 2 worker states"]
+    assert set(rank["fingerprint"]) == {"weights", "optimizer", "rng", "data", "step"} and rank["fingerprint"]["step"] == "5"
+    assert cli.main(["inspect", str(tmp_path / "ckpt" / "step=5.ckpt")]) == 0
+    assert "rank 0: RNG python, numpy, torch" in capsys.readouterr().out

@@ -9,6 +9,7 @@ from typing import Any, Dict
 from lightning_resume.errors import LightningResumeError
 from lightning_resume.io.files import load_file
 from lightning_resume.io.summary import describe
+from lightning_resume.state.describe import describe_exact_state
 
 
 def register(subparsers: Any) -> None:
@@ -20,7 +21,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        info = describe(args.file, load_file(args.file, verify=False, lenient=True, mmap=True))
+        loaded = load_file(args.file, verify=False, lenient=True, mmap=True)
+        info = describe(args.file, loaded)
+        callbacks = loaded.checkpoint.get("callbacks")
+        exact = describe_exact_state(callbacks.get("ExactResume")) if isinstance(callbacks, dict) else None
+        info["exact_resume"] = exact
     except (LightningResumeError, OSError) as err:
         print(f"error: {err}")
         return 1
@@ -37,7 +42,21 @@ def render(info: Dict[str, Any]) -> str:
     ]
     for name, keys in info["callbacks"].items():
         lines.append(f"callback  {name}: {', '.join(keys) or '(empty)'}")
+    lines += _render_exact(info.get("exact_resume"))
     lines.append("tensors by group:")
     for group, g in sorted(info["tensor_groups"].items()):
         lines.append(f"  {group:<24} {g['tensors']:>6} tensors {g['bytes']:>16,} bytes")
     return "\n".join(lines)
+
+
+def _render_exact(exact: Any) -> list:
+    if exact is None:
+        return ["exact resume: no ExactResume state (RNG streams and data position are not saved)"]
+    lines = [f"exact resume: format {exact['format']}, world size {exact['world_size']}"]
+    for r in exact["ranks"]:
+        lines.append(f"  rank {r['rank']}: RNG {', '.join(r['rng_streams'])}")
+        lines.append(f"    data: {'; '.join(r['loader_positions']) or 'no train loader'}; prefetched {r['prefetched_batches']};"
+                     f" epoch exhausted {r['epoch_exhausted']}; validation pending {r['validation_pending']}")
+        if r["fingerprint"]:
+            lines.append("    fingerprint: " + ", ".join(f"{k}={v}" for k, v in sorted(r["fingerprint"].items())))
+    return lines

@@ -16,18 +16,15 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchdata.stateful_dataloader.stateful import Stateful
 
 from lightning_resume import _lightning as lt
+from lightning_resume import ranks, snapshots
 from lightning_resume.durations import Duration
 from lightning_resume.errors import ConfigurationError, ResumeMismatchError
 from lightning_resume.preemption import DEFAULT_SIGNALS, PreemptionFlag
-from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget
-from lightning_resume.retention.files import fsync_file_and_dir
 from lightning_resume.schedule import ScheduleConfig
 from lightning_resume.scheduling import SnapshotScheduler
 from lightning_resume.state.data import loader_problems, loader_signature, remap_position
@@ -35,7 +32,6 @@ from lightning_resume.state.fingerprint import digest, fingerprint, fingerprint_
 from lightning_resume.state.rng import capture_rng, restore_rng, rng_mismatches
 
 FORMAT_VERSION = 1
-SNAPSHOT_PREFIX = "last-snapshot-step="
 NOT_RESTORED_WITHOUT_EXACT_RESUME = (
     "RNG streams (Python, NumPy, torch CPU/CUDA, registered generators), the data position aligned with"
     " the last trained batch, loader worker RNG, validation due at the saved step"
@@ -114,7 +110,7 @@ class ExactResume(Callback):
         self._trainer = trainer
         if (warning := lt.check_version()) is not None:
             rank_zero_warn(warning)
-        if _snapshot_target(trainer) is None and _first_model_checkpoint(trainer) is None:
+        if snapshots.snapshot_target(trainer) is None and snapshots.first_model_checkpoint(trainer) is None:
             if self.scheduler is not None and self.scheduler.takes_snapshots:
                 raise ConfigurationError(
                     "ExactResume", ["scheduled snapshots need a checkpoint directory: add a RetentionCheckpoint or"
@@ -173,7 +169,7 @@ class ExactResume(Callback):
             "schedule": self.scheduler.state_dict() if self.scheduler is not None else {},
             "world_size": trainer.world_size,
             "signature": self._signature(trainer),
-            "ranks": _gather(local, trainer.world_size),
+            "ranks": ranks.gather(local, trainer.world_size),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -228,7 +224,7 @@ class ExactResume(Callback):
 
     # ----------------------------------------------------------------------------------- restore
     def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", saved: dict[str, Any]) -> None:
-        differences = _agreed(trainer, self._differences(trainer, saved))
+        differences = ranks.agreed(trainer, self._differences(trainer, saved))
         if differences:
             self._refuse_or_warn(differences)
         mine = self._state_for_this_rank(trainer, saved)
@@ -312,7 +308,7 @@ class ExactResume(Callback):
     def _check_fingerprint(self, trainer: "pl.Trainer", mine: Mapping[str, Any], restored_rng: Any) -> None:
         restored = self._fingerprint(trainer, restored_rng, None)
         bad = fingerprint_mismatches(mine["fingerprint"], restored, ("weights", "optimizer", "rng", "step"))
-        bad = _agreed(trainer, bad)
+        bad = ranks.agreed(trainer, bad)
         self.resume_report["fingerprint_ok"] = not bad
         if bad:
             self._refuse_or_warn([f"fingerprint after restore: {line}" for line in bad])
@@ -336,7 +332,7 @@ class ExactResume(Callback):
         self.scheduler.start(
             step=trainer.global_step,
             num_nodes=self._num_nodes or trainer.num_nodes,
-            history_dir=_snapshot_dir(trainer) if self.scheduler.takes_snapshots else None,
+            history_dir=snapshots.snapshot_dir(trainer) if self.scheduler.takes_snapshots else None,
             restored=pending.get("schedule"),
             checkpoint_wall_time=pending.get("saved_at"),
             is_rank_zero=trainer.is_global_zero,
@@ -353,7 +349,7 @@ class ExactResume(Callback):
         if local_preempt and trainer.world_size == 1:
             save, preempt, reason = False, True, "preemption"
         else:
-            agree = lambda values: _max_over_ranks(trainer, values)  # noqa: E731
+            agree = lambda values: ranks.max_over_ranks(trainer, values)  # noqa: E731
             save, preempt, reason = self.scheduler.decide(trainer.global_step, local_preempt, agree, trainer.is_global_zero)
         if save or preempt:
             self._snapshot(trainer, "preemption" if preempt else reason)
@@ -365,11 +361,11 @@ class ExactResume(Callback):
 
     def _snapshot(self, trainer: "pl.Trainer", reason: str) -> None:
         started = time.monotonic()
-        path = _save_snapshot(trainer, reason)
+        path = snapshots.save_snapshot(trainer, reason)
         blocked = time.monotonic() - started  # with an async writer: the snapshot part only
-        writer = _async_writer(trainer)
+        writer = snapshots.async_writer(trainer)
         if reason == "preemption" and writer is not None:
-            _wait_durable(writer, path)
+            snapshots.wait_durable(writer, path)
         if self.scheduler is None or self.scheduler.state is None:
             return
         nbytes = os.path.getsize(path) if trainer.is_global_zero and os.path.isfile(path) else None
@@ -382,29 +378,6 @@ class ExactResume(Callback):
         for i, loader in enumerate(lt.train_loaders(trainer)):
             for problem in loader_problems(f"train loader {i}", loader):
                 rank_zero_warn(f"ExactResume: resume will not be exact: {problem}")
-
-
-def _agreed(trainer: "pl.Trainer", lines: list[str]) -> list[str]:
-    """Every rank's lines on every rank, so that all ranks refuse (or warn) together: a rank that raised
-    alone would leave the others waiting in the next collective. Lines not seen on every rank say
-    which ranks saw them."""
-    per_rank = _gather(lines, trainer.world_size)
-    if len(per_rank) == 1:
-        return lines
-    out: dict[str, list[int]] = {}
-    for rank, rank_lines in enumerate(per_rank):
-        for line in rank_lines:
-            out.setdefault(line, []).append(rank)
-    return [line if len(ranks) == len(per_rank) else f"{line} (ranks {ranks})" for line, ranks in out.items()]
-
-
-def _gather(local: Any, world_size: int) -> list[Any]:
-    """Every rank's value, in rank order, on every rank (e.g. its state: the file is written by rank 0 only)."""
-    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-        return [local]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, local)
-    return out
 
 
 def _make_scheduler(
@@ -424,70 +397,3 @@ def _make_scheduler(
     return SnapshotScheduler(config, clock or time.monotonic)
 
 
-def _max_over_ranks(trainer: "pl.Trainer", values: list[int]) -> list[int]:
-    """Element-wise max over ranks: rank 0's decision reaches all, any rank's preemption flag counts."""
-    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.int64, device=trainer.strategy.root_device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [int(v) for v in tensor.tolist()]
-
-
-def _snapshot_target(trainer: "pl.Trainer") -> Optional[SnapshotTarget]:
-    targets = (cb for cb in trainer.callbacks if isinstance(cb, SnapshotTarget) and cb.accepts_snapshots)
-    return next(targets, None)  # type: ignore[arg-type]
-
-
-def _first_model_checkpoint(trainer: "pl.Trainer") -> Optional[ModelCheckpoint]:
-    return next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), None)
-
-
-def _snapshot_dir(trainer: "pl.Trainer") -> Optional[str]:
-    target = _snapshot_target(trainer) or _first_model_checkpoint(trainer)
-    dirpath = getattr(target, "dirpath", None)
-    return None if dirpath is None else str(dirpath)
-
-
-def _save_snapshot(trainer: "pl.Trainer", reason: str) -> str:
-    """Through the run's RetentionCheckpoint when there is one (a rolling checkpoint), else beside the
-    first ModelCheckpoint's files as ``last-snapshot-step=N.ckpt``, which ``ckpt_path="last"`` finds
-    (model_checkpoint.py:867-877) and its top-k bookkeeping never sees. The previous such snapshot is
-    removed only after the new one is written."""
-    target = _snapshot_target(trainer)
-    if target is not None:
-        return target.save_snapshot(trainer, reason)
-    dirpath = _snapshot_dir(trainer)
-    if dirpath is None:
-        raise ConfigurationError(
-            "ExactResume", ["scheduled snapshots need a checkpoint directory; add a RetentionCheckpoint or ModelCheckpoint"]
-        )
-    path = os.path.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
-    trainer.save_checkpoint(path)
-    if trainer.is_global_zero:
-        fsync_file_and_dir(path)  # durable before the older snapshot goes (a no-op for remote paths)
-        for old in _older_snapshots(dirpath, trainer.global_step):
-            trainer.strategy.remove_checkpoint(old)
-    return path
-
-
-def _older_snapshots(dirpath: str, step: int) -> list[str]:
-    """This directory's ``last-snapshot-step=N.ckpt`` with N < ``step``: superseded by the new one."""
-    fs = get_filesystem(dirpath)
-    found = []
-    for entry in fs.ls(dirpath, detail=False):
-        name = os.path.basename(str(entry))
-        digits = name[len(SNAPSHOT_PREFIX) : -len(".ckpt")]
-        if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and digits.isdigit() and int(digits) < step:
-            found.append(os.path.join(dirpath, name))
-    return found
-
-
-def _async_writer(trainer: "pl.Trainer") -> Optional[AsyncCheckpointWriter]:
-    io = trainer.strategy.checkpoint_io
-    return io if isinstance(io, AsyncCheckpointWriter) else None
-
-
-def _wait_durable(writer: AsyncCheckpointWriter, path: str) -> None:
-    """Before a preemption stop: the snapshot must be on disk, within the writer's ``flush_timeout``."""
-    if not writer.wait(None, timeout=writer.flush_timeout):
-        rank_zero_warn(f"ExactResume: snapshot {path} was not durable within {writer.flush_timeout}s of the preemption signal")

@@ -110,6 +110,8 @@ def test_a_failed_resave_leaves_the_previous_directory_committed(tmp_path, monke
     last = _save(tmp_path, "last", 1)
     with pytest.raises(ShardedSaveError, match="hyper_parameters.loss"):
         save_sharded(_state(2.0), last, step=2, meta={"hyper_parameters": {"loss": torch.nn.MSELoss()}})
+    with pytest.raises(ShardedSaveError, match=r"failed to write its shards \(rank 0: .*lambda"):
+        save_sharded({"model": {"w": torch.ones(2)}, "f": lambda: 0}, last, step=2)  # DCP cannot pickle it
     monkeypatch.setattr(commits, "commit", lambda record: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(ShardedSaveError, match=r"failed to commit \(rank 0: OSError: .*No space left"):
         save_sharded(_state(2.0), last, step=2)  # shards written, marker not: the staging directory goes

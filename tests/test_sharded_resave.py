@@ -7,6 +7,7 @@ processes run at once to keep the test short.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,7 +42,8 @@ def kill_when_paused(proc: subprocess.Popen, out: Path, deadline: float) -> None
             assert time.monotonic() < deadline, "job did not reach its pause point"
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the whole group: the job and anything it started
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
 
 

@@ -174,10 +174,8 @@ def save_sharded(state: Dict[str, Any], directory: str, step: int, meta: Optiona
     _on_every_rank(directory, "encode the non-sharded state", lambda: _check_meta(meta))
     staging = _on_rank_zero(directory, "create its staging directory", lambda: _stage(directory, meta))
     try:
-        writer = _RecordingWriter(staging)
-        with _domain_errors():
-            dcp.save(state, storage_writer=writer, no_dist=not _distributed())
-        own = writer.written + ([DCP_METADATA] + ([META_FILE] if meta is not None else []) if rank == 0 else [])
+        writer = _write_shards(state, staging, directory)
+        own = writer.written + (_rank_zero_files(meta is not None) if rank == 0 else [])
         parts = _on_every_rank(directory, "digest its files", lambda: commits.digest_files(staging, own))
         files = {name: digest for part in parts for name, digest in part.items()}
         record = commits.CommitRecord(staging, int(step), world, files)
@@ -187,6 +185,22 @@ def save_sharded(state: Dict[str, Any], directory: str, step: int, meta: Optiona
             _discard_quietly(staging)
         raise
     return directory
+
+
+def _rank_zero_files(with_meta: bool) -> List[str]:
+    """What rank 0 writes besides its shards: DCP's ``.metadata`` and our meta file."""
+    return [DCP_METADATA, META_FILE] if with_meta else [DCP_METADATA]
+
+
+def _write_shards(state: Dict[str, Any], staging: str, directory: str) -> _RecordingWriter:
+    """DCP's collective write; DCP itself gathers every rank's exception and raises on all of them."""
+    writer = _RecordingWriter(staging)
+    try:
+        dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+    except CheckpointException as err:
+        problems = {int(rank): _describe(exc) for rank, (exc, _trace) in err.failures.items()}
+        raise ShardedSaveError(directory, "write its shards", problems) from err
+    return writer
 
 
 def _commit_and_publish(record: commits.CommitRecord, directory: str) -> None:

@@ -3,7 +3,8 @@
     python examples/distributed_resume.py --root ckpt            # Lightning starts 2 processes
     torchrun --nproc-per-node 2 examples/distributed_resume.py --root ckpt
     # kill it at any moment (kill -9), run the same command again: it continues from the newest
-    # committed checkpoint; a save that was cut short is never picked and is cleaned up.
+    # committed checkpoint; a save that was cut short is never picked and is cleaned up, and a save
+    # over an existing name (save_last) replaces it only once the new directory is committed.
     lightning-resume consolidate ckpt/step=000008.ckpt full.safetensors
     lightning-resume export ckpt/step=000008.ckpt weights.safetensors --dtype bf16
 """

@@ -1,19 +1,30 @@
-"""A tiny FSDP2 (``fully_shard``) training job on CPU/gloo that checkpoints with ``save_sharded``.
+"""Multi-process and kill-point jobs for the sharded checkpoint tests (each run as its own process group leader).
 
-Launched by tests/test_sharded_fsdp.py as its own process group leader; it spawns the ranks with
-torch.multiprocessing. Modes: train (optionally ``--resume`` from the newest committed checkpoint,
-optionally ``--stall-at STEP``: rank 0 stops just before committing that step's checkpoint, announces
-it in OUT/stalled and waits to be killed) and ``--load-only DIR`` (load on this world size, dump the
-full weights). Rank 0 writes OUT/final.pt (full model and optimizer state, losses) at the end.
+Train mode: a tiny FSDP2 (``fully_shard``) job on CPU/gloo that checkpoints with ``save_sharded``;
+ranks are spawned with torch.multiprocessing. ``--resume`` starts from the newest committed
+checkpoint; ``--stall-at STEP``: rank 0 stops just before committing that step's checkpoint,
+announces it in OUT/paused and waits to be killed. ``--load-only DIR``: load on this world size and
+dump the full weights. Rank 0 writes OUT/final.pt (full model and optimizer state, losses) at the end.
+
+``--bad-meta`` (before training, in the same processes, to spare a start-up): the ranks try saves
+that must fail on every rank at once (an unencodable value in the non-sharded part on both ranks or
+on rank 1 only; rank 0 unable to create the directory), then one good save, all under OUT/bad-meta;
+each rank writes what it raised and how long it took to OUT/bad-meta-<rank>.json. The process group
+timeout is then 30 s, so a rank left waiting fails the job instead of hanging it.
+
+``--resave PHASE`` (one process, no process group): commit ROOT/last at step 1, then re-save it at
+step 2 and pause at PHASE (announced in OUT/paused) to be SIGKILLed there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -66,15 +77,18 @@ def resume(args, model, optim) -> int:
     return meta["step"]
 
 
+def pause_here(out: str) -> None:
+    """The test-only pause hook: announce, then wait to be killed."""
+    open(os.path.join(out, "paused"), "w").close()
+    time.sleep(600)
+
+
 def save(args, model, optim, step: int) -> None:
     model_sd, optim_sd = get_state_dict(model, optim)
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, torch.get_rng_state())
     if step == args.stall_at and dist.get_rank() == 0:
-        def stall(record):
-            open(os.path.join(args.out, "stalled"), "w").close()
-            time.sleep(600)
-        commits.commit = stall
+        commits.commit = lambda record: pause_here(args.out)
     save_sharded({"model": model_sd, "optim": optim_sd}, os.path.join(args.root, f"step-{step:04d}"), step,
                  meta={"step": step, "rng": rngs})
 
@@ -111,14 +125,71 @@ def load_only(rank: int, args) -> None:
     dump(args, model, None, [])
 
 
+def bad_meta(rank: int, args) -> None:
+    unencodable = torch.nn.MSELoss()
+    cases = {
+        "both": {"hyper_parameters": {"loss": unencodable}},
+        "rank1": {"hyper_parameters": {"loss": unencodable if rank == 1 else "mse"}},
+        "rank0-io": {"step": 1},
+    }
+    results, root = {}, os.path.join(args.out, "bad-meta")
+    os.makedirs(root, exist_ok=True)
+    for case, meta in cases.items():
+        parent = os.path.join(root, "a-file") if case == "rank0-io" else root
+        if case == "rank0-io" and rank == 0:
+            open(parent, "w").close()  # rank 0 cannot create a directory under a file
+        dist.barrier()
+        began = time.monotonic()
+        try:
+            save_sharded({"w": torch.ones(2)}, os.path.join(parent, "ck"), 1, meta=meta)
+            results[case] = ["saved", time.monotonic() - began]
+        except Exception as err:
+            results[case] = [f"{type(err).__name__}: {err}", time.monotonic() - began]
+    save_sharded({"w": torch.ones(2)}, os.path.join(root, "good"), 2, meta={"step": 2})  # still in step
+    with open(os.path.join(args.out, f"bad-meta-{rank}.json"), "w") as handle:
+        json.dump(results, handle)
+
+
+def resave(args) -> None:
+    """One process: commit ROOT/last at step 1, then re-save it at step 2 and pause at ``args.resave``."""
+    def state(step: int) -> dict:
+        return {"model": {"w": torch.full((64, 8), float(step))}, "step": step}
+
+    last = os.path.join(args.root, "last")
+    save_sharded(state(1), last, 1, meta={"step": 1})
+    real_rename = os.rename
+    if args.resave == "commit":  # shards written, marker not yet
+        commits.commit = lambda record: pause_here(args.out)
+    elif args.resave == "swap":  # committed in the staging directory, not swapped in yet
+        commits._exchange = lambda a, b: pause_here(args.out)
+    elif args.resave == "delete":  # swapped in, the replaced directory not yet deleted
+        commits.discard = lambda path: pause_here(args.out)
+    elif args.resave == "fallback-gap":  # no atomic exchange: between "old aside" and "new in place"
+        commits._exchange = lambda a, b: False
+        os.rename = lambda a, b: pause_here(args.out) if b == last else real_rename(a, b)
+    save_sharded(state(2), last, 2, meta={"step": 2})
+
+
 def worker(rank: int, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    timeout = timedelta(seconds=30) if args.bad_meta else timedelta(minutes=10)
+    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=timeout)
     try:
+        if args.bad_meta:
+            bad_meta(rank, args)
         (load_only if args.load_only else train)(rank, args)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now()
+
+
+def exit_now() -> None:
+    """Exit 0 without the interpreter's teardown: after a clean ``destroy_process_group`` gloo's threads still
+    abort that teardown now and then (SIGABRT, "terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None) -> None:
@@ -130,9 +201,13 @@ def main(argv=None) -> None:
     p.add_argument("--stall-at", type=int, default=-1)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--load-only")
+    p.add_argument("--bad-meta", action="store_true")
+    p.add_argument("--resave", choices=["commit", "swap", "delete", "fallback-gap"])
     args = p.parse_args(argv)
     args.root = os.path.join(args.out, "ckpt")
     os.makedirs(args.root, exist_ok=True)
+    if args.resave:
+        return resave(args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))

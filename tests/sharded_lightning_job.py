@@ -67,10 +67,13 @@ def main(out: str, ckpt: str | None, retention: bool = False) -> None:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
         torch.save({"model": full, "losses": model.losses}, os.path.join(out, "final.pt"))
-    # Close gloo before interpreter exit: its threads otherwise abort the process now and then.
+    # Close gloo, then skip the interpreter's teardown: gloo's threads abort it now and then (SIGABRT).
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``) on 2 CPU processes over gloo: SIGKILL mid-save, resume bitwise, reshard on 1 and 4.
+"""FSDP2 (``fully_shard``) on 2 CPU processes over gloo: SIGKILL mid-save, resume bitwise, reshard on 1 and 4,
+and a save that fails on one rank fails promptly on every rank.
 
 Lightning's ``FSDPStrategy`` refuses CPU, so this is raw FSDP2 + our DCP commit protocol
 (tests/sharded_job.py); the Lightning path is ``ModelParallelStrategy`` (test_sharded_lightning.py).
@@ -6,6 +7,7 @@ Lightning's ``FSDPStrategy`` refuses CPU, so this is raw FSDP2 + our DCP commit 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -48,13 +50,13 @@ def assert_bitwise(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple:
     out = tmp_path_factory.mktemp("uninterrupted")
-    return out, run(out)
+    return out, run(out, "--bad-meta")
 
 
 def kill_while_committing(out: Path, step: int) -> None:
     proc = job(out, "--stall-at", str(step))
     deadline = time.monotonic() + 120
-    while not (out / "stalled").exists():
+    while not (out / "paused").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "job ended before the stall"
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)  # every rank, mid-save: shards written, marker not yet
@@ -65,16 +67,19 @@ def test_sigkill_during_a_save_then_resume_in_fresh_processes_is_bitwise(tmp_pat
     _, expected = uninterrupted
     kill_while_committing(tmp_path, step=4)
     root = tmp_path / "ckpt"
+    assert not (root / "step-0004").exists()  # every rank wrote into a hidden staging directory
+    (staging,) = [n for n in os.listdir(root) if n.startswith(".step-0004.partial-")]
+    assert (root / staging / "__1_0.distcp").exists()  # the shards were there, only the commit was missing
     with pytest.raises(CheckpointCorruptError, match="no COMMITTED"):
-        verify_sharded(str(root / "step-0004"))
-    assert (root / "step-0004" / "__1_0.distcp").exists()  # the shards were there, only the commit was missing
+        verify_sharded(str(root / staging))
     assert newest_committed(str(root)) == str(root / "step-0002")
 
     resumed = run(tmp_path, "--resume")
     assert_bitwise(expected["model"], resumed["model"])
     assert all(torch.equal(a, b) for a, b in zip(expected["losses"][2:], resumed["losses"]))
     assert torch.equal(expected["optim"]["state"]["0.weight"]["exp_avg_sq"], resumed["optim"]["state"]["0.weight"]["exp_avg_sq"])
-    assert verify_sharded(str(root / "step-0004")).world_size == 2  # the stale dir was cleaned and rewritten
+    assert verify_sharded(str(root / "step-0004")).world_size == 2
+    assert not (root / staging).exists()  # the stale staging directory was cleaned up on resume
 
 
 def test_save_on_two_load_on_one_and_four_gives_the_same_full_weights(tmp_path, uninterrupted):
@@ -85,3 +90,23 @@ def test_save_on_two_load_on_one_and_four_gives_the_same_full_weights(tmp_path, 
     assert_bitwise(expected["model"], on_one)
     on_four = run(tmp_path, "--world", "4", "--load-only", last)
     assert_bitwise(expected["model"], on_four["model"])
+
+
+def test_a_save_failing_on_one_rank_raises_the_same_error_on_every_rank_within_seconds(uninterrupted):
+    """Before any collective every rank encodes the non-sharded part; rank 0's file errors are broadcast.
+
+    The job ran these saves first (``--bad-meta``) with a 30 s process-group timeout: a rank left
+    waiting at a collective would have failed the job.
+    """
+    out, _ = uninterrupted
+    ranks = [json.loads((out / f"bad-meta-{rank}.json").read_text()) for rank in (0, 1)]
+    for case in ("both", "rank1", "rank0-io"):
+        (error0, seconds0), (error1, seconds1) = ranks[0][case], ranks[1][case]
+        assert error0 == error1 and error0.startswith("ShardedSaveError: "), (case, error0, error1)
+        assert max(seconds0, seconds1) < 10, (case, seconds0, seconds1)
+    both, rank1, rank0_io = (ranks[0][case][0] for case in ("both", "rank1", "rank0-io"))
+    assert "ranks 0, 1: UnencodableValueError: cannot store checkpoint value at 'hyper_parameters.loss'" in both
+    assert "(rank 1: UnencodableValueError: cannot store checkpoint value at 'hyper_parameters.loss'" in rank1
+    assert "create its staging directory (rank 0: " in rank0_io
+    assert verify_sharded(str(out / "bad-meta" / "good")).world_size == 2  # the group stayed in step
+    assert sorted(os.listdir(out / "bad-meta")) == ["a-file", "good"]  # no staging directory left behind

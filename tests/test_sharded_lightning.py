@@ -33,7 +33,7 @@ def test_trainer_checkpoints_are_committed_dcp_dirs_and_fit_resumes_bitwise(tmp_
     for name in names:
         record = verify_sharded(str(root / name))
         assert record.world_size == 2 and f"step={record.step}" in name
-        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json"} <= set(record.files)
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.safetensors"} <= set(record.files)
         assert "meta.pt" not in os.listdir(root / name)  # no pickle for the non-sharded part
     ShardedCheckpointIO().verify_checkpoint(str(root / names[0]))
     meta = load_meta(str(root / names[0]))

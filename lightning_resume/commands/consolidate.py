@@ -1,40 +1,34 @@
-"""``lightning-resume consolidate``: a sharded (DCP) checkpoint directory -> one full safetensors file.
+"""``lightning-resume consolidate``: a sharded (DCP) checkpoint directory -> one full checkpoint file.
 
 Loads every shard in this one process (DCP reshards to full tensors; pickle-restricted reader, the
-directory's commit marker and digests verified first), then writes one ``.safetensors`` file: each
-tensor under its path (``state_dict.net.0.weight``, ``optimizer_0.state.net.0.weight.exp_avg``) and
-the rest of the tree (loop counters, ``param_groups``, callback state) as typed JSON in the header
-(``__metadata__["lightning_resume.tree"]``). Needs memory for the whole state.
+directory's commit marker and digests verified first), adds the non-sharded part (loop counters,
+callback state, RNG streams), and writes the whole tree with ``lightning_resume.io.files.save_file``:
+the same safetensors + typed JSON format, integrity record and atomic commit as
+``SafetensorsCheckpointIO``, so ``lightning-resume verify`` / ``inspect`` and that plugin read it.
+Tensors are named by their path (``state_dict.net.0.weight``). Needs memory for the whole state.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Any, Dict
 
-from safetensors.torch import save_file
+import torch
 
 from lightning_resume.errors import LightningResumeError
-from lightning_resume.sharded.api import load_full
-from lightning_resume.sharded.meta import META_JSON, encode, read_meta
-
-FORMAT = "lightning-resume/consolidated/1"
+from lightning_resume.io.files import save_file
+from lightning_resume.io.summary import iter_leaves
+from lightning_resume.sharded.api import load_full, load_meta
 
 
 def consolidate(directory: str, out: str) -> Dict[str, Any]:
     """Write ``out`` from ``directory``; return a summary (tensors, bytes)."""
-    state: Dict[str, Any] = load_full(directory)
-    if os.path.exists(os.path.join(directory, META_JSON)):
-        state = {**read_meta(directory), **state}
-    tree, tensors = encode(state)
-    metadata = {"format": FORMAT, "lightning_resume.tree": json.dumps(tree)}
-    tmp = f"{out}.tmp"
-    save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, out)
-    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    state: Dict[str, Any] = load_full(directory)  # verifies the marker and every digest first
+    tree = {**(load_meta(directory) or {}), **state}
+    save_file(tree, out)
+    tensors = [leaf for _, leaf in iter_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("consolidate", help="sharded (DCP) checkpoint directory -> one safetensors file",
+    p = subparsers.add_parser("consolidate", help="sharded (DCP) checkpoint directory -> one safetensors checkpoint",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("sharded_dir", help="a committed sharded checkpoint directory")
-    p.add_argument("out", help="output .safetensors file")
+    p.add_argument("out", help="output .safetensors file (readable by SafetensorsCheckpointIO)")
     p.set_defaults(func=run)

@@ -1,10 +1,12 @@
 """Sharded checkpoints: every rank writes its DCP shards, rank 0 commits; loading verifies and reshards.
 
-``api`` holds the entry points, ``commit`` the marker protocol, ``safe_pickle`` the restricted DCP
-readers, ``meta`` the pickle-free codec of the non-sharded part, ``strategy`` the Lightning hook.
+``api`` holds the entry points, ``commit`` the marker and swap protocol, ``safe_pickle`` the
+restricted DCP readers, ``strategy`` the Lightning hook. The non-sharded part of a checkpoint is one
+file in ``lightning_resume.io``'s format (one codec, one integrity record for the whole product).
 """
 
 from lightning_resume.sharded.api import (
+    ShardedSaveError,
     clean_uncommitted,
     load_full,
     load_meta,
@@ -14,11 +16,10 @@ from lightning_resume.sharded.api import (
     verify_sharded,
 )
 from lightning_resume.sharded.commit import CommitRecord
-from lightning_resume.sharded.meta import UnencodableStateError
 
 __all__ = [
     "CommitRecord",
-    "UnencodableStateError",
+    "ShardedSaveError",
     "clean_uncommitted",
     "load_full",
     "load_meta",

@@ -1,27 +1,39 @@
-"""The commit protocol of a sharded checkpoint directory: begin, commit marker, verification, discovery.
+"""The commit protocol of a sharded checkpoint directory: staging, commit marker, swap, verification, discovery.
 
 A directory is a checkpoint only once its ``COMMITTED`` marker exists. The marker is JSON (step,
 world size, and the size and SHA-256 of every file the save wrote) and is written last, by rank 0,
-after every rank has finished and digested its own files: temp file, fsync, rename, fsync of the
-directory. ``begin`` first drops any old marker, so a directory being rewritten is never "last";
-``IN_PROGRESS`` marks directories we started, so cleanup removes only our own stale leftovers.
-This module knows files and JSON; it knows nothing of DCP, process groups or Lightning.
+after every rank has finished and digested its own files. A save never touches the directory it
+replaces: every rank writes into a staging sibling (``.<name>.partial-<hex>``), the marker is
+committed inside it, and only then is it swapped under the final name (one atomic
+``renameat2(RENAME_EXCHANGE)`` where the filesystem has it; else old aside, new in place, with
+:func:`clean_uncommitted` restoring a committed one if a crash fell between the two renames). The
+replaced directory is then deleted. So a crash at any instant leaves the old or the new committed
+directory under the final name, plus at most hidden leftovers that :func:`clean_uncommitted`
+removes. This module knows files and JSON; it knows nothing of DCP, process groups or Lightning.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
+import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.io.atomic import atomic_write, fsync_directory
 
 MARKER = "COMMITTED"
-IN_PROGRESS = "IN_PROGRESS"
-FORMAT = "lightning-resume/sharded/1"
+IN_PROGRESS = "IN_PROGRESS"  # written by the first release's in-place saves; still recognised by cleanup
+FORMAT = "lightning-resume/sharded/2"
+STAGING, REPLACED, DELETED = "partial", "replaced", "deleted"
+_HIDDEN = re.compile(rf"^\.(?P<name>.+)\.(?P<kind>{STAGING}|{REPLACED}|{DELETED})-[0-9a-f]{{8}}$")
 _CHUNK = 1 << 20
 
 
@@ -55,52 +67,99 @@ def digest_files(directory: str, names: Iterable[str]) -> Dict[str, FileDigest]:
     return {name: digest_file(os.path.join(directory, name)) for name in sorted(set(names))}
 
 
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def hidden_sibling(final: str, kind: str) -> str:
+    """A fresh hidden name next to ``final`` that cleanup recognises as ours (``.<name>.<kind>-<hex>``)."""
+    parent, name = os.path.split(os.path.abspath(final))
+    return os.path.join(parent, f".{name}.{kind}-{secrets.token_hex(4)}")
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync of the directory: ``path`` is either absent or whole."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def begin(directory: str) -> None:
-    """Make ``directory`` an empty, uncommitted checkpoint directory (rank 0 only, before any rank writes)."""
-    marker = os.path.join(directory, MARKER)
-    if os.path.exists(marker):  # uncommit first: a crash while clearing must not leave a "committed" husk
-        os.remove(marker)
-        fsync_dir(directory)
-    if os.path.isdir(directory):
-        shutil.rmtree(directory)
-    elif os.path.exists(directory):
-        os.remove(directory)
-    os.makedirs(directory)
-    write_atomic(os.path.join(directory, IN_PROGRESS), b"")
+def stage(final: str) -> str:
+    """Create the empty staging directory every rank writes into; ``final`` itself is not touched."""
+    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+    staging = hidden_sibling(final, STAGING)
+    os.makedirs(staging)
+    return staging
 
 
 def commit(record: CommitRecord) -> None:
-    """Write the marker (the commit point), then drop ``IN_PROGRESS``."""
+    """Write the marker inside the (staging) directory ``record.path``: from here on it is a checkpoint."""
     body = {
         "format": FORMAT,
         "step": record.step,
         "world_size": record.world_size,
         "files": {name: {"size": d.size, "sha256": d.sha256} for name, d in sorted(record.files.items())},
     }
-    write_atomic(os.path.join(record.path, MARKER), json.dumps(body, indent=1).encode())
-    in_progress = os.path.join(record.path, IN_PROGRESS)
-    if os.path.exists(in_progress):
-        os.remove(in_progress)
-        fsync_dir(record.path)
+    data = json.dumps(body, indent=1).encode()
+    atomic_write(os.path.join(record.path, MARKER), lambda handle: handle.write(data))
+
+
+def publish(staging: str, final: str) -> None:
+    """Put the committed ``staging`` directory under the name ``final``, replacing what was there."""
+    parent = os.path.dirname(os.path.abspath(final))
+    if not os.path.lexists(final):
+        os.rename(staging, final)
+        fsync_directory(parent)
+        return
+    if _exchange(staging, final):  # one atomic step: final is new, staging now holds the old one
+        fsync_directory(parent)
+        _discard_replaced(staging)
+        return
+    replaced = hidden_sibling(final, REPLACED)
+    os.rename(final, replaced)  # a crash until the next rename leaves final absent: clean_uncommitted restores it
+    try:
+        os.rename(staging, final)
+    except BaseException:
+        os.rename(replaced, final)
+        raise
+    fsync_directory(parent)
+    _discard_replaced(replaced)
+
+
+def _discard_replaced(path: str) -> None:
+    """The new checkpoint is in place: failing to delete the old one must not fail the save."""
+    try:
+        discard(path)
+    except OSError as err:
+        warnings.warn(f"could not delete the replaced checkpoint {path} ({err}); clean_uncommitted removes it later",
+                      stacklevel=3)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; ``False`` where unsupported.
+
+    Python's ``os`` has no ``renameat2``; it is called through the C library (glibc >= 2.28).
+    """
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"cannot swap {a} and {b}: {os.strerror(code)}")
+
+
+def discard(path: str) -> None:
+    """Delete a checkpoint directory so that no crash leaves a half-deleted one under its name.
+
+    It is first renamed to a hidden ``.deleted-`` sibling (atomic), then removed; a crash during the
+    removal leaves only that hidden sibling, which :func:`clean_uncommitted` removes (never restores).
+    """
+    if not os.path.lexists(path):
+        return
+    match = _HIDDEN.match(os.path.basename(path))
+    target = path if match and match["kind"] == DELETED else hidden_sibling(path, DELETED)
+    if target != path:
+        os.rename(path, target)
+        fsync_directory(os.path.dirname(os.path.abspath(path)))
+    if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target)
+    else:
+        os.remove(target)
 
 
 def read_marker(directory: str) -> CommitRecord:
@@ -144,10 +203,15 @@ def pick_newest(records: Iterable[CommitRecord], mtimes: Mapping[str, float]) ->
 
 
 def committed_under(root: str, digests: bool = True) -> tuple:
-    """(verified records, {path: problem}) for every checkpoint directory directly under ``root``."""
+    """(verified records, {path: problem}) for every checkpoint directory directly under ``root``.
+
+    Hidden staging and replaced directories are not checkpoints, even when committed.
+    """
     good: List[CommitRecord] = []
     bad: Dict[str, str] = {}
     for path in _subdirs(root):
+        if _HIDDEN.match(os.path.basename(path)):
+            continue
         if not os.path.exists(os.path.join(path, MARKER)) and not os.path.exists(os.path.join(path, IN_PROGRESS)):
             continue  # not a directory we wrote
         try:
@@ -157,26 +221,58 @@ def committed_under(root: str, digests: bool = True) -> tuple:
     return good, bad
 
 
+def _newest(records: List[CommitRecord]) -> Optional[CommitRecord]:
+    return pick_newest(records, {r.path: os.path.getmtime(os.path.join(r.path, MARKER)) for r in records})
+
+
 def newest_committed(root: str, digests: bool = True) -> Optional[str]:
     """The newest directory under ``root`` that is committed and verifies, or ``None``."""
-    good, _ = committed_under(root, digests)
-    newest = pick_newest(good, {r.path: os.path.getmtime(os.path.join(r.path, MARKER)) for r in good})
+    newest = _newest(committed_under(root, digests)[0])
     return newest.path if newest else None
 
 
 def clean_uncommitted(root: str, keep: Iterable[str] = ()) -> List[str]:
-    """Remove directories under ``root`` we started (``IN_PROGRESS``) but never committed. Returns them.
+    """Finish or undo what killed saves left under ``root``; return the paths removed.
 
-    Call it only when no save is in flight (at the start of a run, before the first save).
+    A final name left absent by a crash between the two renames of :func:`publish` gets back its
+    newest committed staging or replaced sibling; every other hidden directory is removed, and so
+    is a directory with ``IN_PROGRESS`` and no marker. Call it only when no save is in flight (at
+    the start of a run, before the first save).
     """
+    _restore_missing_finals(root)
     kept = {os.path.abspath(p) for p in keep}
     removed = []
     for path in _subdirs(root):
-        stale = os.path.exists(os.path.join(path, IN_PROGRESS)) and not os.path.exists(os.path.join(path, MARKER))
-        if stale and os.path.abspath(path) not in kept:
+        hidden = _HIDDEN.match(os.path.basename(path)) is not None
+        unfinished = os.path.exists(os.path.join(path, IN_PROGRESS)) and not os.path.exists(os.path.join(path, MARKER))
+        if (hidden or unfinished) and os.path.abspath(path) not in kept:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _restore_missing_finals(root: str) -> None:
+    by_final: Dict[str, List[CommitRecord]] = {}
+    for path, final, kind in _hidden_dirs(root):
+        if kind != DELETED and not os.path.lexists(final):
+            try:
+                record = verify_committed(path, digests=False)
+            except CheckpointCorruptError:
+                continue
+            by_final.setdefault(final, []).append(record)
+    for final, records in by_final.items():
+        os.rename(_newest(records).path, final)
+        fsync_directory(root)
+
+
+def _hidden_dirs(root: str) -> List[Tuple[str, str, str]]:
+    """(hidden directory, the final name it belongs to, its kind) under ``root``."""
+    out = []
+    for path in _subdirs(root):
+        match = _HIDDEN.match(os.path.basename(path))
+        if match:
+            out.append((path, os.path.join(root, match["name"]), match["kind"]))
+    return out
 
 
 def _subdirs(root: str) -> List[str]:

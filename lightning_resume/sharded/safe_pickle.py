@@ -90,6 +90,7 @@ class SafeFileSystemReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.checkpoint_id = self.checkpoint_id  # saved as the staging dir: name the real one
         return metadata
 
 

@@ -11,7 +11,6 @@ callbacks that prune or verify through the strategy work unchanged. Thin: all lo
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import timedelta
 from typing import Any, Dict, Literal, Optional, Union
 
@@ -35,11 +34,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         path = str(path)
         if os.path.isdir(path):
-            marker = os.path.join(path, commits.MARKER)
-            if os.path.exists(marker):  # uncommit first: a half-removed directory is never "last"
-                os.remove(marker)
-                commits.fsync_dir(path)
-            shutil.rmtree(path)
+            commits.discard(path)  # renamed away first: a half-removed directory is never "last"
         else:
             super().remove_checkpoint(path)
 

@@ -28,6 +28,7 @@ from lightning_resume.io import (
 from lightning_resume.preemption import PreemptionFlag
 from lightning_resume.retention import CheckpointRecord, Decision, RetentionCheckpoint, RetentionPolicy
 from lightning_resume.sharded import (
+    ShardedSaveError,
     load_full,
     load_sharded,
     newest_committed,
@@ -76,6 +77,7 @@ __all__ = [
     "ScheduleConfig",
     "ShardedCheckpointIO",
     "ShardedModelParallelStrategy",
+    "ShardedSaveError",
     "UnsafeCheckpointError",
     "daly_interval",
     "expected_waste",

@@ -12,6 +12,15 @@ on rank 1 only; rank 0 unable to create the directory), then one good save, all 
 each rank writes what it raised and how long it took to OUT/bad-meta-<rank>.json. The process group
 timeout is then 30 s, so a rank left waiting fails the job instead of hanging it.
 
+Async (``--async``): saves go through one ``AsyncShardedSaver`` (committed at the next save and at
+the end); ``--twin-sync`` first writes the same state synchronously under OUT/ckpt-sync;
+``--slow-write S`` delays every background write by S seconds (so the next optimizer step surely
+runs while the write is in flight); ``--stall-async-at STEP``: rank 0's background write of that
+step pauses after DCP wrote the shards (announced in OUT/paused), to be SIGKILLed. Each rank writes
+OUT/async-<rank>.json (in flight right after each save returned, blocked seconds).
+``--async-faults`` (after training): background writes that fail on rank 1 must raise the same
+error on every rank at the next save and at ``close``; results in OUT/async-faults-<rank>.json.
+
 ``--resave PHASE`` (one process, no process group): commit ROOT/last at step 1, then re-save it at
 step 2 and pause at PHASE (announced in OUT/paused) to be SIGKILLed there.
 """
@@ -40,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_resume.sharded import clean_uncommitted, load_meta, load_sharded, newest_committed, save_sharded
+from lightning_resume.sharded import background, clean_uncommitted, load_meta, load_sharded, newest_committed, save_sharded
 from lightning_resume.sharded import commit as commits
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -89,11 +98,37 @@ def save(args, model, optim, step: int) -> None:
     dist.all_gather_object(rngs, torch.get_rng_state())
     if step == args.stall_at and dist.get_rank() == 0:
         commits.commit = lambda record: pause_here(args.out)
-    save_sharded({"model": model_sd, "optim": optim_sd}, os.path.join(args.root, f"step-{step:04d}"), step,
-                 meta={"step": step, "rng": rngs})
+    state, name, meta = {"model": model_sd, "optim": optim_sd}, f"step-{step:04d}", {"step": step, "rng": rngs}
+    if args.twin_sync:
+        save_sharded(state, os.path.join(args.out, "ckpt-sync", name), step, meta=meta)
+    if not args.async_:
+        return save_sharded(state, os.path.join(args.root, name), step, meta=meta)
+    handle = args.saver.save(state, os.path.join(args.root, name), step, meta=meta)
+    args.report["in_flight"].append(args.saver.write_in_flight() and not handle.done())
+    args.report["blocked"].append(args.saver.last_blocked_seconds)
+
+
+def patch_background_write(args) -> None:
+    """Test hooks around the background write: a delay, a pause after DCP wrote the shards."""
+    write, digest = background._write_local, commits.digest_files
+
+    def slow_write(staging, *rest):
+        time.sleep(args.slow_write)
+        return write(staging, *rest)
+
+    def stalling_digest(directory, names):
+        if f".step-{args.stall_async_at:04d}.partial-" in directory and dist.get_rank() == 0:
+            pause_here(args.out)
+        return digest(directory, names)
+
+    background._write_local = slow_write
+    commits.digest_files = stalling_digest
 
 
 def train(rank: int, args) -> None:
+    args.saver, args.report = background.AsyncShardedSaver(), {"in_flight": [], "blocked": []}
+    if args.async_:
+        patch_background_write(args)
     model, optim = build(args.world)
     torch.manual_seed(100 + rank)  # dropout stream, per rank: restored on resume
     start = resume(args, model, optim) if args.resume else 0
@@ -107,6 +142,9 @@ def train(rank: int, args) -> None:
         losses.append(loss.detach())
         if (step + 1) % args.save_every == 0:
             save(args, model, optim, step + 1)
+    args.saver.close()
+    with open(os.path.join(args.out, f"async-{rank}.json"), "w") as handle:
+        json.dump(args.report, handle)
     dump(args, model, optim, losses)
 
 
@@ -150,6 +188,33 @@ def bad_meta(rank: int, args) -> None:
         json.dump(results, handle)
 
 
+def async_faults(rank: int, args) -> None:
+    """Background writes failing on rank 1 surface on both ranks: at the next save, then at ``close``."""
+    root = os.path.join(args.out, "async-faults")
+    write = background._write_local
+
+    def failing(staging, *rest):
+        out = write(staging, *rest)  # DCP's collective write completes on every rank first
+        if rank == 1 and "/.bad-" in staging:
+            raise OSError(28, "No space left on device (injected)")
+        return out
+
+    background._write_local = failing
+    saver, results, state = background.AsyncShardedSaver(), {}, {"w": torch.full((4,), float(rank))}
+    for case, action in (("next-save", lambda: saver.save(state, os.path.join(root, "good-1"), 2)),
+                         ("close", lambda: saver.close())):
+        saver.save(state, os.path.join(root, f"bad-{case}"), 1, meta={"case": case})
+        try:
+            action()
+            results[case] = "no error"
+        except Exception as err:
+            results[case] = f"{type(err).__name__}: {err}"
+    saver.save(state, os.path.join(root, "good-2"), 3)
+    saver.close()
+    with open(os.path.join(args.out, f"async-faults-{rank}.json"), "w") as handle:
+        json.dump(results, handle)
+
+
 def resave(args) -> None:
     """One process: commit ROOT/last at step 1, then re-save it at step 2 and pause at ``args.resave``."""
     def state(step: int) -> dict:
@@ -178,6 +243,8 @@ def worker(rank: int, args) -> None:
         if args.bad_meta:
             bad_meta(rank, args)
         (load_only if args.load_only else train)(rank, args)
+        if args.async_faults:
+            async_faults(rank, args)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -203,6 +270,11 @@ def main(argv=None) -> None:
     p.add_argument("--load-only")
     p.add_argument("--bad-meta", action="store_true")
     p.add_argument("--resave", choices=["commit", "swap", "delete", "fallback-gap"])
+    p.add_argument("--async", dest="async_", action="store_true")
+    p.add_argument("--twin-sync", action="store_true")
+    p.add_argument("--slow-write", type=float, default=0.0)
+    p.add_argument("--stall-async-at", type=int, default=-1)
+    p.add_argument("--async-faults", action="store_true")
     args = p.parse_args(argv)
     args.root = os.path.join(args.out, "ckpt")
     os.makedirs(args.root, exist_ok=True)

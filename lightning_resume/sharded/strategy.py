@@ -5,12 +5,16 @@ CPU; ``FSDPStrategy`` requires CUDA) writes DCP shards but bypasses ``Checkpoint
 point, stores the rest of the checkpoint as a pickle (``meta.pt``) and reads ``.metadata`` with plain
 ``pickle``. This subclass keeps its sharding and replaces only the two checkpoint methods with
 ``save_sharded`` / ``load_sharded``. Its ``checkpoint_io`` verifies and removes directories, so
-callbacks that prune or verify through the strategy work unchanged. Thin: all logic is in ``api``.
+callbacks that prune or verify through the strategy work unchanged. With ``async_save=True`` saves go
+through ``background.AsyncShardedSaver`` and the ``checkpoint_io`` is also an ``AsyncCheckpointWriter``
+(``lightning_resume.protocols``), so ``ExactResume`` and ``RetentionCheckpoint`` treat the directory as in
+flight until its commit. Thin: all logic is in ``api`` and ``background``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Dict, Literal, Optional, Union
 
@@ -18,8 +22,11 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from lightning_resume.durations import Duration, parse_duration
+from lightning_resume.errors import ConfigurationError
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded, verify_sharded
+from lightning_resume.sharded.background import AsyncShardedSaver
 
 
 class ShardedCheckpointIO(TorchCheckpointIO):
@@ -39,6 +46,41 @@ class ShardedCheckpointIO(TorchCheckpointIO):
             super().remove_checkpoint(path)
 
 
+class AsyncShardedCheckpointIO(ShardedCheckpointIO):
+    """``ShardedCheckpointIO`` that reports the strategy's background writes (``AsyncCheckpointWriter``).
+
+    ``write_in_flight(path)`` is true until ``path`` is committed; ``write_in_flight()`` while this
+    rank's write runs. ``wait`` is collective (every rank calls it, as Lightning's hooks do): it
+    commits the pending save.
+    """
+
+    def __init__(self, saver: AsyncShardedSaver, digests: bool, flush_timeout: float) -> None:
+        super().__init__(digests)
+        self.saver = saver
+        self.flush_timeout = flush_timeout
+
+    def write_in_flight(self, path: Optional[str] = None) -> bool:
+        return self.saver.write_in_flight(path)
+
+    def wait(self, path: Optional[str] = None, timeout: Optional[float] = None) -> bool:
+        return self.saver.wait(timeout)
+
+    @property
+    def last_blocked_seconds(self) -> Optional[float]:
+        """Training-thread time of the newest save after waiting for the one before: staging and copying."""
+        return self.saver.last_blocked_seconds
+
+    @property
+    def last_wait_seconds(self) -> Optional[float]:
+        """How long the newest save waited for (and committed) the one before it."""
+        return self.saver.last_wait_seconds
+
+    @property
+    def last_write_seconds(self) -> Optional[float]:
+        """Background time of the newest committed write (slowest rank: DCP write, fsync, digests)."""
+        return self.saver.last_write_seconds
+
+
 class ShardedModelParallelStrategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` with committed, verified, pickle-free sharded checkpoints.
 
@@ -49,6 +91,11 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
             (sizes are always checked).
         clean_stale: before the first save of a run, remove directories next to it that a killed
             save left uncommitted.
+        async_save: block training only to copy the local shards into reusable host buffers; the
+            write runs on a background thread and is committed at the next save,
+            :meth:`wait_for_checkpoint` or teardown (at most one write in flight).
+        flush_timeout: with ``async_save``, the longest wait for the pending write at teardown; a
+            duration (seconds, ``timedelta`` or a string such as ``"10min"``).
     """
 
     def __init__(
@@ -59,9 +106,17 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         verify_digests: bool = True,
         clean_stale: bool = True,
+        async_save: bool = False,
+        flush_timeout: Duration = "10min",
     ) -> None:
         super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
-        self.checkpoint_io = ShardedCheckpointIO(verify_digests)
+        try:
+            self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
+        except ValueError as err:
+            raise ConfigurationError(type(self).__name__, [str(err)]) from err
+        self.saver = AsyncShardedSaver(timeout) if async_save else None
+        self.checkpoint_io = (AsyncShardedCheckpointIO(self.saver, verify_digests, self.flush_timeout) if self.saver
+                              else ShardedCheckpointIO(verify_digests))
         self.verify_digests = verify_digests
         self.clean_stale = clean_stale
         self._cleaned = False
@@ -74,7 +129,29 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{idx}"] = optim_state
-        save_sharded(state, path, int(checkpoint.get("global_step", 0)), meta=checkpoint)
+        step = int(checkpoint.get("global_step", 0))
+        if self.saver is not None:
+            self.saver.save(state, path, step, meta=checkpoint)
+        else:
+            save_sharded(state, path, step, meta=checkpoint)
+
+    def wait_for_checkpoint(self, timeout: Optional[float] = None) -> bool:
+        """Collective: wait for the background write and commit it (raising its failure); ``False`` on timeout."""
+        return True if self.saver is None else self.saver.wait(timeout)
+
+    def teardown(self) -> None:
+        """Commit the pending write within ``flush_timeout`` (raising a failure, naming the directory).
+
+        Inside an exception handler (Lightning tears down after an exception) other ranks may be gone,
+        so no collective runs: the write gets ``flush_timeout`` to end and stays uncommitted.
+        """
+        try:
+            if self.saver is not None and sys.exc_info()[1] is not None:
+                self.saver.abandon(self.flush_timeout)
+            elif self.saver is not None:
+                self.saver.close(self.flush_timeout)
+        finally:
+            super().teardown()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
@@ -86,6 +163,7 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         )
 
         path = os.path.abspath(str(self.broadcast(str(checkpoint_path))))
+        self.wait_for_checkpoint()  # a directory still being written is not loadable yet
         module = self.model
         state = {"state_dict": get_model_state_dict(module)}
         for idx, optimizer in enumerate(self.optimizers):

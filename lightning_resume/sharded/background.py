@@ -225,20 +225,26 @@ class AsyncShardedSaver:
         return ShardedSaveHandle(self, write)
 
     def _stage(self, state: Dict[str, Any], directory: str, step: int, meta: Optional[Dict[str, Any]]) -> _Write:
-        """Phase 1 on the training thread; any rank's failure raises on every rank, nothing left behind."""
+        """Phase 1 on the training thread, with one collective: every rank encodes the non-sharded part
+        and copies its shards, rank 0 also creates the staging directory; any rank's failure raises on
+        every rank, and nothing is left behind."""
         group = self._background_group()
-        encoded: List[Any] = [None]
-        _on_every_rank(directory, "encode the non-sharded state", lambda: encoded.__setitem__(0, _snapshot_meta(meta)))
-        staging = _on_rank_zero(directory, "create its staging directory", lambda: commits.stage(directory))
-        staged: List[Any] = [None]
+        rank = _rank_world()[0]
+        local: Dict[str, Any] = {}
+
+        def stage_locally() -> Optional[str]:
+            local["meta"] = _snapshot_meta(meta)
+            local["state"] = self.shards.stage(state)
+            local["staging"] = commits.stage(directory) if rank == 0 else None
+            return local["staging"]
+
         try:
-            _on_every_rank(directory, "copy its shards to host memory",
-                           lambda: staged.__setitem__(0, self.shards.stage(state)))
+            staging = _on_every_rank(directory, "stage its shards", stage_locally)[0]
         except BaseException:
-            if _rank_world()[0] == 0:
-                _discard_quietly(staging)
+            if local.get("staging"):
+                _discard_quietly(local["staging"])
             raise
-        return _Write(directory, staging, step, staged[0], encoded[0] if _rank_world()[0] == 0 else None, group)
+        return _Write(directory, staging, step, local["state"], local["meta"] if rank == 0 else None, group)
 
     def _background_group(self) -> Any:
         """The background thread's own gloo group (created once, collectively, on the training thread)."""

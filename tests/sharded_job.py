@@ -49,7 +49,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_resume.sharded import background, clean_uncommitted, load_meta, load_sharded, newest_committed, save_sharded
+from lightning_resume.sharded import (
+    background,
+    clean_uncommitted,
+    load_meta,
+    load_sharded,
+    newest_committed,
+    save_sharded,
+)
 from lightning_resume.sharded import commit as commits
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

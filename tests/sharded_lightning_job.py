@@ -81,8 +81,9 @@ def main(out: str, ckpt: str | None, retention: bool = False, async_save: bool =
     ckpt_dir = os.path.join(out, "ckpt")
     saver = (RetentionCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, keep_last=2) if retention
              else ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1))
+    strategy = ShardedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, async_save=async_save)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ShardedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, async_save=async_save),
+        accelerator="cpu", devices=2, strategy=strategy,
         max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ExactResume(every_n_train_steps_max=snapshot_every), saver],
         default_root_dir=out,

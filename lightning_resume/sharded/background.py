@@ -174,7 +174,8 @@ def _write_local(staging: str, staged: Dict[str, Any], meta: Optional[Tuple[str,
 
 
 class ShardedSaveHandle:
-    """The result of :func:`save_sharded_async`: ``done()`` is local and never blocks; ``wait()`` commits (collective)."""
+    """The result of :func:`save_sharded_async`: ``done()`` is local and never blocks; ``wait()`` commits
+    (collective) and raises the save's failure."""
 
     def __init__(self, saver: "AsyncShardedSaver", write: _Write) -> None:
         self._saver = saver
@@ -191,7 +192,9 @@ class ShardedSaveHandle:
         return self._write.committed
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Collective: wait for every rank's write, then commit; ``False`` if some rank's write outlasted ``timeout``."""
+        """Collective: wait for every rank's write, then commit; ``False`` if a rank's write outlasted ``timeout``.
+
+        ``True`` at once if this save was already settled (committed, or its failure already raised)."""
         return True if self._saver._pending is not self._write else self._saver.wait(timeout)
 
 
@@ -277,7 +280,8 @@ class AsyncShardedSaver:
         if write is None:
             return []
         finished = write.join(timeout)
-        outcomes = _gather((finished, write.problems, write.files, write.seconds) if finished else (False, {}, {}, None))
+        mine = (True, write.problems, write.files, write.seconds) if finished else (False, {}, {}, None)
+        outcomes = _gather(mine)
         running = [rank for rank, outcome in enumerate(outcomes) if not outcome[0]]
         if running:
             return running

@@ -28,11 +28,14 @@ from lightning_resume.io import (
 from lightning_resume.preemption import PreemptionFlag
 from lightning_resume.retention import CheckpointRecord, Decision, RetentionCheckpoint, RetentionPolicy
 from lightning_resume.sharded import (
+    AsyncShardedSaver,
     ShardedSaveError,
+    ShardedSaveHandle,
     load_full,
     load_sharded,
     newest_committed,
     save_sharded,
+    save_sharded_async,
     verify_sharded,
 )
 from lightning_resume.sharded.strategy import ShardedCheckpointIO, ShardedModelParallelStrategy
@@ -51,6 +54,7 @@ __all__ = [
     "ActivationCheckpointingDDPStrategy",
     "ActivationCheckpointingFSDPStrategy",
     "ActivationCheckpointingStrategy",
+    "AsyncShardedSaver",
     "BlockSelection",
     "CheckpointCorruptError",
     "CheckpointPlan",
@@ -78,11 +82,13 @@ __all__ = [
     "ShardedCheckpointIO",
     "ShardedModelParallelStrategy",
     "ShardedSaveError",
+    "ShardedSaveHandle",
     "UnsafeCheckpointError",
     "daly_interval",
     "expected_waste",
     "load_full",
     "load_sharded",
+    "save_sharded_async",
     "newest_committed",
     "plan_checkpointing",
     "young_interval",

@@ -3,6 +3,7 @@ the ordered writer (order, deletions behind failed writes, errors handed over on
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -172,6 +173,7 @@ def test_next_save_waits_for_the_previous_write_and_measures_the_wait():
 
     def write(path, tree_json, tensors):
         gate.wait(5)
+        tensors.wait("w")  # the write may start before the copy is done: it reads a tensor once ready
         seen.append((path, tensors["w"].clone()))
 
     saver = _saver(write)
@@ -183,3 +185,64 @@ def test_next_save_waits_for_the_previous_write_and_measures_the_wait():
     assert [p for p, _ in seen] == ["a", "b"]
     assert torch.equal(seen[0][1], torch.zeros(3)) and torch.equal(seen[1][1], torch.ones(3))
     assert saver.last_write_seconds is not None and saver.last_blocked_seconds < saver.last_wait_seconds
+
+
+# ------------------------------------------------------------------------------------ copy/write overlap
+
+
+def test_a_reader_gets_each_tensor_as_soon_as_it_is_copied_and_never_before(monkeypatch):
+    """The copy of 'b' is held until the reader has read 'a': only a pipelined release lets it through."""
+    monkeypatch.setattr(staging, "NOTIFY_BYTES", 0)
+    buffers, tensors = HostBuffers(), {"a": torch.full((1000,), 1.0), "b": torch.full((1000,), 2.0), "c": torch.full((10,), 3.0)}
+    staged = buffers.prepare(tensors)
+    read_a, seen = threading.Event(), {}
+    real_copy = torch.Tensor.copy_
+
+    def copy(dst, src, non_blocking=False):
+        if dst.data_ptr() == staged["b"].data_ptr():
+            seen["overlapped"] = read_a.wait(5)
+        return real_copy(dst, src, non_blocking=non_blocking)
+
+    def reader():
+        for name in staged:
+            staged.wait(name)
+            seen[name] = staged[name].clone()
+            read_a.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+    buffers.fill(staged, tensors)
+    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    thread.join(5)
+    assert seen["overlapped"] is True
+    assert all(torch.equal(seen[name], t) for name, t in tensors.items())
+
+
+def test_a_copy_that_fails_mid_snapshot_raises_its_own_error_once_and_leaves_no_file(tmp_path, monkeypatch):
+    from lightning_resume.io import SafetensorsCheckpointIO
+
+    io = SafetensorsCheckpointIO(async_save=True)
+    state = {"a": torch.randn(1000), "b": torch.randn(1000), "c": torch.randn(1000)}
+    real_copy, calls = torch.Tensor.copy_, []
+
+    def failing(dst, src, non_blocking=False):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of the snapshot
+        return real_copy(dst, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint(state, str(tmp_path / "a.ckpt"))
+    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    assert os.listdir(tmp_path) == [] and not io.write_in_flight()
+    io.save_checkpoint(state, str(tmp_path / "b.ckpt"))  # the aborted write is not reported a second time
+    io.teardown()
+    loaded = SafetensorsCheckpointIO().load_checkpoint(tmp_path / "b.ckpt")
+    assert os.listdir(tmp_path) == ["b.ckpt"] and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_the_snapshot_is_copied_in_file_order():
+    tensors = {"z.small": torch.zeros(3, dtype=torch.int8), "a.big": torch.zeros(3, dtype=torch.float64), "m": torch.zeros(2)}
+    assert list(staging.in_file_order(tensors)) == ["a.big", "m", "z.small"]  # widest dtype first, then by name

@@ -34,7 +34,7 @@ from lightning_resume.io import files
 from lightning_resume.io.atomic import clean_stale_temporaries, is_local
 from lightning_resume.io.integrity import DIGESTS
 from lightning_resume.io.last import SkippedCheckpointWarning, is_last_name, newest_verified, sibling_checkpoints
-from lightning_resume.io.staging import AsyncSaver, AsyncWriteWarning
+from lightning_resume.io.staging import AsyncSaver, AsyncWriteWarning, StagedTensors
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         else:
             files.save_file(checkpoint, str(path), algorithm=self.checksum)
 
-    def _commit(self, path: str, tree_json: str, tensors: Dict[str, Any]) -> None:
-        files.commit(path, tree_json, tensors, self.checksum)
+    def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
+        files.commit(path, tree_json, staged, self.checksum, ready=staged.wait)
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Load ``path`` (our format or a legacy ``torch.save`` file, decided by content).

@@ -26,6 +26,7 @@ from typing import Callable, Deque, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from lightning_resume.errors import LightningResumeError
+from lightning_resume.io import container
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,55 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class StagingAborted(LightningResumeError):
+    """The snapshot copy failed on the training thread; the write waiting for its bytes stops (no file)."""
+
+
+NOTIFY_BYTES = 8 << 20
+"""Copied bytes between two wake-ups of the writer (fewer wake-ups, less contention for the training thread)."""
+
+
+class StagedTensors(Dict[str, torch.Tensor]):
+    """One snapshot's host copies, by name, in file order; filled in that order by :meth:`HostBuffers.fill`.
+
+    The views exist before their bytes do: a reader (the background write) calls :meth:`wait` for each
+    tensor before touching it, so the write of the first tensors overlaps the copy of the later ones.
+    """
+
+    def __init__(self, views: Dict[str, torch.Tensor]) -> None:
+        super().__init__(views)
+        self._index = {name: i for i, name in enumerate(views)}
+        self._copied = 0  # tensors [0, _copied) hold their bytes; only the filling thread writes it
+        self._error: Optional[BaseException] = None
+        self._cv = threading.Condition()
+
+    def wait(self, name: str) -> None:
+        """Block until ``self[name]`` holds its bytes; ``StagingAborted`` if the copy failed first."""
+        i = self._index[name]
+        if self._copied > i:
+            return
+        with self._cv:
+            while self._copied <= i and self._error is None:
+                self._cv.wait()
+            if self._copied <= i:
+                raise StagingAborted(f"the snapshot copy failed before tensor '{name}' was copied") from self._error
+
+    def wait_all(self) -> None:
+        for name in self:
+            self.wait(name)
+
+    def _copied_up_to(self, count: int, notify: bool) -> None:
+        self._copied = count
+        if notify:
+            with self._cv:
+                self._cv.notify_all()
+
+    def _abort(self, error: BaseException) -> None:
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+
 class HostBuffers:
     """One host byte pool sized to the state and reused by every save.
 
@@ -87,26 +137,52 @@ class HostBuffers:
     def capacity(self) -> int:
         return 0 if self._pool is None else self._pool.numel()
 
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def stage(self, tensors: Mapping[str, torch.Tensor]) -> StagedTensors:
         """Copy ``tensors`` into the pool and return them as contiguous CPU views of it.
 
         The views stay valid until the next ``stage`` or ``release``; the caller must not stage again
         while a writer still reads them.
         """
+        staged = self.prepare(tensors)
+        self.fill(staged, tensors)
+        return staged
+
+    def prepare(self, tensors: Mapping[str, torch.Tensor]) -> StagedTensors:
+        """Views of the pool shaped like ``tensors`` (same order), not yet holding their bytes."""
         slots, total = _slots(tensors)
         self._ensure(total, pinned=any(_is_cuda(t) for t in tensors.values()))
         assert self._pool is not None
-        out, devices = {}, set()
+        views = {}
         for name, (offset, t) in slots.items():
             nbytes = t.numel() * t.element_size()
-            dst = self._pool[offset : offset + nbytes].view(t.dtype).view(t.shape) if nbytes else torch.empty(t.shape, dtype=t.dtype)
-            dst.copy_(t.detach(), non_blocking=_is_cuda(t))
-            if _is_cuda(t):
-                devices.add(t.device)
-            out[name] = dst
-        for device in devices:  # one synchronisation per device, after every copy was queued
-            _synchronize(device)
-        return out
+            views[name] = self._pool[offset : offset + nbytes].view(t.dtype).view(t.shape) if nbytes else torch.empty(t.shape, dtype=t.dtype)
+        return StagedTensors(views)
+
+    def fill(self, staged: StagedTensors, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` into ``staged`` in order, releasing each stretch to readers as it is copied.
+
+        CUDA copies are queued non-blocking and released together after one synchronisation per
+        device. If a copy raises, readers get ``StagingAborted`` and the error propagates here.
+        """
+        try:
+            devices, unreleased, cuda = set(), 0, False
+            for i, (name, t) in enumerate(tensors.items()):
+                staged[name].copy_(t.detach(), non_blocking=_is_cuda(t))
+                if _is_cuda(t):
+                    devices.add(t.device)
+                    cuda = True
+                unreleased += t.numel() * t.element_size()
+                if not cuda and unreleased >= NOTIFY_BYTES:
+                    staged._copied_up_to(i + 1, notify=True)
+                    unreleased = 0
+                elif not cuda:
+                    staged._copied_up_to(i + 1, notify=False)
+            for device in devices:  # one synchronisation per device, after every copy was queued
+                _synchronize(device)
+        except BaseException as err:
+            staged._abort(err)
+            raise
+        staged._copied_up_to(len(staged), notify=True)
 
     def release(self) -> None:
         self._pool = None
@@ -127,6 +203,11 @@ def _slots(tensors: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, Tuple[int, to
         slots[name] = (offset, t)
         offset += _aligned(t.numel() * t.element_size())
     return slots, offset
+
+
+def in_file_order(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``tensors`` reordered as the file stores them, so the write can follow the copy."""
+    return {e.name: tensors[e.name] for e in container.layout(tensors)}
 
 
 # ------------------------------------------------------------------------------------ ordered writer
@@ -187,6 +268,11 @@ class OrderedWriter:
             failed, self._failed = self._failed, []
         return failed
 
+    def discard(self, job: Job) -> None:
+        """Forget ``job``'s failure (its cause was already raised to the caller another way)."""
+        with self._cv:
+            self._failed = [j for j in self._failed if j is not job]
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -219,8 +305,9 @@ class OrderedWriter:
 # ------------------------------------------------------------------------------------ the saver
 
 
-WriteFn = Callable[[str, str, Dict[str, torch.Tensor]], None]
-"""``write(path, tree_json, staged_tensors)``: the durable commit (``files.commit`` with a digest)."""
+WriteFn = Callable[[str, str, StagedTensors], None]
+"""``write(path, tree_json, staged)``: the durable commit (``files.commit`` with a digest), reading each
+tensor only after ``staged.wait(name)``: it starts while the snapshot is still being copied."""
 
 
 class AsyncSaver:
@@ -251,17 +338,28 @@ class AsyncSaver:
         return self._write_seconds
 
     def save(self, checkpoint: dict, path: str) -> None:
-        """Wait for the previous save (measured), report its failure, snapshot ``checkpoint``, queue its write."""
+        """Wait for the previous save (measured), report its failure, snapshot ``checkpoint``, write it.
+
+        The write is queued before the copy starts and follows it tensor by tensor (file order); this
+        returns once every tensor is copied, so the caller may then change its state freely.
+        """
         started = time.monotonic()
         self.writer.wait(self.writer.outstanding())  # the pool is reused: the previous write must be done
         snapshot_start = time.monotonic()
         self.last_wait_seconds = snapshot_start - started
         self.report()
         tree_json, tensors = self._encode(checkpoint)  # unencodable values fail here, before any file
-        staged = self.buffers.stage(tensors)
+        tensors = in_file_order(tensors)
+        staged = self.buffers.prepare(tensors)
+        job = self.writer.submit(Job("write", path, lambda: self._write(path, tree_json, staged)))
+        try:
+            self.buffers.fill(staged, tensors)
+        except BaseException:
+            self.writer.wait([job])  # the write stops at the first tensor not copied and leaves no file
+            self.writer.discard(job)  # the caller gets the copy's own error, now; not a second one later
+            raise
         self.last_blocked_seconds = time.monotonic() - snapshot_start
-        job = Job("write", path, lambda: self._write(path, tree_json, staged))
-        self._last_write = self.writer.submit(job)
+        self._last_write = job
 
     def remove(self, path: str, remove: Callable[[], None]) -> None:
         """Queue a deletion after everything submitted so far (skipped if the write before it failed)."""

@@ -12,7 +12,8 @@ same run:
   I/O and fsync'd: the disk's own limit (our async save writes this way), shown for honesty.
 
 Ratios are of medians; the spread lines give the range of the per-repeat ratios (each save against
-the baseline measured next to it), since the machine is shared. "blocked" is the time until ``save`` returns; "total" until the file is durable (or, for the peers
+the baseline measured in the same round), since the machine is shared. The order of the methods
+rotates from one round to the next. "blocked" is the time until ``save`` returns; "total" until the file is durable (or, for the peers
 that do not fsync, written). ``os.sync()`` runs untimed before each measurement. Peers: our
 synchronous save, ``torch.save`` (+fsync), Lightning ``TorchCheckpointIO`` (no fsync), Lightning
 ``AsyncCheckpointIO`` (clones the tensors on the caller, total = ``teardown``), and
@@ -193,8 +194,9 @@ def measure_saves(methods: Methods, repeats: int) -> Dict[str, List[Timing]]:
     for key in results:  # warm-up: allocate pools, thread pools, first-touch pages (not counted)
         getattr(methods, key)()
         methods.clean()
-    for _ in range(repeats):
-        for _, key in ROWS:
+    keys = [key for _, key in ROWS]
+    for r in range(repeats):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:  # rotated: no method always follows another
             os.sync()
             results[key].append(getattr(methods, key)())
             methods.clean()

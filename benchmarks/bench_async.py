@@ -186,7 +186,7 @@ ROWS = [
     ("Lightning AsyncCheckpointIO (no fsync)", "lightning_async_io"),
     ("torch.distributed.checkpoint.async_save", "dcp_async_save"),
 ]
-PEERS = ["ours_sync_save", "torch_save", "lightning_torch_io", "lightning_async_io", "dcp_async_save"]
+PEERS = ["torch_save", "lightning_torch_io", "lightning_async_io", "dcp_async_save"]  # issue 6's list; our sync save is not a peer
 
 
 def measure_saves(methods: Methods, repeats: int) -> Dict[str, List[Timing]]:

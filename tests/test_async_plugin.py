@@ -350,3 +350,27 @@ def test_async_files_are_standard_safetensors_with_or_without_direct_io(tmp_path
     assert any(t.dtype == torch.int8 and torch.equal(t, checkpoint["odd"]) for t in read)
     assert any(torch.equal(t, model.state_dict()["0.weight"]) for t in read if t.shape == (64, 64))
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt"] + (["probe"] if direct else [])
+
+
+def test_a_filesystem_that_refuses_the_first_direct_write_gets_a_page_cache_write(tmp_path, monkeypatch):
+    import errno
+
+    real, calls = files._pwrite_all, []
+
+    def refuse_first(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")  # what O_DIRECT gets where it is not supported
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(files, "_pwrite_all", refuse_first)
+    model, opt = _model_and_optimizer()
+    checkpoint = _checkpoint(model, opt, 1)
+    io = SafetensorsCheckpointIO(async_save=True)
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    io.teardown()
+    if not _direct_io_works(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT at open: the probe write is never reached")
+    assert _data_start(tmp_path / "a.ckpt") % 4096 != 0  # written through the page cache
+    assert_same(SafetensorsCheckpointIO().load_checkpoint(tmp_path / "a.ckpt"), checkpoint)
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "probe"]

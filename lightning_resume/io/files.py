@@ -1,7 +1,10 @@
 """Whole-file save, load and verify of checkpoints: the mechanism under ``SafetensorsCheckpointIO``.
 
-Save: encode the whole tree first (so an unencodable value fails before any file is touched),
-hash every tensor, then write header and tensor bytes through ``atomic_write``. Load: the content,
+Save: encode the whole tree first (so an unencodable value fails before any file is touched), then,
+through ``atomic_write``, write the tensor bytes after a placeholder header while a thread hashes
+them, and the real header last; one fsync. Locally the bytes go straight from tensor memory to the
+file descriptor, with writeback started as they go; an async snapshot (one block-aligned image of
+the data section) is written with direct I/O instead, where the filesystem allows. Load: the content,
 not the extension, decides the format (safetensors if a JSON header follows the 8-byte length,
 anything else goes to the weights-only ``torch.load`` of ``legacy``); local files are memory-mapped
 copy-on-write, so tensors are views of the page cache until Lightning copies them into the model.
@@ -210,16 +213,14 @@ def _write_image(fd: int, start: int, data: _Data, image: memoryview) -> int:
 
 def _pwrite_direct(fd: int, payload: bytes, offset: int, probe: bool = False) -> bool:
     """Write ``payload`` (length a multiple of ``BLOCK``) from a page-aligned copy; ``False`` if a probe is refused."""
-    buf = mmap_module.mmap(-1, len(payload))
+    buf = mmap_module.mmap(-1, len(payload))  # freed with its last view (closing it here could fail on one)
+    buf[:] = payload
     try:
-        buf[:] = payload
         _pwrite_all(fd, memoryview(buf), offset)
     except OSError as err:
         if probe and err.errno == errno.EINVAL:
             return False
         raise
-    finally:
-        buf.close()
     return True
 
 

@@ -1,9 +1,11 @@
 """Async saving mechanism: snapshot into reusable host buffers, then write on one ordered worker.
 
 Two phases, in order. On the training thread, :class:`HostBuffers` copies every tensor of the
-checkpoint into one preallocated host byte pool (pinned, with non-blocking copies and one
-synchronisation per device, when a source is on CUDA), and the non-tensor tree is encoded to its
-JSON text: after that nothing the next optimizer step mutates is referenced. On one background
+checkpoint into one preallocated, block-aligned host byte pool laid out as the file's data section
+(pinned, with non-blocking copies and one synchronisation per device, when a source is on CUDA), so
+the worker can write it with direct I/O; the non-tensor tree is encoded to its JSON text. After that
+nothing the next optimizer step mutates is referenced. :class:`StagedTensors` tells a reader which
+tensors are copied yet, so a write may optionally follow the copy (``overlap``). On one background
 thread, :class:`OrderedWriter` runs jobs strictly in submission order: the atomic, checksummed
 commit of ``files.commit`` and the deletions asked for after it, so a prune never overtakes the
 save it depends on, and a deletion queued behind a failed write is skipped (nothing good is deleted

@@ -37,15 +37,15 @@ def _slow(io, seconds=0.3, gate=None):
 
 
 def _disk_full(monkeypatch, after_bytes=100):
-    """The next commits write some bytes, then fail as a full disk does."""
-    real = files._write_hashing_during_flush
+    """The next commits write some bytes, then fail as a full disk does (direct and page-cache writes alike)."""
+    real = files._pwrite_all
 
-    def full(f, *args, **kwargs):
-        f.write(b"x" * after_bytes)
+    def full(fd, view, offset):
+        os.pwrite(fd, b"x" * after_bytes, offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(files, "_write_hashing_during_flush", full)
-    return lambda: monkeypatch.setattr(files, "_write_hashing_during_flush", real)
+    monkeypatch.setattr(files, "_pwrite_all", full)
+    return lambda: monkeypatch.setattr(files, "_pwrite_all", real)
 
 
 def _model_and_optimizer():
@@ -76,9 +76,10 @@ def _clone(tree):
     return tree
 
 
-def test_an_optimizer_step_right_after_save_does_not_leak_into_the_file(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy-then-write", "overlap_write"])
+def test_an_optimizer_step_right_after_save_does_not_leak_into_the_file(tmp_path, overlap):
     model, opt = _model_and_optimizer()
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(async_save=True, overlap_write=overlap)
     assert isinstance(io, AsyncCheckpointWriter)
     _slow(io)
     checkpoint = _checkpoint(model, opt, 1)
@@ -311,3 +312,65 @@ def test_preemption_waits_until_the_snapshot_is_durable_before_stopping(tmp_path
     preempt = Preempt()
     _trainer(tmp_path, 20, [exact, ret, preempt], io).fit(Tiny())
     assert exact.preempted and preempt.durable
+
+
+def _data_start(path):
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def _direct_io_works(directory):
+    try:
+        fd = os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    return bool(getattr(os, "O_DIRECT", 0))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-io", "filesystem-refuses-direct-io"])
+def test_async_files_are_standard_safetensors_with_or_without_direct_io(tmp_path, monkeypatch, direct):
+    from safetensors import safe_open
+
+    if direct and not _direct_io_works(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    if not direct:
+        monkeypatch.setattr(files, "_open_direct", lambda path: None)
+    model, opt = _model_and_optimizer()
+    checkpoint = _checkpoint(model, opt, 1)
+    checkpoint["odd"] = torch.arange(4099, dtype=torch.int8)  # the data section does not end on a block
+    io = SafetensorsCheckpointIO(async_save=True)
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    io.teardown()
+    start = _data_start(tmp_path / "a.ckpt")
+    assert (start % 4096 == 0) if direct else (start % 4096 != 0)  # direct I/O pads the header to a block
+    assert_same(SafetensorsCheckpointIO().load_checkpoint(tmp_path / "a.ckpt"), checkpoint)
+    with safe_open(str(tmp_path / "a.ckpt"), framework="pt") as f:  # the reference reader agrees
+        read = [f.get_tensor(key) for key in f.keys()]
+    assert any(t.dtype == torch.int8 and torch.equal(t, checkpoint["odd"]) for t in read)
+    assert any(torch.equal(t, model.state_dict()["0.weight"]) for t in read if t.shape == (64, 64))
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt"] + (["probe"] if direct else [])
+
+
+def test_a_filesystem_that_refuses_the_first_direct_write_gets_a_page_cache_write(tmp_path, monkeypatch):
+    import errno
+
+    real, calls = files._pwrite_all, []
+
+    def refuse_first(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")  # what O_DIRECT gets where it is not supported
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(files, "_pwrite_all", refuse_first)
+    model, opt = _model_and_optimizer()
+    checkpoint = _checkpoint(model, opt, 1)
+    io = SafetensorsCheckpointIO(async_save=True)
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    io.teardown()
+    if not _direct_io_works(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT at open: the probe write is never reached")
+    assert _data_start(tmp_path / "a.ckpt") % 4096 != 0  # written through the page cache
+    assert_same(SafetensorsCheckpointIO().load_checkpoint(tmp_path / "a.ckpt"), checkpoint)
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "probe"]

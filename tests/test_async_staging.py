@@ -3,6 +3,7 @@ the ordered writer (order, deletions behind failed writes, errors handed over on
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -11,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_resume.io import staging
-from lightning_resume.io.staging import ALIGN, AsyncSaver, AsyncWriteError, AsyncWriteWarning, HostBuffers, Job, OrderedWriter
+from lightning_resume.io import container, staging
+from lightning_resume.io.staging import BLOCK, AsyncSaver, AsyncWriteError, AsyncWriteWarning, HostBuffers, Job, OrderedWriter
 from tests.io_helpers import tensor_bits
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]
@@ -29,30 +30,34 @@ def _state(shapes, dtypes):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=3), st.sampled_from(DTYPES)), min_size=1, max_size=8))
-def test_staged_tensors_are_bitwise_copies_in_aligned_slots(spec):
+def test_staged_tensors_are_bitwise_copies_laid_out_as_the_file_data_section(spec):
     tensors = _state([s for s, _ in spec], [d for _, d in spec])
     staged = HostBuffers().stage(tensors)
-    for name, t in tensors.items():
-        s = staged[name]
+    image = staged.image
+    base = torch.frombuffer(image, dtype=torch.uint8).data_ptr() if len(image) else 0
+    assert base % BLOCK == 0 and len(image) % BLOCK == 0
+    for e in container.layout(tensors):
+        s, t = staged[e.name], tensors[e.name]
         assert (s.dtype, s.shape, s.is_contiguous()) == (t.dtype, t.shape, True)
         assert tensor_bits(s) == tensor_bits(t)
         if s.numel():
-            assert s.data_ptr() % ALIGN == 0
+            assert s.data_ptr() == base + e.begin and s.data_ptr() % s.element_size() == 0
             assert s.data_ptr() != t.data_ptr()
+    assert bytes(image[: container.layout(tensors)[-1].end]) == b"".join(bytes(container.host_bytes(tensors[e.name])) for e in container.layout(tensors))
 
 
 def test_pool_is_allocated_once_and_reused_across_saves():
     buffers = HostBuffers()
     state = {"w": torch.randn(100, 10), "b": torch.randn(10), "step": torch.tensor(3)}
     first = buffers.stage(state)
-    ptr = first["w"].data_ptr()
+    ptr, base = first["w"].data_ptr(), first["step"].data_ptr()  # int64 "step" is first in the file: the pool start
     for _ in range(5):
         for t in state.values():
             t.add_(1)
         again = buffers.stage(state)
         assert again["w"].data_ptr() == ptr and torch.equal(again["w"], state["w"])
     smaller = buffers.stage({"w": torch.randn(5)})  # a smaller state fits: no reallocation either
-    assert buffers.allocations == 1 and smaller["w"].data_ptr() == ptr
+    assert buffers.allocations == 1 and smaller["w"].data_ptr() == base
     buffers.stage({"w": torch.randn(10_000)})
     assert buffers.allocations == 2
 
@@ -172,6 +177,7 @@ def test_next_save_waits_for_the_previous_write_and_measures_the_wait():
 
     def write(path, tree_json, tensors):
         gate.wait(5)
+        tensors.wait("w")  # the write may start before the copy is done: it reads a tensor once ready
         seen.append((path, tensors["w"].clone()))
 
     saver = _saver(write)
@@ -183,3 +189,89 @@ def test_next_save_waits_for_the_previous_write_and_measures_the_wait():
     assert [p for p, _ in seen] == ["a", "b"]
     assert torch.equal(seen[0][1], torch.zeros(3)) and torch.equal(seen[1][1], torch.ones(3))
     assert saver.last_write_seconds is not None and saver.last_blocked_seconds < saver.last_wait_seconds
+
+
+# ------------------------------------------------------------------------------------ copy/write overlap
+
+
+def test_a_reader_gets_each_tensor_as_soon_as_it_is_copied_and_never_before(monkeypatch):
+    """The copy of 'b' is held until the reader has read 'a': only a pipelined release lets it through."""
+    monkeypatch.setattr(staging, "NOTIFY_BYTES", 0)
+    buffers, tensors = HostBuffers(), {"a": torch.full((1000,), 1.0), "b": torch.full((1000,), 2.0), "c": torch.full((10,), 3.0)}
+    staged = buffers.prepare(tensors)
+    read_a, seen = threading.Event(), {}
+    real_copy = torch.Tensor.copy_
+
+    def copy(dst, src, non_blocking=False):
+        if dst.data_ptr() == staged["b"].data_ptr():
+            seen["overlapped"] = read_a.wait(5)
+        return real_copy(dst, src, non_blocking=non_blocking)
+
+    def reader():
+        for name in staged:
+            staged.wait(name)
+            seen[name] = staged[name].clone()
+            read_a.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+    buffers.fill(staged, tensors)
+    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    thread.join(5)
+    assert seen["overlapped"] is True
+    assert all(torch.equal(seen[name], t) for name, t in tensors.items())
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy-then-write", "overlap_write"])
+def test_a_copy_that_fails_mid_snapshot_raises_its_own_error_once_and_leaves_no_file(tmp_path, monkeypatch, overlap):
+    from lightning_resume.io import SafetensorsCheckpointIO
+
+    io = SafetensorsCheckpointIO(async_save=True, overlap_write=overlap)
+    state = {"a": torch.randn(1000), "b": torch.randn(1000), "c": torch.randn(1000)}
+    real_copy, calls = torch.Tensor.copy_, []
+
+    def failing(dst, src, non_blocking=False):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of the snapshot
+        return real_copy(dst, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint(state, str(tmp_path / "a.ckpt"))
+    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    assert os.listdir(tmp_path) == [] and not io.write_in_flight()
+    io.save_checkpoint(state, str(tmp_path / "b.ckpt"))  # the aborted write is not reported a second time
+    io.teardown()
+    loaded = SafetensorsCheckpointIO().load_checkpoint(tmp_path / "b.ckpt")
+    assert os.listdir(tmp_path) == ["b.ckpt"] and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_the_snapshot_is_copied_in_file_order():
+    tensors = {"z.small": torch.zeros(3, dtype=torch.int8), "a.big": torch.zeros(3, dtype=torch.float64), "m": torch.zeros(2)}
+    assert list(HostBuffers().prepare(tensors)) == ["a.big", "m", "z.small"]  # widest dtype first, then by name
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_starts_the_write_before_the_copy_ends_and_save_still_returns_after_it(monkeypatch, overlap):
+    started, copied_when_started, real_copy = threading.Event(), [], torch.Tensor.copy_
+    state = {"a": torch.ones(10), "b": torch.full((10,), 2.0)}
+
+    def write(path, tree_json, tensors):
+        copied_when_started.append(tensors._copied)
+        started.set()
+        tensors.wait_all()
+
+    def copy(dst, src, non_blocking=False):
+        if torch.equal(src, state["b"]):  # the last tensor in file order
+            copy.write_began_first = started.wait(0.5 if not overlap else 5)
+        return real_copy(dst, src, non_blocking=non_blocking)
+
+    saver = AsyncSaver(lambda ckpt: ("{}", dict(ckpt)), write, overlap=overlap)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+    saver.save(state, "x")
+    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    assert saver.wait() is True
+    assert copy.write_began_first is overlap
+    assert (copied_when_started[0] < 2) is overlap  # overlap: begun before the last tensor was copied

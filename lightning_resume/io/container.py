@@ -83,13 +83,14 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> List[Entry]:
     return entries
 
 
-def header_bytes(entries: List[Entry], metadata: Mapping[str, str]) -> bytes:
-    """``<u64 N><JSON>`` padded with spaces so the data section starts 8-byte aligned."""
+def header_bytes(entries: List[Entry], metadata: Mapping[str, str], align: int = 8) -> bytes:
+    """``<u64 N><JSON>`` padded with spaces so the data section starts ``align``-byte aligned (8 or a
+    multiple of 8: a disk block for direct I/O; JSON allows trailing spaces, as safetensors' own files have)."""
     doc: Dict[str, Any] = {"__metadata__": dict(metadata)}
     for e in entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % align)
     return struct.pack("<Q", len(raw)) + raw
 
 

@@ -34,7 +34,7 @@ from lightning_resume.io import files
 from lightning_resume.io.atomic import clean_stale_temporaries, is_local
 from lightning_resume.io.integrity import DIGESTS
 from lightning_resume.io.last import SkippedCheckpointWarning, is_last_name, newest_verified, sibling_checkpoints
-from lightning_resume.io.staging import AsyncSaver, AsyncWriteWarning
+from lightning_resume.io.staging import AsyncSaver, AsyncWriteWarning, StagedTensors
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
             optimizer keeps its loaded moments for the whole run), even after the file is deleted.
         async_save: block training only to copy the state into reusable host buffers; a background
             worker writes the file (atomic, checksummed). At most one write is in flight: the next save
-            waits for it. Deletions are queued behind the writes they follow.
+            waits for it. Deletions are queued behind the writes they follow. Locally the file is
+            written with direct I/O from those buffers (no page-cache copy) where the filesystem allows.
+        overlap_write: with ``async_save``, start writing each chunk as soon as it is copied instead of
+            after the whole snapshot: durable sooner by about the copy time, but the write competes with
+            the copy, so training is blocked longer (measured on 2 busy cores: 1.6-2.4x a memcpy instead
+            of 1.4x). Worth it where saves are back to back and cores are spare.
         on_error: what a failed background write does at the next save, ``wait`` or teardown:
             ``"raise"`` an ``AsyncWriteError`` naming the file (default), or ``"warn"`` and go on.
         flush_timeout: longest wait for a pending write when the run ends by an exception,
@@ -67,6 +72,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         fallback_to_verified: bool = True,
         mmap: bool = False,
         async_save: bool = False,
+        overlap_write: bool = False,
         on_error: Literal["raise", "warn"] = "raise",
         flush_timeout: Union[str, float, timedelta] = "10min",
     ) -> None:
@@ -75,6 +81,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
             problems.append(f"checksum={checksum!r} is not supported; use one of {sorted(DIGESTS)}")
         if not isinstance(verify, bool):
             problems.append(f"verify={verify!r} must be True or False")
+        if overlap_write and not async_save:
+            problems.append("overlap_write=True overlaps the background write with the snapshot copy; it needs async_save=True")
         if on_error not in ("raise", "warn"):
             problems.append(f"on_error={on_error!r} is not supported; use 'raise' or 'warn'")
         try:
@@ -91,7 +99,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._cleaned: Set[str] = set()
         self._saver: Optional[AsyncSaver] = None
         if async_save:
-            self._saver = AsyncSaver(files.encode_tree, self._commit, on_error)
+            self._saver = AsyncSaver(files.encode_tree, self._commit, on_error, overlap=overlap_write)
             atexit.register(_flush_at_exit, weakref.ref(self))
 
     @property
@@ -107,8 +115,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         else:
             files.save_file(checkpoint, str(path), algorithm=self.checksum)
 
-    def _commit(self, path: str, tree_json: str, tensors: Dict[str, Any]) -> None:
-        files.commit(path, tree_json, tensors, self.checksum)
+    def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
+        files.commit(path, tree_json, staged, self.checksum, ready=staged.wait, image=staged.image)
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Load ``path`` (our format or a legacy ``torch.save`` file, decided by content).

@@ -7,7 +7,7 @@ their next collective.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -28,9 +28,15 @@ def agreed(trainer: "pl.Trainer", lines: list[str]) -> list[str]:
     return [line if len(ranks) == len(per_rank) else f"{line} (ranks {ranks})" for line, ranks in out.items()]
 
 
-def gather(local: Any, world_size: int) -> list[Any]:
-    """Every rank's value, in rank order, on every rank (e.g. its state: the file is written by rank 0 only)."""
-    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+def gather(local: Any, world_size: Optional[int] = None) -> list[Any]:
+    """Every rank's value, in rank order, on every rank (e.g. its state: the file is written by rank 0 only).
+
+    ``world_size`` defaults to the process group's; one process (or none initialised) gets ``[local]``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return [local]
+    world_size = dist.get_world_size() if world_size is None else world_size
+    if world_size <= 1:
         return [local]
     out: list[Any] = [None] * world_size
     dist.all_gather_object(out, local)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.sharded import load_full, load_meta, newest_committed, verify_sharded
 from lightning_resume.sharded.background import AsyncShardedSaver, HostShards, save_sharded_async
 from lightning_resume.sharded.strategy import ShardedModelParallelStrategy
+from tests.exact.harness import assert_bitwise
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -49,20 +49,6 @@ def job(out: Path, *flags: str) -> dict:
     return torch.load(out / "final.pt", weights_only=True)
 
 
-def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
-    """Bitwise equality of nested dicts/lists of tensors and plain values."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
-        for key in a:
-            assert_same_tree(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tree(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +70,8 @@ def test_async_save_commits_the_same_files_and_contents_as_the_sync_save(async_r
                                                             "meta.safetensors"}
         for file in set(sync.files) - {".metadata"}:  # .metadata names the (staging) directory it was written to
             assert background.files[file] == sync.files[file], (name, file)
-        assert_same_tree(load_full(str(out / "ckpt-sync" / name)), load_full(str(out / "ckpt" / name)), name)
-        assert_same_tree(load_meta(str(out / "ckpt-sync" / name)), load_meta(str(out / "ckpt" / name)), name)
+        assert_bitwise(load_full(str(out / "ckpt-sync" / name)), load_full(str(out / "ckpt" / name)), name)
+        assert_bitwise(load_meta(str(out / "ckpt-sync" / name)), load_meta(str(out / "ckpt" / name)), name)
     assert sorted(os.listdir(out / "ckpt")) == list(STEPS)  # no staging directory left
 
 
@@ -97,7 +83,7 @@ def test_the_optimizer_step_after_an_async_save_does_not_leak_into_its_checkpoin
         assert max(report["blocked"]) < 0.25  # the 0.3 s write delay was not paid on the training thread
     at_2, at_4 = load_full(str(out / "ckpt" / "step-0002")), load_full(str(out / "ckpt" / "step-0004"))
     assert not torch.equal(at_2["model"]["0.weight"], at_4["model"]["0.weight"])  # the state did move on
-    assert_same_tree(load_full(str(out / "ckpt-sync" / "step-0002")), at_2)  # ...and not into the checkpoint
+    assert_bitwise(load_full(str(out / "ckpt-sync" / "step-0002")), at_2)  # ...and not into the checkpoint
 
 
 def test_a_failed_background_write_raises_on_both_ranks_at_the_next_save_and_at_close(async_run):
@@ -132,8 +118,8 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint_newest_
     assert load_meta(str(root / "step-0002"))["step"] == 2 and "optim" in load_full(str(root / "step-0002"))
 
     resumed = job(tmp_path, "--async", "--resume")
-    assert_same_tree(expected["model"], resumed["model"])
-    assert_same_tree(expected["losses"][2:], resumed["losses"])
+    assert_bitwise(expected["model"], resumed["model"])
+    assert_bitwise(expected["losses"][2:], resumed["losses"])
     assert not (root / staging).exists() and sorted(os.listdir(root)) == list(STEPS)
 
 
@@ -150,8 +136,8 @@ def test_lightning_async_fit_resumes_bitwise_and_a_failed_last_write_raises_at_t
     assert not [n for n in os.listdir(root) if n.startswith(".")]
 
     resumed = fit(tmp_path / "resumed", str(root / "step=000000004.ckpt"), "--async", "--fail-write-at", "6")
-    assert_same_tree(full["losses"][4:], resumed["losses"])
-    assert_same_tree(full["model"], resumed["model"])
+    assert_bitwise(full["losses"][4:], resumed["losses"])
+    assert_bitwise(full["model"], resumed["model"])
     for rank in (0, 1):
         error = (tmp_path / "resumed" / f"error-{rank}.txt").read_text()
         last = tmp_path / "resumed" / "ckpt" / "epoch=0-step=6.ckpt"

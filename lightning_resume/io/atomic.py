@@ -37,12 +37,13 @@ def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
     """Run ``write(fileobj)`` into a temporary sibling and commit it as ``path``."""
     path = str(path)
     if is_local(path):
-        _local_atomic_write(_local(path), write)
+        _local_atomic_write(local_path(path), write)
     else:
         _remote_write_then_move(path, write)
 
 
-def _local(path: str) -> str:
+def local_path(path: str) -> str:
+    """The filesystem path of a local ``file://`` URL (or the path itself)."""
     return fsspec.core.url_to_fs(path)[1] if "://" in path else path
 
 

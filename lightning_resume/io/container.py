@@ -135,14 +135,14 @@ MAX_DIM = 2**62  # a dimension torch can index; larger ones only come from craft
 def _entry(path: str, name: str, spec: Any) -> Entry:
     where = f"tensor '{name}'"
     if type(spec) is not dict or set(spec) != {"dtype", "shape", "data_offsets"}:
-        raise CheckpointCorruptError(path, f"{where}: header entry malformed", "{dtype, shape, data_offsets}", _short(spec))
+        raise CheckpointCorruptError(path, f"{where}: header entry malformed", "{dtype, shape, data_offsets}", short_repr(spec))
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if type(dtype) is not str or dtype not in DTYPES:
         raise CheckpointCorruptError(path, f"{where}: unknown dtype", sorted(DTYPES), dtype)
     if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
-        raise CheckpointCorruptError(path, f"{where}: shape is not a list of at most {MAX_DIMS} ints in [0, 2**62)", None, _short(shape))
+        raise CheckpointCorruptError(path, f"{where}: shape is not a list of at most {MAX_DIMS} ints in [0, 2**62)", None, short_repr(shape))
     if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
-        raise CheckpointCorruptError(path, f"{where}: data_offsets malformed", "[begin, end]", _short(offsets))
+        raise CheckpointCorruptError(path, f"{where}: data_offsets malformed", "[begin, end]", short_repr(offsets))
     numel = 1
     for d in shape:
         numel *= d
@@ -166,6 +166,7 @@ def _check_coverage(path: str, entries: Mapping[str, Entry], data_size: int) -> 
         raise CheckpointCorruptError(path, "data section size differs from the tensors in the header", cursor, data_size)
 
 
-def _short(x: Any) -> str:
+def short_repr(x: Any) -> str:
+    """``repr(x)`` cut to fit an error message."""
     text = repr(x)
     return text if len(text) < 80 else text[:77] + "..."

@@ -33,7 +33,7 @@ import torch
 
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io import container, integrity
-from lightning_resume.io.atomic import atomic_write, is_local
+from lightning_resume.io.atomic import atomic_write, is_local, local_path
 from lightning_resume.io.format import TreeFormatError, decode, encode
 from lightning_resume.io.legacy import load_legacy
 
@@ -307,7 +307,7 @@ def load_file(path: str, verify: bool = True, map_location: Any = None, lenient:
     buf, size = _map(path)
     if _is_safetensors_head(path, bytes(buf[:9])):
         return _load_safetensors(path, buf, size, opts)
-    source = _local_path(path) if is_local(path) else io.BytesIO(bytes(buf))
+    source = local_path(path) if is_local(path) else io.BytesIO(bytes(buf))
     return Loaded(load_legacy(path, source, map_location), None, size)
 
 
@@ -338,15 +338,12 @@ def _map(path: str) -> Tuple[Any, int]:
         with fs.open(fs_path, "rb") as f:
             data = bytearray(f.read())
         return memoryview(data), len(data)
-    with open(_local_path(path), "rb") as f:
+    with open(local_path(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise CheckpointCorruptError(path, "file is empty", "> 0 bytes", 0)
         return mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_COPY), size
 
-
-def _local_path(path: str) -> str:
-    return fsspec.core.url_to_fs(path)[1] if "://" in path else path
 
 
 def _checked_metadata(path: str, header: container.Header) -> Tuple[Dict[str, Any], str]:
@@ -363,11 +360,11 @@ def _checked_metadata(path: str, header: container.Header) -> Tuple[Dict[str, An
 
 def _load_local_copy(path: str, opts: ReadOptions) -> Loaded:
     """Read each tensor straight into its own fresh memory (one copy, no page-cache mapping kept)."""
-    with open(_local_path(path), "rb", buffering=0) as f:
+    with open(local_path(path), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(9)
         if not _is_safetensors_head(path, head):
-            return Loaded(load_legacy(path, _local_path(path), opts.map_location), None, size)
+            return Loaded(load_legacy(path, local_path(path), opts.map_location), None, size)
         n = container.header_length(path, head, size)
         header = container.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
         record, tree_json = _checked_metadata(path, header)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from lightning_resume.errors import LightningResumeError
+from lightning_resume.io.container import short_repr
 
 MAX_DEPTH = 512
 """Deepest nesting accepted on decode: a hostile header cannot exhaust the stack."""
@@ -258,14 +259,14 @@ class _Decoder:
         if type(x) is list:
             return [self.node(v, depth + 1) for v in x]
         if type(x) is not dict or type(x.get("@")) is not str:
-            raise TreeFormatError(f"unexpected node {_short(x)}")
+            raise TreeFormatError(f"unexpected node {short_repr(x)}")
         try:
             return self.tagged(x["@"], x, depth + 1)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RuntimeError, struct.error) as err:
             # RuntimeError: torch refusing a value the tree asks for (a bogus device, grad on integers)
             if isinstance(err, TreeFormatError):
                 raise
-            raise TreeFormatError(f"malformed {x['@']!r} node {_short(x)}: {err}") from err
+            raise TreeFormatError(f"malformed {x['@']!r} node {short_repr(x)}: {err}") from err
 
     def tagged(self, tag: str, x: Dict[str, Any], depth: int) -> Any:
         if tag in _MAPPING_TAGS:
@@ -344,13 +345,13 @@ def _resolve_loaded_class(qualified: Any) -> Any:
 
 def _as_list(x: Any) -> list:
     if type(x) is not list:
-        raise TreeFormatError(f"expected a list, found {_short(x)}")
+        raise TreeFormatError(f"expected a list, found {short_repr(x)}")
     return x
 
 
 def _pair(p: Any) -> Tuple[Any, Any]:
     if type(p) is not list or len(p) != 2:
-        raise TreeFormatError(f"expected a [key, value] pair, found {_short(p)}")
+        raise TreeFormatError(f"expected a [key, value] pair, found {short_repr(p)}")
     return p[0], p[1]
 
 
@@ -358,25 +359,21 @@ def _hashable(k: Any) -> Any:
     try:
         hash(k)
     except TypeError as err:
-        raise TreeFormatError(f"dict key {_short(k)} is not hashable") from err
+        raise TreeFormatError(f"dict key {short_repr(k)} is not hashable") from err
     return k
 
-
-def _short(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) < 80 else text[:77] + "..."
 
 
 def _float_from_hex(h: Any) -> float:
     if type(h) is not str or len(h) != 16:
-        raise TreeFormatError(f"bad float bytes {_short(h)}")
+        raise TreeFormatError(f"bad float bytes {short_repr(h)}")
     return struct.unpack("<d", bytes.fromhex(h))[0]
 
 
 def _dtype_from_name(name: Any) -> torch.dtype:
     value = getattr(torch, name, None) if type(name) is str else None
     if not isinstance(value, torch.dtype):
-        raise TreeFormatError(f"unknown torch dtype {_short(name)}")
+        raise TreeFormatError(f"unknown torch dtype {short_repr(name)}")
     return value
 
 
@@ -401,14 +398,14 @@ def _npscalar(x: Dict[str, Any]) -> np.generic:
 
 def _str(x: Any) -> str:
     if type(x) is not str:
-        raise TreeFormatError(f"expected a string, found {_short(x)}")
+        raise TreeFormatError(f"expected a string, found {short_repr(x)}")
     return x
 
 
 def _timedelta(v: Any) -> dt.timedelta:
     days, seconds, micro = _as_list(v)
     if not all(type(n) is int for n in (days, seconds, micro)):
-        raise TreeFormatError(f"bad timedelta {_short(v)}")
+        raise TreeFormatError(f"bad timedelta {short_repr(v)}")
     return dt.timedelta(days=days, seconds=seconds, microseconds=micro)
 
 
@@ -428,7 +425,7 @@ _SEQUENCE_TAGS: Dict[str, Callable[[Any], Any]] = {
 
 def _int(v: Any) -> int:
     if type(v) is not int:
-        raise TreeFormatError(f"expected an int, found {_short(v)}")
+        raise TreeFormatError(f"expected an int, found {short_repr(v)}")
     return v
 
 

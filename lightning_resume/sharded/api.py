@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
+from lightning_resume import ranks
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.io.files import load_file, save_file
 from lightning_resume.io.format import UnencodableValueError, encode
@@ -76,14 +77,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _gather(obj: Any) -> List[Any]:
-    if not _distributed():
-        return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _broadcast(obj: Any) -> Any:
     if not _distributed():
         return obj
@@ -123,7 +116,7 @@ def _on_every_rank(directory: str, step: str, fn: Callable[[], Any]) -> List[Any
         value = fn()
     except Exception as err:  # handed to every rank below; re-raised chained on this one
         error = err
-    outcomes = _gather((_describe(error), value))
+    outcomes = ranks.gather((_describe(error), value))
     problems = {rank: problem for rank, (problem, _) in enumerate(outcomes) if problem is not None}
     if problems:
         raise ShardedSaveError(directory, step, problems) from error

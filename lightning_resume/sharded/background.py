@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_resume.io import files as io_files
 from lightning_resume.io.format import UnencodableValueError
+from lightning_resume import ranks
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import (
     META_FILE,
@@ -50,7 +51,6 @@ from lightning_resume.sharded.api import (
     _describe,
     _discard_quietly,
     _distributed,
-    _gather,
     _on_every_rank,
     _on_rank_zero,
     _RecordingWriter,
@@ -281,7 +281,7 @@ class AsyncShardedSaver:
             return []
         finished = write.join(timeout)
         mine = (True, write.problems, write.files, write.seconds) if finished else (False, {}, {}, None)
-        outcomes = _gather(mine)
+        outcomes = ranks.gather(mine)
         running = [rank for rank, outcome in enumerate(outcomes) if not outcome[0]]
         if running:
             return running

@@ -89,21 +89,22 @@ def steps(out: Path, rank: int = 0) -> list[dict[str, Any]]:
 def assert_same_final_state(a_out: Path, c_out: Path) -> None:
     a = torch.load(Path(a_out) / "final.pt", weights_only=True)
     c = torch.load(Path(c_out) / "final.pt", weights_only=True)
-    _assert_bitwise(a, c, "final")
+    assert_bitwise(a, c, "final")
 
 
-def _assert_bitwise(a: Any, c: Any, where: str) -> None:
+def assert_bitwise(a: Any, c: Any, where: str = "") -> None:
+    """Nested dicts/lists/tuples of tensors and plain values, equal bit for bit (dtype and shape too)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(c, torch.Tensor) and a.dtype == c.dtype and a.shape == c.shape, where
         assert torch.equal(a.reshape(-1).view(torch.uint8), c.reshape(-1).view(torch.uint8)), f"{where}: bits differ"
     elif isinstance(a, dict):
         assert set(a) == set(c), f"{where}: keys {sorted(a)} != {sorted(c)}"
         for k in a:
-            _assert_bitwise(a[k], c[k], f"{where}.{k}")
+            assert_bitwise(a[k], c[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(c), where
         for i, (x, y) in enumerate(zip(a, c)):
-            _assert_bitwise(x, y, f"{where}[{i}]")
+            assert_bitwise(x, y, f"{where}[{i}]")
     else:
         assert a == c, f"{where}: {a!r} != {c!r}"
 

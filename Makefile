@@ -2,6 +2,9 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# In-process tests run on both cores; tests that spawn processes (DDP, SIGKILL, torchrun) run one at a
+# time after them, so their timing-sensitive children are not starved.
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 
 $(BIN)/.installed: requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -10,11 +13,21 @@ $(BIN)/.installed: requirements-dev.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: demo test venv
+.PHONY: demo test lint unit integration venv
 venv: $(BIN)/.installed
 
 demo: $(BIN)/.installed
 	$(BIN)/python examples/resume_proof.py
 
-test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q tests
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+unit: $(BIN)/.installed
+	$(PYTEST) -n 2 -m "not multiprocess" tests
+
+integration: $(BIN)/.installed
+	$(PYTEST) -m multiprocess tests
+
+test: lint unit integration

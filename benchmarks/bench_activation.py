@@ -123,9 +123,19 @@ def rows_for(n: int, args: argparse.Namespace) -> list[list[str]]:
     for label, plan in plans.items():
         units = "-" if plan is None else f"{len(plan.units)} ({len(plan.blocks)} blocks)"
         peak = kept[label] + (plan.peak_recompute_bytes or 0 if plan is not None else 0)
-        rows.append([str(n), label, units, _mib(kept[label]), f"{kept[label] / kept['none']:.2f}", _mib(peak),
-                     f"{seconds[label] * 1e3:.1f}", f"{seconds[label] / seconds['none']:.2f}x",
-                     f"{(seconds[label] - seconds['none']) / forward:.2f}"])
+        rows.append(
+            [
+                str(n),
+                label,
+                units,
+                _mib(kept[label]),
+                f"{kept[label] / kept['none']:.2f}",
+                _mib(peak),
+                f"{seconds[label] * 1e3:.1f}",
+                f"{seconds[label] / seconds['none']:.2f}x",
+                f"{(seconds[label] - seconds['none']) / forward:.2f}",
+            ]
+        )
     return rows
 
 
@@ -144,7 +154,17 @@ def main() -> None:
     parser.add_argument("--budget-fraction", type=float, default=0.5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    header = ["n", "plan", "units", "kept MiB", "kept vs none", "est. peak MiB", "step ms", "step vs none", "extra / forward"]
+    header = [
+        "n",
+        "plan",
+        "units",
+        "kept MiB",
+        "kept vs none",
+        "est. peak MiB",
+        "step ms",
+        "step vs none",
+        "extra / forward",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for n in args.sizes:

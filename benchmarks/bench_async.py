@@ -55,8 +55,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from benchmarks.bench_io import all_tensors, make_state, raw_write  # noqa: E402
-from lightning_resume.io import SafetensorsCheckpointIO  # noqa: E402
-from lightning_resume.io.container import host_bytes  # noqa: E402
+from lightning_resume import SafetensorsCheckpointIO  # noqa: E402
+from lightning_resume.io.framing import host_bytes  # noqa: E402
 
 Timing = Tuple[float, float]  # (blocked, total) seconds
 
@@ -145,7 +145,9 @@ class Methods:
 
     def clean(self) -> None:
         for name in os.listdir(self.root):
-            shutil.rmtree(os.path.join(self.root, name)) if os.path.isdir(os.path.join(self.root, name)) else os.remove(os.path.join(self.root, name))
+            shutil.rmtree(os.path.join(self.root, name)) if os.path.isdir(os.path.join(self.root, name)) else os.remove(
+                os.path.join(self.root, name)
+            )
 
 
 def raw_direct_write(image: mmap.mmap, nbytes: int, path: str) -> None:
@@ -186,7 +188,12 @@ ROWS = [
     ("Lightning AsyncCheckpointIO (no fsync)", "lightning_async_io"),
     ("torch.distributed.checkpoint.async_save", "dcp_async_save"),
 ]
-PEERS = ["torch_save", "lightning_torch_io", "lightning_async_io", "dcp_async_save"]  # issue 6's list; our sync save is not a peer
+PEERS = [
+    "torch_save",
+    "lightning_torch_io",
+    "lightning_async_io",
+    "dcp_async_save",
+]  # issue 6's list; our sync save is not a peer
 
 
 def measure_saves(methods: Methods, repeats: int) -> Dict[str, List[Timing]]:
@@ -295,7 +302,16 @@ def memory_probe(kind: str, size_mb: float, root: str) -> float:
 def measure_memory(size_mb: float, root: str) -> Dict[str, float]:
     out = {}
     for kind in MEMORY_PROBES:
-        cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", kind, "--size-mb", str(size_mb), "--dir", root]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--memory-probe",
+            kind,
+            "--size-mb",
+            str(size_mb),
+            "--dir",
+            root,
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         lines = [line for line in result.stdout.splitlines() if line.startswith("RSS ")]
         out[kind] = float(lines[-1].split()[1]) if lines else float("nan")
@@ -347,7 +363,9 @@ def step_slowdown(state: Dict, root: str, steps: int = 60) -> Tuple[float, float
 class Fit(L.LightningModule):
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+        self.net = nn.Sequential(
+            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+        )
 
     def training_step(self, batch, _):
         x, y = batch
@@ -361,7 +379,11 @@ def fit_steps_per_second(plugin, root: str, every: int, steps: int, width: int) 
     torch.manual_seed(0)
     x = torch.randn(steps * 8, width)
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    callbacks = [] if plugin == "none" else [ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1, monitor=None)]
+    callbacks = (
+        []
+        if plugin == "none"
+        else [ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1, monitor=None)]
+    )
     trainer = L.Trainer(
         max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
         devices=1, callbacks=callbacks, enable_checkpointing=plugin != "none",
@@ -400,7 +422,9 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where files are written (default: a temporary directory)")
     parser.add_argument("--every", type=int, default=10, help="fit: save every this many steps")
     parser.add_argument("--fit-steps", type=int, default=200)
-    parser.add_argument("--fit-width", type=int, default=1024, help="fit: hidden width (1024: 2.1M params, ~25 MB saved)")
+    parser.add_argument(
+        "--fit-width", type=int, default=1024, help="fit: hidden width (1024: 2.1M params, ~25 MB saved)"
+    )
     parser.add_argument("--memory-probe", choices=MEMORY_PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
@@ -419,7 +443,9 @@ def main() -> None:
             print(f"- {key}: {mb:.0f} MB ({mb * 1e6 / nbytes:.2f}x state)")
         print("  (ours_async_first allocates the reusable pool; ours_async_reused is every later save)")
         alone, during = step_slowdown(state, root)
-        print(f"\ntraining step (CPU MLP, 1 thread): {alone * 1e3:.2f} ms alone, {during * 1e3:.2f} ms while a write runs ({during / alone:.2f}x)")
+        print(
+            f"\ntraining step (CPU MLP, 1 thread): {alone * 1e3:.2f} ms alone, {during * 1e3:.2f} ms while a write runs ({during / alone:.2f}x)"
+        )
         fits = measure_fits(root, args.every, args.fit_steps, args.fit_width, max(1, args.repeats // 2))
         print(f"\nLightning fit, {args.fit_steps} steps, save every {args.every} steps (steps/s, median):")
         for name, sps in fits.items():

@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lightning_resume.io import SafetensorsCheckpointIO  # noqa: E402
-from lightning_resume.io.container import host_bytes  # noqa: E402
+from lightning_resume import SafetensorsCheckpointIO
+from lightning_resume.io.framing import host_bytes
 
 
 def make_state(size_mb: float, d: int = 512) -> Dict:
@@ -56,8 +56,15 @@ def make_state(size_mb: float, d: int = 512) -> Dict:
     params = {n: torch.empty(s).uniform_(-1, 1) for n, s in shapes}
     state = {j: {"step": torch.tensor(100.0), "exp_avg": torch.empty_like(p).uniform_(), "exp_avg_sq": torch.empty_like(p).uniform_()}
              for j, p in enumerate(params.values())}  # fmt: skip
-    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "params": list(state)}]
-    return {"epoch": 1, "global_step": 100, "state_dict": params, "optimizer_states": [{"state": state, "param_groups": groups}]}
+    groups = [
+        {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "params": list(state)}
+    ]
+    return {
+        "epoch": 1,
+        "global_step": 100,
+        "state_dict": params,
+        "optimizer_states": [{"state": state, "param_groups": groups}],
+    }
 
 
 def all_tensors(state: Dict) -> List[torch.Tensor]:
@@ -92,7 +99,11 @@ def run(size_mb: float, repeats: int, workdir: str) -> Dict[str, List[float]]:
     views = [host_bytes(t) for t in all_tensors(state)]
     nbytes = sum(len(v) for v in views)
     read_buffer = bytearray(nbytes)  # reusable: fresh memory is slow on the project VM
-    ours, verified_off, torch_io = SafetensorsCheckpointIO(), SafetensorsCheckpointIO(verify=False, mmap=True), TorchCheckpointIO()
+    ours, verified_off, torch_io = (
+        SafetensorsCheckpointIO(),
+        SafetensorsCheckpointIO(verify=False, mmap=True),
+        TorchCheckpointIO(),
+    )
     ours_sha = SafetensorsCheckpointIO(checksum="sha256")
     paths = {k: os.path.join(workdir, f"{k}.ckpt") for k in ("raw", "ours", "sha", "torch")}
 
@@ -110,20 +121,33 @@ def run(size_mb: float, repeats: int, workdir: str) -> Dict[str, List[float]]:
         "raw read": lambda: raw_read(paths["raw"], read_buffer),
         "SafetensorsCheckpointIO load (verify crc32)": lambda: ours.load_checkpoint(paths["ours"]),
         "SafetensorsCheckpointIO load (verify sha256)": lambda: ours_sha.load_checkpoint(paths["sha"]),
-        "SafetensorsCheckpointIO load (verify=False, mmap=True: lazy views)": lambda: verified_off.load_checkpoint(paths["ours"]),
+        "SafetensorsCheckpointIO load (verify=False, mmap=True: lazy views)": lambda: verified_off.load_checkpoint(
+            paths["ours"]
+        ),
         "TorchCheckpointIO load": lambda: torch_io.load_checkpoint(paths["torch"]),
         "SafetensorsCheckpointIO load+copy into model (verify)": lambda: restore(ours, paths["ours"]),
-        "SafetensorsCheckpointIO load+copy into model (verify=False, mmap=True)": lambda: restore(verified_off, paths["ours"]),
+        "SafetensorsCheckpointIO load+copy into model (verify=False, mmap=True)": lambda: restore(
+            verified_off, paths["ours"]
+        ),
         "TorchCheckpointIO load+copy into model": lambda: restore(torch_io, paths["torch"]),
     }
-    outputs = {"raw write+fsync": "raw", "SafetensorsCheckpointIO save (crc32, default)": "ours", "SafetensorsCheckpointIO save (sha256)": "sha", "TorchCheckpointIO save": "torch"}
+    outputs = {
+        "raw write+fsync": "raw",
+        "SafetensorsCheckpointIO save (crc32, default)": "ours",
+        "SafetensorsCheckpointIO save (sha256)": "sha",
+        "TorchCheckpointIO save": "torch",
+    }
     times: Dict[str, List[float]] = {k: [] for k in methods}
     saves, loads = list(outputs), [k for k in methods if k not in outputs]
     for r in range(repeats):
-        for name in saves[r % len(saves) :] + saves[: r % len(saves)] + loads:  # saves rotate: none always follows another
+        for name in (
+            saves[r % len(saves) :] + saves[: r % len(saves)] + loads
+        ):  # saves rotate: none always follows another
             fn = methods[name]
             if name in outputs and os.path.exists(paths[outputs[name]]):
-                os.remove(paths[outputs[name]])  # untimed: each save writes a new file, none pays for freeing the old one
+                os.remove(
+                    paths[outputs[name]]
+                )  # untimed: each save writes a new file, none pays for freeing the old one
             times[name].append(timed(fn))
     times["_bytes"] = [float(nbytes)]
     return times
@@ -139,15 +163,25 @@ def report(times: Dict[str, List[float]]) -> str:
         kind = "save" if ("save" in name or "write" in name) else "load"
         lines.append(f"| {name} | {t:.3f} | {nbytes / 1e6 / t:.0f} | {t / base[kind]:.2f}x |")
     ours = [t / r for t, r in zip(times["SafetensorsCheckpointIO save (crc32, default)"], times["raw write+fsync"])]
-    lines += ["", f"save (crc32) / raw write+fsync per repeat: min {min(ours):.2f}x, median {statistics.median(ours):.2f}x, max {max(ours):.2f}x"]
+    lines += [
+        "",
+        f"save (crc32) / raw write+fsync per repeat: min {min(ours):.2f}x, median {statistics.median(ours):.2f}x, max {max(ours):.2f}x",
+    ]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=float, default=60.0, help="total tensor bytes (weights + 2 moments); 600 = the 51.7M-param case")
+    parser.add_argument(
+        "--size-mb",
+        type=float,
+        default=60.0,
+        help="total tensor bytes (weights + 2 moments); 600 = the 51.7M-param case",
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory on the working disk)")
+    parser.add_argument(
+        "--dir", default=None, help="where to write (default: a temporary directory on the working disk)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     workdir = tempfile.mkdtemp(prefix="bench_io_", dir=args.dir or os.getcwd())

@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lightning_resume.sharded import save_sharded  # noqa: E402
-from lightning_resume.sharded.background import AsyncShardedSaver  # noqa: E402
+from lightning_resume import save_sharded
+from lightning_resume.sharded.background import AsyncShardedSaver
 
 
 def timed(fn) -> float:
@@ -75,11 +75,15 @@ def raw_copy(state: dict, buffers: dict) -> None:
 
 def async_times(state: dict, root: str, i: int, saver: AsyncShardedSaver, group, buffers: dict) -> dict:
     ours = split(lambda: saver.save(state, os.path.join(root, f"async-{i}"), i), lambda _: saver.wait())
-    torch_async = split(lambda: dcp.async_save(state, checkpoint_id=os.path.join(root, f"dcp-async-{i}"),
-                                               process_group=group), lambda future: future.result())
+    torch_async = split(
+        lambda: dcp.async_save(state, checkpoint_id=os.path.join(root, f"dcp-async-{i}"), process_group=group),
+        lambda future: future.result(),
+    )
     return {
-        "async sharded (ours): blocked": ours[0], "async sharded (ours): total": ours[1],
-        "dcp.async_save: blocked": torch_async[0], "dcp.async_save: total": torch_async[1],
+        "async sharded (ours): blocked": ours[0],
+        "async sharded (ours): total": ours[1],
+        "dcp.async_save: blocked": torch_async[0],
+        "dcp.async_save: total": torch_async[1],
         "memcpy of local shards": timed(lambda: raw_copy(state, buffers)),
     }
 
@@ -98,7 +102,9 @@ def worker(rank: int, params: int, repeats: int, root: str, results) -> None:
         state = {"model": get_model_state_dict(model)}
         times["sharded (ours)"].append(timed(lambda: save_sharded(state, os.path.join(root, f"ours-{i}"), i)))
         times["raw dcp.save"].append(timed(lambda: dcp.save(state, checkpoint_id=os.path.join(root, f"raw-{i}"))))
-        times["rank-0 gather + torch.save"].append(timed(lambda: gather_and_save(model, os.path.join(root, f"full-{i}.pt"))))
+        times["rank-0 gather + torch.save"].append(
+            timed(lambda: gather_and_save(model, os.path.join(root, f"full-{i}.pt")))
+        )
         for name, seconds in async_times(state, root, i, saver, group, buffers).items():
             times.setdefault(name, []).append(seconds)
     if rank == 0:
@@ -132,9 +138,11 @@ def main() -> None:
     ratio = results["rank-0 gather + torch.save"] / results["sharded (ours)"]
     print(f"  gather+single-file / sharded = {ratio:.2f}x")
     blocked, floor = results["async sharded (ours): blocked"], results["memcpy of local shards"]
-    print(f"  async blocked / memcpy = {blocked / floor:.2f}x;  async blocked / sync sharded = "
-          f"{blocked / results['sharded (ours)']:.3f}x;  dcp.async_save blocked / ours = "
-          f"{results['dcp.async_save: blocked'] / blocked:.2f}x")
+    print(
+        f"  async blocked / memcpy = {blocked / floor:.2f}x;  async blocked / sync sharded = "
+        f"{blocked / results['sharded (ours)']:.3f}x;  dcp.async_save blocked / ours = "
+        f"{results['dcp.async_save: blocked'] / blocked:.2f}x"
+    )
     print(f"  async total / sync sharded = {results['async sharded (ours): total'] / results['sharded (ours)']:.2f}x")
 
 

@@ -31,8 +31,8 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lightning_resume.durations import parse_duration  # noqa: E402
-from lightning_resume.schedule import daly_interval, young_interval  # noqa: E402
+from lightning_resume.durations import parse_duration
+from lightning_resume.schedule.policy import daly_interval, young_interval
 
 
 def measure_copy_cost(megabytes: int = 100, repeats: int = 7) -> float:
@@ -52,8 +52,9 @@ def measure_copy_cost(megabytes: int = 100, repeats: int = 7) -> float:
     return float(np.median(times))
 
 
-def simulate(taus: np.ndarray, c: float, m: float, work: float, seeds: int, restart: float = 0.0,
-             rng_seed: int = 0) -> np.ndarray:
+def simulate(
+    taus: np.ndarray, c: float, m: float, work: float, seeds: int, restart: float = 0.0, rng_seed: int = 0
+) -> np.ndarray:
     """Waste fraction, shape (len(taus), seeds), of running ``work`` seconds with saves every ``tau``.
 
     One iteration per failure ("life"); every (tau, seed) pair uses the same failure draws of its
@@ -108,11 +109,11 @@ def run_scenario(s: Scenario, sweep_points: int = 120, rng_seed: int = 0) -> Dic
     waste = simulate(taus, s.c, s.m, s.work, s.seeds, s.restart, rng_seed).mean(axis=1)
     result = {name: float(waste[i]) for i, name in enumerate(policies)}
     result.update({f"{name}_s": tau for name, tau in policies.items()})
-    best = int(np.argmin(waste[len(policies):]))
+    best = int(np.argmin(waste[len(policies) :]))
     result["best"] = float(waste[len(policies) + best])
     result["best_s"] = float(grid[best])
     result["curve_s"] = grid.tolist()
-    result["curve"] = waste[len(policies):].tolist()
+    result["curve"] = waste[len(policies) :].tolist()
     return result
 
 
@@ -125,8 +126,10 @@ def fmt(seconds: float) -> str:
 
 
 def table(rows: List[Dict[str, float]]) -> str:
-    head = ("| M | C | T* Young | T* Daly | best fixed T (sweep) | waste Young | waste Daly | waste best | "
-            "every 30 min | every 1000 steps | Young / best | Daly / best |")
+    head = (
+        "| M | C | T* Young | T* Daly | best fixed T (sweep) | waste Young | waste Daly | waste best | "
+        "every 30 min | every 1000 steps | Young / best | Daly / best |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -140,6 +143,7 @@ def table(rows: List[Dict[str, float]]) -> str:
 def plot(rows: Sequence[Dict[str, float]], path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -150,7 +154,13 @@ def plot(rows: Sequence[Dict[str, float]], path: str) -> None:
         ax.plot(r["curve_s"], [100 * w for w in r["curve"]], label="fixed T (simulated)")
         for name, color in (("young", "C1"), ("daly", "C2"), ("every_30min", "C3"), ("every_1000_steps", "C4")):
             ax.plot(r[f"{name}_s"], 100 * r[name], "o", color=color, label=name)
-        ax.set(xscale="log", yscale="log", xlabel="interval (s)", ylabel="waste (%)", title=f"M={fmt(r['m'])}, C={fmt(r['c'])}")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="interval (s)",
+            ylabel="waste (%)",
+            title=f"M={fmt(r['m'])}, C={fmt(r['c'])}",
+        )
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -162,14 +172,18 @@ def main(argv: Sequence[str] = None) -> int:
     p.add_argument("--c", action="append", help="blocking cost(s) C; default: measured copy, 30s, 5min")
     p.add_argument("--mtbf", action="append", help="job MTBF(s) M; default: 15min, 6h, 24h")
     p.add_argument("--step-time", default="1s", help="seconds per training step (default 1s)")
-    p.add_argument("--restart", default="0s", help="restart cost after a failure (default 0: it adds ~R/M to every policy alike)")
+    p.add_argument(
+        "--restart", default="0s", help="restart cost after a failure (default 0: it adds ~R/M to every policy alike)"
+    )
     p.add_argument("--work-mtbfs", type=float, default=100.0, help="training work, in units of M (default 100)")
     p.add_argument("--seeds", type=int, default=1000)
     p.add_argument("--plot", metavar="PNG")
     args = p.parse_args(argv)
 
     measured = measure_copy_cost()
-    print(f"measured blocking cost: copy of 100 MB into preallocated buffers = {measured * 1e3:.1f} ms", file=sys.stderr)
+    print(
+        f"measured blocking cost: copy of 100 MB into preallocated buffers = {measured * 1e3:.1f} ms", file=sys.stderr
+    )
     costs = [parse_duration(c, "--c") for c in args.c] if args.c else [measured, 30.0, 300.0]
     mtbfs = [parse_duration(m, "--mtbf") for m in args.mtbf] if args.mtbf else [900.0, 6 * 3600.0, 86400.0]
     step, restart = parse_duration(args.step_time, "--step-time"), parse_duration(args.restart, "--restart")
@@ -179,8 +193,11 @@ def main(argv: Sequence[str] = None) -> int:
             s = Scenario(m=m, c=c, step_time=step, restart=restart, work=args.work_mtbfs * m, seeds=args.seeds)
             rows.append({"m": m, "c": c, **run_scenario(s)})
     print(table(rows))
-    print(f"\n{args.seeds} seeds x {len(rows)} scenarios, work = {args.work_mtbfs:g} M each, step {fmt(step)}, "
-          f"restart {fmt(restart)}; {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(
+        f"\n{args.seeds} seeds x {len(rows)} scenarios, work = {args.work_mtbfs:g} M each, step {fmt(step)}, "
+        f"restart {fmt(restart)}; {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
     if args.plot:
         plot(rows, args.plot)
     return 0

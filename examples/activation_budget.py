@@ -14,8 +14,7 @@ from lightning import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_resume.activation.hook import ActivationCheckpointingStrategy
-from lightning_resume.activation.measure import measure_saved_bytes
+from lightning_resume import ActivationCheckpointingStrategy, measure_saved_bytes
 
 WIDTH, DEPTH, BATCH, SEQ = 64, 24, 16, 32
 
@@ -23,8 +22,9 @@ WIDTH, DEPTH, BATCH, SEQ = 64, 24, 16, 32
 class ResidualMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
-                                 nn.Linear(4 * WIDTH, WIDTH), nn.Dropout(0.1))
+        self.net = nn.Sequential(
+            nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.Dropout(0.1)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.net(x)
@@ -69,13 +69,23 @@ def main() -> None:
     budget = plain // 3
     print(f"plain training keeps {plain / 2**20:.2f} MiB of activations; budget {budget / 2**20:.2f} MiB")
     strategy = ActivationCheckpointingStrategy(blocks=ResidualMLP, select="budget", budget=budget)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=16, logger=False,
-                      enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=16,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(model)
     plan = strategy.activation_plan
     kept = kept_bytes(model, [unit[0] for unit in plan.units])
-    print(f"recomputing {len(plan.units)} of {DEPTH} blocks: kept {kept / 2**20:.2f} MiB"
-          f" (<= budget: {kept <= budget}), final loss {trainer.callback_metrics['loss']:.4f}")
+    print(
+        f"recomputing {len(plan.units)} of {DEPTH} blocks: kept {kept / 2**20:.2f} MiB"
+        f" (<= budget: {kept <= budget}), final loss {trainer.callback_metrics['loss']:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Sharded (FSDP2) training that resumes from the newest committed checkpoint, on CPU or GPU.
 
-    python examples/distributed_resume.py --root ckpt            # Lightning starts 2 processes
-    torchrun --nproc-per-node 2 examples/distributed_resume.py --root ckpt
-    # kill it at any moment (kill -9), run the same command again: it continues from the newest
-    # committed checkpoint; a save that was cut short is never picked and is cleaned up, and a save
-    # over an existing name (save_last) replaces it only once the new directory is committed.
-    lightning-resume consolidate ckpt/step=000008.ckpt full.safetensors
-    lightning-resume export ckpt/step=000008.ckpt weights.safetensors --dtype bf16
+python examples/distributed_resume.py --root ckpt            # Lightning starts 2 processes
+torchrun --nproc-per-node 2 examples/distributed_resume.py --root ckpt
+# kill it at any moment (kill -9), run the same command again: it continues from the newest
+# committed checkpoint; a save that was cut short is never picked and is cleaned up, and a save
+# over an existing name (save_last) replaces it only once the new directory is committed.
+lightning-resume consolidate ckpt/step=000008.ckpt full.safetensors
+lightning-resume export ckpt/step=000008.ckpt weights.safetensors --dtype bf16
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_resume import ExactResume
-from lightning_resume.sharded import newest_committed
-from lightning_resume.sharded.strategy import ShardedModelParallelStrategy
+from lightning_resume import ExactResume, ShardedModelParallelStrategy, newest_committed
 
 
 class Regressor(L.LightningModule):
@@ -61,11 +59,16 @@ def main() -> None:
     torch.set_num_threads(1)
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="auto", devices=args.devices, max_steps=args.steps,
+        accelerator="auto",
+        devices=args.devices,
+        max_steps=args.steps,
         strategy=ShardedModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
-        callbacks=[ExactResume(),
-                   ModelCheckpoint(dirpath=args.root, filename="{step:06d}", every_n_train_steps=8, save_top_k=-1)],
-        logger=False, enable_progress_bar=False,
+        callbacks=[
+            ExactResume(),
+            ModelCheckpoint(dirpath=args.root, filename="{step:06d}", every_n_train_steps=8, save_top_k=-1),
+        ],
+        logger=False,
+        enable_progress_bar=False,
     )
     # newest *committed and verified* directory, or None (fresh start). Each rank computes it; the
     # strategy then broadcasts rank 0's path.

@@ -79,7 +79,10 @@ def child(mode: str, workdir: Path) -> None:
     pl.seed_everything(0)
     ckpt_dir = workdir / ("ckpt-uninterrupted" if mode == "uninterrupted" else "ckpt")
     model = Net(str(workdir / f"{mode}.jsonl"))
-    callbacks: list[Callback] = [ExactResume(), ModelCheckpoint(ckpt_dir, every_n_train_steps=SAVE_EVERY, save_last=True)]
+    callbacks: list[Callback] = [
+        ExactResume(),
+        ModelCheckpoint(ckpt_dir, every_n_train_steps=SAVE_EVERY, save_last=True),
+    ]
     ckpt_path = None
     if mode == "killed":
         callbacks.append(KillAt())
@@ -91,8 +94,12 @@ def child(mode: str, workdir: Path) -> None:
         callbacks = [ModelCheckpoint(workdir / "ckpt-weights-only")]
     steps = MAX_STEPS - (int(state["global_step"]) if mode == "weights_only" else 0)
     trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=callbacks,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
 
@@ -104,9 +111,11 @@ def _losses(path: Path, offset: int = 0) -> dict[int, float]:
 
 def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="resume-proof-"))
-    run = lambda mode: subprocess.run(  # noqa: E731
+    run = lambda mode: subprocess.run(
         [sys.executable, __file__, "--child", mode, "--workdir", str(workdir)],
-        env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
     )
     for mode in ("uninterrupted", "killed", "weights_only", "resumed"):
         proc = run(mode)
@@ -129,8 +138,10 @@ def report(a: dict[int, float], full: dict[int, float], weights: dict[int, float
     print(f"{'step':>4}  {'uninterrupted':>14}  {'ExactResume':>14}    {'weights only':>14}")
     after = [s for s in sorted(a) if s >= resumed_from]
     for s in sorted(a):
-        mark = lambda d: " " if s < resumed_from else ("=" if d.get(s) == a[s] else "x")  # noqa: E731
-        print(f"{s:>4}  {a[s]:>14.10f}  {full.get(s, float('nan')):>14.10f} {mark(full)}  {weights.get(s, float('nan')):>14.10f} {mark(weights)}")
+        mark = lambda d: " " if s < resumed_from else ("=" if d.get(s) == a[s] else "x")
+        print(
+            f"{s:>4}  {a[s]:>14.10f}  {full.get(s, float('nan')):>14.10f} {mark(full)}  {weights.get(s, float('nan')):>14.10f} {mark(weights)}"
+        )
     exact = sum(full.get(s) == a[s] for s in after)
     same_w = sum(weights.get(s) == a[s] for s in after)
     print(f"\nExactResume : {exact}/{len(after)} steps after the resume identical to the uninterrupted run (bitwise)")

@@ -1,95 +1,126 @@
 """lightning-resume: a Lightning run that survives any stop and continues bit for bit.
 
-The public API, nothing else. See README.md for what each part guarantees.
+The public API, nothing else; README.md's "API" section lists the same names, one line each. Names
+are imported on first use (PEP 562), so ``import lightning_resume`` is cheap and loads neither
+Lightning nor ``torch.distributed.checkpoint`` until a name that needs them is used.
 """
 
-from lightning_resume.activation.hook import (
-    ActivationCheckpointingDDPStrategy,
-    ActivationCheckpointingFSDPStrategy,
-    ActivationCheckpointingStrategy,
-)
-from lightning_resume.activation.policy import BlockSelection, CheckpointPlan, plan_checkpointing
-from lightning_resume.callback import ExactResume
-from lightning_resume.errors import (
-    CheckpointCorruptError,
-    ConfigurationError,
-    LightningResumeError,
-    ResumeMismatchError,
-    UnsafeCheckpointError,
-)
-from lightning_resume.io import (
-    SafetensorsCheckpointIO,
-    SkippedCheckpointWarning,
-    UnencodableValueError,
-    UnknownTypeError,
-    newest_verified,
-    register_converter,
-)
-from lightning_resume.preemption import PreemptionFlag
-from lightning_resume.retention import CheckpointRecord, Decision, RetentionCheckpoint, RetentionPolicy
-from lightning_resume.sharded import (
-    AsyncShardedSaver,
-    ShardedSaveError,
-    ShardedSaveHandle,
-    load_full,
-    load_sharded,
-    newest_committed,
-    save_sharded,
-    save_sharded_async,
-    verify_sharded,
-)
-from lightning_resume.sharded.strategy import ShardedCheckpointIO, ShardedModelParallelStrategy
-from lightning_resume.schedule import (
-    Formula,
-    ScheduleConfig,
-    daly_interval,
-    expected_waste,
-    young_interval,
-)
-from lightning_resume.state.data import ResumableDataset, ResumableIterableDataset
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ActivationCheckpointingDDPStrategy",
-    "ActivationCheckpointingFSDPStrategy",
-    "ActivationCheckpointingStrategy",
-    "AsyncShardedSaver",
-    "BlockSelection",
-    "CheckpointCorruptError",
-    "CheckpointPlan",
-    "CheckpointRecord",
-    "ConfigurationError",
-    "Decision",
-    "ExactResume",
-    "Formula",
-    "LightningResumeError",
-    "PreemptionFlag",
-    "ResumableDataset",
-    "ResumableIterableDataset",
-    "ResumeMismatchError",
-    "SafetensorsCheckpointIO",
-    "SkippedCheckpointWarning",
-    "UnencodableValueError",
-    "UnknownTypeError",
-    "newest_verified",
-    "register_converter",
-    "save_sharded",
-    "verify_sharded",
-    "RetentionCheckpoint",
-    "RetentionPolicy",
-    "ScheduleConfig",
-    "ShardedCheckpointIO",
-    "ShardedModelParallelStrategy",
-    "ShardedSaveError",
-    "ShardedSaveHandle",
-    "UnsafeCheckpointError",
-    "daly_interval",
-    "expected_waste",
-    "load_full",
-    "load_sharded",
-    "save_sharded_async",
-    "newest_committed",
-    "plan_checkpointing",
-    "young_interval",
-]
+_SOURCES: dict[str, str] = {
+    "ActivationCheckpointingDDPStrategy": "lightning_resume.activation.strategies",
+    "ActivationCheckpointingFSDPStrategy": "lightning_resume.activation.strategies",
+    "ActivationCheckpointingStrategy": "lightning_resume.activation.strategies",
+    "AsyncShardedSaver": "lightning_resume.sharded.background",
+    "AsyncWriteError": "lightning_resume.errors",
+    "AsyncWriteWarning": "lightning_resume.errors",
+    "BlockSelection": "lightning_resume.activation.policy",
+    "CheckpointCorruptError": "lightning_resume.errors",
+    "CheckpointPlan": "lightning_resume.activation.policy",
+    "CheckpointRecord": "lightning_resume.retention.policy",
+    "ConfigurationError": "lightning_resume.errors",
+    "ExactResume": "lightning_resume.exact.callback",
+    "ExactResumeWarning": "lightning_resume.errors",
+    "Formula": "lightning_resume.schedule.policy",
+    "HistoryWarning": "lightning_resume.errors",
+    "KeepDecision": "lightning_resume.retention.policy",
+    "LightningResumeError": "lightning_resume.errors",
+    "LightningResumeWarning": "lightning_resume.errors",
+    "PreemptionFlag": "lightning_resume.schedule.preemption",
+    "PreemptionWarning": "lightning_resume.errors",
+    "ResumableDataset": "lightning_resume.exact.state.data",
+    "ResumableIterableDataset": "lightning_resume.exact.state.data",
+    "ResumeMismatchError": "lightning_resume.errors",
+    "RetentionCheckpoint": "lightning_resume.retention.checkpoint",
+    "RetentionPolicy": "lightning_resume.retention.policy",
+    "RetentionWarning": "lightning_resume.errors",
+    "SafetensorsCheckpointIO": "lightning_resume.io.plugin",
+    "ScheduleConfig": "lightning_resume.schedule.policy",
+    "ShardedCheckpointIO": "lightning_resume.sharded.strategy",
+    "ShardedCheckpointWarning": "lightning_resume.errors",
+    "ShardedModelParallelStrategy": "lightning_resume.sharded.strategy",
+    "ShardedSaveError": "lightning_resume.errors",
+    "ShardedSaveHandle": "lightning_resume.sharded.background",
+    "SkippedCheckpointWarning": "lightning_resume.errors",
+    "UnencodableValueError": "lightning_resume.errors",
+    "UnknownTypeError": "lightning_resume.errors",
+    "UnsafeCheckpointError": "lightning_resume.errors",
+    "VersionWarning": "lightning_resume.errors",
+    "daly_interval": "lightning_resume.schedule.policy",
+    "expected_waste": "lightning_resume.schedule.policy",
+    "load_full": "lightning_resume.sharded.api",
+    "load_sharded": "lightning_resume.sharded.api",
+    "measure_saved_bytes": "lightning_resume.activation.measure",
+    "newest_committed": "lightning_resume.sharded.api",
+    "newest_verified": "lightning_resume.io.resolve",
+    "plan_checkpointing": "lightning_resume.activation.policy",
+    "register_converter": "lightning_resume.io.codec",
+    "save_sharded": "lightning_resume.sharded.api",
+    "save_sharded_async": "lightning_resume.sharded.background",
+    "verify": "lightning_resume.io.verify",
+    "verify_sharded": "lightning_resume.sharded.api",
+    "young_interval": "lightning_resume.schedule.policy",
+}
+
+__all__ = sorted(_SOURCES)
+
+
+def __getattr__(name: str) -> Any:
+    module = _SOURCES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_resume' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from lightning_resume.activation.measure import measure_saved_bytes
+    from lightning_resume.activation.policy import BlockSelection, CheckpointPlan, plan_checkpointing
+    from lightning_resume.activation.strategies import (
+        ActivationCheckpointingDDPStrategy,
+        ActivationCheckpointingFSDPStrategy,
+        ActivationCheckpointingStrategy,
+    )
+    from lightning_resume.errors import (
+        AsyncWriteError,
+        AsyncWriteWarning,
+        CheckpointCorruptError,
+        ConfigurationError,
+        ExactResumeWarning,
+        HistoryWarning,
+        LightningResumeError,
+        LightningResumeWarning,
+        PreemptionWarning,
+        ResumeMismatchError,
+        RetentionWarning,
+        ShardedCheckpointWarning,
+        ShardedSaveError,
+        SkippedCheckpointWarning,
+        UnencodableValueError,
+        UnknownTypeError,
+        UnsafeCheckpointError,
+        VersionWarning,
+    )
+    from lightning_resume.exact.callback import ExactResume
+    from lightning_resume.exact.state.data import ResumableDataset, ResumableIterableDataset
+    from lightning_resume.io.codec import register_converter
+    from lightning_resume.io.plugin import SafetensorsCheckpointIO
+    from lightning_resume.io.resolve import newest_verified
+    from lightning_resume.io.verify import verify
+    from lightning_resume.retention.checkpoint import RetentionCheckpoint
+    from lightning_resume.retention.policy import CheckpointRecord, KeepDecision, RetentionPolicy
+    from lightning_resume.schedule.policy import Formula, ScheduleConfig, daly_interval, expected_waste, young_interval
+    from lightning_resume.schedule.preemption import PreemptionFlag
+    from lightning_resume.sharded.api import load_full, load_sharded, newest_committed, save_sharded, verify_sharded
+    from lightning_resume.sharded.background import AsyncShardedSaver, ShardedSaveHandle, save_sharded_async
+    from lightning_resume.sharded.strategy import ShardedCheckpointIO, ShardedModelParallelStrategy

@@ -1,12 +1,16 @@
-"""Domain exceptions of lightning-resume.
+"""Every exception and warning lightning-resume raises or emits, in one place.
 
-Every error a user can meet names the thing that is wrong and the fix. This module owns only the
-exception types; it must not import Lightning or touch files.
+Errors derive from ``LightningResumeError``, warnings from ``LightningResumeWarning``, so a user can
+catch or filter the whole product at once. Each error names the thing that is wrong and the fix.
+This module owns only the types (and ``short_repr``, for their messages); it must not import
+Lightning, torch or touch files.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Mapping
+
+# ------------------------------------------------------------------------------------------ errors
 
 
 class LightningResumeError(Exception):
@@ -38,14 +42,15 @@ class ResumeMismatchError(LightningResumeError):
 
 
 class CheckpointCorruptError(LightningResumeError):
-    """A checkpoint file failed verification (truncated, flipped bytes, lying header...)."""
+    """A checkpoint failed verification (truncated, flipped bytes, lying header, missing shard...)."""
 
     def __init__(self, path: str, what: str, expected: object = None, actual: object = None) -> None:
         self.path = str(path)
         self.what = what
         self.expected = expected
         self.actual = actual
-        detail = f" (expected {expected!r}, found {actual!r})" if expected is not None or actual is not None else ""
+        has_detail = expected is not None or actual is not None
+        detail = f" (expected {expected!r}, found {actual!r})" if has_detail else ""
         super().__init__(f"{self.path}: {what}{detail}")
 
 
@@ -56,3 +61,109 @@ class UnsafeCheckpointError(LightningResumeError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{self.path}: refused to load: {reason}")
+
+
+class UnencodableValueError(LightningResumeError, TypeError):
+    """A value in the checkpoint has no safe, pickle-free encoding; nothing was written."""
+
+    def __init__(self, key_path: str, type_name: str, reason: str = "") -> None:
+        self.key_path = key_path
+        self.type_name = type_name
+        why = f" ({reason})" if reason else ""
+        super().__init__(
+            f"cannot store checkpoint value at '{key_path}' of type {type_name}{why}: SafetensorsCheckpointIO "
+            "writes no pickle. Make it a tensor, number, string, list, tuple or dict (e.g. convert a config "
+            "object with dataclasses.asdict / vars()), or register a converter with "
+            "lightning_resume.register_converter(type, encode, decode, name)."
+        )
+
+
+class UnknownTypeError(LightningResumeError):
+    """The file names a type (enum class, converter) this process does not know."""
+
+
+class TreeFormatError(LightningResumeError, ValueError):
+    """The typed JSON tree is malformed; readers wrap it into ``CheckpointCorruptError`` with the file name."""
+
+
+class AsyncWriteError(LightningResumeError, OSError):
+    """A background checkpoint write failed; raised on the training thread, naming the file."""
+
+    def __init__(self, path: str, cause: BaseException, action: str = "write") -> None:
+        self.path = path
+        self.cause = cause
+        self.action = action
+        super().__init__(
+            f"background {action} of checkpoint {path} failed: {type(cause).__name__}: {cause}. No partial file"
+            " was left and earlier checkpoints are untouched. Fix the cause (free disk space, directory"
+            " permissions, the storage backend), or pass SafetensorsCheckpointIO(on_error='warn') to keep"
+            " training without this checkpoint."
+        )
+
+
+class StagingAborted(LightningResumeError):
+    """The snapshot copy failed on the training thread; the write waiting for its bytes stops (no file)."""
+
+
+class ShardedSaveError(LightningResumeError):
+    """A sharded save failed on some rank; every rank raises this same error (none is left waiting)."""
+
+    def __init__(self, directory: str, step: str, problems: Mapping[int, str]) -> None:
+        self.directory = directory
+        self.problems = dict(problems)
+        ranks_by_problem: dict[str, list[int]] = {}
+        for rank, problem in sorted(self.problems.items()):
+            ranks_by_problem.setdefault(problem, []).append(rank)
+        where = "; ".join(
+            f"{'ranks' if len(r) > 1 else 'rank'} {', '.join(map(str, r))}: {problem}"
+            for problem, r in ranks_by_problem.items()
+        )
+        super().__init__(
+            f"sharded save of {directory} failed to {step} ({where}); the previous checkpoint there, if any, is untouched"
+        )
+
+
+# ---------------------------------------------------------------------------------------- warnings
+
+
+class LightningResumeWarning(UserWarning):
+    """Base class of every warning emitted by lightning-resume."""
+
+
+class SkippedCheckpointWarning(LightningResumeWarning):
+    """A candidate checkpoint failed verification and was passed over."""
+
+
+class AsyncWriteWarning(LightningResumeWarning):
+    """A background checkpoint write failed or did not finish, and ``on_error='warn'`` (or shutdown) let
+    training go on."""
+
+
+class HistoryWarning(LightningResumeWarning):
+    """The failure history could not be read or written; training goes on without it."""
+
+
+class PreemptionWarning(LightningResumeWarning):
+    """Preemption handlers could not be installed or restored; says why."""
+
+
+class ExactResumeWarning(LightningResumeWarning):
+    """The resumed run will not be exact (and why), or a snapshot could not be taken as configured."""
+
+
+class RetentionWarning(LightningResumeWarning):
+    """A retention decision worth a person's attention: a file that does not verify, a deletion (verbose)."""
+
+
+class ShardedCheckpointWarning(LightningResumeWarning):
+    """A sharded checkpoint was left uncommitted, or a replaced one could not be deleted yet."""
+
+
+class VersionWarning(LightningResumeWarning):
+    """A dependency version this release was not verified with; the private APIs it relies on may differ."""
+
+
+def short_repr(x: Any) -> str:
+    """``repr(x)`` cut to fit an error message."""
+    text = repr(x)
+    return text if len(text) < 80 else text[:77] + "..."

@@ -33,7 +33,7 @@ class SnapshotTarget(Protocol):
     def accepts_snapshots(self) -> bool:
         """Whether scheduled snapshots should go through this callback now."""
 
-    def save_snapshot(self, trainer: "pl.Trainer", reason: str) -> str:
+    def save_snapshot(self, trainer: pl.Trainer, reason: str) -> str:
         """Write a full checkpoint of ``trainer`` now, count it as a rolling checkpoint, return its path."""
 
 

@@ -1,1 +1,2 @@
-"""Activation checkpointing: pure block policy, key-preserving mechanism, Lightning strategy hook."""
+"""Activation checkpointing: which blocks to recompute (``policy``, pure), recomputing them (``apply``),
+measuring saved activations (``measure``), and the Lightning strategies that plan and apply (``strategies``)."""

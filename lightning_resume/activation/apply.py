@@ -63,7 +63,9 @@ def _segmented_forward(self: nn.Sequential, x: Any) -> Any:
 
 def _replace_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
     if getattr(module, _MARK, False):
-        raise ConfigurationError(OWNER, [f"{type(module).__name__} is already activation-checkpointed; apply a plan once"])
+        raise ConfigurationError(
+            OWNER, [f"{type(module).__name__} is already activation-checkpointed; apply a plan once"]
+        )
     if "forward" in module.__dict__:
         object.__setattr__(module, _INNER, module.__dict__["forward"])
     # A bound method in the instance dict: deepcopy/pickle rebind it to the copy, keys stay untouched.
@@ -99,20 +101,20 @@ def apply_plan(root: nn.Module, plan: CheckpointPlan) -> None:
         parent, run = _segment_range(root, modules, unit)
         grouped.setdefault(parent, []).append(run)
     for parent, ranges in grouped.items():
-        checkpoint_segments(modules[parent], ranges)  # type: ignore[arg-type]
+        checkpoint_segments(modules[parent], ranges)
 
 
 def _segment_range(root: nn.Module, modules: dict[str, nn.Module], unit: Sequence[str]) -> tuple[str, tuple[int, int]]:
     parents = {name.rpartition(".")[0] for name in unit}
     parent = parents.pop() if len(parents) == 1 else None
     seq = modules.get(parent) if parent is not None else None
-    if not isinstance(seq, nn.Sequential):
+    if parent is None or not isinstance(seq, nn.Sequential):
         raise ConfigurationError(OWNER, [f"segment {list(unit)} must be consecutive children of one nn.Sequential"])
-    keys = list(seq._modules)
+    keys = [name for name, _ in seq.named_children()]
     positions = [keys.index(name.rpartition(".")[2]) for name in unit]
     if positions != list(range(positions[0], positions[0] + len(unit))):
         raise ConfigurationError(OWNER, [f"segment {list(unit)} is not a run of consecutive children of {parent!r}"])
-    return parent, (positions[0], positions[-1] + 1)  # type: ignore[return-value]
+    return parent, (positions[0], positions[-1] + 1)
 
 
 def remove_activation_checkpointing(root: nn.Module) -> int:

@@ -118,14 +118,16 @@ def block_records(root: nn.Module, saved: Optional[SavedBytes] = None) -> list[B
     for name, module in root.named_modules():
         parent_name, _, key = name.rpartition(".")
         parent = root.get_submodule(parent_name) if name else None
-        records.append(BlockRecord(
-            name=name,
-            class_paths=class_paths(module),
-            container=parent_name,
-            sequential=isinstance(parent, nn.Sequential),
-            position=list(parent._modules).index(key) if parent is not None else 0,
-            params=sum(p.numel() for p in module.parameters()),
-            saved_bytes=saved.per_block.get(name) if saved else None,
-            input_bytes=saved.input_bytes.get(name) if saved else None,
-        ))
+        records.append(
+            BlockRecord(
+                name=name,
+                class_paths=class_paths(module),
+                container=parent_name,
+                sequential=isinstance(parent, nn.Sequential),
+                position=[n for n, _ in parent.named_children()].index(key) if parent is not None else 0,
+                params=sum(p.numel() for p in module.parameters()),
+                saved_bytes=saved.per_block.get(name) if saved else None,
+                input_bytes=saved.input_bytes.get(name) if saved else None,
+            )
+        )
     return records

@@ -72,14 +72,19 @@ class BlockSelection:
         return self.mode == "budget"
 
     def describe(self) -> str:
-        parts = [f"classes={list(self.classes)}" if self.classes else "", f"pattern={self.pattern!r}" if self.pattern else ""]
+        parts = [
+            f"classes={list(self.classes)}" if self.classes else "",
+            f"pattern={self.pattern!r}" if self.pattern else "",
+        ]
         return ", ".join(p for p in parts if p)
 
 
 def _selection_problems(sel: BlockSelection) -> list[str]:
     problems = []
     if not sel.classes and not sel.pattern:
-        problems.append("no blocks chosen: give blocks=<class or class path> and/or pattern=<glob like 'model.layers.*'>")
+        problems.append(
+            "no blocks chosen: give blocks=<class or class path> and/or pattern=<glob like 'model.layers.*'>"
+        )
     if sel.mode not in MODES:
         problems.append(f"select={sel.mode!r} is unknown; use one of {list(MODES)}")
     if sel.mode == "every" and (sel.every is None or sel.every < 1):
@@ -188,7 +193,9 @@ def plan_checkpointing(
     return _estimate(selection.mode, candidates, records, units, total_bytes, notes)
 
 
-def _budget_units(candidates: list[BlockRecord], total: int, budget: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+def _budget_units(
+    candidates: list[BlockRecord], total: int, budget: int
+) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
     ranked = sorted(range(len(candidates)), key=lambda i: (-(candidates[i].saved_bytes or 0), i))
     chosen: list[int] = []
     remaining = total
@@ -198,11 +205,14 @@ def _budget_units(candidates: list[BlockRecord], total: int, budget: int) -> tup
         chosen.append(i)
         remaining -= candidates[i].saved_bytes or 0
     if remaining > budget:
-        raise ConfigurationError(OWNER, [
-            f"budget={budget} bytes cannot be met: recomputing all {len(candidates)} candidate blocks still keeps"
-            f" about {remaining} bytes ({_fmt_bytes(remaining)}); raise the budget to >= {remaining},"
-            " choose more blocks, or use a smaller batch"
-        ])
+        raise ConfigurationError(
+            OWNER,
+            [
+                f"budget={budget} bytes cannot be met: recomputing all {len(candidates)} candidate blocks still keeps"
+                f" about {remaining} bytes ({_fmt_bytes(remaining)}); raise the budget to >= {remaining},"
+                " choose more blocks, or use a smaller batch"
+            ],
+        )
     notes = ("the model already fits the budget; nothing is recomputed",) if not chosen else ()
     return tuple((candidates[i].name,) for i in sorted(chosen)), notes
 
@@ -211,10 +221,13 @@ def _sqrt_units(candidates: list[BlockRecord]) -> tuple[tuple[str, ...], ...]:
     units: list[tuple[str, ...]] = []
     for chain in _chains(candidates):
         if len(chain) > 1 and not chain[0].sequential:
-            raise ConfigurationError(OWNER, [
-                f"select='sqrt' recomputes runs of consecutive blocks, which needs them to be consecutive children of an"
-                f" nn.Sequential; the blocks under {chain[0].container!r} are not: use select='all', 'every' or 'budget'"
-            ])
+            raise ConfigurationError(
+                OWNER,
+                [
+                    f"select='sqrt' recomputes runs of consecutive blocks, which needs them to be consecutive children of an"
+                    f" nn.Sequential; the blocks under {chain[0].container!r} are not: use select='all', 'every' or 'budget'"
+                ],
+            )
         units.extend(tuple(c.name for c in seg) for seg in split_evenly(chain, math.ceil(math.sqrt(len(chain)))))
     return tuple(units)
 
@@ -256,7 +269,10 @@ def _estimate(
     extra = sum(by_name[n].params for unit in units for n in unit) / root_params
     before = after = peak = None
     if total is not None and all(c.saved_bytes is not None for c in candidates):
-        freed = [sum((by_name[n].saved_bytes or 0) + (by_name[n].input_bytes or 0) * (j > 0) for j, n in enumerate(u)) for u in units]
+        freed = [
+            sum((by_name[n].saved_bytes or 0) + (by_name[n].input_bytes or 0) * (j > 0) for j, n in enumerate(u))
+            for u in units
+        ]
         before, after, peak = total, total - sum(freed), max(freed, default=0)
     return CheckpointPlan(mode, units, len(candidates), extra, before, after, peak, notes)
 
@@ -264,16 +280,18 @@ def _estimate(
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
-def parse_bytes(value: "int | str | None", name: str) -> Optional[int]:
+def parse_bytes(value: int | str | None, name: str) -> Optional[int]:
     """``1048576``, ``"512MiB"``, ``"1.5 GB"`` -> bytes (``None`` stays ``None``)."""
     if value is None or isinstance(value, int):
         return value
     text = str(value).strip().lower().replace(" ", "")
     number = text.rstrip("kmgib")
-    unit = text[len(number):]
+    unit = text[len(number) :]
     try:
         if unit not in _BYTE_UNITS:
             raise ValueError(unit)
         return int(float(number) * _BYTE_UNITS[unit])
     except ValueError as err:
-        raise ConfigurationError(OWNER, [f"{name}={value!r} is not a size; use bytes or a string like '512MiB'"]) from err
+        raise ConfigurationError(
+            OWNER, [f"{name}={value!r} is not a size; use bytes or a string like '512MiB'"]
+        ) from err

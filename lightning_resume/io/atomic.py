@@ -33,7 +33,7 @@ def is_local(path: str) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Run ``write(fileobj)`` into a temporary sibling and commit it as ``path``."""
     path = str(path)
     if is_local(path):
@@ -47,7 +47,7 @@ def local_path(path: str) -> str:
     return fsspec.core.url_to_fs(path)[1] if "://" in path else path
 
 
-def _local_atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+def _local_atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, temp_name(os.path.basename(path)))
@@ -63,7 +63,7 @@ def _local_atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
     fsync_directory(directory)
 
 
-def _remote_write_then_move(path: str, write: Callable[[BinaryIO], None]) -> None:
+def _remote_write_then_move(path: str, write: Callable[[BinaryIO], object]) -> None:
     fs, fs_path = fsspec.core.url_to_fs(path)
     parent, name = fs_path.rsplit("/", 1) if "/" in fs_path else ("", fs_path)
     tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
@@ -91,6 +91,18 @@ def fsync_directory(directory: str) -> None:
         pass  # some filesystems refuse fsync on a directory; the rename is still atomic
     finally:
         os.close(fd)
+
+
+def fsync_file_and_dir(path: str) -> None:
+    """Flush ``path`` and its directory entry to stable storage (local files only; no-op otherwise)."""
+    if not os.path.isfile(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 def clean_stale_temporaries(directory: str) -> List[str]:

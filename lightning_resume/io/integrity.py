@@ -22,7 +22,7 @@ import zlib
 from typing import Any, Callable, Dict, Iterable, Literal, Mapping, Tuple
 
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.container import Entry
+from lightning_resume.io.framing import Entry
 
 Algorithm = Literal["sha256", "blake2b", "crc32"]
 RECORD_VERSION = 1
@@ -64,8 +64,14 @@ def parse_record(path: str, text: str) -> Dict[str, Any]:
     if type(record) is not dict or record.get("version") != RECORD_VERSION:
         raise CheckpointCorruptError(path, "integrity record version", RECORD_VERSION, _get(record, "version"))
     if record.get("algorithm") not in DIGESTS:
-        raise CheckpointCorruptError(path, "integrity record names an unknown digest", sorted(DIGESTS), record.get("algorithm"))
-    if type(record.get("tensors")) is not dict or type(record.get("tree")) is not str or type(record.get("data")) is not str:
+        raise CheckpointCorruptError(
+            path, "integrity record names an unknown digest", sorted(DIGESTS), record.get("algorithm")
+        )
+    if (
+        type(record.get("tensors")) is not dict
+        or type(record.get("tree")) is not str
+        or type(record.get("data")) is not str
+    ):
         raise CheckpointCorruptError(path, "integrity record is missing tree/tensors/data digests")
     return record
 
@@ -82,15 +88,21 @@ def check_index(path: str, record: Mapping[str, Any], entries: Mapping[str, Entr
             raise CheckpointCorruptError(path, f"tensor '{name}': integrity record entry malformed")
         entry = entries[name]
         if spec[0] != entry.dtype:
-            raise CheckpointCorruptError(path, f"tensor '{name}': dtype differs from the recorded one", spec[0], entry.dtype)
+            raise CheckpointCorruptError(
+                path, f"tensor '{name}': dtype differs from the recorded one", spec[0], entry.dtype
+            )
         if spec[1] != list(entry.shape):
-            raise CheckpointCorruptError(path, f"tensor '{name}': shape differs from the recorded one", spec[1], list(entry.shape))
+            raise CheckpointCorruptError(
+                path, f"tensor '{name}': shape differs from the recorded one", spec[1], list(entry.shape)
+            )
 
 
 def verify_tree(path: str, record: Mapping[str, Any], tree_json: str) -> None:
     actual = digest(record["algorithm"], tree_json.encode("utf-8"))
     if actual != record["tree"]:
-        raise CheckpointCorruptError(path, "checksum mismatch in the non-tensor state (typed JSON tree)", record["tree"], actual)
+        raise CheckpointCorruptError(
+            path, "checksum mismatch in the non-tensor state (typed JSON tree)", record["tree"], actual
+        )
 
 
 def verify_data(path: str, record: Mapping[str, Any], pairs: Iterable[Tuple[Entry, Any]]) -> None:

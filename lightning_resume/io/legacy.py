@@ -49,7 +49,9 @@ def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, 
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, IndexError) as err:
         raise CheckpointCorruptError(path, f"torch.save file could not be read: {_first_line(err)}") from err
     if not isinstance(loaded, dict):
-        raise CheckpointCorruptError(path, "torch.save file does not hold a checkpoint dict", "dict", type(loaded).__name__)
+        raise CheckpointCorruptError(
+            path, "torch.save file does not hold a checkpoint dict", "dict", type(loaded).__name__
+        )
     return loaded
 
 

@@ -1,4 +1,4 @@
-"""``SafetensorsCheckpointIO``: the Lightning ``CheckpointIO`` hook over ``files``, ``atomic``, ``last``.
+"""``SafetensorsCheckpointIO``: the Lightning ``CheckpointIO`` hook over ``write``, ``read``, ``verify``, ``resolve``.
 
 Thin by design: it validates options, cleans stale temporaries once per directory it touches, and
 delegates. Its one decision is the "last" fallback: Lightning resolves ``ckpt_path="last"`` to the
@@ -22,19 +22,26 @@ import os
 import sys
 import warnings
 import weakref
-from datetime import timedelta
-from typing import Any, Dict, Literal, Optional, Set, Union
+from typing import Any, Dict, Literal, Optional, Set
 
 import fsspec
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from typing_extensions import override
 
-from lightning_resume.durations import parse_duration
-from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
-from lightning_resume.io import files
+from lightning_resume._compat import check_versions
+from lightning_resume.durations import Duration, parse_duration
+from lightning_resume.errors import (
+    AsyncWriteWarning,
+    CheckpointCorruptError,
+    ConfigurationError,
+    SkippedCheckpointWarning,
+)
+from lightning_resume.io import read, write
 from lightning_resume.io.atomic import clean_stale_temporaries, is_local
 from lightning_resume.io.integrity import DIGESTS
-from lightning_resume.io.last import SkippedCheckpointWarning, is_last_name, newest_verified, sibling_checkpoints
-from lightning_resume.io.staging import AsyncSaver, AsyncWriteWarning, StagedTensors
+from lightning_resume.io.resolve import is_last_name, newest_verified, sibling_checkpoints
+from lightning_resume.io.staging import AsyncSaver, StagedTensors
+from lightning_resume.io.verify import verify as verify_file
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +81,18 @@ class SafetensorsCheckpointIO(CheckpointIO):
         async_save: bool = False,
         overlap_write: bool = False,
         on_error: Literal["raise", "warn"] = "raise",
-        flush_timeout: Union[str, float, timedelta] = "10min",
+        flush_timeout: Duration = "10min",
     ) -> None:
+        check_versions()
         problems = []
         if checksum not in DIGESTS:
             problems.append(f"checksum={checksum!r} is not supported; use one of {sorted(DIGESTS)}")
         if not isinstance(verify, bool):
             problems.append(f"verify={verify!r} must be True or False")
         if overlap_write and not async_save:
-            problems.append("overlap_write=True overlaps the background write with the snapshot copy; it needs async_save=True")
+            problems.append(
+                "overlap_write=True overlaps the background write with the snapshot copy; it needs async_save=True"
+            )
         if on_error not in ("raise", "warn"):
             problems.append(f"on_error={on_error!r} is not supported; use 'raise' or 'warn'")
         try:
@@ -99,26 +109,32 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._cleaned: Set[str] = set()
         self._saver: Optional[AsyncSaver] = None
         if async_save:
-            self._saver = AsyncSaver(files.encode_tree, self._commit, on_error, overlap=overlap_write)
+            self._saver = AsyncSaver(write.encode_tree, self._commit, on_error, overlap=overlap_write)
             atexit.register(_flush_at_exit, weakref.ref(self))
 
     @property
     def async_save(self) -> bool:
         return self._saver is not None
 
+    @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
-            raise TypeError(f"SafetensorsCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r})")
+            raise TypeError(
+                f"SafetensorsCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r})"
+            )
         self._clean_once(str(path))
         if self._saver is not None:
             self._saver.save(checkpoint, str(path))
         else:
-            files.save_file(checkpoint, str(path), algorithm=self.checksum)
+            write.save_file(checkpoint, str(path), algorithm=self.checksum)
 
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
-        files.commit(path, tree_json, staged, self.checksum, ready=staged.wait, image=staged.image)
+        write.commit(path, tree_json, staged, self.checksum, ready=staged.wait, image=staged.image)
 
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> Dict[str, Any]:
         """Load ``path`` (our format or a legacy ``torch.save`` file, decided by content).
 
         ``weights_only`` is accepted for signature compatibility and ignored: legacy files are always
@@ -132,12 +148,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         self._clean_once(path)
         try:
-            return files.load_file(path, verify=self.verify, map_location=map_location, mmap=self.mmap).checkpoint
+            return read.load_file(path, verify=self.verify, map_location=map_location, mmap=self.mmap).checkpoint
         except CheckpointCorruptError as err:
             fallback = self._fallback_for(path, err)
             if fallback is None:
                 raise
-            return files.load_file(fallback, verify=False, map_location=map_location, mmap=self.mmap).checkpoint
+            return read.load_file(fallback, verify=False, map_location=map_location, mmap=self.mmap).checkpoint
 
     def _fallback_for(self, path: str, err: CheckpointCorruptError) -> Optional[str]:
         if not (self.fallback_to_verified and is_last_name(path)):
@@ -151,6 +167,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
             )
         return choice
 
+    @override
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path``; in async mode, queued after every write submitted before it."""
         if self._saver is not None:
@@ -160,7 +177,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     def verify_checkpoint(self, path: str) -> None:
         """Return if ``path`` verifies; raise ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) if not."""
-        files.verify_file(str(path))
+        verify_file(str(path))
 
     # ---- async status (``lightning_resume.protocols.AsyncCheckpointWriter``) ----------------------
 
@@ -188,6 +205,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         """Worker time of the newest completed write (write, hash, fsync, rename)."""
         return None if self._saver is None else self._saver.last_write_seconds
 
+    @override
     def teardown(self) -> None:
         """Wait until every pending write is durable and report a failure (raise per ``on_error``).
 
@@ -236,7 +254,7 @@ def _remove(path: str) -> None:
         log.debug("Removed checkpoint: %s", path)
 
 
-def _flush_at_exit(ref: "weakref.ReferenceType[SafetensorsCheckpointIO]") -> None:
+def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:
     """At interpreter exit (the worker is a daemon thread), give a pending write ``flush_timeout`` to finish."""
     io = ref()
     if io is not None and io.write_in_flight():

@@ -18,43 +18,20 @@ threads and files, not Lightning.
 from __future__ import annotations
 
 import logging
-import warnings
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from lightning_resume.errors import LightningResumeError
-from lightning_resume.io import container
+from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning, StagingAborted
+from lightning_resume.io import framing
+from lightning_resume.io.framing import BLOCK
 
 log = logging.getLogger(__name__)
-
-BLOCK = 4096
-"""Alignment of the pool's start and size: a page and a disk block, so the file can be written from it
-with direct I/O (``files.commit(image=...)``). Tensors inside follow the file layout (each aligned to
-its element size, widest dtype first)."""
-
-
-class AsyncWriteError(LightningResumeError, OSError):
-    """A background checkpoint write failed; raised on the training thread, naming the file."""
-
-    def __init__(self, path: str, cause: BaseException, action: str = "write") -> None:
-        self.path = path
-        self.cause = cause
-        self.action = action
-        super().__init__(
-            f"background {action} of checkpoint {path} failed: {type(cause).__name__}: {cause}. No partial file was left and"
-            " earlier checkpoints are untouched. Fix the cause (free disk space, directory permissions, the storage"
-            " backend), or pass SafetensorsCheckpointIO(on_error='warn') to keep training without this checkpoint."
-        )
-
-
-class AsyncWriteWarning(UserWarning):
-    """A background checkpoint write failed or did not finish, and ``on_error='warn'`` (or shutdown) let training go on."""
-
 
 # ------------------------------------------------------------------------------------ host buffers
 
@@ -70,10 +47,6 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
 
 def _synchronize(device: torch.device) -> None:
     torch.cuda.synchronize(device)
-
-
-class StagingAborted(LightningResumeError):
-    """The snapshot copy failed on the training thread; the write waiting for its bytes stops (no file)."""
 
 
 NOTIFY_BYTES = 8 << 20
@@ -135,7 +108,7 @@ class HostBuffers:
         self._pool: Optional[torch.Tensor] = None
         self.pinned = False
         self.allocations = 0
-        self._views: Optional[Tuple[Tuple[container.Entry, ...], Dict[str, torch.Tensor], memoryview]] = None
+        self._views: Optional[Tuple[Tuple[framing.Entry, ...], Dict[str, torch.Tensor], memoryview]] = None
 
     @property
     def capacity(self) -> int:
@@ -157,18 +130,28 @@ class HostBuffers:
         The views of the previous save are reused when the layout is the same (the usual case: the
         same model every time), which keeps their construction off the training thread's clock.
         """
-        entries = tuple(container.layout(tensors))
+        entries = tuple(framing.layout(tensors))
         size = entries[-1].end if entries else 0
         self._ensure(_blocks(size), pinned=any(_is_cuda(t) for t in tensors.values()))
         if self._views is None or self._views[0] != entries:
-            self._views = (entries, self._carve(entries, tensors), memoryview(self._pool_bytes(_blocks(size)).numpy()))
+            self._views = (
+                entries,
+                self._carve(entries, tensors),
+                memoryview(self._pool_bytes(_blocks(size)).numpy().data),
+            )
         return StagedTensors(self._views[1], self._views[2])
 
-    def _carve(self, entries: Tuple[container.Entry, ...], tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def _carve(
+        self, entries: Tuple[framing.Entry, ...], tensors: Mapping[str, torch.Tensor]
+    ) -> Dict[str, torch.Tensor]:
         views = {}
         for e in entries:
             t = tensors[e.name]
-            views[e.name] = self._pool_bytes(e.end)[e.begin :].view(t.dtype).view(t.shape) if e.end > e.begin else torch.empty(t.shape, dtype=t.dtype)
+            views[e.name] = (
+                self._pool_bytes(e.end)[e.begin :].view(t.dtype).view(t.shape)
+                if e.end > e.begin
+                else torch.empty(t.shape, dtype=t.dtype)
+            )
         return views
 
     def _pool_bytes(self, n: int) -> torch.Tensor:
@@ -233,7 +216,7 @@ class Job:
     kind: str  # "write" or "remove"
     path: str
     run: Callable[[], None]
-    after: Optional["Job"] = None
+    after: Optional[Job] = None
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
     skipped: bool = False
@@ -264,7 +247,9 @@ class OrderedWriter:
     def outstanding(self, path: Optional[str] = None, kind: Optional[str] = None) -> List[Job]:
         """Jobs queued or running (for ``path`` and of ``kind`` when given), oldest first."""
         with self._cv:
-            return [j for j in self._outstanding if (path is None or j.path == path) and (kind is None or j.kind == kind)]
+            return [
+                j for j in self._outstanding if (path is None or j.path == path) and (kind is None or j.kind == kind)
+            ]
 
     def wait(self, jobs: List[Job], timeout: Optional[float] = None) -> bool:
         """Block until every job in ``jobs`` is done; ``False`` if ``timeout`` seconds passed first."""
@@ -310,7 +295,7 @@ class OrderedWriter:
         started = time.monotonic()
         try:
             job.run()
-        except BaseException as err:  # handed to the training thread by AsyncSaver; never lost here
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread by AsyncSaver; never lost
             job.error = err
         job.seconds = time.monotonic() - started
 

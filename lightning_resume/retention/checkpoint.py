@@ -1,7 +1,8 @@
 """``RetentionCheckpoint``: Lightning's ``ModelCheckpoint`` with a retention policy (the hook).
 
-This module connects Lightning to ``retention.policy`` (what to keep) and ``retention.files`` (names,
-verification, fsync). It gathers records, asks the policy, deletes in order on rank 0, and keeps the
+This module connects Lightning to ``retention.policy`` (what to keep), ``retention.naming`` and
+``retention.records`` (names, files on disk) and ``io`` (verification, the "last" resolver, fsync).
+It gathers records, asks the policy, deletes in order on rank 0, and keeps the
 records in its ``state_dict``. It holds no retention rule itself. With no retention argument set it
 is exactly ``ModelCheckpoint``: every override below falls through to the parent in that case.
 """
@@ -13,25 +14,33 @@ import os
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from pathlib import Path
+from typing import Literal, Optional, Union, cast
 
+import fsspec
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
-import lightning.pytorch as pl
-from lightning.fabric.utilities.types import _PATH
-from lightning_resume.durations import parse_duration
-from lightning_resume.errors import ConfigurationError
+from lightning_resume._compat import check_versions
+from lightning_resume._compat import lightning as lc
+from lightning_resume.durations import Duration, parse_duration
+from lightning_resume.errors import ConfigurationError, RetentionWarning, SkippedCheckpointWarning
+from lightning_resume.io.atomic import fsync_file_and_dir
+from lightning_resume.io.resolve import newest_verified
+from lightning_resume.io.verify import problem, verify
 from lightning_resume.protocols import AsyncCheckpointWriter
-from lightning_resume.retention import files
+from lightning_resume.retention.naming import parse_rolling_name, rolling_name
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
+from lightning_resume.retention.records import list_checkpoint_files, read_checkpoint_callback_state
 
 _STATE = "retention"
 
 
-class RetentionCheckpoint(ModelCheckpoint):
+class RetentionCheckpoint(lc.ModelCheckpointExtension):
     """``ModelCheckpoint`` plus rolling (``keep_last``), best (``keep_best``) and anchor retention.
 
     When any of ``keep_last``, ``keep_best``, ``anchor_every_n_steps``, ``anchor_every`` is set, each
@@ -43,7 +52,7 @@ class RetentionCheckpoint(ModelCheckpoint):
 
     def __init__(
         self,
-        dirpath: Optional[_PATH] = None,
+        dirpath: Optional[Union[str, Path]] = None,
         filename: Optional[str] = None,
         monitor: Optional[str] = None,
         verbose: bool = False,
@@ -61,14 +70,25 @@ class RetentionCheckpoint(ModelCheckpoint):
         keep_last: Optional[int] = None,
         keep_best: Optional[int] = None,
         anchor_every_n_steps: Optional[int] = None,
-        anchor_every: Optional[Union[str, float, timedelta]] = None,
+        anchor_every: Optional[Duration] = None,
     ) -> None:
+        check_versions()
         super().__init__(
-            dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose, save_last=save_last,
-            save_top_k=save_top_k, save_on_exception=save_on_exception, save_weights_only=save_weights_only,
-            mode=mode, auto_insert_metric_name=auto_insert_metric_name, every_n_train_steps=every_n_train_steps,
-            train_time_interval=train_time_interval, every_n_epochs=every_n_epochs,
-            save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_on_exception=save_on_exception,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
         )
         self.policy = self._build_policy(filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every)
         self._records: dict = {}
@@ -92,9 +112,11 @@ class RetentionCheckpoint(ModelCheckpoint):
             problems.append(f"filename={filename!r} is unused: retention names files step=000000123.ckpt; remove it")
         if problems:
             raise ConfigurationError(type(self).__name__, problems)
-        return RetentionPolicy(keep_last, keep_best, self.mode, anchor_every_n_steps, seconds)
+        mode = cast(Literal["min", "max"], self.mode)  # policy_problems refused any other mode above
+        return RetentionPolicy(keep_last, keep_best, mode, anchor_every_n_steps, seconds)
 
     @property
+    @override
     def state_key(self) -> str:
         """The key stock ``ModelCheckpoint`` uses for the same arguments, so either can resume the other."""
         key = super().state_key
@@ -102,9 +124,10 @@ class RetentionCheckpoint(ModelCheckpoint):
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def _save_topk_checkpoint(self, trainer: "pl.Trainer", monitor_candidates: dict) -> None:
+    @override
+    def topk_save(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
         if not self.policy.active:
-            return super()._save_topk_checkpoint(trainer, monitor_candidates)
+            return super().topk_save(trainer, monitor_candidates)
         self._save_retained(trainer, monitor_candidates, tag="rolling")
 
     @property
@@ -113,37 +136,45 @@ class RetentionCheckpoint(ModelCheckpoint):
         top-k bookkeeping scheduled snapshots must not touch (they go beside its files instead)."""
         return self.policy.active
 
-    def save_snapshot(self, trainer: "pl.Trainer", reason: str) -> str:
+    def save_snapshot(self, trainer: pl.Trainer, reason: str) -> str:
         """Write a full checkpoint now (all ranks must call), counted as rolling; return its path."""
         path = self._rolling_path(trainer.global_step)
-        if self._last_global_step_saved == trainer.global_step and path in self._records:
+        if lc.last_global_step_saved(self) == trainer.global_step and path in self._records:
             return path  # this step is already on disk; the same state would be written again
-        return self._save_retained(trainer, self._monitor_candidates(trainer), tag="scheduled")
+        return self._save_retained(trainer, lc.monitor_candidates(self, trainer), tag="scheduled")
 
-    def _save_retained(self, trainer: "pl.Trainer", monitor_candidates: dict, tag: str) -> str:
+    def _save_retained(self, trainer: pl.Trainer, monitor_candidates: dict, tag: str) -> str:
         """Save, make durable, then prune: a crash in between leaves extra files only."""
         path = self._rolling_path(trainer.global_step)
         # rank 0's clock and metric, so every rank holds the same records and decides the same
         now, metric = trainer.strategy.broadcast((time.time(), self._metric_of(monitor_candidates)))
         record = CheckpointRecord(
-            path, trainer.global_step, trainer.current_epoch, now, metric,
-            frozenset({tag}), verified=False, in_flight=True, owned=True,
+            path,
+            trainer.global_step,
+            trainer.current_epoch,
+            now,
+            metric,
+            frozenset({tag}),
+            verified=False,
+            in_flight=True,
+            owned=True,
         )
         self._records[path] = record
         self.current_score = None if metric is None else torch.tensor(metric)
         self._update_best_from_records()  # part of the state written into this very file
-        self._save_checkpoint(trainer, path)
+        lc.save_checkpoint_file(self, trainer, path)
         writer = trainer.strategy.checkpoint_io
         if isinstance(writer, AsyncCheckpointWriter):
             self._settle_async_writes(trainer, writer)
         else:
             if trainer.is_global_zero:
-                files.fsync_file_and_dir(path)
+                fsync_file_and_dir(path)
             self._records[path] = replace(record, verified=True, in_flight=False)
         self._apply_retention(trainer)
         return path
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Async IO: once the last write is durable (teardown would wait for it anyway), count it and prune."""
         super().on_train_end(trainer, pl_module)
         writer = trainer.strategy.checkpoint_io
@@ -152,14 +183,14 @@ class RetentionCheckpoint(ModelCheckpoint):
             self._settle_async_writes(trainer, writer)
             self._apply_retention(trainer)
 
-    def _settle_async_writes(self, trainer: "pl.Trainer", writer: AsyncCheckpointWriter) -> None:
+    def _settle_async_writes(self, trainer: pl.Trainer, writer: AsyncCheckpointWriter) -> None:
         """Async IO: a file stays in flight (never deleted, never "newest verified") until its atomic
         commit is done. Rank 0's writer knows; one broadcast keeps every rank's records the same. A
         write that failed (``on_error="warn"``) leaves no file, so its record is dropped."""
-        settled = None
+        settled: dict[str, bool] = {}  # rank 0's is broadcast to every rank
         if trainer.is_global_zero:
             pending = [p for p, r in self._records.items() if r.in_flight]
-            settled = {p: self._fs.exists(p) for p in pending if not writer.write_in_flight(p)}
+            settled = {p: _exists(p) for p in pending if not writer.write_in_flight(p)}
         for path, durable in trainer.strategy.broadcast(settled).items():
             if durable:
                 self._records[path] = replace(self._records[path], verified=True, in_flight=False)
@@ -167,7 +198,7 @@ class RetentionCheckpoint(ModelCheckpoint):
                 del self._records[path]
 
     def _rolling_path(self, step: int) -> str:
-        return os.path.normpath(os.path.join(str(self.dirpath), files.rolling_name(step, self.FILE_EXTENSION)))
+        return os.path.normpath(os.path.join(str(self.dirpath), rolling_name(step, self.FILE_EXTENSION)))
 
     def _metric_of(self, monitor_candidates: dict) -> Optional[float]:
         value = monitor_candidates.get(self.monitor) if self.monitor else None
@@ -178,19 +209,22 @@ class RetentionCheckpoint(ModelCheckpoint):
 
     # ---- pruning ------------------------------------------------------------------------------
 
-    def _apply_retention(self, trainer: "pl.Trainer") -> None:
+    def _apply_retention(self, trainer: pl.Trainer) -> None:
         """Ask the policy; tag new anchors; delete the rest oldest first (only rank 0 touches files)."""
         records = list(self._records.values())
         anchors = {r.path for r in self.policy.anchors(records)}
         for decision in self.policy.decide(records, self._resume_source):
             record = decision.record
             if not decision.keep:
-                self._remove_checkpoint(trainer, record.path)  # Strategy.remove_checkpoint: rank 0 only
+                lc.remove_checkpoint_file(self, trainer, record.path)  # Strategy.remove_checkpoint: rank 0 only
                 del self._records[record.path]
             elif record.path in anchors and ANCHOR not in record.tags:
                 self._records[record.path] = replace(record, tags=record.tags | {ANCHOR})
             if self.verbose and not decision.keep:
-                rank_zero_warn(f"RetentionCheckpoint deleted {record.path}: {'; '.join(decision.reasons)}")
+                rank_zero_warn(
+                    f"RetentionCheckpoint deleted {record.path}: {'; '.join(decision.reasons)}",
+                    category=RetentionWarning,
+                )
         self._update_best_from_records()
 
     def _update_best_from_records(self) -> None:
@@ -206,47 +240,55 @@ class RetentionCheckpoint(ModelCheckpoint):
 
     # ---- resuming -----------------------------------------------------------------------------
 
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if self.policy.active and isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             # It returns before the file exists and says nothing when it does: a prune could then
             # delete the newest durable checkpoint while its successor is still being written.
-            raise ConfigurationError(type(self).__name__, [
-                "Lightning's AsyncCheckpointIO cannot tell when a file is durable, so retention cannot run"
-                " safely with it; use plugins=[SafetensorsCheckpointIO(async_save=True)] instead"
-            ])
+            raise ConfigurationError(
+                type(self).__name__,
+                [
+                    "Lightning's AsyncCheckpointIO cannot tell when a file is durable, so retention cannot run"
+                    " safely with it; use plugins=[SafetensorsCheckpointIO(async_save=True)] instead"
+                ],
+            )
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if not self.policy.active:
             return
         resume = trainer.ckpt_path
         self._resume_source = os.path.realpath(resume) if resume else None
-        records = self._reconciled_records(trainer) if trainer.is_global_zero else None
+        records = self._reconciled_records(trainer) if trainer.is_global_zero else []  # rank 0's is broadcast
         self._records = {r.path: r for r in trainer.strategy.broadcast(records)}
         self._apply_retention(trainer)
 
-    def _reconciled_records(self, trainer: "pl.Trainer") -> list:
+    def _reconciled_records(self, trainer: pl.Trainer) -> list:
         """Records from the state, checked against the files now in ``dirpath`` (rank 0 reads disk)."""
-        on_disk = {e.path: e for e in files.list_checkpoint_files(str(self.dirpath), self.FILE_EXTENSION)}
+        on_disk = {e.path: e for e in list_checkpoint_files(str(self.dirpath), self.FILE_EXTENSION)}
         io = trainer.strategy.checkpoint_io
         records = []
         for path, entry in on_disk.items():
-            step = files.parse_rolling_name(path, self.FILE_EXTENSION)
+            step = parse_rolling_name(path, self.FILE_EXTENSION)
             if step is None:
                 continue  # not our naming: never ours to delete, not ours to track
             known = self._records.get(path) or self._record_from_file(path, step, entry.mtime)
             if known.in_flight or path not in self._records:
-                problem = None if path == self._resume_source else files.verify_problem(path, io)
-                if problem is not None:
-                    rank_zero_warn(f"RetentionCheckpoint: {path} does not verify ({problem}); it is kept, not counted.")
-                known = replace(known, in_flight=False, verified=problem is None, owned=True)
+                why = None if path == self._resume_source else problem(path, io)
+                if why is not None:
+                    rank_zero_warn(
+                        f"RetentionCheckpoint: {path} does not verify ({why}); it is kept, not counted.",
+                        category=RetentionWarning,
+                    )
+                known = replace(known, in_flight=False, verified=why is None, owned=True)
             records.append(known)
         return records
 
     def _record_from_file(self, path: str, step: int, mtime: float) -> CheckpointRecord:
         """A record for a file an earlier run wrote: its own saved record if readable, else the file's facts."""
-        state = files.read_checkpoint_callback_state(path, self.state_key) or {}
+        state = read_checkpoint_callback_state(path, self.state_key) or {}
         for saved in state.get(_STATE, {}).get("records", []):
             if saved.get("path") == path:
                 return CheckpointRecord.from_state(saved)
@@ -254,47 +296,42 @@ class RetentionCheckpoint(ModelCheckpoint):
         metric = float(score) if score is not None and not math.isnan(float(score)) else None
         return CheckpointRecord(path, step, 0, mtime, metric, frozenset({"rolling"}))
 
-    def _find_last_checkpoints(self, trainer: "pl.Trainer") -> set:
+    @override
+    def last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """``ckpt_path="last"``: the newest file in ``dirpath`` that verifies; corrupt newer ones are skipped.
 
-        Called by ``_CheckpointConnector._parse_ckpt_path`` (lightning/pytorch/trainer/connectors/
-        checkpoint_connector.py:181-186) before ``setup`` and before any process group exists, so it
-        uses no collective: every rank reads the same files and reaches the same answer.
+        Lightning asks before ``setup`` and before any process group exists, so no collective runs: every
+        rank reads the same files and reaches the same answer (rank 0 reports what it skipped).
         """
         if not self.policy.active:
-            return super()._find_last_checkpoints(trainer)
-        entries = files.list_checkpoint_files(self._resolved_dirpath(trainer), self.FILE_EXTENSION)
+            return super().last_checkpoints(trainer)
+        candidates = [e.path for e in list_checkpoint_files(lc.checkpoint_dir(self, trainer), self.FILE_EXTENSION)]
         io = trainer.strategy.checkpoint_io
-        for entry in reversed(entries):
-            problem = files.verify_problem(entry.path, io)
-            if problem is None:
-                return {entry.path}
-            rank_zero_warn(f"ckpt_path='last': skipping {entry.path}, it does not verify: {problem}")
-        return set()
-
-    def _resolved_dirpath(self, trainer: "pl.Trainer") -> str:
-        """Where ``setup`` will put checkpoints; mirrors the private ``ModelCheckpoint.__resolve_ckpt_dir``
-        (lightning/pytorch/callbacks/model_checkpoint.py:837-865), which a subclass cannot call."""
-        if self.dirpath is not None:
-            return str(self.dirpath)
-        if trainer.loggers:
-            logger = trainer.loggers[0]
-            save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
-            version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-            return os.path.join(save_dir, str(logger.name), version, "checkpoints")
-        return os.path.join(trainer.default_root_dir, "checkpoints")
+        newest = newest_verified(
+            candidates,
+            lambda path: verify(path, io),
+            skipped=lambda line: rank_zero_warn(f"ckpt_path='last': {line}", category=SkippedCheckpointWarning),
+        )
+        return {newest} if newest is not None else set()
 
     # ---- state --------------------------------------------------------------------------------
 
+    @override
     def state_dict(self) -> dict:
         state = super().state_dict()
         if self.policy.active:
             state[_STATE] = {"records": [r.to_state() for r in sorted(self._records.values(), key=lambda r: r.recency)]}
         return state
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         same_dir = state_dict.get("dirpath", self.dirpath) == self.dirpath
         if self.policy.active and same_dir and _STATE in state_dict:
             saved = [CheckpointRecord.from_state(s) for s in state_dict[_STATE]["records"]]
             self._records = {r.path: r for r in saved}
+
+
+def _exists(path: str) -> bool:
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return bool(fs.exists(fs_path))

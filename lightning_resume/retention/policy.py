@@ -47,13 +47,19 @@ class CheckpointRecord:
     def to_state(self) -> dict:
         """Plain types only, so a checkpoint holding it loads with ``torch.load(weights_only=True)``."""
         return {
-            "path": self.path, "step": self.step, "epoch": self.epoch, "time": self.time,
-            "metric": self.metric, "tags": sorted(self.tags), "verified": self.verified,
-            "in_flight": self.in_flight, "owned": self.owned,
+            "path": self.path,
+            "step": self.step,
+            "epoch": self.epoch,
+            "time": self.time,
+            "metric": self.metric,
+            "tags": sorted(self.tags),
+            "verified": self.verified,
+            "in_flight": self.in_flight,
+            "owned": self.owned,
         }
 
     @classmethod
-    def from_state(cls, state: dict) -> "CheckpointRecord":
+    def from_state(cls, state: dict) -> CheckpointRecord:
         fields = dict(state)
         fields["tags"] = frozenset(fields.get("tags", ()))
         return cls(**fields)
@@ -64,7 +70,7 @@ class CheckpointRecord:
         return (self.time, self.step, self.path)
 
 
-class Decision(NamedTuple):
+class KeepDecision(NamedTuple):
     """Keep or delete ``record``, and why (one short phrase per rule or protection that applied)."""
 
     record: CheckpointRecord
@@ -134,13 +140,17 @@ def policy_problems(
     """Every problem with these settings, each naming the option, the value and the fix."""
     problems = []
     if keep_last is not None and keep_last < 1:
-        problems.append(f"keep_last={keep_last} would delete the checkpoint being written; use >= 1 (None turns it off)")
+        problems.append(
+            f"keep_last={keep_last} would delete the checkpoint being written; use >= 1 (None turns it off)"
+        )
     if keep_best is not None and keep_best < 1:
         problems.append(f"keep_best={keep_best} keeps no best checkpoint; use >= 1 (None turns it off)")
     if mode not in ("min", "max"):
         problems.append(f"mode={mode!r} is not a direction; use 'min' or 'max'")
     if anchor_every_n_steps is not None and anchor_every_n_steps < 1:
-        problems.append(f"anchor_every_n_steps={anchor_every_n_steps} is not a step interval; use >= 1 (None turns it off)")
+        problems.append(
+            f"anchor_every_n_steps={anchor_every_n_steps} is not a step interval; use >= 1 (None turns it off)"
+        )
     if anchor_every is not None and not anchor_every > 0:
         problems.append(f"anchor_every={anchor_every} seconds is not an interval; use a positive duration such as '6h'")
     return problems
@@ -172,10 +182,10 @@ class RetentionPolicy:
         return any(rule is not None for rule in rules)
 
     def decide(self, records: Sequence[CheckpointRecord], resume_source: Optional[str] = None) -> list:
-        """One ``Decision`` per record, oldest first. Deterministic: depends only on the arguments."""
+        """One ``KeepDecision`` per record, oldest first. Deterministic: depends only on the arguments."""
         ordered = sorted(records, key=lambda r: r.recency)
         if not self.active:
-            return [Decision(r, True, ("retention off: no keep rule set",)) for r in ordered]
+            return [KeepDecision(r, True, ("retention off: no keep rule set",)) for r in ordered]
         newest = newest_verified(ordered)
         ctx = _Context(resume_source, newest.path if newest else None)
         kept = self._kept_by_rules(ordered)
@@ -185,9 +195,9 @@ class RetentionPolicy:
             reasons += kept.get(record.path, [])
             if not reasons:
                 reasons = [self._why_not(record)]
-                decisions.append(Decision(record, False, tuple(reasons)))
+                decisions.append(KeepDecision(record, False, tuple(reasons)))
             else:
-                decisions.append(Decision(record, True, tuple(reasons)))
+                decisions.append(KeepDecision(record, True, tuple(reasons)))
         return decisions
 
     def anchors(self, records: Sequence[CheckpointRecord]) -> list:

@@ -15,40 +15,46 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from typing_extensions import override
 
-from lightning_resume import ranks
-from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
-from lightning_resume.io.files import load_file, save_file
-from lightning_resume.io.format import UnencodableValueError, encode
+from lightning_resume import collective
+from lightning_resume._compat import dcp as dcp_compat
+from lightning_resume.errors import (
+    CheckpointCorruptError,
+    LightningResumeError,
+    ShardedSaveError,
+    UnencodableValueError,
+)
+from lightning_resume.io.codec import encode
+from lightning_resume.io.read import load_file
+from lightning_resume.io.resolve import newest_verified
+from lightning_resume.io.verify import verify_directory
+from lightning_resume.io.write import save_file
 from lightning_resume.sharded import commit as commits
+from lightning_resume.sharded.commit import DCP_METADATA, META_FILE
 from lightning_resume.sharded.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_metadata
 
-DCP_METADATA = ".metadata"
-META_FILE = "meta.safetensors"
-"""The non-sharded part (loop counters, callback state, RNG...): one file of ``lightning_resume.io``'s format."""
 
-
-class _RecordingWriter(FileSystemWriter):
+class RecordingWriter(FileSystemWriter):
     """Remembers which files this rank wrote, so it can digest exactly those."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, sync_files=True)
         self.written: List[str] = []
 
+    @override
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
         self.written = sorted({result.storage_data.relative_path for result in future.wait()})
         return future
 
 
-class _SafeFullLoadPlanner(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
+class _SafeFullLoadPlanner(SafeLoadPlanner, dcp_compat.EmptyStateDictLoadPlanner):
     """Rebuilds the whole state from the metadata (DCP's private empty-state planner), pickle-restricted."""
 
 
@@ -64,42 +70,6 @@ def _domain_errors() -> Iterator[None]:
         raise
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank_world() -> tuple:
-    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
-def _broadcast(obj: Any) -> Any:
-    if not _distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-class ShardedSaveError(LightningResumeError):
-    """A sharded save failed on some rank; every rank raises this same error (none is left waiting)."""
-
-    def __init__(self, directory: str, step: str, problems: Mapping[int, str]) -> None:
-        self.directory = directory
-        self.problems = dict(problems)
-        ranks_by_problem: Dict[str, List[int]] = {}
-        for rank, problem in sorted(self.problems.items()):
-            ranks_by_problem.setdefault(problem, []).append(rank)
-        where = "; ".join(f"{'ranks' if len(r) > 1 else 'rank'} {', '.join(map(str, r))}: {problem}"
-                          for problem, r in ranks_by_problem.items())
-        super().__init__(f"sharded save of {directory} failed to {step} ({where}); the previous checkpoint there, "
-                         "if any, is untouched")
-
-
 def _check_meta(meta: Optional[Dict[str, Any]]) -> None:
     """Encode ``meta`` as ``save_file`` will (on every rank), so a bad value fails before any collective."""
     if meta is None:
@@ -109,36 +79,8 @@ def _check_meta(meta: Optional[Dict[str, Any]]) -> None:
     encode(meta)
 
 
-def _on_every_rank(directory: str, step: str, fn: Callable[[], Any]) -> List[Any]:
-    """Run ``fn`` on every rank and gather the results; if any rank failed, every rank raises."""
-    value, error = None, None
-    try:
-        value = fn()
-    except Exception as err:  # handed to every rank below; re-raised chained on this one
-        error = err
-    outcomes = ranks.gather((_describe(error), value))
-    problems = {rank: problem for rank, (problem, _) in enumerate(outcomes) if problem is not None}
-    if problems:
-        raise ShardedSaveError(directory, step, problems) from error
-    return [v for _, v in outcomes]
-
-
-def _on_rank_zero(directory: str, step: str, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only and broadcast its result, or its error to be raised on every rank."""
-    value, error = None, None
-    if _rank_world()[0] == 0:
-        try:
-            value = fn()
-        except Exception as err:  # broadcast below; re-raised chained on rank 0
-            error = err
-    problem, value = _broadcast((_describe(error), value))
-    if problem is not None:
-        raise ShardedSaveError(directory, step, {0: problem}) from error
-    return value
-
-
-def _describe(error: Optional[BaseException]) -> Optional[str]:
-    return None if error is None else f"{type(error).__name__}: {error}"
+def failure(directory: str, step: str) -> collective.Failure:
+    return lambda problems: ShardedSaveError(directory, step, problems)
 
 
 def _stage(directory: str, meta: Optional[Dict[str, Any]]) -> str:
@@ -163,71 +105,74 @@ def save_sharded(state: Dict[str, Any], directory: str, step: int, meta: Optiona
     ``ShardedSaveError`` on every rank), the previous ``directory`` is still there.
     """
     directory = os.path.abspath(directory)
-    rank, world = _rank_world()
-    _on_every_rank(directory, "encode the non-sharded state", lambda: _check_meta(meta))
-    staging = _on_rank_zero(directory, "create its staging directory", lambda: _stage(directory, meta))
+    rank, world = collective.rank_and_world()
+    collective.on_every_rank(lambda: _check_meta(meta), failure(directory, "encode the non-sharded state"))
+    staging = collective.on_rank_zero(
+        lambda: _stage(directory, meta), failure(directory, "create its staging directory")
+    )
     try:
         writer = _write_shards(state, staging, directory)
-        own = writer.written + (_rank_zero_files(meta is not None) if rank == 0 else [])
-        parts = _on_every_rank(directory, "digest its files", lambda: commits.digest_files(staging, own))
+        own = writer.written + (rank_zero_files(meta is not None) if rank == 0 else [])
+        parts = collective.on_every_rank(
+            lambda: commits.digest_files(staging, own), failure(directory, "digest its files")
+        )
         files = {name: digest for part in parts for name, digest in part.items()}
         record = commits.CommitRecord(staging, int(step), world, files)
-        _on_rank_zero(directory, "commit", lambda: _commit_and_publish(record, directory))
+        collective.on_rank_zero(lambda: commit_and_publish(record, directory), failure(directory, "commit"))
     except BaseException:
         if rank == 0:
-            _discard_quietly(staging)
+            discard_quietly(staging)
         raise
     return directory
 
 
-def _rank_zero_files(with_meta: bool) -> List[str]:
+def rank_zero_files(with_meta: bool) -> List[str]:
     """What rank 0 writes besides its shards: DCP's ``.metadata`` and our meta file."""
     return [DCP_METADATA, META_FILE] if with_meta else [DCP_METADATA]
 
 
-def _write_shards(state: Dict[str, Any], staging: str, directory: str) -> _RecordingWriter:
+def _write_shards(state: Dict[str, Any], staging: str, directory: str) -> RecordingWriter:
     """DCP's collective write; DCP itself gathers every rank's exception and raises on all of them."""
-    writer = _RecordingWriter(staging)
+    writer = RecordingWriter(staging)
     try:
-        dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        dcp.save(state, storage_writer=writer, no_dist=not collective.is_distributed())
     except CheckpointException as err:
-        problems = {int(rank): _describe(exc) for rank, (exc, _trace) in err.failures.items()}
+        problems = {int(rank): collective.describe(exc) or "" for rank, (exc, _trace) in err.failures.items()}
         raise ShardedSaveError(directory, "write its shards", problems) from err
     return writer
 
 
-def _commit_and_publish(record: commits.CommitRecord, directory: str) -> None:
+def commit_and_publish(record: commits.CommitRecord, directory: str) -> None:
     commits.commit(record)
     commits.publish(record.path, directory)
 
 
-def _discard_quietly(staging: str) -> None:
-    try:
+def discard_quietly(staging: str) -> None:
+    with contextlib.suppress(OSError):  # a leftover staging directory is hidden and removed by clean_uncommitted
         commits.discard(staging)
-    except OSError:
-        pass  # a leftover staging directory is hidden and removed by clean_uncommitted
 
 
 def verify_sharded(directory: str, digests: bool = True) -> commits.CommitRecord:
-    """The directory is committed and every file it lists is intact; ``CheckpointCorruptError`` otherwise."""
-    record = commits.verify_committed(directory, digests)
-    if DCP_METADATA not in record.files:
-        raise CheckpointCorruptError(directory, f"commit marker does not list {DCP_METADATA}")
-    return record
+    """The directory is committed and every file it lists is intact; ``CheckpointCorruptError`` otherwise.
+
+    The same check as ``lightning-resume verify`` and "last" resolution (``io.verify.verify_directory``).
+    """
+    return verify_directory(directory, digests)
 
 
 def _verified_everywhere(directory: str, digests: bool) -> commits.CommitRecord:
     """Rank 0 verifies (one read of every file), every rank gets the verdict."""
     problem: Optional[str] = None
     record = None
-    if _rank_world()[0] == 0:
+    if collective.rank_and_world()[0] == 0:
         try:
             record = verify_sharded(directory, digests)
         except CheckpointCorruptError as err:
             problem = str(err)
-    problem, record = _broadcast((problem, record))
+    problem, record = collective.broadcast((problem, record))
     if problem is not None:
         raise CheckpointCorruptError(directory, f"refusing to load: {problem}")
+    assert record is not None  # rank 0 sent either a problem or the record it verified
     return record
 
 
@@ -241,8 +186,12 @@ def load_sharded(state_template: Dict[str, Any], directory: str, digests: bool =
     record = _verified_everywhere(directory, digests)
     load_metadata(os.path.join(directory, DCP_METADATA))  # refuse a hostile file here, with its own error
     with _domain_errors():
-        dcp.load(state_template, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(),
-                 no_dist=not _distributed())
+        dcp.load(
+            state_template,
+            storage_reader=SafeFileSystemReader(directory),
+            planner=SafeLoadPlanner(),
+            no_dist=not collective.is_distributed(),
+        )
     return record
 
 
@@ -260,24 +209,24 @@ def load_full(directory: str, digests: bool = True) -> Dict[str, Any]:
     """The whole state of ``directory`` as plain tensors and values, in this one process (no template)."""
     directory = os.path.abspath(directory)
     verify_sharded(directory, digests)
-    # dcp.load copies back only the keys the template already has; the empty-template path is DCP's
-    # private _load_state_dict (torch/distributed/checkpoint/state_dict_loader.py:203), as its own
-    # dcp_to_torch_save does (format_utils.py:224).
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     load_metadata(os.path.join(directory, DCP_METADATA))
     state: Dict[str, Any] = {}
     with _domain_errors():
-        _load_state_dict(state, storage_reader=SafeFileSystemReader(directory), planner=_SafeFullLoadPlanner(),
-                         no_dist=True)
+        dcp_compat.load_without_template(state, SafeFileSystemReader(directory), _SafeFullLoadPlanner())
     return state
 
 
 def newest_committed(root: str, digests: bool = True) -> Optional[str]:
-    """The newest committed, verifying checkpoint directory directly under ``root`` (``None`` if none)."""
-    return commits.newest_committed(root, digests)
+    """The newest committed checkpoint directory directly under ``root`` that verifies (``None`` if none).
+
+    Newest = highest step, then latest commit; each one that does not verify is skipped with a
+    ``SkippedCheckpointWarning`` naming it.
+    """
+    return newest_verified(
+        commits.checkpoint_dirs(root), lambda path: verify_directory(path, digests), key=commits.commit_order
+    )
 
 
-def clean_uncommitted(root: str, keep: Mapping[str, Any] | List[str] = ()) -> List[str]:
+def clean_uncommitted(root: str, keep: Mapping[str, Any] | Sequence[str] = ()) -> List[str]:
     """Remove stale uncommitted checkpoint directories we left under ``root`` (call before the first save)."""
     return commits.clean_uncommitted(root, list(keep))

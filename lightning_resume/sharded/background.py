@@ -40,35 +40,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from lightning_resume.io import files as io_files
-from lightning_resume.io.format import UnencodableValueError
-from lightning_resume import ranks
+from lightning_resume import collective
+from lightning_resume._compat.dcp import host_dtensor
+from lightning_resume.errors import ShardedCheckpointWarning, ShardedSaveError, UnencodableValueError
+from lightning_resume.io import write
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import (
-    META_FILE,
-    ShardedSaveError,
-    _commit_and_publish,
-    _describe,
-    _discard_quietly,
-    _distributed,
-    _on_every_rank,
-    _on_rank_zero,
-    _RecordingWriter,
-    _rank_world,
-    _rank_zero_files,
+    RecordingWriter,
+    commit_and_publish,
+    discard_quietly,
+    failure,
+    rank_zero_files,
 )
+from lightning_resume.sharded.commit import META_FILE
 
 Path = Tuple[Any, ...]
-
-
-def _host_dtensor(source: DTensor, local: torch.Tensor) -> DTensor:
-    """A DTensor with ``source``'s sharding whose local shard is ``local`` (a host buffer).
-
-    ``DTensor.from_local`` would move ``local`` back to the mesh's device; this is the private
-    constructor (torch/distributed/tensor/_api.py:321), as DCP's own CPU staging does in effect
-    (``_create_cpu_state_dict``, _state_dict_utils.py:447-455).
-    """
-    return DTensor(local, source._spec, requires_grad=False)
 
 
 class HostShards:
@@ -103,7 +89,7 @@ class HostShards:
 
     def _copy(self, value: Any, path: Path) -> Any:
         if isinstance(value, DTensor):
-            return _host_dtensor(value, self._buffer(path, value.to_local()))
+            return host_dtensor(value, self._buffer(path, value.to_local()))
         if isinstance(value, torch.Tensor):
             return self._buffer(path, value)
         if isinstance(value, dict):
@@ -126,16 +112,24 @@ class HostShards:
 class _Write:
     """One rank's background part of one save; read its outcome only once :meth:`join` says it ended."""
 
-    def __init__(self, directory: str, staging: str, step: int, staged: Dict[str, Any],
-                 meta: Optional[Tuple[str, Dict[str, torch.Tensor]]], group: Any) -> None:
+    def __init__(
+        self,
+        directory: str,
+        staging: str,
+        step: int,
+        staged: Dict[str, Any],
+        meta: Optional[Tuple[str, Dict[str, torch.Tensor]]],
+        group: Any,
+    ) -> None:
         self.directory, self.staging, self.step = directory, staging, step
         self.problems: Dict[int, str] = {}
         self.files: Dict[str, commits.FileDigest] = {}
         self.seconds: Optional[float] = None
         self.committed = False
-        self._args = (staged, meta, group)
-        self._thread = threading.Thread(target=self._run, name=f"sharded-write {os.path.basename(directory)}",
-                                        daemon=True)  # a killed run leaves a hidden staging dir, nothing else
+        self._args: Tuple[Any, ...] = (staged, meta, group)  # _write_local's arguments; emptied once written
+        self._thread = threading.Thread(
+            target=self._run, name=f"sharded-write {os.path.basename(directory)}", daemon=True
+        )  # a killed run leaves a hidden staging dir, nothing else
 
     def start(self) -> None:
         self._thread.start()
@@ -152,24 +146,25 @@ class _Write:
         try:
             self.files = _write_local(self.staging, *self._args)
         except CheckpointException as err:  # DCP already gathered every rank's failure
-            self.problems = {int(rank): _describe(exc) or "" for rank, (exc, _trace) in err.failures.items()}
-        except BaseException as err:  # reported on the training thread at the commit
-            self.problems = {_rank_world()[0]: _describe(err) or ""}
+            self.problems = {int(rank): collective.describe(exc) or "" for rank, (exc, _trace) in err.failures.items()}
+        except BaseException as err:  # noqa: BLE001 - reported on the training thread at the commit
+            self.problems = {collective.rank_and_world()[0]: collective.describe(err) or ""}
         self._args = ()  # the staged state is not needed any more
         self.seconds = time.monotonic() - started
 
 
-def _write_local(staging: str, staged: Dict[str, Any], meta: Optional[Tuple[str, Dict[str, torch.Tensor]]],
-                 group: Any) -> Dict[str, commits.FileDigest]:
+def _write_local(
+    staging: str, staged: Dict[str, Any], meta: Optional[Tuple[str, Dict[str, torch.Tensor]]], group: Any
+) -> Dict[str, commits.FileDigest]:
     """The background part: DCP's collective write first (on ``group``, so no rank skips it), then rank 0's
     non-sharded file, then the digests of this rank's files."""
-    writer = _RecordingWriter(staging)
-    dcp.save(staged, storage_writer=writer, process_group=group, no_dist=not _distributed())
+    writer = RecordingWriter(staging)
+    dcp.save(staged, storage_writer=writer, process_group=group, no_dist=not collective.is_distributed())
     own = list(writer.written)
-    if _rank_world()[0] == 0:
+    if collective.rank_and_world()[0] == 0:
         if meta is not None:
-            io_files.commit(os.path.join(staging, META_FILE), *meta)
-        own += _rank_zero_files(meta is not None)
+            write.commit(os.path.join(staging, META_FILE), *meta)
+        own += rank_zero_files(meta is not None)
     return commits.digest_files(staging, own)
 
 
@@ -177,7 +172,7 @@ class ShardedSaveHandle:
     """The result of :func:`save_sharded_async`: ``done()`` is local and never blocks; ``wait()`` commits
     (collective) and raises the save's failure."""
 
-    def __init__(self, saver: "AsyncShardedSaver", write: _Write) -> None:
+    def __init__(self, saver: AsyncShardedSaver, write: _Write) -> None:
         self._saver = saver
         self._write = write
         self.directory = write.directory
@@ -213,8 +208,9 @@ class AsyncShardedSaver:
         self.last_blocked_seconds: Optional[float] = None
         self.last_write_seconds: Optional[float] = None
 
-    def save(self, state: Dict[str, Any], directory: str, step: int,
-             meta: Optional[Dict[str, Any]] = None) -> ShardedSaveHandle:
+    def save(
+        self, state: Dict[str, Any], directory: str, step: int, meta: Optional[Dict[str, Any]] = None
+    ) -> ShardedSaveHandle:
         """Commit the previous save (raising its failure), then stage ``state`` and start writing it. Collective."""
         started = time.monotonic()
         self.wait()
@@ -232,7 +228,7 @@ class AsyncShardedSaver:
         and copies its shards, rank 0 also creates the staging directory; any rank's failure raises on
         every rank, and nothing is left behind."""
         group = self._background_group()
-        rank = _rank_world()[0]
+        rank = collective.rank_and_world()[0]
         local: Dict[str, Any] = {}
 
         def stage_locally() -> Optional[str]:
@@ -242,16 +238,17 @@ class AsyncShardedSaver:
             return local["staging"]
 
         try:
-            staging = _on_every_rank(directory, "stage its shards", stage_locally)[0]
+            staging = collective.on_every_rank(stage_locally, failure(directory, "stage its shards"))[0]
         except BaseException:
             if local.get("staging"):
-                _discard_quietly(local["staging"])
+                discard_quietly(local["staging"])
             raise
+        assert staging is not None  # rank 0's value: the staging directory it created
         return _Write(directory, staging, step, local["state"], local["meta"] if rank == 0 else None, group)
 
     def _background_group(self) -> Any:
         """The background thread's own gloo group (created once, collectively, on the training thread)."""
-        if not _distributed():
+        if not collective.is_distributed():
             return None
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
@@ -281,7 +278,7 @@ class AsyncShardedSaver:
             return []
         finished = write.join(timeout)
         mine = (True, write.problems, write.files, write.seconds) if finished else (False, {}, {}, None)
-        outcomes = ranks.gather(mine)
+        outcomes = collective.gather(mine)
         running = [rank for rank, outcome in enumerate(outcomes) if not outcome[0]]
         if running:
             return running
@@ -293,27 +290,34 @@ class AsyncShardedSaver:
         files = {name: digest for _, _, part, _ in outcomes for name, digest in part.items()}
         record = commits.CommitRecord(write.staging, write.step, len(outcomes), files)
         try:
-            _on_rank_zero(write.directory, "commit", lambda: _commit_and_publish(record, write.directory))
+            collective.on_rank_zero(
+                lambda: commit_and_publish(record, write.directory), failure(write.directory, "commit")
+            )
         except BaseException:
             self._discard(write)
             raise
         write.committed = True
-        self.last_write_seconds = max(seconds for _, _, _, seconds in outcomes)
+        # every write finished, so each one timed itself (only an unfinished one sends None)
+        self.last_write_seconds = max(seconds for _, _, _, seconds in outcomes if seconds is not None)
         return []
 
     @staticmethod
     def _discard(write: _Write) -> None:
-        if _rank_world()[0] == 0:
-            _discard_quietly(write.staging)
+        if collective.rank_and_world()[0] == 0:
+            discard_quietly(write.staging)
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Collective end of a run: commit the pending save within ``timeout``; raise naming its directory if not."""
         write = self._pending
         running = self._settle(timeout)
         if running:
+            assert write is not None  # _settle reports running ranks only for a pending write
             self._pending = None  # left as a hidden staging directory: never "last", cleaned up later
-            raise ShardedSaveError(write.directory, f"finish its background write within {timeout} s",
-                                   {rank: "still writing" for rank in running})
+            raise ShardedSaveError(
+                write.directory,
+                f"finish its background write within {timeout} s",
+                {rank: "still writing" for rank in running},
+            )
         self.shards.release()
 
     def abandon(self, timeout: Optional[float] = None) -> None:
@@ -323,9 +327,12 @@ class AsyncShardedSaver:
         if write is None:
             return
         write.join(timeout)
-        warnings.warn(f"sharded checkpoint {write.directory} was not committed (the run ended by an exception while "
-                      "it was written in the background); the previous committed checkpoint is the newest",
-                      stacklevel=2)
+        warnings.warn(
+            f"sharded checkpoint {write.directory} was not committed (the run ended by an exception while "
+            "it was written in the background); the previous committed checkpoint is the newest",
+            ShardedCheckpointWarning,
+            stacklevel=2,
+        )
 
 
 def _snapshot_meta(meta: Optional[Dict[str, Any]]) -> Optional[Tuple[str, Dict[str, torch.Tensor]]]:
@@ -334,15 +341,20 @@ def _snapshot_meta(meta: Optional[Dict[str, Any]]) -> Optional[Tuple[str, Dict[s
         return None
     if not isinstance(meta, dict):
         raise UnencodableValueError("<root>", type(meta).__qualname__, "the non-sharded part must be a dict")
-    tree_json, tensors = io_files.encode_tree(meta)
+    tree_json, tensors = write.encode_tree(meta)
     return tree_json, {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
 
 
 _DEFAULT: Optional[AsyncShardedSaver] = None
 
 
-def save_sharded_async(state: Dict[str, Any], directory: str, step: int, meta: Optional[Dict[str, Any]] = None,
-                       saver: Optional[AsyncShardedSaver] = None) -> ShardedSaveHandle:
+def save_sharded_async(
+    state: Dict[str, Any],
+    directory: str,
+    step: int,
+    meta: Optional[Dict[str, Any]] = None,
+    saver: Optional[AsyncShardedSaver] = None,
+) -> ShardedSaveHandle:
     """:func:`save_sharded` whose write runs in the background; returns once the local shards are copied. Collective.
 
     It first commits the save before it (one in flight per ``saver``; the default is one saver per

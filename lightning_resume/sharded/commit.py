@@ -26,9 +26,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
-from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.errors import CheckpointCorruptError, ShardedCheckpointWarning
 from lightning_resume.io.atomic import atomic_write, fsync_directory
 
+DCP_METADATA = ".metadata"
+"""DCP's metadata file: a sharded checkpoint's index of every shard."""
+META_FILE = "meta.safetensors"
+"""The non-sharded part (loop counters, callback state, RNG...): one file of ``lightning_resume.io``'s format."""
 MARKER = "COMMITTED"
 IN_PROGRESS = "IN_PROGRESS"  # written by the first release's in-place saves; still recognised by cleanup
 FORMAT = "lightning-resume/sharded/2"
@@ -120,8 +124,11 @@ def _discard_replaced(path: str) -> None:
     try:
         discard(path)
     except OSError as err:
-        warnings.warn(f"could not delete the replaced checkpoint {path} ({err}); clean_uncommitted removes it later",
-                      stacklevel=3)
+        warnings.warn(
+            f"could not delete the replaced checkpoint {path} ({err}); clean_uncommitted removes it later",
+            ShardedCheckpointWarning,
+            stacklevel=3,
+        )
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -202,33 +209,40 @@ def pick_newest(records: Iterable[CommitRecord], mtimes: Mapping[str, float]) ->
     return ranked[-1] if ranked else None
 
 
-def committed_under(root: str, digests: bool = True) -> tuple:
-    """(verified records, {path: problem}) for every checkpoint directory directly under ``root``.
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (committed or not): it holds our marker, an
+    in-progress file, DCP's metadata or a shard. Such a directory is one checkpoint, never a folder of them."""
+    if not os.path.isdir(path):
+        return False
+    names = set(os.listdir(path))
+    return bool(names & {MARKER, IN_PROGRESS, DCP_METADATA}) or any(n.endswith(".distcp") for n in names)
 
-    Hidden staging and replaced directories are not checkpoints, even when committed.
-    """
-    good: List[CommitRecord] = []
-    bad: Dict[str, str] = {}
-    for path in _subdirs(root):
-        if _HIDDEN.match(os.path.basename(path)):
-            continue
-        if not os.path.exists(os.path.join(path, MARKER)) and not os.path.exists(os.path.join(path, IN_PROGRESS)):
-            continue  # not a directory we wrote
-        try:
-            good.append(verify_committed(path, digests))
-        except CheckpointCorruptError as err:
-            bad[path] = str(err)
-    return good, bad
+
+def commit_order(directory: str) -> Optional[Tuple[int, float]]:
+    """How far training was when ``directory`` was committed: ``(step, commit time)``, for ordering
+    candidates newest first. ``None`` when it is not a committed checkpoint of ours (no marker, a hidden
+    staging or replaced directory, an unreadable marker)."""
+    if _HIDDEN.match(os.path.basename(os.path.normpath(directory))):
+        return None
+    try:
+        record = read_marker(directory)
+        return record.step, os.path.getmtime(os.path.join(directory, MARKER))
+    except (CheckpointCorruptError, OSError):
+        return None
+
+
+def checkpoint_dirs(root: str) -> List[str]:
+    """Directories directly under ``root`` that a save of ours wrote (marker or in-progress file), hidden ones excluded."""
+    return [
+        path
+        for path in _subdirs(root)
+        if not _HIDDEN.match(os.path.basename(path))
+        and (os.path.exists(os.path.join(path, MARKER)) or os.path.exists(os.path.join(path, IN_PROGRESS)))
+    ]
 
 
 def _newest(records: List[CommitRecord]) -> Optional[CommitRecord]:
     return pick_newest(records, {r.path: os.path.getmtime(os.path.join(r.path, MARKER)) for r in records})
-
-
-def newest_committed(root: str, digests: bool = True) -> Optional[str]:
-    """The newest directory under ``root`` that is committed and verifies, or ``None``."""
-    newest = _newest(committed_under(root, digests)[0])
-    return newest.path if newest else None
 
 
 def clean_uncommitted(root: str, keep: Iterable[str] = ()) -> List[str]:
@@ -261,7 +275,9 @@ def _restore_missing_finals(root: str) -> None:
                 continue
             by_final.setdefault(final, []).append(record)
     for final, records in by_final.items():
-        os.rename(_newest(records).path, final)
+        newest = _newest(records)
+        assert newest is not None  # every list in by_final has a record
+        os.rename(newest.path, final)
         fsync_directory(root)
 
 

@@ -22,33 +22,37 @@ This module owns only those two readers; it does not decide what to load or wher
 from __future__ import annotations
 
 import pickle
-from typing import IO, Any
+from typing import IO, Any, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from typing_extensions import override
 
+from lightning_resume._compat.dcp import metadata_path, set_nested
 from lightning_resume.errors import UnsafeCheckpointError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-ALLOWED_GLOBALS = frozenset({
-    (_DCP_METADATA, "Metadata"),
-    (_DCP_METADATA, "MetadataIndex"),
-    (_DCP_METADATA, "StorageMeta"),
-    (_DCP_METADATA, "TensorProperties"),
-    (_DCP_METADATA, "TensorStorageMetadata"),
-    (_DCP_METADATA, "BytesStorageMetadata"),
-    (_DCP_METADATA, "ChunkStorageMetadata"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object, nothing else
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-})
+ALLOWED_GLOBALS = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object, nothing else
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -58,6 +62,7 @@ class MetadataUnpickler(pickle.Unpickler):
         super().__init__(file)
         self._path = path
 
+    @override
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
@@ -85,12 +90,16 @@ def load_metadata(path: str) -> Metadata:
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` uses :func:`load_metadata` instead of ``pickle.load``."""
 
+    @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = load_metadata(str(self._get_metadata_path(kwargs.get("rank"))))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        metadata.storage_meta.checkpoint_id = self.checkpoint_id  # saved as the staging dir: name the real one
+        metadata = load_metadata(str(metadata_path(self, kwargs.get("rank"))))
+        # getattr: metadata pickled by an older torch may lack the attribute
+        storage_meta: Optional[StorageMeta] = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = StorageMeta()
+            metadata.storage_meta = storage_meta
+        storage_meta.load_id = self.load_id
+        storage_meta.checkpoint_id = self.checkpoint_id  # saved as the staging dir: name the real one
         return metadata
 
 
@@ -98,19 +107,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that reads non-tensor values with ``torch.load(weights_only=True)``.
 
     Mirrors ``DefaultLoadPlanner.load_bytes`` (torch/distributed/checkpoint/default_planner.py:384-392),
-    whose only change here is ``weights_only``; ``set_element`` is DCP's private nested-dict setter.
+    whose only change here is ``weights_only``.
     """
 
+    @override
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         fqn = read_item.dest_index.fqn
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
             raise UnsafeCheckpointError(self._checkpoint_id(), f"value {fqn!r} needs code to load: {err}") from err
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            set_nested(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 

@@ -21,11 +21,14 @@ from typing import Any, Dict, Literal, Optional, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
 
+from lightning_resume._compat import check_versions
 from lightning_resume.durations import Duration, parse_duration
-from lightning_resume.errors import ConfigurationError
+from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
+from lightning_resume.io.verify import verify_directory
 from lightning_resume.sharded import commit as commits
-from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded, verify_sharded
+from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded
 from lightning_resume.sharded.background import AsyncShardedSaver
 
 
@@ -36,8 +39,9 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         self.digests = digests
 
     def verify_checkpoint(self, path: str) -> None:
-        verify_sharded(str(path), self.digests)
+        verify_directory(str(path), self.digests)
 
+    @override
     def remove_checkpoint(self, path: Any) -> None:
         path = str(path)
         if os.path.isdir(path):
@@ -109,18 +113,23 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         async_save: bool = False,
         flush_timeout: Duration = "10min",
     ) -> None:
+        check_versions("lightning", "torchdata", "torch")
         super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
         try:
             self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
         except ValueError as err:
             raise ConfigurationError(type(self).__name__, [str(err)]) from err
         self.saver = AsyncShardedSaver(timeout) if async_save else None
-        self.checkpoint_io = (AsyncShardedCheckpointIO(self.saver, verify_digests, self.flush_timeout) if self.saver
-                              else ShardedCheckpointIO(verify_digests))
+        self.checkpoint_io = (
+            AsyncShardedCheckpointIO(self.saver, verify_digests, self.flush_timeout)
+            if self.saver
+            else ShardedCheckpointIO(verify_digests)
+        )
         self.verify_digests = verify_digests
         self.clean_stale = clean_stale
         self._cleaned = False
 
+    @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
@@ -139,6 +148,7 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         """Collective: wait for the background write and commit it (raising its failure); ``False`` on timeout."""
         return True if self.saver is None else self.saver.wait(timeout)
 
+    @override
     def teardown(self) -> None:
         """Commit the pending write within ``flush_timeout`` (raising a failure, naming the directory).
 
@@ -153,6 +163,7 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         finally:
             super().teardown()
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -165,7 +176,9 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         path = os.path.abspath(str(self.broadcast(str(checkpoint_path))))
         self.wait_for_checkpoint()  # a directory still being written is not loadable yet
         module = self.model
-        state = {"state_dict": get_model_state_dict(module)}
+        # Lightning restores a checkpoint into this strategy only after setup (restore_checkpoint_after_setup)
+        assert module is not None and self.lightning_module is not None
+        state: Dict[str, Any] = {"state_dict": get_model_state_dict(module)}  # model and optimizer states
         for idx, optimizer in enumerate(self.optimizers):
             state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, optimizer)
         load_sharded(state, path, self.verify_digests)
@@ -173,7 +186,13 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
         for idx, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{idx}"])
-        return load_meta(path)
+        meta = load_meta(path)
+        if meta is None:
+            raise CheckpointCorruptError(
+                path,
+                "has no Lightning checkpoint data (saved by save_sharded without meta?); load it with load_sharded",
+            )
+        return meta
 
     def _clean_once(self, root: str) -> None:
         if self.clean_stale and not self._cleaned and self.is_global_zero:

@@ -1,0 +1,244 @@
+"""Every use of Lightning 2.6 internals, in one place.
+
+Exact resume needs a few things Lightning keeps private: the training loaders after Lightning
+processed them, the batches its fetcher has already prefetched, re-creating the training iterator
+after a loader state was applied, and whether validation is due at the current step. Retention
+extends ``ModelCheckpoint`` through its single-underscore methods; activation checkpointing hooks
+the strategies' model setup. Each is one small function (or one overriding method) here, with the
+file:line it relies on (lightning 2.6.6), so that a Lightning upgrade breaks one module, loudly,
+and nothing else. ``lightning_resume._compat.check_versions`` warns when the version differs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.evaluation_loop import RestartStage
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer import call
+from torch import nn
+from typing_extensions import override
+
+
+def train_loaders(trainer: pl.Trainer) -> list[Any]:
+    """The training loaders as Lightning iterates them (fit_loop.py:239-251, after _process_dataloader)."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def drop_loader_state(checkpoint: dict[str, Any]) -> None:
+    """Keep Lightning from loading its own loader state (fit_loop.py:498-506, :551-555).
+
+    That state is taken one prefetched batch late for iterables and is applied before any check that
+    the loaders still match (torchdata raises on a changed ``num_workers``). ExactResume applies its
+    own, aligned state itself after checking. Only the in-memory dict is changed, never the file.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    fit_loop.get("state_dict", {}).pop("combined_loader", None)
+
+
+def prefetched_batches(trainer: pl.Trainer) -> list[Any]:
+    """Batches fetched from the loaders but not yet trained on (fetchers.py:104-117: iterables only)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    return list(fetcher.batches) if isinstance(fetcher, _PrefetchDataFetcher) else []
+
+
+def epoch_exhausted(trainer: pl.Trainer) -> bool:
+    """Whether the last batch of the current epoch has been trained (training_epoch_loop.py:324)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def at_optimizer_step(trainer: pl.Trainer) -> bool:
+    """Whether the batch just trained ended with an optimizer step (no gradients half accumulated,
+    which checkpoints do not hold): training_epoch_loop.py:_should_accumulate."""
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def validation_due(trainer: pl.Trainer) -> bool:
+    """Whether validation runs after the current training batch (training_epoch_loop.py:390, :529)."""
+    loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    return fetcher is not None and bool(loop._should_check_val_fx(fetcher))
+
+
+def restart_train_iterator(trainer: pl.Trainer, prefetched: Optional[list[Any]] = None) -> None:
+    """Create a new training iterator, so loader states set with ``load_state_dict`` take effect.
+
+    ``prefetched`` (for iterable loaders) are the batches the saving run had fetched ahead; they are
+    put back in the fetcher's queue instead of being fetched again, so the loader is asked for the
+    next batch at the same moment as in the uninterrupted run (fetchers.py:98-110).
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return
+    if prefetched and isinstance(fetcher, _PrefetchDataFetcher):
+        depth, fetcher.prefetch_batches = fetcher.prefetch_batches, 0
+        try:
+            iter(fetcher)
+        finally:
+            fetcher.prefetch_batches = depth
+        fetcher.batches = list(prefetched)
+        fetcher.fetched += len(prefetched)
+    else:
+        iter(fetcher)
+
+
+def apply_loader_states(loaders: list[Any]) -> None:
+    """Apply pending loader states by creating one iterator each and dropping it.
+
+    Used when the saved position is the end of an epoch: torchdata resumes such a state into an empty
+    iterator, and the iterator after it starts the next epoch from the restored sampler state.
+    """
+    for loader in loaders:
+        if getattr(loader, "next_iter_state", None) is not None:
+            iterator = iter(loader)
+            del iterator
+
+
+def set_sampler_epoch(loaders: list[Any], epoch: int) -> None:
+    """What fit_loop.on_advance_start does before an epoch's iterator is made (fit_loop.py:428-430)."""
+    for loader in loaders:
+        _set_sampler_epoch(loader, epoch)
+
+
+def defer_validation_to_loop(trainer: pl.Trainer) -> None:
+    """Make the restarted epoch loop run the validation that was due right after the saved step.
+
+    Lightning fast-forwards over it on resume (training_epoch_loop.py:281-292). Marking the val loop
+    as restarted mid-evaluation makes the first ``advance`` return early and ``on_advance_end`` run a
+    full validation (:390-406), at the same point of the RNG streams as the uninterrupted run.
+    That ``on_advance_end`` also counts the step for loggers once more than the uninterrupted run
+    did (reset() counted it already, :191-198), which is undone here.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop.val_loop._restart_stage = RestartStage.RESTARTED_MID_EVALUATION
+    epoch_loop.val_loop.restarting = False
+    if not epoch_loop._should_accumulate():
+        epoch_loop._batches_that_stepped -= 1
+
+
+def skip_validation_fast_forward(trainer: pl.Trainer) -> None:
+    """Stop the restarted epoch loop from fast-forwarding over a validation once, at its first step.
+
+    After a resume at an epoch boundary Lightning may "skip" a validation that the uninterrupted
+    run never had at that point (training_epoch_loop.py:281-292); skipping it still iterates the
+    validation loader (evaluation_loop.py:268-272, :256), which draws from the global RNG.
+    """
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+
+    def once() -> None:
+        del val_loop.increment_progress_to_evaluation_end  # back to the class method
+
+    # a one-shot override on this instance (no Lightning hook for it); mypy refuses any method assignment
+    val_loop.increment_progress_to_evaluation_end = once  # type: ignore[method-assign]
+
+
+def run_validation(trainer: pl.Trainer) -> None:
+    """Run the validation that was due right after the saved step, as epoch_loop.on_advance_end does
+    (training_epoch_loop.py:396-408); Lightning skips it on resume (training_epoch_loop.py:281-292)."""
+    loop = trainer.fit_loop.epoch_loop
+    # The restored val loop counts the saved run's finished validation; this one starts from scratch.
+    loop.val_loop.restarting = False
+    trainer.validating = True
+    first_loop_iter = trainer._logger_connector._first_loop_iter
+    if not loop._should_accumulate():
+        call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
+    loop.val_loop.run()
+    trainer.training = True
+    trainer._logger_connector._first_loop_iter = first_loop_iter
+
+
+# ------------------------------------------------------------------------------ ModelCheckpoint
+
+
+class ModelCheckpointExtension(ModelCheckpoint):
+    """``ModelCheckpoint`` whose two private extension points are routed to overridable methods.
+
+    ``_save_topk_checkpoint`` (model_checkpoint.py:574) is called by every monitored or periodic save;
+    ``_find_last_checkpoints`` (:867) by ``_CheckpointConnector._parse_ckpt_path`` for ``ckpt_path="last"``
+    (checkpoint_connector.py:181-186), before ``setup`` and before any process group exists.
+    """
+
+    @override
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        self.topk_save(trainer, monitor_candidates)
+
+    def topk_save(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        """Lightning's top-k save; subclasses replace it."""
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        return self.last_checkpoints(trainer)
+
+    def last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """Candidates for ``ckpt_path="last"``: Lightning's newest ``last*.ckpt``; subclasses replace it."""
+        return super()._find_last_checkpoints(trainer)
+
+
+def save_checkpoint_file(callback: ModelCheckpoint, trainer: pl.Trainer, path: str) -> None:
+    """Write ``path`` as ``ModelCheckpoint`` does, recording the step saved (model_checkpoint.py:593-605)."""
+    callback._save_checkpoint(trainer, path)
+
+
+def remove_checkpoint_file(callback: ModelCheckpoint, trainer: pl.Trainer, path: str) -> None:
+    """Delete through the strategy (rank 0 only), as ``ModelCheckpoint`` does (model_checkpoint.py:1028)."""
+    callback._remove_checkpoint(trainer, path)
+
+
+def monitor_candidates(callback: ModelCheckpoint, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """The logged metrics a save may monitor (model_checkpoint.py:896)."""
+    return callback._monitor_candidates(trainer)
+
+
+def last_global_step_saved(callback: ModelCheckpoint) -> int:
+    """The global step of the callback's newest save (model_checkpoint.py:291, :601)."""
+    return int(callback._last_global_step_saved)
+
+
+def checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
+    """Where ``setup`` will put the callback's checkpoints, before ``setup`` ran.
+
+    Mirrors the name-mangled ``ModelCheckpoint.__resolve_ckpt_dir`` (model_checkpoint.py:837-865),
+    which a subclass cannot call.
+    """
+    if callback.dirpath is not None:
+        return str(callback.dirpath)
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+        return os.path.join(str(save_dir), str(logger.name), version, "checkpoints")
+    return os.path.join(trainer.default_root_dir, "checkpoints")
+
+
+# ------------------------------------------------------------------------------------ strategies
+
+
+class ModelSetupHook(Strategy):
+    """Mixin for a ``Strategy`` subclass (listed first): ``prepare_model`` runs inside ``_setup_model``.
+
+    Lightning calls ``_setup_model`` after ``configure_model`` and precision conversion, before any
+    wrapper (strategy.py:253; ddp.py:158-196 wraps in DDP there, fsdp.py:292-352 in FSDP), so it is the
+    one place that sees every layer and no wrapper yet, whatever the strategy.
+    """
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Change ``model`` in place before the strategy wraps it."""
+
+    @override
+    def _setup_model(self, model: nn.Module) -> Any:  # Any: DDPStrategy narrows it to DistributedDataParallel
+        self.prepare_model(model)
+        return super()._setup_model(model)
+
+
+def set_fsdp_checkpoint_fn(strategy: Any, check_fn: Callable[[nn.Module], bool]) -> None:
+    """Have ``FSDPStrategy`` apply its native activation checkpointing to the modules ``check_fn`` picks
+    (fsdp.py:191 stores these kwargs, :322 applies them while wrapping)."""
+    strategy._activation_checkpointing_kwargs = {"check_fn": check_fn}

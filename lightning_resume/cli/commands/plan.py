@@ -1,0 +1,204 @@
+"""``lightning-resume plan``: the checkpoint interval and expected waste for a model, disk and cluster.
+
+C (the blocking cost of one save) is state bytes / write bandwidth, i.e. a *synchronous* save of
+``--size`` parameters at ``--bytes-per-param`` bytes each (default 16: mixed-precision Adam as
+counted in the ZeRO paper, 2 B bf16/fp16 weights + 2 B gradients + 12 B fp32 master weights,
+momentum and variance; a plain fp32 + Adam checkpoint is 12). With async saves only the host copy
+blocks: pass that bandwidth instead, or give ``--cost`` directly. M = per-node MTBF / nodes. The
+numbers come from ``lightning_resume.schedule.policy``; this module only parses, formats and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from typing import Any, Callable, List, Optional, TypedDict
+
+from lightning_resume.durations import parse_duration
+from lightning_resume.errors import ConfigurationError
+from lightning_resume.schedule.policy import daly_interval, expected_waste, first_order_waste, young_interval
+
+_COUNT = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_BYTES = {
+    "B": 1.0,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2.0**10,
+    "MIB": 2.0**20,
+    "GIB": 2.0**30,
+    "TIB": 2.0**40,
+}
+
+
+class PlanRow(TypedDict):
+    """One point of the waste(T) curve."""
+
+    interval_s: float
+    waste: float
+    first_order_waste: float
+    marks: List[str]
+
+
+class Plan(TypedDict):
+    """What ``compute_plan`` returns (and ``--json`` prints)."""
+
+    cost_s: float
+    job_mtbf_s: float
+    young_s: float
+    young_waste: float
+    daly_s: float
+    daly_waste: float
+    curve: List[PlanRow]
+
+
+def parse_count(text: str) -> float:
+    """``"7B"``, ``"1.3B"``, ``"125M"``, ``"7e9"`` -> number of parameters."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([KMBGT]?)\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"--size={text!r}: use a parameter count like 7B, 1.3B, 125M or 7e9")
+    return float(m.group(1)) * _COUNT[m.group(2).upper()]
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"2GB/s"``, ``"500 MB/s"``, ``"1.5GiB/s"`` -> bytes per second (decimal units unless ``iB``)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)(?:/s)?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"--write-bw={text!r}: use a bandwidth like 2GB/s, 500MB/s or 1.5GiB/s")
+    return float(m.group(1)) * _BYTES[m.group(2).upper()]
+
+
+def _duration(name: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = parse_duration(text, name)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{name}={text!r} must be > 0")
+        return value
+
+    return parse
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def compute_plan(cost_s: float, job_mtbf_s: float) -> Plan:
+    """The plan as plain data: intervals, their waste, and a waste(T) curve around them."""
+    young, daly = young_interval(cost_s, job_mtbf_s), daly_interval(cost_s, job_mtbf_s)
+    grid = sorted({young * 2.0**k for k in range(-3, 4)} | {daly} | {60.0 * n for n in (5, 15, 30, 60, 120)})
+    rows: List[PlanRow] = [
+        {
+            "interval_s": t,
+            "waste": expected_waste(t, cost_s, job_mtbf_s),
+            "first_order_waste": first_order_waste(t, cost_s, job_mtbf_s),
+            "marks": [n for n, v in (("young", young), ("daly", daly)) if math.isclose(v, t)],
+        }
+        for t in grid
+        if t > 0
+    ]
+    return {
+        "cost_s": cost_s,
+        "job_mtbf_s": job_mtbf_s,
+        "young_s": young,
+        "young_waste": expected_waste(young, cost_s, job_mtbf_s),
+        "daly_s": daly,
+        "daly_waste": expected_waste(daly, cost_s, job_mtbf_s),
+        "curve": rows,
+    }
+
+
+def format_plan(plan: Plan, header: List[str]) -> str:
+    lines = header + [
+        f"C (blocking cost)    {fmt_duration(plan['cost_s'])}",
+        f"M (job MTBF)         {fmt_duration(plan['job_mtbf_s'])}",
+        f"T* Young sqrt(2CM)   {fmt_duration(plan['young_s']):>10}   expected waste {plan['young_waste']:.2%}",
+        f"T* Daly              {fmt_duration(plan['daly_s']):>10}   expected waste {plan['daly_waste']:.2%}",
+        "",
+        "interval T    waste (Poisson, exact)   C/T + T/2M",
+    ]
+    for row in plan["curve"]:
+        mark = "  <- " + ", ".join(row["marks"]) if row["marks"] else ""
+        lines.append(
+            f"{fmt_duration(row['interval_s']):>10}    {row['waste']:>10.2%}   {row['first_order_waste']:>18.2%}{mark}"
+        )
+    lines.append("waste = expected fraction of wall time lost to saves and redone work, exponential failures.")
+    return "\n".join(lines)
+
+
+def write_plot(plan: Plan, path: str) -> Optional[str]:
+    """Write the waste(T) curve as a PNG; return an error message instead if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed: pip install matplotlib (the table above is complete)"
+    c, m = plan["cost_s"], plan["job_mtbf_s"]
+    lo, hi = plan["young_s"] / 10, plan["young_s"] * 10
+    ts = [lo * (hi / lo) ** (i / 199) for i in range(200)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([t / 60 for t in ts], [100 * expected_waste(t, c, m) for t in ts], label="expected waste")
+    for name, t in (("young", plan["young_s"]), ("daly", plan["daly_s"])):
+        ax.axvline(t / 60, linestyle="--", color="C1" if name == "young" else "C2", label=f"{name} {fmt_duration(t)}")
+    ax.set(
+        xscale="log",
+        xlabel="checkpoint interval T (min)",
+        ylabel="waste (% of wall time)",
+        title=f"C = {fmt_duration(c)}, M = {fmt_duration(m)}",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cost is None and (args.size is None or args.write_bw is None):
+        raise ConfigurationError("lightning-resume plan", ["give --size and --write-bw (or --cost)"])
+    header = []
+    if args.cost is not None:
+        cost = args.cost
+    else:
+        nbytes = args.size * args.bytes_per_param
+        cost = nbytes / args.write_bw
+        header.append(
+            f"state                {args.size / 1e9:.3g}B params x {args.bytes_per_param:g} B = {nbytes / 1e9:.1f} GB "
+            f"at {args.write_bw / 1e9:.2f} GB/s (synchronous save)"
+        )
+    plan = compute_plan(cost, args.mtbf / args.nodes)
+    header.append(f"nodes                {args.nodes} x MTBF {fmt_duration(args.mtbf)} per node")
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan, header))
+    if args.plot:
+        error = write_plot(plan, args.plot)
+        if error:
+            raise ConfigurationError("lightning-resume plan", [error])
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="optimal checkpoint interval (Young/Daly) and expected waste", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--size", type=parse_count, help="parameters, e.g. 7B, 125M")
+    p.add_argument("--write-bw", type=parse_bandwidth, help="checkpoint write bandwidth, e.g. 2GB/s")
+    p.add_argument("--bytes-per-param", type=float, default=16.0, help="checkpoint bytes per parameter (default 16)")
+    p.add_argument("--cost", type=_duration("--cost"), help="blocking cost C of one save, instead of size/bandwidth")
+    p.add_argument("--mtbf", type=_duration("--mtbf"), default=86400.0, help="MTBF of one node (default 24h)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the job (default 1)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also write the waste(T) curve (needs matplotlib)")
+    p.set_defaults(func=run)

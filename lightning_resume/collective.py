@@ -1,0 +1,112 @@
+"""Agreement between ranks: small collectives that every rank calls, and outcomes every rank learns.
+
+The rule this module keeps: a decision taken on one rank (save now, refuse this checkpoint, a failed
+write) is never acted on alone, since a rank that saves or raises by itself leaves the others waiting
+in their next collective. Everything works without an initialised process group (one process: the
+local value is the answer). Knows ``torch.distributed``, not Lightning or files.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group, ``(0, 1)`` without one."""
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast(obj: T) -> T:
+    """Rank 0's ``obj`` on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(local: T, world_size: Optional[int] = None) -> list[T]:
+    """Every rank's value, in rank order, on every rank. ``world_size`` defaults to the process group's."""
+    if not is_distributed():
+        return [local]
+    world_size = dist.get_world_size() if world_size is None else world_size
+    if world_size <= 1:
+        return [local]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, local)
+    return out
+
+
+def agreed(lines: list[str]) -> list[str]:
+    """Every rank's lines on every rank, so that all ranks refuse (or warn) together. Lines not seen on
+    every rank say which ranks saw them."""
+    per_rank = gather(lines)
+    if len(per_rank) == 1:
+        return lines
+    out: dict[str, list[int]] = {}
+    for rank, rank_lines in enumerate(per_rank):
+        for line in rank_lines:
+            out.setdefault(line, []).append(rank)
+    return [line if len(ranks) == len(per_rank) else f"{line} (ranks {ranks})" for line, ranks in out.items()]
+
+
+def max_over_ranks(values: Sequence[int], device: Optional[torch.device] = None) -> list[int]:
+    """Element-wise max over ranks: rank 0's decision reaches all, any rank's flag counts.
+
+    ``device`` is where the collective's tensor lives (the backend's device: CUDA for NCCL)."""
+    if not is_distributed() or dist.get_world_size() <= 1:
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+def describe(error: Optional[BaseException]) -> Optional[str]:
+    """One line naming an error, to be sent to other ranks (exceptions themselves may not pickle)."""
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+Failure = Callable[[Mapping[int, str]], BaseException]
+"""Builds the error every rank raises from ``{rank: problem}``."""
+
+
+def on_every_rank(fn: Callable[[], T], failure: Failure) -> list[T]:
+    """Run ``fn`` on every rank and gather the results; if any rank failed, every rank raises ``failure(problems)``."""
+    value, error = None, None
+    try:
+        value = fn()
+    except Exception as err:  # noqa: BLE001 - handed to every rank below; re-raised chained on this one
+        error = err
+    outcomes = gather((describe(error), value))
+    problems = {rank: problem for rank, (problem, _) in enumerate(outcomes) if problem is not None}
+    if problems:
+        raise failure(problems) from error
+    return [cast(T, v) for _, v in outcomes]  # no rank failed, so every value is a T
+
+
+def on_rank_zero(fn: Callable[[], T], failure: Failure) -> T:
+    """Run ``fn`` on rank 0 only and broadcast its result, or its error to be raised on every rank."""
+    value, error = None, None
+    if rank_and_world()[0] == 0:
+        try:
+            value = fn()
+        except Exception as err:  # noqa: BLE001 - broadcast below; re-raised chained on rank 0
+            error = err
+    problem, value = broadcast((describe(error), value))
+    if problem is not None:
+        raise failure({0: problem}) from error
+    return cast(T, value)  # rank 0 succeeded, so this is its T

@@ -1,0 +1,199 @@
+"""ExactResume: the Lightning hooks that make every checkpoint resume bit for bit.
+
+Thin by design: each hook gathers its inputs and calls one module. ``capture`` builds the state a
+checkpoint gets (every rank's RNG streams, data position, fingerprint); ``restore`` applies it at
+``on_train_start``, the one moment that makes the next step identical to the uninterrupted run's;
+``driver`` runs the snapshot schedule and preemption stops; ``snapshots`` decides where a snapshot goes.
+Lightning internals are in ``lightning_resume._compat.lightning``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_resume._compat import check_versions
+from lightning_resume._compat import lightning as lc
+from lightning_resume.durations import Duration
+from lightning_resume.errors import ConfigurationError, ExactResumeWarning
+from lightning_resume.exact import driver, snapshots
+from lightning_resume.exact.capture import checkpoint_state
+from lightning_resume.exact.restore import restore
+from lightning_resume.exact.state.data import loader_problems
+from lightning_resume.schedule.policy import (
+    DEFAULT_CHECK_INTERVAL,
+    DEFAULT_INITIAL_COST,
+    DEFAULT_MAX_INTERVAL,
+    DEFAULT_MIN_INTERVAL,
+)
+from lightning_resume.schedule.preemption import DEFAULT_SIGNALS, PreemptionFlag
+
+NOT_RESTORED_WITHOUT_EXACT_RESUME = (
+    "RNG streams (Python, NumPy, torch CPU/CUDA, registered generators), the data position aligned with"
+    " the last trained batch, loader worker RNG, validation due at the saved step"
+)
+
+
+class ExactResume(Callback):
+    """Make every checkpoint the trainer writes resumable bit for bit, and take snapshots on the
+    optimal schedule.
+
+    Args:
+        generators: extra ``torch.Generator`` objects to save and restore, by name
+            (e.g. a generator your augmentation draws from).
+        strict: if ``True`` (default), a checkpoint that does not fit this run (world size, loader
+            configuration, dataset length, model or optimizer structure, a fingerprint that does not
+            match after restore) raises ``ResumeMismatchError``. If ``False``, training continues
+            approximately and a warning lists what will not be exact.
+        fingerprint: record digests of weights, optimizer, RNG and data state in each checkpoint and
+            check them after restore. Costs one pass of hashing over the state at each save.
+        mtbf: mean time between failures of one node (``"24h"``, seconds or a ``timedelta``), or
+            ``"observed"`` to estimate it from this run's failure history with ``mtbf_prior`` as the
+            prior. Snapshots are then taken every T* = sqrt(2 C M) (Young; ``formula="daly"`` for
+            Daly's refinement), C being the measured blocking time of a save and M = mtbf / nodes.
+            ``None`` (default) takes no scheduled snapshots; every other checkpoint stays exact.
+        num_nodes: nodes sharing the failure rate (default: the trainer's ``num_nodes``).
+        min_interval, max_interval: bounds on the interval between snapshots.
+        every_n_train_steps_max: take a snapshot at least every this many optimizer steps.
+        mtbf_prior: the prior MTBF for ``mtbf="observed"``.
+        initial_cost: conservative guess of C before the first measurement (the first snapshot
+            comes after ``min_interval`` to measure it).
+        check_interval: longest time between two schedule decisions; also bounds how late a
+            preemption signal is acted on in multi-process runs.
+        preemption_signals: signals that request a snapshot and a clean stop at the next step
+            boundary (the handler only sets a flag). ``None`` or ``[]`` leaves signals alone.
+        clock: monotonic clock in seconds (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        generators: Optional[dict[str, torch.Generator]] = None,
+        strict: bool = True,
+        fingerprint: bool = True,
+        mtbf: Optional[Duration] = None,
+        num_nodes: Optional[int] = None,
+        formula: Literal["young", "daly"] = "young",
+        min_interval: Duration = DEFAULT_MIN_INTERVAL,
+        max_interval: Duration = DEFAULT_MAX_INTERVAL,
+        every_n_train_steps_max: Optional[int] = None,
+        mtbf_prior: Optional[Duration] = None,
+        initial_cost: Duration = DEFAULT_INITIAL_COST,
+        check_interval: Duration = DEFAULT_CHECK_INTERVAL,
+        preemption_signals: Optional[Sequence[str]] = DEFAULT_SIGNALS,
+        clock: Optional[Callable[[], float]] = None,
+    ) -> None:
+        check_versions()
+        self.generators: dict[str, torch.Generator] = dict(generators or {})
+        self.strict = strict
+        self.fingerprint = fingerprint
+        self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
+        self.scheduler = driver.make_scheduler(
+            mtbf, num_nodes, formula, min_interval, max_interval, every_n_train_steps_max,
+            mtbf_prior, initial_cost, check_interval, clock, checks_needed=self.preemption is not None,
+        )  # fmt: skip
+        self._num_nodes = num_nodes
+        self.preempted = False
+        self._trainer: Optional[pl.Trainer] = None
+        self._pending: Optional[dict[str, Any]] = None
+        self._after_batch = False
+        self.resume_report: dict[str, Any] = {}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return "ExactResume"
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        if snapshots.snapshot_target(trainer) is None and snapshots.first_model_checkpoint(trainer) is None:
+            if self.scheduler is not None and self.scheduler.takes_snapshots:
+                raise ConfigurationError("ExactResume", [
+                    "scheduled snapshots need a checkpoint directory: add a RetentionCheckpoint or"
+                    " ModelCheckpoint, or leave mtbf and every_n_train_steps_max unset"
+                ])  # fmt: skip
+            if self.preemption is not None:
+                rank_zero_warn(
+                    "ExactResume: no checkpoint callback, so preemption signals cannot save a snapshot;"
+                    " they keep their default behaviour",
+                    category=ExactResumeWarning,
+                )
+                self.preemption = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for i, loader in enumerate(lc.train_loaders(trainer)):
+            for problem in loader_problems(f"train loader {i}", loader):
+                rank_zero_warn(f"ExactResume: resume will not be exact: {problem}", category=ExactResumeWarning)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.resume_report = restore(trainer, pending, self.generators, self.strict, self.fingerprint)
+        if self.scheduler is not None:
+            driver.start(self.scheduler, trainer, self._num_nodes, pending or {})
+        if self.preemption is not None:
+            self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.scheduler is not None:
+            self.scheduler.clean_stop(trainer.is_global_zero)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.preemption is not None:
+            self.preemption.uninstall()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning does not call ``teardown`` on callbacks after an exception: give the signals back now.
+        if self.preemption is not None:
+            self.preemption.uninstall()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._after_batch = False
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._after_batch = True
+        if self.scheduler is not None and lc.at_optimizer_step(trainer):
+            self.preempted = driver.at_step_boundary(self.scheduler, self.preemption, trainer) or self.preempted
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._after_batch = False
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._after_batch = False
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        if trainer is None or not trainer.training and not trainer.validating:
+            return {}
+        schedule = self.scheduler.state_dict() if self.scheduler is not None else {}
+        return checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict if state_dict else None
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if checkpoint.get("callbacks", {}).get(self.state_key):
+            lc.drop_loader_state(checkpoint)
+        else:
+            rank_zero_warn(
+                "ExactResume: this checkpoint was written without ExactResume; training resumes but these are not"
+                f" restored: {NOT_RESTORED_WITHOUT_EXACT_RESUME}. The resumed run will differ from an"
+                " uninterrupted one.",
+                category=ExactResumeWarning,
+            )

@@ -1,0 +1,90 @@
+"""What ``ExactResume`` adds to a checkpoint: every rank's RNG streams, data position and fingerprint.
+
+Gathers, on each rank, the state Lightning leaves out, aligned with the last batch actually trained on
+(the batches Lightning prefetched are stored, not skipped), and a signature of the run's structure
+(loaders, model, optimizers) that a resume must match. The checkpoint holds every rank's part (only
+rank 0 writes the file). Reads the trainer through ``_compat.lightning``; decides nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import lightning.pytorch as pl
+import torch
+from torchdata.stateful_dataloader.stateful import Stateful
+
+from lightning_resume import collective
+from lightning_resume._compat import lightning as lc
+from lightning_resume.exact.state.data import loader_signature
+from lightning_resume.exact.state.fingerprint import digest, fingerprint
+from lightning_resume.exact.state.rng import capture_rng
+
+FORMAT_VERSION = 1
+"""Layout of the state below; a resume refuses another."""
+
+
+def checkpoint_state(
+    trainer: pl.Trainer,
+    generators: Mapping[str, torch.Generator],
+    after_batch: bool,
+    with_fingerprint: bool,
+    schedule: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``ExactResume`` entry of a checkpoint: every rank's state (a collective) and the run's signature.
+
+    ``after_batch``: the save happens right after a training batch (so validation may be due next).
+    """
+    local = capture_rank(trainer, generators, after_batch, with_fingerprint)
+    return {
+        "format": FORMAT_VERSION,
+        "saved_at": time.time(),
+        "schedule": schedule,
+        "world_size": trainer.world_size,
+        "signature": signature(trainer),
+        "ranks": collective.gather(local, trainer.world_size),
+    }
+
+
+def capture_rank(
+    trainer: pl.Trainer, generators: Mapping[str, torch.Generator], after_batch: bool, with_fingerprint: bool
+) -> dict[str, Any]:
+    """This rank's RNG streams, loader positions, prefetched batches and where in the epoch it stands."""
+    loaders = lc.train_loaders(trainer)
+    states = [dl.state_dict() if isinstance(dl, Stateful) else None for dl in loaders]
+    prefetched = lc.prefetched_batches(trainer)
+    local = {
+        "rank": trainer.global_rank,
+        "rng": capture_rng(generators),
+        "loaders": states,
+        "prefetched": prefetched,
+        "epoch_exhausted": lc.epoch_exhausted(trainer),
+        "validation_pending": after_batch and lc.validation_due(trainer),
+    }
+    if with_fingerprint:
+        local["fingerprint"] = fingerprint_of(trainer, local["rng"], [states, prefetched])
+    return local
+
+
+def fingerprint_of(trainer: pl.Trainer, rng: Any, data: Any) -> dict[str, str]:
+    """The fingerprint of this rank's weights, optimizer state, RNG, data position and step."""
+    return fingerprint(
+        trainer.lightning_module.state_dict(),
+        [opt.state_dict() for opt in trainer.optimizers],
+        rng,
+        data,
+        trainer.global_step,
+    )
+
+
+def signature(trainer: pl.Trainer) -> dict[str, Any]:
+    """What must be equal between the saving and the resuming run for the saved state to apply."""
+    module = trainer.lightning_module
+    return {
+        "loaders": [loader_signature(dl) for dl in lc.train_loaders(trainer)],
+        "model": digest([(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]),
+        "optimizers": [
+            [type(opt).__name__, [len(g["params"]) for g in opt.param_groups]] for opt in trainer.optimizers
+        ],
+    }

@@ -1,0 +1,113 @@
+"""The snapshot schedule driven from a Lightning run: start it, decide at step boundaries, save, report.
+
+At each optimizer-step boundary the ``SnapshotScheduler`` (``schedule.scheduler``) answers whether a
+snapshot is due, with rank 0 deciding and every rank following through one small collective per
+check, never per step; a preemption signal on any rank (``schedule.preemption``, a flag set by the
+handler) asks for a durable snapshot and a clean stop. The snapshot goes where ``snapshots`` says,
+its cost is measured (the blocking part only, for async writers) and its metrics go to the loggers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_resume import collective
+from lightning_resume.durations import Duration
+from lightning_resume.exact import snapshots
+from lightning_resume.schedule.policy import ScheduleConfig
+from lightning_resume.schedule.preemption import PreemptionFlag
+from lightning_resume.schedule.scheduler import SnapshotScheduler
+
+PREEMPTION = "preemption"
+
+
+def make_scheduler(
+    mtbf: Optional[Duration],
+    num_nodes: Optional[int],
+    formula: str,
+    min_interval: Duration,
+    max_interval: Duration,
+    every_n_train_steps_max: Optional[int],
+    mtbf_prior: Optional[Duration],
+    initial_cost: Duration,
+    check_interval: Duration,
+    clock: Optional[Callable[[], float]],
+    checks_needed: bool,
+) -> Optional[SnapshotScheduler]:
+    """The scheduler, also without snapshots (``mtbf=None``, no step cap) when preemption signals need
+    its cadence of rank-agreed checks; ``None`` when there is nothing to decide."""
+    if mtbf is None and every_n_train_steps_max is None and not checks_needed:
+        return None
+    config = ScheduleConfig.from_user(
+        mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
+        max_interval=max_interval, every_n_train_steps_max=every_n_train_steps_max,
+        initial_cost=initial_cost, mtbf_prior=mtbf_prior, check_interval=check_interval,
+    )  # fmt: skip
+    return SnapshotScheduler(config, clock or time.monotonic)
+
+
+def start(
+    scheduler: SnapshotScheduler, trainer: pl.Trainer, num_nodes: Optional[int], pending: Mapping[str, Any]
+) -> None:
+    """Begin timing; a resumed run keeps the measured costs of ``pending`` (the restored state)."""
+    scheduler.start(
+        step=trainer.global_step,
+        num_nodes=num_nodes or trainer.num_nodes,
+        history_dir=snapshots.snapshot_dir(trainer) if scheduler.takes_snapshots else None,
+        restored=pending.get("schedule"),
+        checkpoint_wall_time=pending.get("saved_at"),
+        is_rank_zero=trainer.is_global_zero,
+    )
+
+
+def at_step_boundary(scheduler: SnapshotScheduler, preemption: Optional[PreemptionFlag], trainer: pl.Trainer) -> bool:
+    """Save if the schedule or a preemption signal says so; ``True`` when the run must stop (preempted).
+
+    One process acts on its own flag at once; ranks agree at check steps only (rank 0's decision,
+    any rank's signal), so no collective runs between checks.
+    """
+    local_preempt = preemption is not None and preemption.requested
+    if local_preempt and trainer.world_size == 1:
+        save, preempt, reason = False, True, PREEMPTION
+    else:
+        device = trainer.strategy.root_device
+
+        def agree(values: Any) -> list[int]:
+            return collective.max_over_ranks(values, device)
+
+        save, preempt, reason = scheduler.decide(trainer.global_step, local_preempt, agree, trainer.is_global_zero)
+    if save or preempt:
+        snapshot(scheduler, trainer, PREEMPTION if preempt else reason)
+    if preempt:
+        scheduler.clean_stop(trainer.is_global_zero)
+        trainer.should_stop = True
+        rank_zero_info(
+            f"ExactResume: preemption signal received; snapshot at step {trainer.global_step} is durable; stopping."
+        )
+    return preempt
+
+
+def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason: str) -> None:
+    """Save a snapshot now (every rank), account its cost, log its metrics (rank 0).
+
+    The cost is timed on the schedule's own clock, the one its intervals are measured on.
+    """
+    clock = scheduler.clock if scheduler is not None else time.monotonic
+    started = clock()
+    path = snapshots.save_snapshot(trainer, reason)
+    blocked = clock() - started  # with an async writer: the snapshot part only
+    writer = snapshots.async_writer(trainer)
+    if reason == PREEMPTION and writer is not None:
+        snapshots.wait_durable(writer, path)
+    if scheduler is None or scheduler.state is None:
+        return
+    nbytes = os.path.getsize(path) if trainer.is_global_zero and os.path.isfile(path) else None
+    metrics = scheduler.record(trainer.global_step, blocked, nbytes, writer)
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)

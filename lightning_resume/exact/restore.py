@@ -1,0 +1,158 @@
+"""Restoring what ``ExactResume`` saved, in the order the uninterrupted run consumed randomness.
+
+``restore`` runs at ``on_train_start``, after Lightning created the training iterator (which draws from
+the global RNG) and before the first batch is fetched: it checks the checkpoint fits this run (every
+rank agreeing), applies the loader positions, puts back prefetched batches, restores every RNG stream,
+re-arranges a validation that was due right after the saved step, and checks the fingerprint. Where
+exactness is impossible it refuses (``strict``) or warns, naming each difference. Reads and changes the
+trainer only through ``_compat.lightning``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torchdata.stateful_dataloader.stateful import Stateful
+
+from lightning_resume import collective
+from lightning_resume._compat import lightning as lc
+from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
+from lightning_resume.exact.capture import FORMAT_VERSION, fingerprint_of, signature
+from lightning_resume.exact.state.data import loader_signature, remap_position
+from lightning_resume.exact.state.fingerprint import fingerprint_mismatches
+from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
+
+CHECKED_PARTS = ("weights", "optimizer", "rng", "step")
+"""Fingerprint parts compared after a restore (the data part is compared through the loader states)."""
+
+
+def restore(
+    trainer: pl.Trainer,
+    saved: Mapping[str, Any],
+    generators: Mapping[str, torch.Generator],
+    strict: bool,
+    check_fingerprint: bool,
+) -> dict[str, Any]:
+    """Restore ``saved`` into the running ``trainer`` (every rank calls it); return the resume report."""
+    differences = collective.agreed(differences_from(trainer, saved, generators))
+    if differences:
+        refuse_or_warn(strict, trainer.ckpt_path, differences)
+    mine = state_for_this_rank(trainer, saved)
+    restored_rng = restore_position_and_rng(trainer, mine, saved, generators)
+    report: dict[str, Any] = {"step": trainer.global_step, "exact": not differences, "differences": differences}
+    if check_fingerprint and "fingerprint" in mine:
+        restored = fingerprint_of(trainer, restored_rng, None)
+        bad = collective.agreed(fingerprint_mismatches(mine["fingerprint"], restored, CHECKED_PARTS))
+        report["fingerprint_ok"] = not bad
+        if bad:
+            refuse_or_warn(strict, trainer.ckpt_path, [f"fingerprint after restore: {line}" for line in bad])
+    return report
+
+
+def state_for_this_rank(trainer: pl.Trainer, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's saved state; on another world size (``strict=False`` only), rank ``r % old``'s RNG
+    and the data position remapped so the epoch's consumed samples are skipped, not retrained."""
+    ranks, old_world = saved["ranks"], int(saved.get("world_size", 1))
+    mine = dict(ranks[trainer.global_rank % len(ranks)])
+    if old_world == trainer.world_size:
+        return mine
+    loaders, notes = [], []
+    for loader, state in zip(lc.train_loaders(trainer), mine["loaders"], strict=False):
+        try:
+            state, note = remap_position(state, old_world, trainer.world_size, loader.batch_size)
+            notes.append(note)
+        except (ValueError, TypeError, AttributeError) as err:
+            state = None
+            notes.append(f"data position not restored ({err}); the epoch restarts from its beginning")
+        loaders.append(state)
+    mine.update(loaders=loaders, prefetched=[])
+    rank_zero_warn("ExactResume(strict=False): " + "; ".join(notes), category=ExactResumeWarning)
+    return mine
+
+
+def restore_position_and_rng(
+    trainer: pl.Trainer, mine: Mapping[str, Any], saved: Mapping[str, Any], generators: Mapping[str, torch.Generator]
+) -> Any:
+    """Restore in the order the uninterrupted run consumed randomness; return the RNG as restored."""
+    loaders = lc.train_loaders(trainer)
+    _load_loader_states(loaders, mine["loaders"], saved.get("signature", {}).get("loaders", []))
+    if mine["epoch_exhausted"]:
+        lc.apply_loader_states(loaders)
+    else:
+        lc.restart_train_iterator(trainer, mine["prefetched"])
+    restore_rng(mine["rng"], generators)
+    restored_rng = capture_rng(generators)
+    if mine["validation_pending"] and mine["epoch_exhausted"]:
+        lc.run_validation(trainer)
+    elif mine["validation_pending"]:
+        lc.defer_validation_to_loop(trainer)
+    if mine["epoch_exhausted"]:
+        # The next epoch's iterator is made now, after the RNG it draws its seed from is restored.
+        lc.set_sampler_epoch(loaders, trainer.current_epoch)
+        lc.restart_train_iterator(trainer)
+        lc.skip_validation_fast_forward(trainer)
+    return restored_rng
+
+
+def _load_loader_states(loaders: list[Any], states: list[Any], signatures: list[Mapping[str, Any]]) -> None:
+    for i, (loader, state) in enumerate(zip(loaders, states, strict=False)):
+        if state is None or not isinstance(loader, Stateful):
+            continue
+        if i < len(signatures) and signatures[i].get("num_workers") != loader_signature(loader)["num_workers"]:
+            rank_zero_warn(
+                f"ExactResume: train loader {i} changed num_workers; its epoch restarts from the beginning",
+                category=ExactResumeWarning,
+            )
+            continue
+        loader.load_state_dict(state)
+
+
+def differences_from(
+    trainer: pl.Trainer, saved: Mapping[str, Any], generators: Mapping[str, torch.Generator]
+) -> list[str]:
+    """Every way the checkpoint does not fit this run, one line each (empty: an exact resume is possible)."""
+    out = []
+    if saved.get("format") != FORMAT_VERSION:
+        out.append(f"ExactResume state format {saved.get('format')!r}, this version reads {FORMAT_VERSION}")
+    if saved.get("world_size") != trainer.world_size:
+        out.append(
+            f"world size: checkpoint written by {saved.get('world_size')} processes, this run has"
+            f" {trainer.world_size} (each rank's RNG and data position cannot be mapped)"
+        )
+    out += _signature_differences(saved.get("signature", {}), signature(trainer))
+    ranks = saved.get("ranks", [])
+    if trainer.global_rank < len(ranks):
+        out += rng_mismatches(ranks[trainer.global_rank]["rng"], generators)
+    return out
+
+
+def _signature_differences(then: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    out = []
+    for i, (a, b) in enumerate(zip(then.get("loaders", []), now["loaders"], strict=False)):
+        out += [f"train loader {i} {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in b if a.get(k) != b[k]]
+    if len(then.get("loaders", [])) != len(now["loaders"]):
+        out.append(f"number of train loaders: checkpoint {len(then.get('loaders', []))}, now {len(now['loaders'])}")
+    if then.get("model") != now["model"]:
+        out.append("model structure (parameter names, shapes or dtypes) differs from the checkpoint")
+    if then.get("optimizers") != now["optimizers"]:
+        out.append(f"optimizer structure: checkpoint {then.get('optimizers')}, now {now['optimizers']}")
+    return out
+
+
+def refuse_or_warn(strict: bool, source: Optional[Union[str, os.PathLike[str]]], differences: list[str]) -> None:
+    """``strict``: raise ``ResumeMismatchError`` naming the checkpoint and each difference; else warn."""
+    if strict:
+        raise ResumeMismatchError(
+            str(source or "the checkpoint"),
+            differences,
+            "Fix the run to match the checkpoint, or pass ExactResume(strict=False) to continue approximately.",
+        )
+    rank_zero_warn(
+        "ExactResume(strict=False): resuming approximately; these will not be exact:\n"
+        + "\n".join(f"  - {d}" for d in differences),
+        category=ExactResumeWarning,
+    )

@@ -1,0 +1,90 @@
+"""Where a scheduled snapshot goes, and how the previous one makes way.
+
+Through the run's ``RetentionCheckpoint`` when it takes snapshots (a rolling checkpoint it names,
+counts and prunes); otherwise beside the first ``ModelCheckpoint``'s files as
+``last-snapshot-step=N.ckpt``, outside its top-k bookkeeping. Knows Lightning's checkpoint callbacks
+and the strategy's file operations, not its loops.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_resume.errors import ConfigurationError, ExactResumeWarning
+from lightning_resume.io.atomic import fsync_file_and_dir
+from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget
+
+SNAPSHOT_PREFIX = "last-snapshot-step="
+
+
+def snapshot_target(trainer: pl.Trainer) -> Optional[SnapshotTarget]:
+    """The callback that takes scheduled snapshots itself (a ``RetentionCheckpoint`` with a rule)."""
+    # Trainer.callbacks is public but assigned by Lightning's CallbackConnector, so Trainer's types do not declare it
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    targets = (cb for cb in callbacks if isinstance(cb, SnapshotTarget) and cb.accepts_snapshots)
+    return next(targets, None)
+
+
+def first_model_checkpoint(trainer: pl.Trainer) -> Optional[ModelCheckpoint]:
+    return next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+
+def snapshot_dir(trainer: pl.Trainer) -> Optional[str]:
+    target = snapshot_target(trainer) or first_model_checkpoint(trainer)
+    dirpath = getattr(target, "dirpath", None)
+    return None if dirpath is None else str(dirpath)
+
+
+def save_snapshot(trainer: pl.Trainer, reason: str) -> str:
+    """Through the run's RetentionCheckpoint when there is one (a rolling checkpoint), else beside the
+    first ModelCheckpoint's files as ``last-snapshot-step=N.ckpt``, which ``ckpt_path="last"`` finds
+    (model_checkpoint.py:867-877) and its top-k bookkeeping never sees. The previous such snapshot is
+    removed only after the new one is written."""
+    target = snapshot_target(trainer)
+    if target is not None:
+        return target.save_snapshot(trainer, reason)
+    dirpath = snapshot_dir(trainer)
+    if dirpath is None:
+        raise ConfigurationError(
+            "ExactResume",
+            ["scheduled snapshots need a checkpoint directory; add a RetentionCheckpoint or ModelCheckpoint"],
+        )
+    path = os.path.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
+    trainer.save_checkpoint(path)
+    if trainer.is_global_zero:
+        fsync_file_and_dir(path)  # durable before the older snapshot goes (a no-op for remote paths)
+        for old in older_snapshots(dirpath, trainer.global_step):
+            trainer.strategy.remove_checkpoint(old)
+    return path
+
+
+def older_snapshots(dirpath: str, step: int) -> list[str]:
+    """This directory's ``last-snapshot-step=N.ckpt`` with N < ``step``: superseded by the new one."""
+    fs = get_filesystem(dirpath)
+    found = []
+    for entry in fs.ls(dirpath, detail=False):
+        name = os.path.basename(str(entry))
+        digits = name[len(SNAPSHOT_PREFIX) : -len(".ckpt")]
+        if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and digits.isdigit() and int(digits) < step:
+            found.append(os.path.join(dirpath, name))
+    return found
+
+
+def async_writer(trainer: pl.Trainer) -> Optional[AsyncCheckpointWriter]:
+    io = trainer.strategy.checkpoint_io
+    return io if isinstance(io, AsyncCheckpointWriter) else None
+
+
+def wait_durable(writer: AsyncCheckpointWriter, path: str) -> None:
+    """Before a preemption stop: the snapshot must be on disk, within the writer's ``flush_timeout``."""
+    if not writer.wait(None, timeout=writer.flush_timeout):
+        rank_zero_warn(
+            f"ExactResume: snapshot {path} was not durable within {writer.flush_timeout}s of the preemption signal",
+            category=ExactResumeWarning,
+        )

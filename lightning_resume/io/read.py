@@ -1,0 +1,201 @@
+"""Reading a checkpoint file of either format, every checksum verified while the bytes arrive.
+
+The content, not the extension, decides the format: safetensors if a JSON header follows the 8-byte
+length, a ``torch.save`` zip or pickle goes to the weights-only loader of ``legacy``, anything else
+is refused. Local files are read tensor by tensor into fresh memory while a thread hashes what was
+read (or, with ``mmap=True``, memory-mapped copy-on-write); remote files are read whole through
+fsspec. This module knows files and tensors, not Lightning.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap as mmap_module
+import os
+import queue
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import fsspec
+import torch
+
+from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.io import framing, integrity
+from lightning_resume.io.atomic import is_local, local_path
+from lightning_resume.io.codec import decode
+from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
+from lightning_resume.io.legacy import load_legacy
+from lightning_resume.io.worker import Background
+
+
+@dataclass
+class Loaded:
+    """A parsed file: the checkpoint tree and, for our format, its header (``None`` for legacy)."""
+
+    checkpoint: Dict[str, Any]
+    header: Optional[framing.Header]
+    size: int
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """``verify``: hash every tensor. ``map_location``: device for tensors (``None``: CPU).
+    ``lenient``: unknown enum classes/converters decode to plain values (inspection tools).
+    ``mmap``: return copy-on-write views of the file instead of copies (zero-copy, but the file's
+    disk space stays in use while any such tensor lives, e.g. optimizer moments for a whole run)."""
+
+    verify: bool = True
+    map_location: Any = None
+    lenient: bool = False
+    mmap: bool = False
+
+
+def load_file(
+    path: str, verify: bool = True, map_location: Any = None, lenient: bool = False, mmap: bool = False
+) -> Loaded:
+    """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong."""
+    path, opts = str(path), ReadOptions(verify, map_location, lenient, mmap)
+    if is_local(path) and not mmap:
+        return _load_local_copy(path, opts)
+    buf, size = _map(path)
+    if _is_safetensors_head(path, bytes(buf[:9])):
+        return _load_safetensors(path, buf, size, opts)
+    source = local_path(path) if is_local(path) else io.BytesIO(bytes(buf))
+    return Loaded(load_legacy(path, source, map_location), None, size)
+
+
+def _is_safetensors_head(path: str, head: bytes) -> bool:
+    """Decide the format from the first bytes; refuse what is neither ours nor ``torch.save``'s."""
+    if len(head) == 9 and head[8:9] == b"{":
+        return True
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        return False
+    raise CheckpointCorruptError(
+        path, "not a checkpoint: neither safetensors nor torch.save (zip or pickle)", None, head[:8]
+    )
+
+
+def is_safetensors(path: str) -> bool:
+    with fsspec.open(str(path), "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{"
+
+
+def _map(path: str) -> Tuple[Any, int]:
+    """The whole file as a buffer: a private (copy-on-write) memory map locally, bytes remotely."""
+    if not is_local(path):
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        with fs.open(fs_path, "rb") as f:
+            data = bytearray(f.read())
+        return memoryview(data), len(data)
+    with open(local_path(path), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise CheckpointCorruptError(path, "file is empty", "> 0 bytes", 0)
+        return mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_COPY), size
+
+
+def _checked_metadata(path: str, header: framing.Header) -> Tuple[Dict[str, Any], str]:
+    """The integrity record and tree JSON, after the cheap checks (index matches record, tree digest)."""
+    for key in (TREE_KEY, INTEGRITY_KEY):
+        if key not in header.metadata:
+            raise CheckpointCorruptError(path, f"not a lightning-resume checkpoint: header metadata lacks '{key}'")
+    record = integrity.parse_record(path, header.metadata[INTEGRITY_KEY])
+    integrity.check_index(path, record, header.entries)
+    tree_json = header.metadata[TREE_KEY]
+    integrity.verify_tree(path, record, tree_json)
+    return record, tree_json
+
+
+def _load_local_copy(path: str, opts: ReadOptions) -> Loaded:
+    """Read each tensor straight into its own fresh memory (one copy, no page-cache mapping kept)."""
+    with open(local_path(path), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(9)
+        if not _is_safetensors_head(path, head):
+            return Loaded(load_legacy(path, local_path(path), opts.map_location), None, size)
+        n = framing.header_length(path, head, size)
+        header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
+        record, tree_json = _checked_metadata(path, header)
+        pending: queue.Queue[Any] = queue.Queue()
+        verify = Background(integrity.verify_data, path, record, iter(pending.get, None)) if opts.verify else None
+        tensors = {}
+        try:
+            for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
+                t = torch.empty(e.shape, dtype=framing.DTYPES[e.dtype])
+                view = framing.host_bytes(t)
+                if len(view):
+                    _read_exact(path, f, len(view), into=view)
+                pending.put((e, view))
+                tensors[e.name] = t
+        finally:
+            pending.put(None)
+        if verify is not None:
+            verify.result()
+    device = _device(opts.map_location)
+    tensors = tensors if device is None else {k: t.to(device) for k, t in tensors.items()}
+    return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
+
+
+def _read_exact(path: str, f: Any, n: int, into: Any = None) -> Any:
+    """Read exactly ``n`` bytes (into ``into`` if given); a short read means the file changed or is truncated."""
+    buf = into if into is not None else bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            raise CheckpointCorruptError(path, "file ended while reading (truncated during the read?)", n, got)
+        got += k
+    return buf
+
+
+def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Loaded:
+    header = framing.parse_header(path, memoryview(buf)[: 8 + framing.header_length(path, buf[:8], size)], size)
+    record, tree_json = _checked_metadata(path, header)
+    ordered = sorted(header.entries.values(), key=lambda e: e.begin)
+    data = memoryview(buf)[header.data_start :]
+    pairs = [(e, data[e.begin : e.end]) for e in ordered]
+    verify = Background(integrity.verify_data, path, record, pairs) if opts.verify else None
+    tensors = {name: _tensor(buf, header.data_start, e, opts) for name, e in header.entries.items()}
+    if verify is not None:
+        verify.result()  # raises CheckpointCorruptError before anything built from the bytes is returned
+    return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
+
+
+def _tensor(buf: Any, data_start: int, e: framing.Entry, opts: ReadOptions) -> torch.Tensor:
+    dtype = framing.DTYPES[e.dtype]
+    start = data_start + e.begin
+    if e.end == e.begin:
+        t = torch.empty(e.shape, dtype=dtype)
+    elif start % dtype.itemsize:  # a hand-made file may misalign; never hand kernels unaligned memory
+        t = (
+            torch.frombuffer(buf, dtype=torch.uint8, count=e.end - e.begin, offset=start)
+            .clone()
+            .view(dtype)
+            .reshape(e.shape)
+        )
+    else:
+        t = torch.frombuffer(buf, dtype=dtype, count=(e.end - e.begin) // dtype.itemsize, offset=start).reshape(e.shape)
+        t = t if opts.mmap else t.clone()
+    device = _device(opts.map_location)
+    return t if device is None else t.to(device)
+
+
+def _device(map_location: Any) -> Optional[torch.device]:
+    """``str``/``int``/``torch.device`` move tensors; ``None``, callables and dicts keep them on CPU."""
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    if isinstance(map_location, int) and not isinstance(map_location, bool):
+        return torch.device("cuda", map_location)
+    return None
+
+
+def _decode_tree(path: str, tree_json: str, tensors: Dict[str, torch.Tensor], lenient: bool) -> Dict[str, Any]:
+    try:
+        tree = decode(json.loads(tree_json), tensors, lenient=lenient)
+    except (ValueError, RecursionError) as err:  # TreeFormatError and json's errors are ValueErrors
+        raise CheckpointCorruptError(path, f"typed JSON tree is malformed: {err}") from err
+    if type(tree) is not dict:
+        raise CheckpointCorruptError(path, "checkpoint root is not a dict", "dict", type(tree).__name__)
+    return tree

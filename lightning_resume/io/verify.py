@@ -1,0 +1,78 @@
+"""One verifier for every checkpoint this product reads: a file of either format, or a sharded directory.
+
+``verify(path)`` returns only when everything the checkpoint holds was checked, and raises
+``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) naming the file, shard or tensor otherwise:
+
+- a directory is a sharded checkpoint: its ``COMMITTED`` marker, and the size and SHA-256 of every file
+  the marker lists (each ``.distcp`` shard, DCP's ``.metadata``, the non-sharded ``meta.safetensors``);
+- a safetensors file: every tensor's checksum, the data-section and tree digests, and the whole tree decodes;
+- a ``torch.save`` zip: the CRC-32 of every record, then a weights-only load (no code runs);
+- anything else: the ``checkpoint_io`` given, if it can verify (``VerifyingCheckpointIO``), else the
+  reader's own refusal.
+
+The plugin, ``RetentionCheckpoint``, "last" resolution, sharded runs and every CLI command call this
+module; nothing else decides whether a checkpoint is good. Knows files, not Lightning.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from typing import Any, Optional
+
+import fsspec
+
+from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
+from lightning_resume.io.atomic import is_local, local_path
+from lightning_resume.io.read import is_safetensors, load_file
+from lightning_resume.protocols import VerifyingCheckpointIO
+from lightning_resume.sharded.commit import DCP_METADATA, CommitRecord, verify_committed
+
+
+def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
+    """Return if ``path`` verifies in full; raise ``CheckpointCorruptError`` naming what is wrong otherwise.
+
+    ``digests=False`` checks sharded files by size only (their SHA-256 costs a full read).
+    """
+    path = str(path)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    if fs.isdir(fs_path):
+        verify_directory(path, digests)
+    elif is_safetensors(path):
+        load_file(path, verify=True, lenient=True, mmap=True)
+    elif is_local(path) and zipfile.is_zipfile(local_path(path)):
+        _verify_zip(path)
+    elif isinstance(checkpoint_io, VerifyingCheckpointIO):
+        checkpoint_io.verify_checkpoint(path)
+    else:
+        load_file(path)  # a legacy pickle loads weights-only, or the reader refuses the format
+
+
+def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
+    """A sharded checkpoint directory: committed, and every file its marker lists intact."""
+    record = verify_committed(directory, digests)
+    if DCP_METADATA not in record.files:
+        raise CheckpointCorruptError(directory, f"commit marker does not list {DCP_METADATA}")
+    return record
+
+
+def problem(path: str, checkpoint_io: Any = None) -> Optional[str]:
+    """``None`` if ``path`` verifies, else what is wrong with it, in words. Any error a hostile file
+    raises becomes the reason, never an exception: one bad file must not stop a search for a good one."""
+    try:
+        verify(path, checkpoint_io)
+    except LightningResumeError as err:
+        return str(err)
+    except Exception as err:  # noqa: BLE001 - a crafted file can make any reader fail
+        return f"unreadable ({type(err).__name__}: {err})"
+    return None
+
+
+def _verify_zip(path: str) -> None:
+    try:
+        with zipfile.ZipFile(local_path(path)) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        raise CheckpointCorruptError(path, f"unreadable torch.save zip archive: {err}") from err
+    if bad is not None:
+        raise CheckpointCorruptError(path, f"torch.save record {bad!r} fails its CRC-32 check")
+    load_file(path, mmap=True)  # the pickle: only allowlisted classes, or UnsafeCheckpointError

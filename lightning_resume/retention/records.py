@@ -1,0 +1,101 @@
+"""Checkpoint files on disk as retention sees them: listing a directory, and the records a file carries.
+
+Lists the candidate checkpoints of a ``dirpath`` (files, and sharded checkpoint directories), reads
+the ``ModelCheckpoint``-family state a checkpoint holds without running code, and turns a directory
+into ``CheckpointRecord``s for ``lightning-resume prune``. It knows files, not Lightning's loops, and
+decides nothing about what to keep (``policy``) or whether a file is good (``io.verify``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import NamedTuple, Optional
+
+from lightning_resume.io.read import load_file
+from lightning_resume.io.verify import problem
+from lightning_resume.retention.naming import parse_rolling_name
+from lightning_resume.retention.policy import ANCHOR, CheckpointRecord
+
+
+class FileEntry(NamedTuple):
+    path: str
+    mtime: float
+
+
+def list_checkpoint_files(dirpath: str, extension: str = ".ckpt") -> list:
+    """Checkpoints in ``dirpath`` ending in ``extension``: files, and directories (sharded checkpoints
+    written through torch.distributed.checkpoint), oldest modification first."""
+    if not os.path.isdir(dirpath):
+        return []
+    entries = []
+    for name in os.listdir(dirpath):
+        path = os.path.join(dirpath, name)
+        if name.endswith(extension) and (os.path.isfile(path) or os.path.isdir(path)):
+            entries.append(FileEntry(os.path.normpath(path), os.path.getmtime(path)))
+    return sorted(entries, key=lambda e: (e.mtime, e.path))
+
+
+def read_checkpoint_callback_state(path: str, state_key: Optional[str] = None) -> Optional[dict]:
+    """The ``ModelCheckpoint``-family state saved in ``path`` (under ``state_key`` if given, else the
+    first one), or ``None`` if it cannot be read safely. Reads any of the formats without running code
+    and without reading tensors it does not need (memory-mapped, unverified: the state is advisory).
+    """
+    try:
+        if os.path.isdir(path):
+            from lightning_resume.sharded.api import load_meta  # DCP is imported only for sharded runs
+
+            checkpoint = load_meta(path)
+        else:
+            checkpoint = load_file(path, verify=False, lenient=True, mmap=True).checkpoint
+    except Exception:  # noqa: BLE001 - any unreadable or unsafe file simply has no usable state
+        return None
+    callbacks = checkpoint.get("callbacks", {}) if isinstance(checkpoint, dict) else {}
+    for key, state in callbacks.items():
+        wanted = key == state_key if state_key else str(key).startswith("ModelCheckpoint{")
+        if wanted and isinstance(state, dict):
+            return state
+    return None
+
+
+_ANY_STEP = re.compile(r"step=(\d+)")
+
+
+def records_in(dirpath: str, monitor: Optional[str] = None) -> list[CheckpointRecord]:
+    """One record per ``.ckpt`` checkpoint in ``dirpath``; anchor tags carried over from the saved states.
+
+    The step comes from the rolling name (files of other names are recorded as not owned), the metric
+    from the file's own ``ModelCheckpoint`` state, ``verified`` from ``io.verify``.
+    """
+    records, anchors = [], set()
+    for entry in list_checkpoint_files(dirpath):
+        state = read_checkpoint_callback_state(entry.path)
+        records.append(_record(entry, state, monitor))
+        saved = (state or {}).get("retention", {}).get("records", [])
+        anchors |= {os.path.basename(s["path"]) for s in saved if ANCHOR in s.get("tags", ())}
+    return [r if os.path.basename(r.path) not in anchors else _tag_anchor(r) for r in records]
+
+
+def _tag_anchor(record: CheckpointRecord) -> CheckpointRecord:
+    return CheckpointRecord(**{**record.__dict__, "tags": record.tags | {ANCHOR}})
+
+
+def _record(entry: FileEntry, state: Optional[dict], monitor: Optional[str]) -> CheckpointRecord:
+    step = parse_rolling_name(entry.path)
+    owned = step is not None
+    if step is None:
+        match = _ANY_STEP.search(os.path.basename(entry.path))
+        step = int(match.group(1)) if match else 0
+    metric = _metric(state, monitor)
+    verified = problem(entry.path) is None
+    return CheckpointRecord(entry.path, step, 0, entry.mtime, metric, frozenset(), verified, False, owned)
+
+
+def _metric(state: Optional[dict], monitor: Optional[str]) -> Optional[float]:
+    if not state or state.get("current_score") is None:
+        return None
+    if monitor is not None and state.get("monitor") != monitor:
+        return None
+    value = float(state["current_score"])
+    return None if math.isnan(value) else value

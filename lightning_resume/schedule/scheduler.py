@@ -1,0 +1,123 @@
+"""Drive the snapshot schedule from a run: the clock, the failure history, the preemption flag and
+the rank-0 decision that every rank follows.
+
+The decision itself is ``schedule.policy`` (pure); this module feeds it measurements and
+keeps the run-time state (schedule state, next check step, history file). Ranks agree through one
+small collective per check (``agree``, given by the caller), never per step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional, Sequence
+
+from lightning_resume.protocols import AsyncCheckpointWriter
+from lightning_resume.schedule import history
+from lightning_resume.schedule.metrics import save_metrics
+from lightning_resume.schedule.policy import (
+    MtbfMode,
+    SaveDecision,
+    SaveReason,
+    ScheduleConfig,
+    ScheduleState,
+    record_save,
+    record_write_done,
+    schedule_state_dict,
+    should_save,
+    start_schedule,
+)
+
+Agree = Callable[[Sequence[int]], Sequence[int]]
+"""Element-wise max of small integer vectors over all ranks (identity on one process)."""
+
+
+class SnapshotScheduler:
+    """When to take the next snapshot, for one process of a run."""
+
+    def __init__(self, config: ScheduleConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.state: Optional[ScheduleState] = None
+        self.next_check_step = 0
+        self.history_file: Optional[str] = None
+        self.last_durable: Optional[float] = None
+        self._writer: Optional[AsyncCheckpointWriter] = None
+
+    @property
+    def takes_snapshots(self) -> bool:
+        """Whether this schedule ever saves on its own (else it only paces preemption checks)."""
+        return self.config.mtbf_s is not None or self.config.every_n_train_steps_max is not None
+
+    def start(
+        self,
+        step: int,
+        num_nodes: int,
+        history_dir: Optional[str],
+        restored: Optional[dict],
+        checkpoint_wall_time: Optional[float],
+        is_rank_zero: bool,
+    ) -> None:
+        """Begin timing at ``step``; record this start in the failure history (rank 0 writes it)."""
+        config = self.config.with_nodes(num_nodes)
+        mtbf = None
+        if history_dir is not None:
+            self.history_file = history.history_path(history_dir)
+            past = history.record_start(history.load_history(self.history_file), time.time(), checkpoint_wall_time)
+            if is_rank_zero:
+                history.save_history(self.history_file, past)
+            if config.mtbf_mode is MtbfMode.OBSERVED:
+                prior = config.job_mtbf_s
+                assert prior is not None  # ScheduleConfig rejects mtbf='observed' without a prior
+                mtbf = history.estimate_mtbf(past, prior, config.prior_weight, time.time())
+        self.state = start_schedule(config, self.clock(), step, mtbf_s=mtbf, restored=restored)
+        self.next_check_step = step + 1
+
+    def decide(self, step: int, preempt_local: bool, agree: Agree, is_rank_zero: bool) -> tuple[bool, bool, str]:
+        """(save, preempt, reason) at a step boundary; a collective only at check steps."""
+        if self.state is None or step < self.next_check_step:
+            return False, False, SaveReason.NOT_DUE.value
+        self.poll_write()
+        decision = (
+            should_save(self.state, self.clock(), step) if is_rank_zero else SaveDecision(False, SaveReason.NOT_DUE, 0)
+        )
+        save, next_check, preempt = agree([int(decision.save), decision.next_check_step, int(preempt_local)])
+        self.next_check_step = max(int(next_check), step + 1)
+        return bool(save), bool(preempt), decision.reason.value
+
+    def record(
+        self, step: int, blocked_s: float, nbytes: Optional[int], writer: Optional[AsyncCheckpointWriter] = None
+    ) -> dict[str, float]:
+        """Account a save whose blocking part ended now and took ``blocked_s``; return its metrics.
+
+        With ``writer`` still writing it (async save), the write is timed by the writer and recorded
+        by :meth:`poll_write` once durable; until then ``should_save`` starts no new save.
+        """
+        assert self.state is not None
+        now = self.clock()
+        in_flight = writer is not None and writer.write_in_flight()
+        write_s = None if in_flight else blocked_s
+        self.state = record_save(self.state, now, step, blocked_s, write_s=write_s)
+        self._writer = writer if in_flight else None
+        self.last_durable = self.last_durable if in_flight else now
+        self.next_check_step = step + 1
+        metrics = save_metrics(self.state, now, blocked_s, write_s, nbytes, self.last_durable)
+        return {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}
+
+    def poll_write(self) -> bool:
+        """If the async write recorded last has become durable, account it; ``True`` when it did now."""
+        if self._writer is None or self.state is None or self._writer.write_in_flight():
+            return False
+        now = self.clock()
+        self.state = record_write_done(self.state, now, self._writer.last_write_seconds)
+        self.last_durable, self._writer = now, None
+        return True
+
+    def clean_stop(self, is_rank_zero: bool) -> None:
+        """Tell the next process of this run that this one stopped on purpose (not a failure)."""
+        if self.history_file is not None and is_rank_zero:
+            stopped = history.record_clean_stop(history.load_history(self.history_file), time.time())
+            history.save_history(self.history_file, stopped)
+
+    def state_dict(self) -> dict:
+        return schedule_state_dict(self.state) if self.state is not None else {}

@@ -1,0 +1,241 @@
+"""A small, configurable Lightning training run, launched as a subprocess by the exactness tests.
+
+Usage: python trainee.py CONFIG.json. It logs one JSON line per training micro-batch (sample ids and
+the float bits of the loss) to ``<out>/steps-rank<R>.jsonl``, writes the final weights and optimizer
+state to ``<out>/final.pt``, and, with ``pause_before`` set, blocks at the start of that global
+batch index (after the checkpoints before it are written) and writes ``<out>/paused`` so that the
+test can SIGKILL it from outside at a known point.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
+
+from lightning_resume import ExactResume, ResumableDataset, RetentionCheckpoint, SafetensorsCheckpointIO  # noqa: E402
+from lightning_resume.protocols import AsyncCheckpointWriter  # noqa: E402
+
+DIM = 8
+
+
+class Points(Dataset):
+    """Deterministic features per index; with ``augment``, noise drawn from the global torch RNG."""
+
+    def __init__(self, n: int, augment: bool) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, DIM, generator=g)
+        self.y = (self.x.sum(1, keepdim=True) > 0).float()
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.1 * torch.randn(DIM)
+        return {"id": i, "x": x, "y": self.y[i]}
+
+
+class PointStream(IterableDataset):
+    """An iterable without ``__len__`` whose position is a Stateful iterator (torchdata protocol)."""
+
+    def __init__(self, n: int, augment: bool) -> None:
+        self.points = Points(n, augment)
+
+    def __iter__(self):
+        return _StreamIter(self.points)
+
+
+class _StreamIter:
+    def __init__(self, points: Points) -> None:
+        self.points, self.i = points, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= len(self.points):
+            raise StopIteration
+        self.i += 1
+        return self.points[self.i - 1]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+class Model(pl.LightningModule):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.net = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Dropout(cfg.get("dropout", 0.0)), nn.Linear(32, 1))
+        self.log_file = None
+
+    def _log_step(self, batch, loss) -> None:
+        if self.log_file is None:
+            out = Path(self.cfg["out"])
+            self.log_file = open(out / f"steps-rank{self.global_rank}.jsonl", "a", buffering=1)
+        bits = struct.unpack("<I", struct.pack("<f", loss.detach().float().item()))[0]
+        rec = {
+            "epoch": self.current_epoch,
+            "step": self.global_step,
+            "ids": [int(i) for i in batch["id"]],
+            "loss": f"{bits:08x}",
+        }
+        self.log_file.write(json.dumps(rec) + "\n")
+
+    def training_step(self, batch, batch_idx):
+        if self.cfg.get("slow"):
+            time.sleep(self.cfg["slow"])
+        loss = nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
+        self._log_step(batch, loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.cfg.get("lr", 1e-2))
+        if not self.cfg.get("scheduler"):
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _loader(self, dataset, shuffle: bool):
+        cfg = self.cfg
+        kwargs = dict(batch_size=cfg.get("batch_size", 4), num_workers=cfg.get("num_workers", 0))
+        if isinstance(dataset, IterableDataset):
+            return StatefulDataLoader(dataset, **kwargs)
+        if cfg.get("num_workers", 0) > 0:
+            dataset = ResumableDataset(dataset)
+        if cfg.get("devices", 1) > 1 or cfg.get("distributed_sampler"):
+            world, rank = self.trainer.world_size, self.trainer.global_rank
+            sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=7)
+            return StatefulDataLoader(dataset, sampler=sampler, **kwargs)
+        return StatefulDataLoader(dataset, shuffle=shuffle, **kwargs)
+
+    def train_dataloader(self):
+        n, augment = self.cfg.get("n", 40), self.cfg.get("augment", False)
+        ds = PointStream(n, augment) if self.cfg.get("iterable") else Points(n, augment)
+        return self._loader(ds, shuffle=self.cfg.get("shuffle", True) and not self.cfg.get("iterable"))
+
+    def val_dataloader(self):
+        if not self.cfg.get("val_check_interval"):
+            return None
+        return self._loader(Points(12, augment=self.cfg.get("augment", False)), shuffle=False)
+
+
+class PauseBefore(Callback):
+    """Blocks at the start of the given global batch index, so the test can kill the process there."""
+
+    def __init__(self, out: Path, batch_index: int) -> None:
+        self.out, self.batch_index, self.seen = out, batch_index, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.seen == self.batch_index:
+            if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointWriter):
+                trainer.strategy.checkpoint_io.wait()  # the checkpoints before this batch are durable
+            if trainer.global_rank == 0:
+                (self.out / "paused").write_text(str(trainer.global_step))
+            while True:
+                time.sleep(1)
+        self.seen += 1
+
+
+class DebugRng(Callback):
+    def _p(self, what, trainer):
+        import hashlib
+
+        print(
+            "RNG",
+            what,
+            trainer.global_step,
+            hashlib.md5(torch.get_rng_state().numpy().tobytes()).hexdigest()[:8],
+            flush=True,
+        )
+
+    def on_train_batch_start(self, trainer, *a):
+        self._p("batch_start", trainer)
+
+    def on_validation_start(self, trainer, *a):
+        self._p("val_start", trainer)
+
+    def on_validation_end(self, trainer, *a):
+        self._p("val_end", trainer)
+
+    def on_validation_batch_start(self, trainer, *a):
+        self._p("val_batch_start", trainer)
+
+
+def main(cfg: dict) -> None:
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(cfg.get("seed", 0), workers=True)
+    if cfg.get("retention") is not None:
+        callbacks = [RetentionCheckpoint(dirpath=cfg["ckpt_dir"], **cfg["retention"])]
+    else:
+        callbacks = [ModelCheckpoint(dirpath=cfg["ckpt_dir"], **cfg.get("ckpt", {}))]
+    if cfg.get("exact", True):
+        callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **cfg.get("exact_args", {})))
+    if cfg.get("debug_rng"):
+        callbacks.append(DebugRng())
+    if cfg.get("pause_before") is not None:
+        callbacks.append(PauseBefore(out, cfg["pause_before"]))
+    devices = cfg.get("devices", 1)
+    plugins = [SafetensorsCheckpointIO(async_save=cfg.get("async", False))] if cfg.get("safetensors") else []
+    trainer = pl.Trainer(
+        plugins=plugins,
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        use_distributed_sampler=False,
+        max_epochs=cfg.get("max_epochs", 2),
+        max_steps=cfg.get("max_steps", -1),
+        val_check_interval=cfg.get("val_check_interval") or 1.0,
+        limit_val_batches=cfg.get("limit_val_batches", 2) if cfg.get("val_check_interval") else 0,
+        accumulate_grad_batches=cfg.get("accumulate", 1),
+        precision=cfg.get("precision", "32-true"),
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = Model(cfg)
+    trainer.fit(model, ckpt_path=cfg.get("resume"))
+    if trainer.global_rank == 0:
+        opt = trainer.optimizers[0].state_dict()
+        loop = trainer.fit_loop.epoch_loop
+        final = {
+            "model": model.state_dict(),
+            "optimizer": opt,
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "global_step": trainer.global_step,
+            "batches_that_stepped": loop._batches_that_stepped,
+            "epoch": trainer.current_epoch,
+        }
+        torch.save(final, out / "final.pt")
+    if torch.distributed.is_initialized():  # close gloo before exit: its threads may otherwise abort the process
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(json.loads(Path(sys.argv[1]).read_text()))

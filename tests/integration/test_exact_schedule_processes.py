@@ -1,0 +1,83 @@
+"""ExactResume's schedule across processes: rank 0's clock decides for every rank under 2-process DDP,
+and a real SIGTERM yields a durable snapshot, a clean exit and a bitwise-exact resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import kill_resume as h
+
+
+def test_ddp_ranks_agree_on_rank0_clock(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_schedule.py"
+    script.write_text(DDP_SCRIPT.format(root=str(h.ROOT), out=str(tmp_path)))
+    proc = subprocess.run([sys.executable, str(script)], env=h._env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = sorted((tmp_path / f"saves-{r}.txt").read_text() for r in range(2))
+    assert lines[0] == lines[1] == "3,6,9,12\n"
+
+
+DDP_SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch
+torch.set_num_threads(1)
+import lightning.pytorch as pl
+from tests.helpers.callbacks import SpyTarget
+from tests.helpers.jobs.trainee import Model
+from lightning_resume import ExactResume
+
+class RankClock(pl.Callback):
+    # rank 1's clock runs 3x faster: were it to decide, it would save at other steps
+    def __init__(self): self.now = 0.0
+    def __call__(self): return self.now
+    def on_train_batch_end(self, trainer, *a): self.now += 10.0 * (1 + 2 * trainer.global_rank)
+
+clock = RankClock()
+spy = SpyTarget(os.path.join({out!r}, "ckpt"))
+exact = ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock)
+trainer = pl.Trainer(max_steps=12, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+    enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, exact, spy],
+    limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
+trainer.fit(Model({{"out": {out!r}, "n": 200, "batch_size": 4, "devices": 2}}))
+with open(os.path.join({out!r}, f"saves-{{trainer.global_rank}}.txt"), "w") as f:
+    f.write(",".join(str(s) for s, _ in spy.saves) + "\\n")
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_gives_durable_snapshot_clean_exit_and_exact_resume(tmp_path: Path) -> None:
+    cfg = {
+        "n": 40,
+        "batch_size": 4,
+        "max_epochs": 2,
+        "dropout": 0.2,
+        "augment": True,
+        "shuffle": True,
+        "ckpt": {"save_top_k": 0},
+        "slow": 0.15,
+    }
+    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
+    h.run(a, tmp_path)
+    b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"))
+    proc = h._start(b, tmp_path)
+    deadline = time.monotonic() + 120
+    while len(h.steps(b["out"])) < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, h._output(b)
+    snaps = list(Path(b["ckpt_dir"]).glob("last-snapshot-step=*.ckpt"))
+    assert len(snaps) == 1, h._output(b)
+    saved_step = torch.load(snaps[0], weights_only=True)["global_step"]
+    assert len(h.steps(b["out"])) == saved_step  # stopped right after the snapshot: no work to redo
+    c = dict(cfg, out=str(tmp_path / "C"), ckpt_dir=b["ckpt_dir"], resume="last")
+    h.run(c, tmp_path)
+    h.assert_exact_resume(a["out"], c["out"], resumed_after=saved_step)

@@ -1,0 +1,159 @@
+"""Async sharded saves (``AsyncShardedSaver``, ``ShardedModelParallelStrategy(async_save=True)``).
+
+Multi-process cases run FSDP2 on 2 CPU processes over gloo in their own process group (killed with
+``killpg`` on timeout): raw FSDP2 in tests/helpers/jobs/sharded_job.py, Lightning in
+tests/helpers/jobs/sharded_lightning_job.py. The one-process cases are in
+tests/unit/sharded/test_sharded_async_saver.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_resume import load_full, newest_committed, verify_sharded
+from lightning_resume.sharded.api import load_meta
+from tests.helpers.compare import assert_bitwise
+from tests.helpers.paths import REPO_ROOT as ROOT
+from tests.helpers.paths import job_script
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+STEPS = ("step-0002", "step-0004", "step-0006")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def start(script: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> None:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, output[-3000:]
+
+
+def job(out: Path, *flags: str) -> dict:
+    finish(start(job_script("sharded_job.py"), str(out), *flags))
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> tuple:
+    """6 steps, async save every 2 (each also saved synchronously first, into ckpt-sync), every
+    background write delayed 0.3 s so the next optimizer steps run while it is in flight; then the
+    injected background failures of ``--async-faults``."""
+    out = tmp_path_factory.mktemp("async")
+    return out, job(out, "--async", "--twin-sync", "--slow-write", "0.3", "--async-faults")
+
+
+def test_async_save_commits_the_same_files_and_contents_as_the_sync_save(async_run):
+    out, _ = async_run
+    assert newest_committed(str(out / "ckpt")) == str(out / "ckpt" / "step-0006")
+    for name in STEPS:
+        sync, background = verify_sharded(str(out / "ckpt-sync" / name)), verify_sharded(str(out / "ckpt" / name))
+        assert background.step == sync.step and background.world_size == sync.world_size == 2
+        assert (
+            set(background.files)
+            == set(sync.files)
+            == {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.safetensors"}
+        )
+        for file in set(sync.files) - {".metadata"}:  # .metadata names the (staging) directory it was written to
+            assert background.files[file] == sync.files[file], (name, file)
+        assert_bitwise(load_full(str(out / "ckpt-sync" / name)), load_full(str(out / "ckpt" / name)), name)
+        assert_bitwise(load_meta(str(out / "ckpt-sync" / name)), load_meta(str(out / "ckpt" / name)), name)
+    assert sorted(os.listdir(out / "ckpt")) == list(STEPS)  # no staging directory left
+
+
+def test_the_optimizer_step_after_an_async_save_does_not_leak_into_its_checkpoint(async_run):
+    out, _ = async_run
+    for rank in (0, 1):
+        report = json.loads((out / f"async-{rank}.json").read_text())
+        assert report["in_flight"] == [True, True, True]  # the next steps ran while each write was pending
+        assert max(report["blocked"]) < 0.25  # the 0.3 s write delay was not paid on the training thread
+    at_2, at_4 = load_full(str(out / "ckpt" / "step-0002")), load_full(str(out / "ckpt" / "step-0004"))
+    assert not torch.equal(at_2["model"]["0.weight"], at_4["model"]["0.weight"])  # the state did move on
+    assert_bitwise(load_full(str(out / "ckpt-sync" / "step-0002")), at_2)  # ...and not into the checkpoint
+
+
+def test_a_failed_background_write_raises_on_both_ranks_at_the_next_save_and_at_close(async_run):
+    out, _ = async_run
+    ranks = [json.loads((out / f"async-faults-{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1]
+    for case in ("next-save", "close"):
+        error = ranks[0][case]
+        assert error.startswith(f"ShardedSaveError: sharded save of {out / 'async-faults' / f'bad-{case}'} failed")
+        assert "(rank 1: OSError: [Errno 28] No space left on device (injected))" in error
+    assert sorted(os.listdir(out / "async-faults")) == ["good-2"]  # nothing uncommitted left; still in step
+    assert verify_sharded(str(out / "async-faults" / "good-2")).world_size == 2
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint_newest_and_resume_is_bitwise(
+    tmp_path, async_run
+):
+    _, expected = async_run
+    proc = start(job_script("sharded_job.py"), str(tmp_path), "--async", "--stall-async-at", "4")
+    deadline = time.monotonic() + 120
+    try:
+        while not (tmp_path / "paused").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "job ended before the stall"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # rank 0 mid-write of step 4, rank 1 waiting to commit it
+        proc.communicate(timeout=30)
+    root = tmp_path / "ckpt"
+    (staging,) = [n for n in os.listdir(root) if n.startswith(".step-0004.partial-")]
+    assert (root / staging / "__0_0.distcp").exists() and not (root / staging / "COMMITTED").exists()
+    assert newest_committed(str(root)) == str(root / "step-0002")
+    assert load_meta(str(root / "step-0002"))["step"] == 2 and "optim" in load_full(str(root / "step-0002"))
+
+    resumed = job(tmp_path, "--async", "--resume")
+    assert_bitwise(expected["model"], resumed["model"])
+    assert_bitwise(expected["losses"][2:], resumed["losses"])
+    assert not (root / staging).exists() and sorted(os.listdir(root)) == list(STEPS)
+
+
+def fit(out: Path, *args: str) -> dict:
+    finish(start(job_script("sharded_lightning_job.py"), str(out), *args), timeout=150)
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def test_lightning_async_fit_resumes_bitwise_and_a_failed_last_write_raises_at_teardown_on_both_ranks(tmp_path):
+    full = fit(tmp_path / "full", "--async", "--retention", "--snapshot-every", "3")
+    root = tmp_path / "full" / "ckpt"
+    assert sorted(n for n in os.listdir(root) if n.endswith(".ckpt")) == ["step=000000004.ckpt", "step=000000006.ckpt"]
+    assert newest_committed(str(root)) == str(root / "step=000000006.ckpt")  # committed by the end of fit
+    assert not [n for n in os.listdir(root) if n.startswith(".")]
+
+    resumed = fit(tmp_path / "resumed", str(root / "step=000000004.ckpt"), "--async", "--fail-write-at", "6")
+    assert_bitwise(full["losses"][4:], resumed["losses"])
+    assert_bitwise(full["model"], resumed["model"])
+    for rank in (0, 1):
+        error = (tmp_path / "resumed" / f"error-{rank}.txt").read_text()
+        last = tmp_path / "resumed" / "ckpt" / "epoch=0-step=6.ckpt"
+        assert error.startswith(
+            f"ShardedSaveError: sharded save of {last} failed to write its shards in the background"
+            " (rank 1: OSError: [Errno 5] Input/output error (injected))"
+        ), error
+        assert "in teardown" in error  # raised by the strategy's teardown (ModelCheckpoint never waits)
+    assert os.listdir(tmp_path / "resumed" / "ckpt") == []

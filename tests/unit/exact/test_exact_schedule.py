@@ -1,0 +1,213 @@
+"""ExactResume's schedule in a real fit, in this process: snapshots at the computed times (fake clock),
+health metrics, the observed MTBF, and signal handlers given back. The 2-process DDP agreement and the
+real SIGTERM are in tests/integration/test_exact_schedule_processes.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_resume import ConfigurationError, ExactResume, young_interval
+from tests.helpers.callbacks import SpyTarget
+from tests.helpers.jobs.trainee import Model
+
+
+class StepClock(Callback):
+    """A fake monotonic clock: 10 seconds per training batch, advanced before ExactResume looks, and
+    ``save_cost`` seconds per checkpoint written."""
+
+    def __init__(self, save_cost: float = 0.0) -> None:
+        self.now = 0.0
+        self.save_cost = save_cost
+
+    def on_save_checkpoint(self, *args) -> None:
+        self.now += self.save_cost
+
+    def __call__(self) -> float:
+        return self.now
+
+    def on_train_batch_end(self, *args) -> None:
+        self.now += 10.0
+
+
+def _fit(tmp_path: Path, exact: ExactResume, clock: StepClock, target: ModelCheckpoint, steps: int = 20) -> None:
+    cfg = {"out": str(tmp_path), "n": 200, "batch_size": 4}
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock, exact, target],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(Model(cfg))
+
+
+def test_snapshots_follow_the_clamped_interval(tmp_path: Path) -> None:
+    clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
+    exact = ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock)
+    _fit(tmp_path, exact, clock, target)
+    # 10 s per step, T* clamped to 30 s: the first save measures C at min_interval, then every 30 s.
+    assert [s for s, _ in target.saves] == [3, 6, 9, 12, 15, 18]
+    assert target.saves[0][1] == "first_measurement" and {r for _, r in target.saves[1:]} == {"interval"}
+
+
+def test_interval_is_young_of_measured_cost(tmp_path: Path) -> None:
+    clock, target = StepClock(save_cost=2.0), SpyTarget(str(tmp_path / "ckpt"))
+    exact = ExactResume(mtbf="2h", min_interval="10s", max_interval="1h", clock=clock)
+    _fit(tmp_path, exact, clock, target, steps=40)
+    assert exact.scheduler.state.costs and set(exact.scheduler.state.costs) == {2.0}  # measured on the run's clock
+    t_star = young_interval(2.0, 7200.0)  # 169.7 s: 17 steps of 10 s
+    steps = [s for s, _ in target.saves]
+    assert [b - a for a, b in zip(steps[1:], steps[2:])] == [17] * (len(steps) - 2), (steps, t_star)
+    assert len(steps) >= 3
+
+
+def test_step_cap_and_off(tmp_path: Path) -> None:
+    clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
+    _fit(tmp_path, ExactResume(every_n_train_steps_max=7, clock=clock), clock, target)
+    assert [s for s, _ in target.saves] == [7, 14]
+    assert not ExactResume().scheduler.takes_snapshots  # mtbf=None: no scheduled snapshots, only preemption checks
+    assert ExactResume(preemption_signals=None).scheduler is None
+
+
+def test_schedule_arguments_are_validated_together() -> None:
+    with pytest.raises(ConfigurationError) as err:
+        ExactResume(mtbf="soon", min_interval="-1s", every_n_train_steps_max=0)
+    text = str(err.value)
+    assert "mtbf='soon'" in text and "every_n_train_steps_max=0" in text
+
+
+def test_fallback_snapshots_are_found_by_last(tmp_path: Path) -> None:
+    clock = StepClock()
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=0)
+    _fit(tmp_path, ExactResume(every_n_train_steps_max=5, clock=clock), clock, ckpt, steps=12)
+    snaps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("last-snapshot"))
+    assert snaps == ["last-snapshot-step=000000010.ckpt"]  # the older one removed after the newer was written
+    assert ckpt._find_last_checkpoints(pl.Trainer(logger=False)) == {str(tmp_path / "ckpt" / snaps[0])}
+
+
+class Recorder(pl.loggers.Logger):
+    """A logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
+def test_each_snapshot_logs_its_health_metrics(tmp_path: Path) -> None:
+    clock, recorder = StepClock(save_cost=0.5), Recorder()
+    target = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=0)
+    trainer = pl.Trainer(
+        max_steps=9,
+        accelerator="cpu",
+        logger=recorder,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock, ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock), target],
+        limit_val_batches=0,
+        log_every_n_steps=1000,
+    )
+    trainer.fit(Model({"out": str(tmp_path), "n": 200, "batch_size": 4}))
+    rows = [(s, m) for s, m in recorder.rows if "ckpt/blocked_s" in m]
+    assert [s for s, _ in rows] == [3, 6, 9]
+    metrics = rows[-1][1]
+    assert metrics["ckpt/interval_s"] == 30.0 and metrics["ckpt/mtbf_s"] == 3600.0
+    assert metrics["ckpt/bytes"] == os.path.getsize(tmp_path / "ckpt" / "last-snapshot-step=000000009.ckpt")
+    assert metrics["ckpt/blocked_s"] == 0.5 and 0 < metrics["ckpt/expected_waste"] < 1
+    assert metrics["ckpt/cost_s"] > 0 and metrics["ckpt/write_MBps"] > 0
+
+
+def test_observed_mtbf_learns_from_restarts(tmp_path: Path) -> None:
+    """Each resume appends to resume_history.json; mtbf="observed" turns failures into a shorter M."""
+    from lightning_resume.schedule.history import history_path, load_history
+
+    ckpt = tmp_path / "ckpt"
+    for run, steps in enumerate((6, 12, 18)):
+        clock = StepClock()
+        exact = ExactResume(mtbf="observed", mtbf_prior="1000h", every_n_train_steps_max=3, clock=clock)
+        trainer = pl.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[clock, exact, ModelCheckpoint(dirpath=str(ckpt), save_top_k=0)],
+        )
+        if run:  # the previous "process" died: its clean stop is not in the history
+            path = Path(history_path(str(ckpt)))
+            path.write_text(json.dumps(dict(json.loads(path.read_text()), clean_stop_time=None)))
+        trainer.fit(Model({"out": str(tmp_path), "n": 200, "batch_size": 4}), ckpt_path="last" if run else None)
+    history = load_history(history_path(str(ckpt)))
+    assert len(history.events) == 2 and len(history.failures) == 2
+    assert exact.scheduler.state.mtbf_s < 1000 * 3600 / 2  # two failures in seconds of uptime: M far below the prior
+
+
+def test_default_retention_checkpoint_keeps_its_topk_untouched(tmp_path: Path) -> None:
+    """RetentionCheckpoint with default arguments is ModelCheckpoint: snapshots go beside its files."""
+    from lightning_resume import RetentionCheckpoint
+
+    clock = StepClock()
+    topk = RetentionCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss", save_top_k=2)
+    trainer = pl.Trainer(
+        max_steps=20,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock, ExactResume(every_n_train_steps_max=3, clock=clock), topk],
+        val_check_interval=10,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Model({"out": str(tmp_path), "n": 80, "batch_size": 4, "val_check_interval": 10}))
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".ckpt")
+    assert len(topk.best_k_models) == 2 and all("last-snapshot" not in p for p in topk.best_k_models)
+    assert [n for n in names if n.startswith("last-snapshot")] == ["last-snapshot-step=000000018.ckpt"]
+    assert not any(n.startswith("step=") for n in names)
+
+
+def test_signal_handlers_are_given_back_when_fit_fails(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+
+    class Boom(Model):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    trainer = pl.Trainer(
+        max_steps=5,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ExactResume(), ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))],
+        limit_val_batches=0,
+    )
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Boom({"out": str(tmp_path), "n": 40, "batch_size": 4}))
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -1,0 +1,381 @@
+"""SafetensorsCheckpointIO(async_save=True): what a user relies on, with real files and real fits.
+
+The snapshot is taken before save() returns (an optimizer step right after does not leak into the
+file), failures are raised on the training thread naming the file with nothing partial left,
+deletions never overtake the write they follow, and teardown flushes and reports.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
+from lightning_resume.io import read, write
+from lightning_resume.io.staging import AsyncWriteError, AsyncWriteWarning
+from lightning_resume.protocols import AsyncCheckpointWriter
+from tests.helpers.compare import assert_same
+
+
+def _slow(io, seconds=0.3, gate=None):
+    """Make every background commit start late (or wait for ``gate``), so the caller runs meanwhile."""
+    commit = io._commit
+
+    def slow(*args):
+        gate.wait(10) if gate is not None else time.sleep(seconds)
+        commit(*args)
+
+    io._saver._write = slow
+
+
+def _disk_full(monkeypatch, after_bytes=100):
+    """The next commits write some bytes, then fail as a full disk does (direct and page-cache writes alike)."""
+    real = write._pwrite_all
+
+    def full(fd, view, offset):
+        os.pwrite(fd, b"x" * after_bytes, offset)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(write, "_pwrite_all", full)
+    return lambda: monkeypatch.setattr(write, "_pwrite_all", real)
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt)
+    return model, opt
+
+
+def _step(model, opt):
+    opt.zero_grad()
+    model(torch.randn(8, 64)).pow(2).mean().backward()
+    opt.step()
+
+
+def _checkpoint(model, opt, step):
+    return {
+        "state_dict": model.state_dict(),
+        "optimizer_states": [opt.state_dict()],
+        "global_step": step,
+        "loops": {"n": [step]},
+    }
+
+
+def _clone(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return type(tree)((k, _clone(v)) for k, v in tree.items())
+    if isinstance(tree, list):
+        return [_clone(v) for v in tree]
+    return tree
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy-then-write", "overlap_write"])
+def test_an_optimizer_step_right_after_save_does_not_leak_into_the_file(tmp_path, overlap):
+    model, opt = _model_and_optimizer()
+    io = SafetensorsCheckpointIO(async_save=True, overlap_write=overlap)
+    assert isinstance(io, AsyncCheckpointWriter)
+    _slow(io)
+    checkpoint = _checkpoint(model, opt, 1)
+    expected = _clone(checkpoint)
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    assert io.write_in_flight() and io.write_in_flight(str(tmp_path / "a.ckpt")) and not (tmp_path / "a.ckpt").exists()
+    for _ in range(3):
+        _step(model, opt)  # mutates parameters and Adam moments in place, while the write runs
+    checkpoint["loops"]["n"].append(99)  # and the non-tensor tree
+    assert io.write_in_flight()
+    io.wait()
+    loaded = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert_same(loaded, expected)
+    assert not torch.equal(loaded["state_dict"]["0.weight"], model.state_dict()["0.weight"])
+    io.teardown()
+
+
+def test_status_and_timings_are_exposed(tmp_path):
+    model, opt = _model_and_optimizer()
+    io = SafetensorsCheckpointIO(async_save=True)
+    _slow(io, 0.2)
+    io.save_checkpoint(_checkpoint(model, opt, 1), tmp_path / "a.ckpt")
+    assert io.last_blocked_seconds < 0.2 and io.last_write_seconds is None
+    io.save_checkpoint(_checkpoint(model, opt, 2), tmp_path / "b.ckpt")  # waits for a.ckpt
+    assert io.last_wait_seconds > 0.1
+    assert io.wait(str(tmp_path / "b.ckpt")) is True and not io.write_in_flight()
+    assert io.last_write_seconds >= 0.2
+    assert read.load_file(str(tmp_path / "b.ckpt")).checkpoint["global_step"] == 2
+
+
+def test_deletions_never_overtake_the_write_they_follow(tmp_path):
+    io = SafetensorsCheckpointIO(async_save=True)
+    io.save_checkpoint({"w": torch.zeros(4)}, tmp_path / "old.ckpt")
+    io.wait()
+    gate = threading.Event()
+    _slow(io, gate=gate)
+    io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "new.ckpt")
+    io.remove_checkpoint(tmp_path / "old.ckpt")  # the prune of a retention policy right after a save
+    io.remove_checkpoint(tmp_path / "new.ckpt")  # removing a file whose write is still queued
+    time.sleep(0.1)
+    assert (tmp_path / "old.ckpt").exists(), "a deletion ran before the write it depends on"
+    gate.set()
+    io.wait()
+    assert sorted(os.listdir(tmp_path)) == []  # both ran, in order: the write, then the removals
+
+
+def test_disk_full_is_raised_at_the_next_save_naming_the_file_and_nothing_good_is_deleted(tmp_path, monkeypatch):
+    io = SafetensorsCheckpointIO(async_save=True)
+    io.save_checkpoint({"w": torch.zeros(4), "step": 1}, tmp_path / "step=1.ckpt")
+    io.wait()
+    restore = _disk_full(monkeypatch)
+    io.save_checkpoint({"w": torch.ones(4), "step": 2}, tmp_path / "step=2.ckpt")
+    io.remove_checkpoint(tmp_path / "step=1.ckpt")  # must not run: the file replacing it was not written
+    with pytest.raises(AsyncWriteError, match=r"step=2\.ckpt.*No space left on device") as info:
+        io.save_checkpoint({"w": torch.ones(4), "step": 3}, tmp_path / "step=3.ckpt")
+    assert isinstance(info.value.__cause__, OSError) and info.value.cause.errno == 28
+    assert sorted(os.listdir(tmp_path)) == ["step=1.ckpt"]  # no partial file, no temporary, old one kept
+    assert io.load_checkpoint(tmp_path / "step=1.ckpt")["step"] == 1
+    restore()
+    io.save_checkpoint({"w": torch.ones(4), "step": 3}, tmp_path / "step=3.ckpt")  # reported once: training may go on
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == ["step=1.ckpt", "step=3.ckpt"]
+
+
+def test_teardown_waits_and_raises_a_failed_last_write(tmp_path, monkeypatch):
+    io = SafetensorsCheckpointIO(async_save=True)
+    _disk_full(monkeypatch)
+    io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "last.ckpt")
+    with pytest.raises(AsyncWriteError, match=r"last\.ckpt"):
+        io.teardown()
+    assert os.listdir(tmp_path) == []
+
+
+def test_on_error_warn_keeps_training_and_reports_at_teardown(tmp_path, monkeypatch):
+    io = SafetensorsCheckpointIO(async_save=True, on_error="warn")
+    _disk_full(monkeypatch)
+    io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt")
+    with pytest.warns(AsyncWriteWarning, match=r"a\.ckpt"):
+        io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "b.ckpt")
+    with pytest.warns(AsyncWriteWarning, match=r"b\.ckpt"):
+        io.teardown()
+
+
+def test_teardown_during_an_exception_flushes_within_flush_timeout_and_never_masks_it(tmp_path, monkeypatch):
+    io = SafetensorsCheckpointIO(async_save=True, flush_timeout=0.2)
+    gate = threading.Event()
+    _slow(io, gate=gate)
+    io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt")
+    started = time.monotonic()
+    with pytest.warns(AsyncWriteWarning, match=r"a\.ckpt did not finish within flush_timeout=0.2s"):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            io.teardown()  # what Lightning does in its interrupt handler
+    assert time.monotonic() - started < 2
+    gate.set()
+    io.wait()
+    assert (tmp_path / "a.ckpt").exists()
+
+
+def test_a_pending_write_is_flushed_before_a_crashing_fit_exits(tmp_path):
+    """An exception in training: Lightning tears down, which lets the pending write finish."""
+    io = SafetensorsCheckpointIO(async_save=True)
+    _slow(io, 0.3)
+
+    class Boom(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise RuntimeError("boom")
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="boom"):
+        _trainer(tmp_path, 10, [ckpt, Boom()], io).fit(Tiny())
+    assert os.listdir(tmp_path) == ["step=3.ckpt"] and not io.write_in_flight()
+    assert read.load_file(str(tmp_path / "step=3.ckpt")).checkpoint["global_step"] == 3
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_directory_raises_naming_the_file(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    target.chmod(0o555)
+    io = SafetensorsCheckpointIO(async_save=True)
+    io.save_checkpoint({"w": torch.ones(4)}, target / "a.ckpt")
+    with pytest.raises(AsyncWriteError, match=r"a\.ckpt.*Permission denied"):
+        io.wait()
+    assert os.listdir(target) == []
+
+
+# ------------------------------------------------------------------------------------ Lightning fits
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def _trainer(root, max_steps, callbacks, io):
+    return L.Trainer(
+        default_root_dir=str(root), max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1, callbacks=callbacks, plugins=[io],
+    )  # fmt: skip
+
+
+def test_a_failed_write_stops_the_fit_with_the_file_named(tmp_path, monkeypatch):
+    io = SafetensorsCheckpointIO(async_save=True)
+    _disk_full(monkeypatch)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    with pytest.raises(AsyncWriteError, match=r"step=2\.ckpt.*No space left"):
+        _trainer(tmp_path, 10, [ckpt], io).fit(Tiny())
+    assert os.listdir(tmp_path) == []
+
+
+class Watch(Callback):
+    """At every batch start: the files on disk are complete, and the newest one verifies."""
+
+    def __init__(self, dirpath):
+        self.dirpath, self.seen_in_flight, self.max_files = dirpath, 0, 0
+
+    def on_train_batch_start(self, trainer, *args):
+        io = trainer.strategy.checkpoint_io
+        self.seen_in_flight += io.write_in_flight()
+        names = sorted(n for n in os.listdir(self.dirpath) if n.endswith(".ckpt"))
+        self.max_files = max(self.max_files, len(names))
+        if names:
+            io.verify_checkpoint(os.path.join(self.dirpath, names[-1]))
+
+
+def test_retention_prunes_in_order_and_marks_files_verified_only_once_durable(tmp_path):
+    io = SafetensorsCheckpointIO(async_save=True)
+    _slow(io, 0.05)
+    ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2, every_n_train_steps=1)
+    watch = Watch(str(tmp_path))
+    _trainer(tmp_path, 8, [ret, watch], io).fit(Tiny())
+    assert watch.seen_in_flight >= 4  # training really ran while files were being written
+    assert sorted(os.listdir(tmp_path)) == ["step=000000007.ckpt", "step=000000008.ckpt"]
+    assert all(r.verified and not r.in_flight for r in ret._records.values())  # settled at train end
+    assert watch.max_files <= 3  # while step N is written, keep_last counts only durable files: one extra
+    for name in os.listdir(tmp_path):
+        io.verify_checkpoint(str(tmp_path / name))
+
+
+def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(tmp_path):
+    io = SafetensorsCheckpointIO(async_save=True)
+    _slow(io, 0.15)
+    exact = ExactResume(every_n_train_steps_max=3, preemption_signals=None)
+    ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
+    writes_seen = []
+
+    class Slow(Callback):  # steps of 40 ms: a write spans several of them
+        def on_train_batch_end(self, trainer, *args):
+            time.sleep(0.04)
+            writes_seen.append(io.write_in_flight())
+
+    _trainer(tmp_path, 14, [exact, ret, Slow()], io).fit(Tiny())
+    state = exact.scheduler.state
+    assert state.saves >= 2 and all(c < 0.15 for c in state.costs)  # the write is not blocking time
+    assert state.last_write_s is not None and state.last_write_s >= 0.15
+    assert any(writes_seen) and state.saves < 14 // 3  # no save started while a write was in flight
+
+
+def test_preemption_waits_until_the_snapshot_is_durable_before_stopping(tmp_path):
+    io = SafetensorsCheckpointIO(async_save=True)
+    _slow(io, 0.3)
+    exact = ExactResume(preemption_signals=["SIGUSR1"])
+    ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
+
+    class Preempt(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 4:
+                os.kill(os.getpid(), __import__("signal").SIGUSR1)
+
+        def on_train_end(self, trainer, pl_module):  # before Lightning's teardown would flush
+            self.durable = not io.write_in_flight() and (tmp_path / "step=000000005.ckpt").exists()
+
+    preempt = Preempt()
+    _trainer(tmp_path, 20, [exact, ret, preempt], io).fit(Tiny())
+    assert exact.preempted and preempt.durable
+
+
+def _data_start(path):
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def _direct_io_works(directory):
+    try:
+        fd = os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    return bool(getattr(os, "O_DIRECT", 0))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-io", "filesystem-refuses-direct-io"])
+def test_async_files_are_standard_safetensors_with_or_without_direct_io(tmp_path, monkeypatch, direct):
+    from safetensors import safe_open
+
+    if direct and not _direct_io_works(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    if not direct:
+        monkeypatch.setattr(write, "_open_direct", lambda path: None)
+    model, opt = _model_and_optimizer()
+    checkpoint = _checkpoint(model, opt, 1)
+    checkpoint["odd"] = torch.arange(4099, dtype=torch.int8)  # the data section does not end on a block
+    io = SafetensorsCheckpointIO(async_save=True)
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    io.teardown()
+    start = _data_start(tmp_path / "a.ckpt")
+    assert (start % 4096 == 0) if direct else (start % 4096 != 0)  # direct I/O pads the header to a block
+    assert_same(SafetensorsCheckpointIO().load_checkpoint(tmp_path / "a.ckpt"), checkpoint)
+    with safe_open(str(tmp_path / "a.ckpt"), framework="pt") as f:  # the reference reader agrees
+        read = [f.get_tensor(key) for key in f.keys()]
+    assert any(t.dtype == torch.int8 and torch.equal(t, checkpoint["odd"]) for t in read)
+    assert any(torch.equal(t, model.state_dict()["0.weight"]) for t in read if t.shape == (64, 64))
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt"] + (["probe"] if direct else [])
+
+
+def test_a_filesystem_that_refuses_the_first_direct_write_gets_a_page_cache_write(tmp_path, monkeypatch):
+    import errno
+
+    real, calls = write._pwrite_all, []
+
+    def refuse_first(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")  # what O_DIRECT gets where it is not supported
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(write, "_pwrite_all", refuse_first)
+    model, opt = _model_and_optimizer()
+    checkpoint = _checkpoint(model, opt, 1)
+    io = SafetensorsCheckpointIO(async_save=True)
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    io.teardown()
+    if not _direct_io_works(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT at open: the probe write is never reached")
+    assert _data_start(tmp_path / "a.ckpt") % 4096 != 0  # written through the page cache
+    assert_same(SafetensorsCheckpointIO().load_checkpoint(tmp_path / "a.ckpt"), checkpoint)
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "probe"]

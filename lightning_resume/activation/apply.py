@@ -129,8 +129,3 @@ def remove_activation_checkpointing(root: nn.Module) -> int:
                 object.__setattr__(module, "forward", inner)
             restored += 1
     return restored
-
-
-def checkpointed_modules(root: nn.Module) -> list[str]:
-    """Qualified names of the modules whose forward this package replaced."""
-    return [name for name, m in root.named_modules() if m.__dict__.get(_MARK, False)]

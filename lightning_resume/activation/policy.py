@@ -4,7 +4,7 @@ This module owns the decision only. It reads plain records of a model's blocks (
 class paths, container, parameter count and, when measured, saved-activation bytes) and returns a
 :class:`CheckpointPlan`: the *units* to recompute in backward, each a run of one or more
 consecutive blocks. It never imports Lightning or torch, never touches a module, never reads a
-clock. The mechanism (``apply.py``) applies a plan; the strategy hook (``hook.py``) gathers records.
+clock. The mechanism (``apply.py``) applies a plan; the strategies (``strategies.py``) gather records.
 
 Selection modes (over the *candidates*: the outermost blocks matching the classes and/or the glob):
 

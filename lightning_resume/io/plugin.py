@@ -38,7 +38,7 @@ from lightning_resume.errors import (
 )
 from lightning_resume.io import read, write
 from lightning_resume.io.atomic import clean_stale_temporaries, is_local
-from lightning_resume.io.integrity import DIGESTS
+from lightning_resume.io.integrity import DIGESTS, Algorithm
 from lightning_resume.io.resolve import is_last_name, newest_verified, sibling_checkpoints
 from lightning_resume.io.staging import AsyncSaver, StagedTensors
 from lightning_resume.io.verify import verify as verify_file
@@ -64,8 +64,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
             written with direct I/O from those buffers (no page-cache copy) where the filesystem allows.
         overlap_write: with ``async_save``, start writing each chunk as soon as it is copied instead of
             after the whole snapshot: durable sooner by about the copy time, but the write competes with
-            the copy, so training is blocked longer (measured on 2 busy cores: 1.6-2.4x a memcpy instead
-            of 1.4x). Worth it where saves are back to back and cores are spare.
+            the copy, so training is blocked longer (README, "Async saving", has the figures). Worth it
+            where saves are back to back and cores are spare.
         on_error: what a failed background write does at the next save, ``wait`` or teardown:
             ``"raise"`` an ``AsyncWriteError`` naming the file (default), or ``"warn"`` and go on.
         flush_timeout: longest wait for a pending write when the run ends by an exception,
@@ -75,7 +75,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
     def __init__(
         self,
         verify: bool = True,
-        checksum: Literal["crc32", "sha256", "blake2b"] = "crc32",
+        checksum: Algorithm = "crc32",
         fallback_to_verified: bool = True,
         mmap: bool = False,
         async_save: bool = False,

@@ -7,7 +7,7 @@ the worker can write it with direct I/O; the non-tensor tree is encoded to its J
 nothing the next optimizer step mutates is referenced. :class:`StagedTensors` tells a reader which
 tensors are copied yet, so a write may optionally follow the copy (``overlap``). On one background
 thread, :class:`OrderedWriter` runs jobs strictly in submission order: the atomic, checksummed
-commit of ``files.commit`` and the deletions asked for after it, so a prune never overtakes the
+commit of ``write.commit`` and the deletions asked for after it, so a prune never overtakes the
 save it depends on, and a deletion queued behind a failed write is skipped (nothing good is deleted
 on a full disk). :class:`AsyncSaver` ties them together: at most one save in flight (the next
 waits for it, and that wait is measured), a worker's error is handed to the training thread at the
@@ -304,7 +304,7 @@ class OrderedWriter:
 
 
 WriteFn = Callable[[str, str, StagedTensors], None]
-"""``write(path, tree_json, staged)``: the durable commit (``files.commit`` with a digest), reading each
+"""``write(path, tree_json, staged)``: the durable commit (``write.commit`` with a digest), reading each
 tensor only after ``staged.wait(name)``: it starts while the snapshot is still being copied."""
 
 
@@ -313,8 +313,8 @@ class AsyncSaver:
 
     ``overlap=True`` starts the write while the snapshot is still being copied (each chunk once it is
     copied): the file is durable sooner by about the copy time, but the write then competes with the
-    copy for CPU and memory bandwidth, so the caller is blocked longer (on a busy 2-core machine the
-    blocked time went from 1.4x to 1.6-2.4x a bare memcpy). Off by default: blocking is what training pays.
+    copy for CPU and memory bandwidth, so the caller is blocked longer. Off by default: blocking is what
+    training pays.
 
     ``encode(checkpoint) -> (tree_json, tensors)`` runs on the caller's thread, ``write`` on the worker.
     A failed job is reported on the caller's thread by the next :meth:`save`, :meth:`wait` or

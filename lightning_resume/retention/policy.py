@@ -115,7 +115,7 @@ PROTECTIONS: tuple = (
 )
 
 
-def newest_verified(records: Iterable[CheckpointRecord]) -> Optional[CheckpointRecord]:
+def newest_verified_record(records: Iterable[CheckpointRecord]) -> Optional[CheckpointRecord]:
     """The most recent complete, verified checkpoint, or ``None``."""
     done = [r for r in records if r.verified and not r.in_flight]
     return max(done, key=lambda r: r.recency) if done else None
@@ -186,7 +186,7 @@ class RetentionPolicy:
         ordered = sorted(records, key=lambda r: r.recency)
         if not self.active:
             return [KeepDecision(r, True, ("retention off: no keep rule set",)) for r in ordered]
-        newest = newest_verified(ordered)
+        newest = newest_verified_record(ordered)
         ctx = _Context(resume_source, newest.path if newest else None)
         kept = self._kept_by_rules(ordered)
         decisions = []

@@ -340,13 +340,6 @@ def schedule_state_dict(state: ScheduleState) -> dict:
     return {"costs": list(state.costs), "last_write_s": state.last_write_s, "saves": state.saves}
 
 
-def with_mtbf(state: ScheduleState, mtbf_s: Optional[float]) -> ScheduleState:
-    """The state with a new job M (observed mode, after the history is updated)."""
-    if mtbf_s is not None and not _positive(mtbf_s):
-        raise ValueError(f"mtbf_s={mtbf_s!r} must be > 0 seconds, or None")
-    return dataclasses.replace(state, mtbf_s=mtbf_s)
-
-
 def cost_estimate(state: ScheduleState) -> float:
     """C: the median of the recent measured blocking costs, or the conservative initial guess."""
     return statistics.median(state.costs) if state.costs else state.config.initial_cost_s

@@ -167,7 +167,7 @@ def _verified_everywhere(directory: str, digests: bool) -> commits.CommitRecord:
     if collective.rank_and_world()[0] == 0:
         try:
             record = verify_sharded(directory, digests)
-        except CheckpointCorruptError as err:
+        except (CheckpointCorruptError, OSError) as err:  # any failure here must reach every rank
             problem = str(err)
     problem, record = collective.broadcast((problem, record))
     if problem is not None:

@@ -158,3 +158,10 @@ class Stack(LightningModule):
 
 def block_class_path() -> str:
     return f"{Block.__module__}.{Block.__qualname__}"
+
+
+def checkpointed_modules(root: nn.Module) -> list[str]:
+    """Qualified names of the modules whose forward lightning-resume replaced (activation checkpointing)."""
+    from lightning_resume.activation.apply import _MARK
+
+    return [name for name, m in root.named_modules() if m.__dict__.get(_MARK, False)]

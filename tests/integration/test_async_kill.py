@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     """
     import os, sys, torch
     torch.set_num_threads(1)
-    from lightning_resume.io import SafetensorsCheckpointIO
+    from lightning_resume import SafetensorsCheckpointIO
     out = sys.argv[1]
     io = SafetensorsCheckpointIO(async_save=True)
     commit = io._commit

@@ -252,3 +252,14 @@ def test_layout_section_of_the_readme_matches_the_tree():
     actual = {n[:-3] if n.endswith(".py") else n for n in actual} - {"__init__"}
     listed = {n[:-3] if n.endswith(".py") else n for n in listed} - {"__init__"}
     assert listed == actual
+
+
+def test_no_test_module_imports_another_test_module():
+    tests = ROOT / "tests"
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(_tree(path)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            modules += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{path.relative_to(ROOT)}: {m}" for m in modules if m.split(".")[-1].startswith("test_")]
+    assert not found, "share code through tests/helpers instead:\n" + "\n".join(found)

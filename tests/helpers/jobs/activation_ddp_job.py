@@ -13,13 +13,12 @@ import torch
 from lightning import Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_resume.activation.apply import checkpointed_modules
-from lightning_resume.activation.strategies import ActivationCheckpointingDDPStrategy
+from lightning_resume import ActivationCheckpointingDDPStrategy
 
 if __name__ == "__main__":  # run as a script (also by Lightning's DDP launcher): the repo root holds ``tests``
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.helpers.models import Block, Stack
+from tests.helpers.models import Block, Stack, checkpointed_modules  # after the path is set
 
 
 def main(out: str, mode: str) -> None:

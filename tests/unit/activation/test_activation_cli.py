@@ -10,8 +10,8 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_resume.activation.apply import checkpointed_modules
 from lightning_resume.activation.strategies import ActivationCheckpointingStrategy
+from tests.helpers.models import checkpointed_modules
 
 
 class TinyBlock(nn.Module):

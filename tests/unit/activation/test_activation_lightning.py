@@ -8,10 +8,9 @@ import pytest
 import torch
 from lightning import Trainer, seed_everything
 
-from lightning_resume.activation.apply import checkpointed_modules
 from lightning_resume.activation.strategies import ActivationCheckpointingStrategy
 from lightning_resume.errors import ConfigurationError
-from tests.helpers.models import Block, Stack, block_class_path
+from tests.helpers.models import Block, Stack, block_class_path, checkpointed_modules
 
 
 def fit(strategy=None, steps: int = 6, ckpt_path=None, model=None, **trainer_kwargs) -> Stack:

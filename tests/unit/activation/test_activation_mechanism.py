@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from lightning_resume.activation.apply import apply_plan, checkpointed_modules, remove_activation_checkpointing
+from lightning_resume.activation.apply import apply_plan, remove_activation_checkpointing
 from lightning_resume.activation.measure import block_records, measure_saved_bytes
 from lightning_resume.activation.policy import BlockSelection, CheckpointPlan, plan_checkpointing
 from lightning_resume.errors import ConfigurationError
-from tests.helpers.models import Block, block_class_path
+from tests.helpers.models import Block, block_class_path, checkpointed_modules
 
 X = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(3))
 

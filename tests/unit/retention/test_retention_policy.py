@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_resume.errors import ConfigurationError
-from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, newest_verified
+from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, newest_verified_record
 
 
 def rec(step, time=None, metric=None, **kw):
@@ -67,7 +67,7 @@ def test_protected_and_anchors_always_kept(policy, history, data):
     resume = data.draw(st.sampled_from([None] + [r.path for r in history]))
     decisions = policy.decide(history, resume)
     kept = kept_paths(decisions)
-    newest = newest_verified(history)
+    newest = newest_verified_record(history)
     if newest is not None:
         assert newest.path in kept
     if resume is not None:
@@ -86,7 +86,7 @@ def test_at_most_the_rules_plus_protected_remain(policy, history, data):
     resume = data.draw(st.sampled_from([None] + [r.path for r in history]))
     kept = kept_paths(policy.decide(history, resume))
     protected = {r.path for r in history if r.in_flight or not r.owned or not r.verified} | {resume} - {None}
-    newest = newest_verified(history)
+    newest = newest_verified_record(history)
     protected |= {newest.path} if newest else set()
     bound = (policy.keep_last or 0) + (policy.keep_best or 0) + len(policy.anchors(history)) + len(protected)
     assert len(kept) <= bound

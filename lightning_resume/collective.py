@@ -8,10 +8,13 @@ local value is the answer). Knows ``torch.distributed``, not Lightning or files.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+
+from lightning_resume.errors import RanksOutOfStepError
 
 T = TypeVar("T")
 
@@ -49,6 +52,23 @@ def gather(local: T, world_size: Optional[int] = None) -> list[T]:
     out: list[Any] = [None] * world_size
     dist.all_gather_object(out, local)
     return out
+
+
+def all_arrive(what: str, timeout_s: float) -> None:
+    """Wait until every rank reaches this point, at most ``timeout_s``; else ``RanksOutOfStepError`` on every
+    rank that did, naming the ranks that did not (gloo's ``monitored_barrier``).
+
+    For the points where ranks may have taken different paths (each resolved its own checkpoint), so a
+    rank that is elsewhere gives a named error in bounded time instead of a hang in the next collective.
+    Other backends (NCCL) have no monitored barrier; their own watchdog timeout applies.
+    """
+    if not is_distributed() or dist.get_world_size() <= 1 or dist.get_backend() != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())
+        raise RanksOutOfStepError(what, timeout_s, f"rank {dist.get_rank()}: {detail[:500]}") from err
 
 
 def agreed(lines: list[str]) -> list[str]:

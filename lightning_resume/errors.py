@@ -105,6 +105,19 @@ class StagingAborted(LightningResumeError):
     """The snapshot copy failed on the training thread; the write waiting for its bytes stops (no file)."""
 
 
+class RanksOutOfStepError(LightningResumeError, RuntimeError):
+    """Not every rank reached an agreement point of ``ExactResume`` in time: a rank crashed, hangs, or
+    waits in another collective. Raised on every rank that got there, naming the ranks that did not."""
+
+    def __init__(self, what: str, timeout_s: float, detail: str) -> None:
+        self.what = what
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"not every rank reached {what} within {timeout_s:g}s ({detail}); look at the logs of the ranks named"
+            " there: a rank that crashed, or that resolved another checkpoint, stops the others here"
+        )
+
+
 class ShardedSaveError(LightningResumeError):
     """A sharded save failed on some rank; every rank raises this same error (none is left waiting)."""
 

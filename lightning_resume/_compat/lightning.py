@@ -12,14 +12,17 @@ and nothing else. ``lightning_resume._compat.check_versions`` warns when the ver
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+import signal
+from typing import Any, Callable, Optional, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.evaluation_loop import RestartStage
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
 from torch import nn
@@ -52,6 +55,14 @@ def prefetched_batches(trainer: pl.Trainer) -> list[Any]:
 def epoch_exhausted(trainer: pl.Trainer) -> bool:
     """Whether the last batch of the current epoch has been trained (training_epoch_loop.py:324)."""
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def inside_training_step(trainer: pl.Trainer) -> bool:
+    """Whether a training batch has begun and its step not finished: the batch progress counts it ready
+    before ``on_train_batch_start`` and processed only after the optimizer step, before
+    ``on_train_batch_end`` (training_epoch_loop.py:324, :356, :375)."""
+    progress = cast(_ProcessedTracker, trainer.fit_loop.epoch_loop.batch_progress.current)  # progress.py:_BatchProgress
+    return progress.ready > progress.processed
 
 
 def at_optimizer_step(trainer: pl.Trainer) -> bool:
@@ -242,3 +253,21 @@ def set_fsdp_checkpoint_fn(strategy: Any, check_fn: Callable[[nn.Module], bool])
     """Have ``FSDPStrategy`` apply its native activation checkpointing to the modules ``check_fn`` picks
     (fsdp.py:191 stores these kwargs, :322 applies them while wrapping)."""
     strategy._activation_checkpointing_kwargs = {"check_fn": check_fn}
+
+
+# ---------------------------------------------------------------------------------------- launchers
+
+
+def slurm_requeue_signal(trainer: pl.Trainer) -> Optional[signal.Signals]:
+    """The signal on which Lightning's SLURM environment saves and requeues the job, or ``None`` when it
+    would not requeue (not on SLURM, or ``auto_requeue=False``): signal_connector.py:51-62."""
+    environment = trainer._accelerator_connector.cluster_environment
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
+        return signal.Signals(environment.requeue_signal)
+    return None
+
+
+def hpc_save_path(trainer: pl.Trainer) -> str:
+    """The next ``hpc_ckpt_N.ckpt`` in ``default_root_dir``, which ``fit(ckpt_path=None)`` resumes from on
+    SLURM (checkpoint_connector.py:55-64, :121-122, :563-566)."""
+    return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))

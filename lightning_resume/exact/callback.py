@@ -9,6 +9,8 @@ Lightning internals are in ``lightning_resume._compat.lightning``.
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import lightning.pytorch as pl
@@ -22,8 +24,9 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, snapshots
-from lightning_resume.exact.capture import checkpoint_state
-from lightning_resume.exact.restore import restore
+from lightning_resume.exact.capture import AT_STEP_BOUNDARY, INSIDE_STEP, INSIDE_VALIDATION, checkpoint_state
+from lightning_resume.exact.launchers import torchelastic_problem
+from lightning_resume.exact.restore import check_same_checkpoint, restore
 from lightning_resume.exact.state.data import loader_problems
 from lightning_resume.schedule.policy import (
     DEFAULT_CHECK_INTERVAL,
@@ -101,6 +104,8 @@ class ExactResume(Callback):
         self._trainer: Optional[pl.Trainer] = None
         self._pending: Optional[dict[str, Any]] = None
         self._after_batch = False
+        self._in_validation = False
+        self._requeue_signal: Optional[signal.Signals] = None
         self.resume_report: dict[str, Any] = {}
 
     @property
@@ -130,13 +135,26 @@ class ExactResume(Callback):
         for i, loader in enumerate(lc.train_loaders(trainer)):
             for problem in loader_problems(f"train loader {i}", loader):
                 rank_zero_warn(f"ExactResume: resume will not be exact: {problem}", category=ExactResumeWarning)
+        launcher_problem = torchelastic_problem(os.environ)
+        if launcher_problem is not None:
+            rank_zero_warn(f"ExactResume: {launcher_problem}", category=ExactResumeWarning)
         pending, self._pending = self._pending, None
+        check_same_checkpoint(trainer, pending)
         if pending is not None:
             self.resume_report = restore(trainer, pending, self.generators, self.strict, self.fingerprint)
         if self.scheduler is not None:
             driver.start(self.scheduler, trainer, self._num_nodes, pending or {})
         if self.preemption is not None:
+            self._take_over_slurm_requeue(trainer)
             self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it
+
+    def _take_over_slurm_requeue(self, trainer: pl.Trainer) -> None:
+        """On SLURM with ``auto_requeue``, Lightning saves mid-step from its handler of the requeue signal and
+        requeues the job; that signal becomes a preemption (snapshot at the next step boundary, then requeue)."""
+        assert self.preemption is not None
+        self._requeue_signal = lc.slurm_requeue_signal(trainer)
+        if self._requeue_signal is not None and self._requeue_signal not in self.preemption.signals:
+            self.preemption = PreemptionFlag((*self.preemption.signals, self._requeue_signal))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -162,11 +180,17 @@ class ExactResume(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._after_batch = True
         if self.scheduler is not None and lc.at_optimizer_step(trainer):
-            self.preempted = driver.at_step_boundary(self.scheduler, self.preemption, trainer) or self.preempted
+            stop = driver.at_step_boundary(self.scheduler, self.preemption, trainer, self._requeue_signal)
+            self.preempted = stop or self.preempted
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._after_batch = False
+        self._in_validation = True
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._in_validation = False  # Lightning runs checkpoint callbacks' on_validation_end after this one
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -178,7 +202,9 @@ class ExactResume(Callback):
         if trainer is None or not trainer.training and not trainer.validating:
             return {}
         schedule = self.scheduler.state_dict() if self.scheduler is not None else {}
-        return checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule)
+        where = INSIDE_STEP if lc.inside_training_step(trainer) else AT_STEP_BOUNDARY
+        where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where
+        return checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -24,6 +24,13 @@ from lightning_resume.exact.state.rng import capture_rng
 FORMAT_VERSION = 1
 """Layout of the state below; a resume refuses another."""
 
+AT_STEP_BOUNDARY = "step_boundary"
+INSIDE_STEP = "inside_training_step"
+INSIDE_VALIDATION = "inside_validation"
+"""Where in the loop a state was captured. Only a step boundary (after a batch, after a validation run,
+at an epoch's end) can resume exactly: a state captured inside a step (a signal handler's save, an
+exception hook) or inside validation has work half done that no checkpoint holds."""
+
 
 def checkpoint_state(
     trainer: pl.Trainer,
@@ -31,14 +38,17 @@ def checkpoint_state(
     after_batch: bool,
     with_fingerprint: bool,
     schedule: dict[str, Any],
+    captured_at: str = AT_STEP_BOUNDARY,
 ) -> dict[str, Any]:
     """The ``ExactResume`` entry of a checkpoint: every rank's state (a collective) and the run's signature.
 
     ``after_batch``: the save happens right after a training batch (so validation may be due next).
+    ``captured_at``: where in the loop (``AT_STEP_BOUNDARY``, ``INSIDE_STEP``, ``INSIDE_VALIDATION``).
     """
     local = capture_rank(trainer, generators, after_batch, with_fingerprint)
     return {
         "format": FORMAT_VERSION,
+        "captured_at": captured_at,
         "saved_at": time.time(),
         "schedule": schedule,
         "world_size": trainer.world_size,

@@ -10,15 +10,19 @@ its cost is measured (the blocking part only, for async writers) and its metrics
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any, Callable, Mapping, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_resume import collective
+from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration
+from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
+from lightning_resume.exact.launchers import requeue
 from lightning_resume.schedule.policy import ScheduleConfig
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
@@ -65,34 +69,65 @@ def start(
     )
 
 
-def at_step_boundary(scheduler: SnapshotScheduler, preemption: Optional[PreemptionFlag], trainer: pl.Trainer) -> bool:
+STOP, REQUEUE = 1, 2
+"""Preemption levels agreed over ranks: stop after a durable snapshot; also requeue the SLURM job."""
+
+
+def at_step_boundary(
+    scheduler: SnapshotScheduler,
+    preemption: Optional[PreemptionFlag],
+    trainer: pl.Trainer,
+    requeue_signal: Optional[signal.Signals] = None,
+) -> bool:
     """Save if the schedule or a preemption signal says so; ``True`` when the run must stop (preempted).
 
     One process acts on its own flag at once; ranks agree at check steps only (rank 0's decision,
-    any rank's signal), so no collective runs between checks.
+    any rank's signal), so no collective runs between checks. When any rank received
+    ``requeue_signal`` (SLURM's, with ``auto_requeue``), rank 0 requeues the job once the snapshot is
+    durable, as Lightning would have.
     """
-    local_preempt = preemption is not None and preemption.requested
-    if local_preempt and trainer.world_size == 1:
-        save, preempt, reason = False, True, PREEMPTION
+    local = 0
+    if preemption is not None and preemption.requested:
+        local = REQUEUE if requeue_signal is not None and preemption.received == requeue_signal else STOP
+    if local and trainer.world_size == 1:
+        save, preempt, reason = False, local, PREEMPTION
     else:
         device = trainer.strategy.root_device
 
         def agree(values: Any) -> list[int]:
             return collective.max_over_ranks(values, device)
 
-        save, preempt, reason = scheduler.decide(trainer.global_step, local_preempt, agree, trainer.is_global_zero)
-    if save or preempt:
-        snapshot(scheduler, trainer, PREEMPTION if preempt else reason)
+        save, preempt, reason = scheduler.decide(trainer.global_step, local, agree, trainer.is_global_zero)
+    path = snapshot(scheduler, trainer, PREEMPTION if preempt else reason) if save or preempt else None
     if preempt:
         scheduler.clean_stop(trainer.is_global_zero)
         trainer.should_stop = True
         rank_zero_info(
             f"ExactResume: preemption signal received; snapshot at step {trainer.global_step} is durable; stopping."
         )
-    return preempt
+    if preempt == REQUEUE and path is not None:
+        _requeue(trainer, path)
+    return bool(preempt)
 
 
-def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason: str) -> None:
+def _requeue(trainer: pl.Trainer, path: str) -> None:
+    """Rank 0: make ``fit(ckpt_path=None)`` on SLURM find the snapshot too (Lightning's ``hpc_ckpt_N``), then
+    requeue the job. Every rank waits for it, so no process exits before the job is requeued."""
+    if trainer.is_global_zero:
+        hpc_path = lc.hpc_save_path(trainer)
+        try:
+            snapshots.publish_as_hpc(path, hpc_path)
+        except OSError as err:  # the snapshot itself is durable: requeue anyway
+            rank_zero_warn(
+                f"ExactResume: could not publish the snapshot as {hpc_path} ({err}); the requeued job resumes"
+                " from it with fit(ckpt_path='last'), not with ckpt_path=None",
+                category=ExactResumeWarning,
+            )
+        requeue()
+    trainer.strategy.barrier("ExactResume.requeue")
+
+
+def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason: str) -> str:
     """Save a snapshot now (every rank), account its cost, log its metrics (rank 0).
 
     The cost is timed on the schedule's own clock, the one its intervals are measured on.
@@ -105,9 +140,10 @@ def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason
     if reason == PREEMPTION and writer is not None:
         snapshots.wait_durable(writer, path)
     if scheduler is None or scheduler.state is None:
-        return
+        return path
     nbytes = os.path.getsize(path) if trainer.is_global_zero and os.path.isfile(path) else None
     metrics = scheduler.record(trainer.global_step, blocked, nbytes, writer)
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+    return path

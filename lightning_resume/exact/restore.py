@@ -21,7 +21,7 @@ from torchdata.stateful_dataloader.stateful import Stateful
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
-from lightning_resume.exact.capture import FORMAT_VERSION, fingerprint_of, signature
+from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
 from lightning_resume.exact.state.data import loader_signature, remap_position
 from lightning_resume.exact.state.fingerprint import fingerprint_mismatches
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
@@ -118,6 +118,13 @@ def differences_from(
     out = []
     if saved.get("format") != FORMAT_VERSION:
         out.append(f"ExactResume state format {saved.get('format')!r}, this version reads {FORMAT_VERSION}")
+    captured_at = saved.get("captured_at", AT_STEP_BOUNDARY)
+    if captured_at != AT_STEP_BOUNDARY:
+        out.append(
+            f"the checkpoint was captured {captured_at.replace('_', ' ')} (e.g. by a signal handler or an exception"
+            " hook), not at a step boundary: the work half done then is not in it, so the run resumes from there"
+            " approximately; let ExactResume take preemption snapshots (preemption_signals) instead"
+        )
     if saved.get("world_size") != trainer.world_size:
         out.append(
             f"world size: checkpoint written by {saved.get('world_size')} processes, this run has"
@@ -155,4 +162,35 @@ def refuse_or_warn(strict: bool, source: Optional[Union[str, os.PathLike[str]]],
         "ExactResume(strict=False): resuming approximately; these will not be exact:\n"
         + "\n".join(f"  - {d}" for d in differences),
         category=ExactResumeWarning,
+    )
+
+
+AGREEMENT_TIMEOUT_S = 300.0
+"""How long ranks wait for each other at the start-of-run agreement (they may still be loading the
+checkpoint) before every rank that arrived raises ``RanksOutOfStepError`` naming the others."""
+
+
+def check_same_checkpoint(trainer: pl.Trainer, pending: Optional[Mapping[str, Any]]) -> None:
+    """Every rank resumes from the same checkpoint, or every rank raises the same ``ResumeMismatchError``.
+
+    Ranks resolve ``ckpt_path`` each on their own files; with per-node checkpoint directories one node
+    may find a checkpoint and another none (or an older one), and the ranks would then train apart and
+    block in different collectives. One gather of (step, save time) settles it (every rank calls it).
+    """
+    if trainer.world_size <= 1:
+        return
+    collective.all_arrive("the check that every rank resumes from the same checkpoint", AGREEMENT_TIMEOUT_S)
+    mine = (str(trainer.ckpt_path) if trainer.ckpt_path else None, trainer.global_step, (pending or {}).get("saved_at"))
+    everyone = collective.gather(mine, trainer.world_size)
+    if len({(step, saved) for _, step, saved in everyone}) <= 1:
+        return
+    lines = [
+        f"rank {rank}: " + (f"{path} (step {step})" if path else "no checkpoint found: a fresh start")
+        for rank, (path, step, _) in enumerate(everyone)
+    ]
+    raise ResumeMismatchError(
+        "the resolved checkpoints",
+        lines,
+        "Every rank must resume from the same checkpoint: keep checkpoints on a filesystem all nodes share, or"
+        " copy rank 0's checkpoint directory to every node before relaunching.",
     )

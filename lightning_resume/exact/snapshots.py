@@ -9,15 +9,24 @@ and the strategy's file operations, not its loops.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Optional
 
+import fsspec
 import lightning.pytorch as pl
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
-from lightning_resume.io.atomic import fsync_file_and_dir
+from lightning_resume.io.atomic import (
+    atomic_write,
+    fsync_directory,
+    fsync_file_and_dir,
+    is_local,
+    local_path,
+    temp_name,
+)
 from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget
 
 SNAPSHOT_PREFIX = "last-snapshot-step="
@@ -88,3 +97,32 @@ def wait_durable(writer: AsyncCheckpointWriter, path: str) -> None:
             f"ExactResume: snapshot {path} was not durable within {writer.flush_timeout}s of the preemption signal",
             category=ExactResumeWarning,
         )
+
+
+def publish_as_hpc(path: str, hpc_path: str) -> None:
+    """Make the durable snapshot ``path`` also Lightning's ``hpc_ckpt_N.ckpt`` at ``hpc_path``, so a requeued
+    SLURM job resumes from it whether its script passes ``ckpt_path="last"`` or ``None`` (Lightning's hpc
+    resolution). Hard links where it can (instant whatever the size: this runs inside the preemption
+    notice), else copies; committed by one rename. Rank 0 only, before the job is requeued."""
+    if not (is_local(str(path)) and is_local(hpc_path)):
+        fs, fs_path = fsspec.core.url_to_fs(str(path))
+        with fs.open(fs_path, "rb") as source:
+            atomic_write(hpc_path, lambda target: shutil.copyfileobj(source, target, 16 << 20))
+        return
+    source, target = local_path(str(path)), local_path(hpc_path)
+    parent = os.path.dirname(os.path.abspath(target))
+    staging = os.path.join(parent, temp_name(os.path.basename(target)))
+    if os.path.isdir(source):  # a sharded checkpoint directory
+        shutil.copytree(source, staging, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(source, staging)
+    os.rename(staging, target)
+    fsync_directory(parent)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy2(source, target)
+        fsync_file_and_dir(target)

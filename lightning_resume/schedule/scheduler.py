@@ -73,17 +73,20 @@ class SnapshotScheduler:
         self.state = start_schedule(config, self.clock(), step, mtbf_s=mtbf, restored=restored)
         self.next_check_step = step + 1
 
-    def decide(self, step: int, preempt_local: bool, agree: Agree, is_rank_zero: bool) -> tuple[bool, bool, str]:
-        """(save, preempt, reason) at a step boundary; a collective only at check steps."""
+    def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[bool, int, str]:
+        """(save, preempt, reason) at a step boundary; a collective only at check steps.
+
+        ``preempt_local`` is this rank's preemption level (0: none; the caller's codes above 0); the
+        answer is the highest level over all ranks."""
         if self.state is None or step < self.next_check_step:
-            return False, False, SaveReason.NOT_DUE.value
+            return False, 0, SaveReason.NOT_DUE.value
         self.poll_write()
         decision = (
             should_save(self.state, self.clock(), step) if is_rank_zero else SaveDecision(False, SaveReason.NOT_DUE, 0)
         )
         save, next_check, preempt = agree([int(decision.save), decision.next_check_step, int(preempt_local)])
         self.next_check_step = max(int(next_check), step + 1)
-        return bool(save), bool(preempt), decision.reason.value
+        return bool(save), int(preempt), decision.reason.value
 
     def record(
         self, step: int, blocked_s: float, nbytes: Optional[int], writer: Optional[AsyncCheckpointWriter] = None

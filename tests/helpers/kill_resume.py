@@ -21,8 +21,8 @@ ROOT = REPO_ROOT
 TRAINEE = JOBS_DIR / "trainee.py"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
+def _env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
@@ -37,7 +37,7 @@ def _start(cfg: dict[str, Any], workdir: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(TRAINEE), str(cfg_path)],
         cwd=workdir,
-        env=_env(),
+        env=_env(cfg.get("env")),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # one process group: DDP children die with it

@@ -30,10 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root holds ``tests``
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,7 @@ from lightning_resume import load_sharded, newest_committed, save_sharded
 from lightning_resume.sharded import background
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import clean_uncommitted, load_meta
+from tests.helpers.paths import free_port
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -285,9 +288,7 @@ def main(argv=None) -> None:
     os.makedirs(args.root, exist_ok=True)
     if args.resave:
         return resave(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mp.spawn(worker, args=(args,), nprocs=args.world)
 
 

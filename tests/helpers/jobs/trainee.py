@@ -10,6 +10,7 @@ test can SIGKILL it from outside at a known point.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 import time
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset, IterableDataset
 torch.set_num_threads(1)
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
@@ -189,10 +191,13 @@ def main(cfg: dict) -> None:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(cfg.get("seed", 0), workers=True)
+    ckpt_dir = cfg["ckpt_dir"]
+    if cfg.get("ckpt_dir_per_rank"):  # each node its own local directory (Lightning's DDP launcher sets LOCAL_RANK)
+        ckpt_dir = f"{ckpt_dir}-rank{os.environ.get('LOCAL_RANK', '0')}"
     if cfg.get("retention") is not None:
-        callbacks = [RetentionCheckpoint(dirpath=cfg["ckpt_dir"], **cfg["retention"])]
+        callbacks = [RetentionCheckpoint(dirpath=ckpt_dir, **cfg["retention"])]
     else:
-        callbacks = [ModelCheckpoint(dirpath=cfg["ckpt_dir"], **cfg.get("ckpt", {}))]
+        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, **cfg.get("ckpt", {}))]
     if cfg.get("exact", True):
         callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **cfg.get("exact_args", {})))
     if cfg.get("debug_rng"):
@@ -200,7 +205,9 @@ def main(cfg: dict) -> None:
     if cfg.get("pause_before") is not None:
         callbacks.append(PauseBefore(out, cfg["pause_before"]))
     devices = cfg.get("devices", 1)
-    plugins = [SafetensorsCheckpointIO(async_save=cfg.get("async", False))] if cfg.get("safetensors") else []
+    plugins: list = [SafetensorsCheckpointIO(async_save=cfg.get("async", False))] if cfg.get("safetensors") else []
+    if cfg.get("slurm_auto_requeue") is not None:
+        plugins.append(SLURMEnvironment(auto_requeue=cfg["slurm_auto_requeue"]))
     trainer = pl.Trainer(
         plugins=plugins,
         accelerator="cpu",

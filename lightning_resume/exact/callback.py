@@ -33,6 +33,8 @@ from lightning_resume.schedule.policy import (
     DEFAULT_INITIAL_COST,
     DEFAULT_MAX_INTERVAL,
     DEFAULT_MIN_INTERVAL,
+    DEFAULT_MTBF,
+    DEFAULT_MTBF_PRIOR,
 )
 from lightning_resume.schedule.preemption import DEFAULT_SIGNALS, PreemptionFlag
 
@@ -55,15 +57,17 @@ class ExactResume(Callback):
             approximately and a warning lists what will not be exact.
         fingerprint: record digests of weights, optimizer, RNG and data state in each checkpoint and
             check them after restore. Costs one pass of hashing over the state at each save.
-        mtbf: mean time between failures of one node (``"24h"``, seconds or a ``timedelta``), or
-            ``"observed"`` to estimate it from this run's failure history with ``mtbf_prior`` as the
-            prior. Snapshots are then taken every T* = sqrt(2 C M) (Young; ``formula="daly"`` for
-            Daly's refinement), C being the measured blocking time of a save and M = mtbf / nodes.
-            ``None`` (default) takes no scheduled snapshots; every other checkpoint stays exact.
+        mtbf: mean time between failures of one node: ``"observed"`` (default) estimates it from
+            this run's failure history (``resume_history.json``, appended at every start) with
+            ``mtbf_prior`` as the prior; or a fixed ``"24h"``, seconds or ``timedelta``. Snapshots
+            are taken every T* = sqrt(2 C M) (Young; ``formula="daly"`` for Daly's refinement), C
+            being the measured blocking time of a save and M = mtbf / nodes. ``None`` takes no
+            scheduled snapshots; every other checkpoint stays exact.
         num_nodes: nodes sharing the failure rate (default: the trainer's ``num_nodes``).
         min_interval, max_interval: bounds on the interval between snapshots.
         every_n_train_steps_max: take a snapshot at least every this many optimizer steps.
-        mtbf_prior: the prior MTBF for ``mtbf="observed"``.
+        mtbf_prior: the prior per-node MTBF for ``mtbf="observed"`` (default ``"30d"``; the README
+            explains the choice from public failure data).
         initial_cost: conservative guess of C before the first measurement (the first snapshot
             comes after ``min_interval`` to measure it).
         check_interval: longest time between two schedule decisions; also bounds how late a
@@ -78,13 +82,13 @@ class ExactResume(Callback):
         generators: Optional[dict[str, torch.Generator]] = None,
         strict: bool = True,
         fingerprint: bool = True,
-        mtbf: Optional[Duration] = None,
+        mtbf: Optional[Duration] = DEFAULT_MTBF,
         num_nodes: Optional[int] = None,
         formula: Literal["young", "daly"] = "young",
         min_interval: Duration = DEFAULT_MIN_INTERVAL,
         max_interval: Duration = DEFAULT_MAX_INTERVAL,
         every_n_train_steps_max: Optional[int] = None,
-        mtbf_prior: Optional[Duration] = None,
+        mtbf_prior: Optional[Duration] = DEFAULT_MTBF_PRIOR,
         initial_cost: Duration = DEFAULT_INITIAL_COST,
         check_interval: Duration = DEFAULT_CHECK_INTERVAL,
         preemption_signals: Optional[Sequence[str]] = DEFAULT_SIGNALS,
@@ -117,11 +121,18 @@ class ExactResume(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
         if snapshots.snapshot_target(trainer) is None and snapshots.first_model_checkpoint(trainer) is None:
-            if self.scheduler is not None and self.scheduler.takes_snapshots:
+            if self.scheduler is not None and self.scheduler.asked_for_snapshots:
                 raise ConfigurationError("ExactResume", [
                     "scheduled snapshots need a checkpoint directory: add a RetentionCheckpoint or"
-                    " ModelCheckpoint, or leave mtbf and every_n_train_steps_max unset"
+                    " ModelCheckpoint, or pass mtbf=None and leave every_n_train_steps_max unset"
                 ])  # fmt: skip
+            if self.scheduler is not None and self.scheduler.takes_snapshots:
+                rank_zero_warn(
+                    "ExactResume: no checkpoint callback, so no scheduled snapshots are taken (pass mtbf=None"
+                    " to say so); add a ModelCheckpoint or RetentionCheckpoint to have them",
+                    category=ExactResumeWarning,
+                )
+                self.scheduler = None
             if self.preemption is not None:
                 rank_zero_warn(
                     "ExactResume: no checkpoint callback, so preemption signals cannot save a snapshot;"

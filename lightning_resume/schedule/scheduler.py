@@ -49,6 +49,13 @@ class SnapshotScheduler:
         """Whether this schedule ever saves on its own (else it only paces preemption checks)."""
         return self.config.mtbf_s is not None or self.config.every_n_train_steps_max is not None
 
+    @property
+    def asked_for_snapshots(self) -> bool:
+        """Whether the user configured snapshots explicitly (a fixed MTBF or a step cap), rather than
+        leaving the default observed schedule on."""
+        fixed = self.config.mtbf_mode is MtbfMode.CONFIGURED and self.config.mtbf_s is not None
+        return fixed or self.config.every_n_train_steps_max is not None
+
     def start(
         self,
         step: int,

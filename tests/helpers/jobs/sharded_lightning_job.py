@@ -100,7 +100,7 @@ def main(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ExactResume(every_n_train_steps_max=snapshot_every), saver],
+        callbacks=[ExactResume(mtbf=None, every_n_train_steps_max=snapshot_every), saver],
         default_root_dir=out,
     )
     assert isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointWriter) == async_save

@@ -73,10 +73,21 @@ def test_interval_is_young_of_measured_cost(tmp_path: Path) -> None:
 
 def test_step_cap_and_off(tmp_path: Path) -> None:
     clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
-    _fit(tmp_path, ExactResume(every_n_train_steps_max=7, clock=clock), clock, target)
+    _fit(tmp_path, ExactResume(mtbf=None, every_n_train_steps_max=7, clock=clock), clock, target)
     assert [s for s, _ in target.saves] == [7, 14]
-    assert not ExactResume().scheduler.takes_snapshots  # mtbf=None: no scheduled snapshots, only preemption checks
-    assert ExactResume(preemption_signals=None).scheduler is None
+    assert not ExactResume(mtbf=None).scheduler.takes_snapshots  # no scheduled snapshots, only preemption checks
+    assert ExactResume(mtbf=None, preemption_signals=None).scheduler is None
+
+
+def test_the_default_is_the_observed_schedule_with_the_documented_prior(tmp_path: Path) -> None:
+    clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
+    exact = ExactResume(clock=clock)
+    assert exact.scheduler.config.mtbf_mode.value == "observed" and exact.scheduler.config.mtbf_s == 30 * 86400
+    _fit(tmp_path, exact, clock, target)
+    # 10 s per step: the first save measures C at min_interval (1 min); a save costs nothing on this
+    # clock, so T* = sqrt(2 C M) clamps to min_interval: every 6 steps.
+    assert target.saves == [(6, "first_measurement"), (12, "interval"), (18, "interval")]
+    assert (tmp_path / "ckpt" / "resume_history.json").is_file()  # where the observed M is learnt
 
 
 def test_schedule_arguments_are_validated_together() -> None:
@@ -89,7 +100,7 @@ def test_schedule_arguments_are_validated_together() -> None:
 def test_fallback_snapshots_are_found_by_last(tmp_path: Path) -> None:
     clock = StepClock()
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=0)
-    _fit(tmp_path, ExactResume(every_n_train_steps_max=5, clock=clock), clock, ckpt, steps=12)
+    _fit(tmp_path, ExactResume(mtbf=None, every_n_train_steps_max=5, clock=clock), clock, ckpt, steps=12)
     snaps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("last-snapshot"))
     assert snaps == ["last-snapshot-step=000000010.ckpt"]  # the older one removed after the newer was written
     assert ckpt._find_last_checkpoints(pl.Trainer(logger=False)) == {str(tmp_path / "ckpt" / snaps[0])}
@@ -178,7 +189,7 @@ def test_default_retention_checkpoint_keeps_its_topk_untouched(tmp_path: Path) -
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[clock, ExactResume(every_n_train_steps_max=3, clock=clock), topk],
+        callbacks=[clock, ExactResume(mtbf=None, every_n_train_steps_max=3, clock=clock), topk],
         val_check_interval=10,
         limit_val_batches=2,
         num_sanity_val_steps=0,

@@ -284,7 +284,7 @@ def test_retention_prunes_in_order_and_marks_files_verified_only_once_durable(tm
 def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(tmp_path):
     io = SafetensorsCheckpointIO(async_save=True)
     _slow(io, 0.15)
-    exact = ExactResume(every_n_train_steps_max=3, preemption_signals=None)
+    exact = ExactResume(mtbf=None, every_n_train_steps_max=3, preemption_signals=None)
     ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
     writes_seen = []
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -28,6 +28,7 @@ from lightning_resume.exact.capture import AT_STEP_BOUNDARY, INSIDE_STEP, INSIDE
 from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.restore import check_same_checkpoint, restore
 from lightning_resume.exact.state.data import loader_problems
+from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.schedule.policy import (
     DEFAULT_CHECK_INTERVAL,
     DEFAULT_INITIAL_COST,
@@ -143,12 +144,8 @@ class ExactResume(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for i, loader in enumerate(lc.train_loaders(trainer)):
-            for problem in loader_problems(f"train loader {i}", loader):
-                rank_zero_warn(f"ExactResume: resume will not be exact: {problem}", category=ExactResumeWarning)
-        launcher_problem = torchelastic_problem(os.environ)
-        if launcher_problem is not None:
-            rank_zero_warn(f"ExactResume: {launcher_problem}", category=ExactResumeWarning)
+        for problem in self._what_cannot_be_exact(trainer, pl_module):
+            rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
         pending, self._pending = self._pending, None
         check_same_checkpoint(trainer, pending)
         if pending is not None:
@@ -158,6 +155,23 @@ class ExactResume(Callback):
         if self.preemption is not None:
             self._take_over_slurm_requeue(trainer)
             self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it
+
+    def _what_cannot_be_exact(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[str]:
+        """One line per loader configuration, unsaved random stream or launcher setting that defeats exactness."""
+        loaders = lc.train_loaders(trainer)
+        out = [
+            f"resume will not be exact: {p}"
+            for i, dl in enumerate(loaders)
+            for p in loader_problems(f"train loader {i}", dl)
+        ]
+        # Trainer.datamodule and .callbacks are public but assigned by Lightning's connectors, so untyped
+        roots = {"model": pl_module, "datamodule": trainer.datamodule}  # type: ignore[attr-defined]
+        roots.update({f"train loader {i} dataset": dl.dataset for i, dl in enumerate(loaders)})
+        has_timer = any(isinstance(cb, Timer) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        limits = limit_problems(roots, self.generators.values(), trainer.strategy.root_device, has_timer)
+        out += [f"not exact: {p}" for p in limits]
+        launcher = torchelastic_problem(os.environ)
+        return out + ([launcher] if launcher is not None else [])
 
     def _take_over_slurm_requeue(self, trainer: pl.Trainer) -> None:
         """On SLURM with ``auto_requeue``, Lightning saves mid-step from its handler of the requeue signal and

@@ -78,14 +78,12 @@ def capture_rank(
 
 
 def fingerprint_of(trainer: pl.Trainer, rng: Any, data: Any) -> dict[str, str]:
-    """The fingerprint of this rank's weights, optimizer state, RNG, data position and step."""
-    return fingerprint(
-        trainer.lightning_module.state_dict(),
-        [opt.state_dict() for opt in trainer.optimizers],
-        rng,
-        data,
-        trainer.global_step,
-    )
+    """The fingerprint of this rank's weights, optimizer state, RNG, data position, step, and of each
+    module buffer checkpoints do not hold (``persistent=False``)."""
+    module = trainer.lightning_module
+    state = module.state_dict()
+    unsaved = {name: buffer for name, buffer in module.named_buffers() if name not in state}
+    return fingerprint(state, [opt.state_dict() for opt in trainer.optimizers], rng, data, trainer.global_step, unsaved)
 
 
 def signature(trainer: pl.Trainer) -> dict[str, Any]:

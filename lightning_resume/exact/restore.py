@@ -23,7 +23,7 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
 from lightning_resume.exact.state.data import loader_signature, remap_position
-from lightning_resume.exact.state.fingerprint import fingerprint_mismatches
+from lightning_resume.exact.state.fingerprint import fingerprint_mismatches, unsaved_buffer_mismatches
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
 
 CHECKED_PARTS = ("weights", "optimizer", "rng", "step")
@@ -50,7 +50,22 @@ def restore(
         report["fingerprint_ok"] = not bad
         if bad:
             refuse_or_warn(strict, trainer.ckpt_path, [f"fingerprint after restore: {line}" for line in bad])
+        unsaved = collective.agreed(unsaved_buffer_mismatches(mine["fingerprint"], restored))
+        if unsaved:
+            report["unsaved_buffers_differ"] = unsaved
+            warn_unsaved_buffers(unsaved)
     return report
+
+
+def warn_unsaved_buffers(names: list[str]) -> None:
+    """Buffers registered with ``persistent=False`` are in no checkpoint; a warning, not a refusal, when they
+    come back different, since a cache filled on first use differs harmlessly."""
+    rank_zero_warn(
+        f"ExactResume: non-persistent buffers {names} are not in checkpoints and differ from the saving run's"
+        " after restore. A cache recomputed from its inputs is harmless; state that training updates is not: "
+        "register it with persistent=True, or recompute it in on_load_checkpoint.",
+        category=ExactResumeWarning,
+    )
 
 
 def state_for_this_rank(trainer: pl.Trainer, saved: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ no Lightning, no files.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
@@ -42,20 +42,27 @@ def digest(obj: Any) -> str:
     return h.hexdigest()
 
 
+BUFFER_PREFIX = "buffer:"
+"""Parts named ``buffer:<name>``: a module buffer registered with ``persistent=False``, which no checkpoint
+holds; the resumed run rebuilds it, and it must come out equal to what the saving run had."""
+
+
 def fingerprint(
     model_state: Mapping[str, torch.Tensor],
     optimizer_states: Iterable[Mapping[str, Any]],
     rng: Any,
     data: Any,
     step: int,
+    unsaved_buffers: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> dict[str, str]:
-    """The fingerprint of one rank's training state, one digest per part."""
+    """The fingerprint of one rank's training state, one digest per part (and per unsaved buffer)."""
     return {
         "weights": digest(model_state),
         "optimizer": digest(list(optimizer_states)),
         "rng": digest(rng),
         "data": digest(data),
         "step": str(int(step)),
+        **{BUFFER_PREFIX + name: digest(buffer) for name, buffer in (unsaved_buffers or {}).items()},
     }
 
 
@@ -65,4 +72,13 @@ def fingerprint_mismatches(saved: Mapping[str, str], restored: Mapping[str, str]
         f"{part}: saved {saved.get(part)}, restored {restored.get(part)}"
         for part in parts
         if part in saved and saved.get(part) != restored.get(part)
+    ]
+
+
+def unsaved_buffer_mismatches(saved: Mapping[str, str], restored: Mapping[str, str]) -> list[str]:
+    """Names of the non-persistent buffers whose value after restore differs from the saving run's."""
+    return [
+        part[len(BUFFER_PREFIX) :]
+        for part in saved
+        if part.startswith(BUFFER_PREFIX) and saved[part] != restored.get(part)
     ]

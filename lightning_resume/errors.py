@@ -78,6 +78,19 @@ class UnencodableValueError(LightningResumeError, TypeError):
         )
 
 
+class NoLoadableCheckpointError(LightningResumeError):
+    """``ckpt_path="last"`` found checkpoints but none verifies; starting over would silently lose the run."""
+
+    def __init__(self, directory: str, problems: Iterable[str]) -> None:
+        self.directory = str(directory)
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"ckpt_path='last': {len(self.problems)} checkpoint(s) in {self.directory} and none loads:\n{lines}\n"
+            "Fix or move them, resume from a file by its path, or pass ckpt_path=None to start a new run."
+        )
+
+
 class UnknownTypeError(LightningResumeError):
     """The file names a type (enum class, converter) this process does not know."""
 

@@ -12,7 +12,9 @@ Node schema (``"@"`` is the type tag; str, int, bool, None, finite float and lis
 ``{"@": "dict", "v": {...}}`` (str keys) or ``{"@": "dict", "i": [[k, v], ...]}`` (any keys), and
 the same for ``odict``/``attrdict``/``namespace``; ``tuple``, ``set``, ``frozenset``, ``size``
 carry ``"v": [...]``; ``float`` (non-finite) carries its 8 IEEE bytes in hex; ``tensor``/``ndarray``
-carry ``"k"``, the tensor's name; the rest are listed in ``_ENCODERS``.
+carry ``"k"``, the tensor's name (never a name safetensors reserves, such as ``__metadata__``); ``enum``
+carries ``"cls"`` and the member's ``"name"``, or for a ``Flag`` combination its integer ``"value"``; the
+rest are listed in ``_ENCODERS``. A value that would not load back as itself fails at encode time.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from lightning_resume.io.framing import check_storable
 
 MAX_DEPTH = 512
 """Deepest nesting accepted on decode: a hostile header cannot exhaust the stack."""
+
+RESERVED_TENSOR_NAMES = frozenset({"__metadata__"})
+"""Names safetensors keeps for itself: a tensor at such a key path is stored under another name."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class _Encoder:
             conv = _CONVERTERS_BY_TYPE[t]
             return {"@": "custom", "name": conv.name, "v": self.node(conv.encode(x), path)}
         if isinstance(x, enum.Enum):
-            return {"@": "enum", "cls": _qualified_name(t), "name": x.name}
+            return _encode_enum(x, path)
         if t in _MAPPINGS:
             return self.container(x, path, lambda: self.mapping(_MAPPINGS[t], _mapping_items(x), path))
         if t in _SEQUENCES:
@@ -152,7 +157,7 @@ class _Encoder:
         if key is not None and key in self.seen:
             return self.seen[key]
         name = path or "<root>"
-        while name in self.out.tensors:
+        while name in self.out.tensors or name in RESERVED_TENSOR_NAMES:
             name += "#"
         self.out.tensors[name] = t.detach()
         if key is not None:
@@ -165,6 +170,32 @@ def _alias_key(t: torch.Tensor) -> Optional[Tuple]:
     if t.numel() == 0 or t.device.type == "meta":
         return None
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _encode_enum(x: enum.Enum, path: str) -> Dict[str, Any]:
+    """An enum member by class and name, or a ``Flag`` combination (``re.I | re.M``, ``Perm(0)``) by
+    value; only if the loader will find the very same member, else the save fails here."""
+    cls = type(x)
+    qualified = _qualified_name(cls)
+    if "<locals>" in cls.__qualname__ or _resolve_loaded_class(qualified) is not cls:
+        raise UnencodableValueError(
+            path or "<root>",
+            qualified,
+            "its enum class cannot be found by name when loading (defined inside a function, or not "
+            "reachable as module.ClassName); define it at module level or register a converter",
+        )
+    if x.name is not None and cls.__members__.get(x.name) is x:
+        return {"@": "enum", "cls": qualified, "name": x.name}
+    if isinstance(x, enum.Flag) and type(x.value) is int and _flag_from_value(cls, x.value) is x:
+        return {"@": "enum", "cls": qualified, "value": x.value}
+    raise UnencodableValueError(path or "<root>", qualified, f"enum member {x!r} is not reachable by name or value")
+
+
+def _flag_from_value(cls: Any, value: int) -> Any:
+    try:
+        return cls(value)
+    except (ValueError, TypeError):
+        return None
 
 
 def _join(path: str, key: Any) -> str:
@@ -306,14 +337,19 @@ class _Decoder:
 
     def enum(self, x: Dict[str, Any]) -> Any:
         cls = _resolve_loaded_class(x["cls"])
+        member = f"{x['cls']}.{x['name']}" if "name" in x else f"{x['cls']}({_int(x['value'])})"
         if cls is None or not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
             if self.lenient:
-                return f"{x['cls']}.{x['name']}"
+                return member
             raise UnknownTypeError(
-                f"checkpoint holds an enum member {x['cls']}.{x['name']} but that class is not imported in this "
+                f"checkpoint holds an enum member {member} but that class is not imported in this "
                 "process; import its module before loading (lightning-resume never imports modules named by a file)"
             )
-        return cls[x["name"]]
+        if "name" in x:
+            return cls[_str(x["name"])]
+        if not issubclass(cls, enum.Flag):
+            raise TreeFormatError(f"enum member {member} by value, but {x['cls']} is not a Flag")
+        return cls(_int(x["value"]))
 
     def custom(self, x: Dict[str, Any], depth: int) -> Any:
         conv = _CONVERTERS_BY_NAME.get(x["name"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import uuid
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -28,14 +29,19 @@ from typing_extensions import override
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration, parse_duration
-from lightning_resume.errors import ConfigurationError, RetentionWarning, SkippedCheckpointWarning
+from lightning_resume.errors import (
+    ConfigurationError,
+    NoLoadableCheckpointError,
+    RetentionWarning,
+    SkippedCheckpointWarning,
+)
 from lightning_resume.io.atomic import fsync_file_and_dir
 from lightning_resume.io.resolve import newest_verified
 from lightning_resume.io.verify import problem, verify
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.retention.naming import parse_rolling_name, rolling_name
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
-from lightning_resume.retention.records import list_checkpoint_files, read_checkpoint_callback_state
+from lightning_resume.retention.records import list_checkpoint_files, owned_record, read_checkpoint_callback_state
 
 _STATE = "retention"
 
@@ -93,6 +99,9 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         self.policy = self._build_policy(filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every)
         self._records: dict = {}
         self._resume_source: Optional[str] = None
+        # Proof of ownership: every file this run writes carries its own record and this id in its
+        # state; a resumed run takes the id back from the checkpoint, so it still owns its earlier files.
+        self._run_id: str = uuid.uuid4().hex
 
     def _build_policy(self, filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every):
         problems = []
@@ -158,6 +167,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             verified=False,
             in_flight=True,
             owned=True,
+            seq=1 + max((r.seq for r in self._records.values()), default=0),
         )
         self._records[path] = record
         self.current_score = None if metric is None else torch.tensor(metric)
@@ -261,20 +271,21 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             return
         resume = trainer.ckpt_path
         self._resume_source = os.path.realpath(resume) if resume else None
+        self._run_id = trainer.strategy.broadcast(self._run_id)  # one run, one id on every rank
         records = self._reconciled_records(trainer) if trainer.is_global_zero else []  # rank 0's is broadcast
         self._records = {r.path: r for r in trainer.strategy.broadcast(records)}
         self._apply_retention(trainer)
 
     def _reconciled_records(self, trainer: pl.Trainer) -> list:
         """Records from the state, checked against the files now in ``dirpath`` (rank 0 reads disk)."""
-        on_disk = {e.path: e for e in list_checkpoint_files(str(self.dirpath), self.FILE_EXTENSION)}
         io = trainer.strategy.checkpoint_io
         records = []
-        for path, entry in on_disk.items():
-            step = parse_rolling_name(path, self.FILE_EXTENSION)
-            if step is None:
+        for path in (e.path for e in list_checkpoint_files(str(self.dirpath), self.FILE_EXTENSION)):
+            if parse_rolling_name(path, self.FILE_EXTENSION) is None:
                 continue  # not our naming: never ours to delete, not ours to track
-            known = self._records.get(path) or self._record_from_file(path, step, entry.mtime)
+            known = self._records.get(path) or self._record_from_file(path)
+            if known is None:
+                continue  # no record of this run names it: another callback's or another run's file
             if known.in_flight or path not in self._records:
                 why = None if path == self._resume_source else problem(path, io)
                 if why is not None:
@@ -282,19 +293,16 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
                         f"RetentionCheckpoint: {path} does not verify ({why}); it is kept, not counted.",
                         category=RetentionWarning,
                     )
-                known = replace(known, in_flight=False, verified=why is None, owned=True)
+                known = replace(known, in_flight=False, verified=why is None)
             records.append(known)
         return records
 
-    def _record_from_file(self, path: str, step: int, mtime: float) -> CheckpointRecord:
-        """A record for a file an earlier run wrote: its own saved record if readable, else the file's facts."""
+    def _record_from_file(self, path: str) -> Optional[CheckpointRecord]:
+        """The record this run saved inside ``path`` itself, or ``None`` if the file does not prove it is
+        ours (its state names another run, or no record for it: another callback's or run's file)."""
         state = read_checkpoint_callback_state(path, self.state_key) or {}
-        for saved in state.get(_STATE, {}).get("records", []):
-            if saved.get("path") == path:
-                return CheckpointRecord.from_state(saved)
-        score = state.get("current_score")
-        metric = float(score) if score is not None and not math.isnan(float(score)) else None
-        return CheckpointRecord(path, step, 0, mtime, metric, frozenset({"rolling"}))
+        saved = owned_record(state.get(_STATE), path, self._run_id)
+        return None if saved is None else replace(CheckpointRecord.from_state(saved), path=path, owned=True)
 
     @override
     def last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
@@ -305,13 +313,18 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         """
         if not self.policy.active:
             return super().last_checkpoints(trainer)
-        candidates = [e.path for e in list_checkpoint_files(lc.checkpoint_dir(self, trainer), self.FILE_EXTENSION)]
+        directory = lc.checkpoint_dir(self, trainer)
+        entries = list_checkpoint_files(directory, self.FILE_EXTENSION)
+        progress = {e.path: (_step_or_minus_one(e.path, self.FILE_EXTENSION), e.mtime) for e in entries}
         io = trainer.strategy.checkpoint_io
+        skipped: list[str] = []
         newest = newest_verified(
-            candidates,
-            lambda path: verify(path, io),
-            skipped=lambda line: rank_zero_warn(f"ckpt_path='last': {line}", category=SkippedCheckpointWarning),
+            list(progress), lambda path: verify(path, io), key=progress.get, skipped=skipped.append
         )
+        for line in skipped:
+            rank_zero_warn(f"ckpt_path='last': {line}", category=SkippedCheckpointWarning)
+        if newest is None and skipped:
+            raise NoLoadableCheckpointError(directory, skipped)
         return {newest} if newest is not None else set()
 
     # ---- state --------------------------------------------------------------------------------
@@ -320,7 +333,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     def state_dict(self) -> dict:
         state = super().state_dict()
         if self.policy.active:
-            state[_STATE] = {"records": [r.to_state() for r in sorted(self._records.values(), key=lambda r: r.recency)]}
+            records = [r.to_state() for r in sorted(self._records.values(), key=lambda r: r.recency)]
+            state[_STATE] = {"run_id": self._run_id, "records": records}
         return state
 
     @override
@@ -330,6 +344,13 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         if self.policy.active and same_dir and _STATE in state_dict:
             saved = [CheckpointRecord.from_state(s) for s in state_dict[_STATE]["records"]]
             self._records = {r.path: r for r in saved}
+            self._run_id = str(state_dict[_STATE].get("run_id") or self._run_id)  # resuming continues the run
+
+
+def _step_or_minus_one(path: str, extension: str) -> int:
+    """Training progress from the rolling name (the clock may have stepped back); other names go last."""
+    step = parse_rolling_name(path, extension)
+    return -1 if step is None else step
 
 
 def _exists(path: str) -> bool:

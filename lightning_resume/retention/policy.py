@@ -3,10 +3,11 @@
 This module owns the retention rules (rolling ``keep_last``, best-by-metric ``keep_best``, permanent
 anchors by step and by wall time) and the protections that no setting overrides. It decides from
 plain records and explains every decision; it must not import Lightning, touch files or read the
-clock. ``RetentionCheckpoint`` and ``lightning-resume prune`` both call it, so the rules live here only.
+clock. Saves are ordered by training progress (step, then save counter), never by wall time.
+``RetentionCheckpoint`` and ``lightning-resume prune`` both call it, so the rules live here only.
 
 Anchors, precisely: with ``anchor_every_n_steps=K`` the anchor of step interval ``[k*K, (k+1)*K)``
-(for ``k >= 1``) is the eligible record with the smallest ``(step, time, path)`` in that interval;
+(for ``k >= 1``) is the eligible record with the smallest ``(step, seq, path)`` in that interval;
 with ``anchor_every=T`` seconds the anchor of wall-time interval ``[k*T, (k+1)*T)`` (counted from the
 Unix epoch, so the grid never moves) is the eligible record with the smallest ``(time, step, path)``.
 An interval that already holds a record tagged ``"anchor"`` gets no other anchor, and a record tagged
@@ -29,9 +30,11 @@ ANCHOR = "anchor"
 class CheckpointRecord:
     """One checkpoint on disk (or being written), as retention sees it.
 
-    ``owned``: written by this callback under its naming inside its ``dirpath``; anything else is
-    never deleted. ``verified``: the file was complete and checked when recorded. ``in_flight``: a
-    save that has not returned yet.
+    ``owned``: proven written by this callback's run (its own record, carried in its state, names it
+    and the run); a name alone proves nothing, and anything not owned is never deleted. ``verified``:
+    the file was complete and checked when recorded. ``in_flight``: a save that has not returned yet.
+    ``seq``: the run's save counter, which orders saves of the same step; ``time`` (wall clock) is
+    used only by time anchors, never to order saves.
     """
 
     path: str
@@ -43,6 +46,7 @@ class CheckpointRecord:
     verified: bool = True
     in_flight: bool = False
     owned: bool = True
+    seq: int = 0
 
     def to_state(self) -> dict:
         """Plain types only, so a checkpoint holding it loads with ``torch.load(weights_only=True)``."""
@@ -56,6 +60,7 @@ class CheckpointRecord:
             "verified": self.verified,
             "in_flight": self.in_flight,
             "owned": self.owned,
+            "seq": self.seq,
         }
 
     @classmethod
@@ -66,7 +71,14 @@ class CheckpointRecord:
 
     @property
     def recency(self) -> tuple:
-        """Total order of saves, oldest first: wall time, then step, then path (for ties)."""
+        """Total order of saves, oldest first, by training progress: global step, then the save
+        counter, then path (for ties). Never wall time: a clock that steps back (NTP, another node)
+        would make a new save look old."""
+        return (self.step, self.seq, self.path)
+
+    @property
+    def wall_order(self) -> tuple:
+        """Order for time anchors only: wall time, then step, then path."""
         return (self.time, self.step, self.path)
 
 
@@ -206,10 +218,10 @@ class RetentionPolicy:
         chosen = {r.path: r for r in records if ANCHOR in r.tags}
         if self.anchor_every_n_steps is not None:
             k = self.anchor_every_n_steps
-            chosen.update(_pick_per_interval(eligible, lambda r: r.step // k, lambda r: (r.step, r.time, r.path), 1))
+            chosen.update(_pick_per_interval(eligible, lambda r: r.step // k, lambda r: r.recency, 1))
         if self.anchor_every is not None:
             t = self.anchor_every
-            chosen.update(_pick_per_interval(eligible, lambda r: math.floor(r.time / t), lambda r: r.recency, None))
+            chosen.update(_pick_per_interval(eligible, lambda r: math.floor(r.time / t), lambda r: r.wall_order, None))
         return sorted(chosen.values(), key=lambda r: r.recency)
 
     def _kept_by_rules(self, ordered: Sequence[CheckpointRecord]) -> dict:

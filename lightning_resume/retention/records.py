@@ -59,13 +59,28 @@ def read_checkpoint_callback_state(path: str, state_key: Optional[str] = None) -
     return None
 
 
+def owned_record(retention_state: object, path: str, run_id: Optional[str] = None) -> Optional[dict]:
+    """The record a ``RetentionCheckpoint`` saved inside ``path`` for ``path`` itself (of run ``run_id``
+    if given), or ``None``: ownership is proven by the file's own record, never by its name."""
+    if not isinstance(retention_state, dict):
+        return None
+    if run_id is not None and retention_state.get("run_id") != run_id:
+        return None
+    name = os.path.basename(path)
+    for saved in retention_state.get("records", []):
+        if isinstance(saved, dict) and os.path.basename(str(saved.get("path"))) == name:
+            return saved
+    return None
+
+
 _ANY_STEP = re.compile(r"step=(\d+)")
 
 
 def records_in(dirpath: str, monitor: Optional[str] = None) -> list[CheckpointRecord]:
     """One record per ``.ckpt`` checkpoint in ``dirpath``; anchor tags carried over from the saved states.
 
-    The step comes from the rolling name (files of other names are recorded as not owned), the metric
+    The step comes from the rolling name; a file is owned only if it carries a ``RetentionCheckpoint``
+    record of itself (any other file, whatever its name, is recorded as not owned); the metric
     from the file's own ``ModelCheckpoint`` state, ``verified`` from ``io.verify``.
     """
     records, anchors = [], set()
@@ -83,7 +98,7 @@ def _tag_anchor(record: CheckpointRecord) -> CheckpointRecord:
 
 def _record(entry: FileEntry, state: Optional[dict], monitor: Optional[str]) -> CheckpointRecord:
     step = parse_rolling_name(entry.path)
-    owned = step is not None
+    owned = step is not None and owned_record((state or {}).get("retention"), entry.path) is not None
     if step is None:
         match = _ANY_STEP.search(os.path.basename(entry.path))
         step = int(match.group(1)) if match else 0

@@ -1,10 +1,12 @@
 """Atomic file commit: a file appears under its final name complete and durable, or not at all.
 
-Local paths: write ``.<name>.tmp-<pid>-<8 hex>`` in the same directory, flush and fsync it,
+Local paths: write ``.<name>.tmp-<owner>-<pid>-<8 hex>`` in the same directory, flush and fsync it,
 ``os.replace`` it over the final name, then fsync the directory so the rename itself survives a
 power loss. A kill at any instant leaves the previous file (or nothing, before the first save)
 under the final name, plus at worst one temporary that :func:`clean_stale_temporaries` removes
-later. Remote fsspec paths (``s3://``, ``gs://``, ``memory://``...) get the best their filesystem
+later. ``<owner>`` identifies where ``<pid>`` means something: host, boot and PID namespace; another
+container, another host over NFS or a process after a reboot has another owner, so its pid is never
+looked up here (it could name anything). Remote fsspec paths (``s3://``, ``gs://``, ``memory://``...) get the best their filesystem
 offers: the bytes go to a temporary sibling, then ``fs.mv`` renames it. On object stores an upload
 becomes visible only when complete and ``mv`` is a server-side copy plus delete, so readers never see
 a partial object, but there is no directory fsync and no atomic replace of an existing object.
@@ -13,19 +15,51 @@ This module knows files, not tensors or Lightning.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
-from typing import BinaryIO, Callable, List
+import socket
+import time
+from typing import BinaryIO, Callable, List, Optional, Tuple
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<owner>[0-9a-f]{12})-)?(?P<pid>\d+)-[0-9a-f]{8}$")
+
+STALE_AFTER_S = 24 * 3600.0
+"""A temporary whose pid cannot be checked here (another owner, or written before owners were recorded)
+is removed only once untouched this long: no save takes a day, and a live one keeps writing."""
 
 
 def temp_name(final_name: str) -> str:
-    return f".{final_name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    return f".{final_name}.tmp-{owner_token()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def owner_token() -> str:
+    """12 hex digits naming this process's host, boot and PID namespace: where two temporaries have the
+    same token, the same pid names the same process."""
+    return hashlib.sha256("\0".join(_host_identity()).encode()).hexdigest()[:12]
+
+
+def _host_identity() -> Tuple[str, str, str]:
+    """(machine id and host name, boot id, PID namespace): what must match for a pid to mean the same."""
+    machine = _read_quietly("/etc/machine-id")
+    boot = _read_quietly("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{machine}/{socket.gethostname()}", boot, namespace
+
+
+def _read_quietly(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def is_local(path: str) -> bool:
@@ -105,24 +139,37 @@ def fsync_file_and_dir(path: str) -> None:
     fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
-def clean_stale_temporaries(directory: str) -> List[str]:
-    """Remove our temporaries in ``directory`` whose writing process is gone; return what was removed.
+def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List[str]:
+    """Remove temporaries in ``directory`` left by interrupted saves; return what was removed.
 
-    Only names matching ``.<name>.tmp-<pid>-<8 hex>`` are considered, and only when ``<pid>`` is not a
-    live process on this host, so a save in flight in another process is never touched.
+    Call it only from a writer, never from a reader. Only names matching ``.<name>.tmp-[<owner>-]<pid>-<8 hex>``
+    are considered: one of this owner (host, boot, PID namespace) when ``<pid>`` is not alive; any other
+    (another container or host, or no owner recorded) only when untouched for ``STALE_AFTER_S`` seconds,
+    so a save in flight elsewhere is never touched. ``now`` is the clock (``time.time()``).
     """
     try:
         names = os.listdir(directory)
     except OSError:
         return []
+    now = time.time() if now is None else now
+    mine = owner_token()
     removed = []
     for name in names:
         match = _TEMP.match(name)
-        if match and not _pid_alive(int(match["pid"])):
-            full = os.path.join(directory, name)
-            if _remove_quietly(full):
-                removed.append(full)
+        full = os.path.join(directory, name)
+        stale = match is not None and _is_stale(full, match["owner"] == mine, int(match["pid"]), now)
+        if stale and _remove_quietly(full):
+            removed.append(full)
     return removed
+
+
+def _is_stale(path: str, same_owner: bool, pid: int, now: float) -> bool:
+    if same_owner:
+        return not _pid_alive(pid)
+    try:
+        return now - os.stat(path).st_mtime > STALE_AFTER_S
+    except OSError:
+        return False
 
 
 def _pid_alive(pid: int) -> bool:

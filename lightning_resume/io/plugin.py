@@ -1,7 +1,7 @@
 """``SafetensorsCheckpointIO``: the Lightning ``CheckpointIO`` hook over ``write``, ``read``, ``verify``, ``resolve``.
 
-Thin by design: it validates options, cleans stale temporaries once per directory it touches, and
-delegates. Its one decision is the "last" fallback: Lightning resolves ``ckpt_path="last"`` to the
+Thin by design: it validates options, cleans stale temporaries once per directory it saves to (never
+when only loading: a reader, such as an eval job, must not judge another process's save), and delegates. Its one decision is the "last" fallback: Lightning resolves ``ckpt_path="last"`` to the
 newest ``last*.ckpt`` by mtime and hands that path to ``load_checkpoint``
 (``lightning/pytorch/trainer/connectors/checkpoint_connector.py`` ``_parse_ckpt_path``); if that file
 fails verification, the plugin loads the newest sibling checkpoint that verifies instead and warns
@@ -146,7 +146,6 @@ class SafetensorsCheckpointIO(CheckpointIO):
         fs, fs_path = fsspec.core.url_to_fs(path)
         if not fs.exists(fs_path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        self._clean_once(path)
         try:
             return read.load_file(path, verify=self.verify, map_location=map_location, mmap=self.mmap).checkpoint
         except CheckpointCorruptError as err:

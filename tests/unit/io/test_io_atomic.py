@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_resume import SafetensorsCheckpointIO
-from lightning_resume.io.atomic import atomic_write, clean_stale_temporaries, temp_name
+from lightning_resume.io.atomic import STALE_AFTER_S, atomic_write, clean_stale_temporaries, owner_token, temp_name
 
 
 def test_failed_write_keeps_old_file_and_leaves_no_temporary(tmp_path):
@@ -28,13 +28,16 @@ def test_failed_write_keeps_old_file_and_leaves_no_temporary(tmp_path):
 
 
 def test_stale_cleanup_only_touches_dead_writers_temporaries(tmp_path):
-    dead = tmp_path / ".x.ckpt.tmp-999999999-0123abcd"
+    dead = tmp_path / f".x.ckpt.tmp-{owner_token()}-999999999-0123abcd"  # this host, no such process
+    unowned = tmp_path / ".x.ckpt.tmp-999999999-0123abcd"  # no owner recorded: the pid proves nothing
     live = tmp_path / temp_name("y.ckpt")  # our own pid: a save in flight
     other = tmp_path / ".x.ckpt.tmp-notours"
-    for p in (dead, live, other):
+    for p in (dead, unowned, live, other):
         p.write_bytes(b"")
     assert clean_stale_temporaries(str(tmp_path)) == [str(dead)]
-    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+    assert sorted(os.listdir(tmp_path)) == sorted([unowned.name, live.name, other.name])
+    later = os.stat(unowned).st_mtime + STALE_AFTER_S + 1
+    assert clean_stale_temporaries(str(tmp_path), now=later) == [str(unowned)]
 
 
 def test_memory_filesystem_save_load_and_no_leftovers():

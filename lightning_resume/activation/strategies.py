@@ -17,8 +17,6 @@ plan and calls the mechanism. Under FSDP it hands the chosen blocks to FSDP's ow
 ``activation_checkpointing`` (whose wrapper strips its prefix from state-dict keys).
 """
 
-from __future__ import annotations
-
 import importlib
 from typing import Any, Optional, Sequence, Union
 

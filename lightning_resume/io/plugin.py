@@ -14,8 +14,6 @@ next save, ``wait`` or ``teardown``. ``teardown`` runs inside Lightning's except
 ``flush_timeout`` and warns instead of raising, so the original exception is the one that propagates.
 """
 
-from __future__ import annotations
-
 import atexit
 import logging
 import os

@@ -7,8 +7,6 @@ records in its ``state_dict``. It holds no retention rule itself. With no retent
 is exactly ``ModelCheckpoint``: every override below falls through to the parent in that case.
 """
 
-from __future__ import annotations
-
 import math
 import os
 import time

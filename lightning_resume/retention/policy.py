@@ -15,8 +15,6 @@ An interval that already holds a record tagged ``"anchor"`` gets no other anchor
 however the history grows.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, NamedTuple, Optional, Sequence
@@ -64,7 +62,7 @@ class CheckpointRecord:
         }
 
     @classmethod
-    def from_state(cls, state: dict) -> CheckpointRecord:
+    def from_state(cls, state: dict) -> "CheckpointRecord":
         fields = dict(state)
         fields["tags"] = frozenset(fields.get("tags", ()))
         return cls(**fields)

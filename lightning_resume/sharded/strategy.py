@@ -11,8 +11,6 @@ through ``background.AsyncShardedSaver`` and the ``checkpoint_io`` is also an ``
 flight until its commit. Thin: all logic is in ``api`` and ``background``.
 """
 
-from __future__ import annotations
-
 import os
 import sys
 from datetime import timedelta

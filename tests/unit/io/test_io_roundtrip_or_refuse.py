@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from lightning_resume.errors import UnencodableValueError
+from lightning_resume.errors import TreeFormatError, UnencodableValueError
+from lightning_resume.io.codec import decode
 from lightning_resume.io.read import load_file
 from lightning_resume.io.verify import problem
 from lightning_resume.io.write import save_file
@@ -64,3 +65,22 @@ def test_top_level_tensor_named_metadata_round_trips(tmp_path):
     loaded = load_file(path).checkpoint
     assert torch.equal(loaded["__metadata__"], value)
     assert torch.equal(loaded["state_dict"]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"@": "enum", "cls": "re:RegexFlag", "value": "10"},
+        {"@": "enum", "cls": "re:RegexFlag", "value": True},
+        {"@": "enum", "cls": "enum:Enum"},
+        {"@": "enum", "cls": f"{__name__}:Plain", "value": 1},
+    ],
+    ids=repr,
+)
+def test_hostile_enum_nodes_are_refused_as_malformed(node):
+    with pytest.raises(TreeFormatError):
+        decode(node, {})
+
+
+class Plain(enum.Enum):
+    ONE = 1

@@ -7,8 +7,6 @@ checkpoint gets (every rank's RNG streams, data position, fingerprint); ``restor
 Lightning internals are in ``lightning_resume._compat.lightning``.
 """
 
-from __future__ import annotations
-
 import os
 import signal
 from typing import Any, Callable, Literal, Optional, Sequence

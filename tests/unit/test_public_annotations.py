@@ -13,6 +13,7 @@ from jsonargparse import ArgumentParser
 import lightning_resume
 
 CONFIGURABLE = [
+    "ExactResume",
     "RetentionCheckpoint",
     "RetentionPolicy",
     "SafetensorsCheckpointIO",

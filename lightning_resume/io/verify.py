@@ -3,8 +3,9 @@
 ``verify(path)`` returns only when everything the checkpoint holds was checked, and raises
 ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) naming the file, shard or tensor otherwise:
 
-- a directory is a sharded checkpoint: its ``COMMITTED`` marker, and the size and SHA-256 of every file
-  the marker lists (each ``.distcp`` shard, DCP's ``.metadata``, the non-sharded ``meta.safetensors``);
+- a directory is a sharded checkpoint: its ``COMMITTED`` marker, the size and SHA-256 of every file
+  the marker lists (each ``.distcp`` shard, DCP's ``.metadata``, the non-sharded ``meta.safetensors``),
+  each a regular file, and every storage reference of DCP's ``.metadata`` inside those files;
 - a safetensors file: every tensor's checksum, the data-section and tree digests, and the whole tree decodes;
 - a ``torch.save`` zip: the CRC-32 of every record, then a weights-only load (no code runs);
 - anything else: the ``checkpoint_io`` given, if it can verify (``VerifyingCheckpointIO``), else the
@@ -49,9 +50,12 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
 
 def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
     """A sharded checkpoint directory: committed, and every file its marker lists intact."""
+    from lightning_resume.sharded.safe_pickle import load_checked_metadata  # DCP only where directories are
+
     record = verify_committed(directory, digests)
     if DCP_METADATA not in record.files:
         raise CheckpointCorruptError(directory, f"commit marker does not list {DCP_METADATA}")
+    load_checked_metadata(directory, record.files)
     return record
 
 

@@ -36,7 +36,13 @@ from lightning_resume.errors import TreeFormatError, UnencodableValueError, Unkn
 from lightning_resume.io.framing import check_storable
 
 MAX_DEPTH = 512
-"""Deepest nesting accepted on decode: a hostile header cannot exhaust the stack."""
+"""Deepest nesting accepted on decode (and in a legacy file's tree): a hostile file cannot exhaust the
+stack. Raise it by assigning ``lightning_resume.io.codec.MAX_DEPTH`` before loading."""
+MAX_TREE_NODES = 2_000_000
+"""Most nodes (containers, keys and leaves) a checkpoint tree may have, in a typed JSON header or a legacy
+file (where a container reached twice counts twice): bounds the memory and time of decoding and of every
+later walk. A real Lightning checkpoint has a few per tensor. Raise it by assigning
+``lightning_resume.io.codec.MAX_TREE_NODES`` before loading."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ fsspec. This module knows files and tensors, not Lightning.
 from __future__ import annotations
 
 import io
-import json
 import mmap as mmap_module
 import os
 import queue
@@ -23,7 +22,7 @@ import torch
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io import framing, integrity
 from lightning_resume.io.atomic import is_local, local_path
-from lightning_resume.io.codec import decode
+from lightning_resume.io.codec import decode, parse_tree
 from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.legacy import load_legacy
 from lightning_resume.io.worker import Background
@@ -193,7 +192,7 @@ def _device(map_location: Any) -> Optional[torch.device]:
 
 def _decode_tree(path: str, tree_json: str, tensors: Dict[str, torch.Tensor], lenient: bool) -> Dict[str, Any]:
     try:
-        tree = decode(json.loads(tree_json), tensors, lenient=lenient)
+        tree = decode(parse_tree(tree_json), tensors, lenient=lenient)
     except (ValueError, RecursionError) as err:  # TreeFormatError and json's errors are ValueErrors
         raise CheckpointCorruptError(path, f"typed JSON tree is malformed: {err}") from err
     if type(tree) is not dict:

@@ -50,7 +50,7 @@ def lightning_safe_globals() -> List[Any]:
 
 def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, Any]:
     """Load a ``torch.save`` file from ``fileobj`` with ``weights_only=True`` and Lightning's allowlist."""
-    _check_zip(path, fileobj)
+    check_zip(path, fileobj)
     try:
         with torch.serialization.safe_globals(lightning_safe_globals()):
             loaded = torch.load(fileobj, map_location=_torch_map_location(map_location), weights_only=True)
@@ -70,7 +70,7 @@ def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, 
     return loaded
 
 
-def _check_zip(path: str, fileobj: Any) -> None:
+def check_zip(path: str, fileobj: Any) -> None:
     """Every record stored uncompressed, the pickle within ``MAX_PICKLE_BYTES``; before torch reads any."""
     if not zipfile.is_zipfile(fileobj):
         return  # the pre-1.6 format: torch reads each storage with the length it declares, bounded by the file

@@ -12,7 +12,8 @@ What DCP pickles (torch 2.13, ``torch/distributed/checkpoint``):
    into a ``.distcp`` file (default_planner.py:286), read back with ``torch.load(weights_only=False)``
    (default_planner.py:387). :class:`SafeLoadPlanner` reads them with ``weights_only=True``: torch's
    restricted unpickler (containers, numbers, strings, tensors), and turns a refusal into
-   ``UnsafeCheckpointError``.
+   ``UnsafeCheckpointError``; the bounds of ``io.legacy`` apply (no compressed record, tree size
+   and depth).
 3. Tensors: ``torch.save`` per chunk (filesystem.py:346), already read with ``weights_only=True``
    (filesystem.py:899).
 
@@ -48,6 +49,7 @@ from typing_extensions import override
 
 from lightning_resume._compat.dcp import StorageInfo, metadata_path, set_nested
 from lightning_resume.errors import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_resume.io.legacy import check_tree, check_zip
 from lightning_resume.sharded.commit import DCP_METADATA, MARKER, FileDigest, read_marker
 
 MAX_METADATA_BYTES = 256 << 20
@@ -161,10 +163,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     @override
     def load_bytes(self, read_item: Any, value: Any) -> None:
         fqn = read_item.dest_index.fqn
+        where = f"{self._checkpoint_id()} (value {fqn!r})"
+        check_zip(where, value)  # no compressed record (a bomb), a bounded pickle
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
             raise UnsafeCheckpointError(self._checkpoint_id(), f"value {fqn!r} needs code to load: {err}") from err
+        check_tree(where, obj)  # a pickle-memo DAG or a self-containing list stops here, not in a later walk
         if self.flatten_state_dict:
             set_nested(self.original_state_dict, self.mappings[fqn], obj)
         else:

@@ -9,9 +9,11 @@ refuse it with ``CheckpointCorruptError`` naming the metadata file.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import threading
+import zipfile
 
 import pytest
 import torch
@@ -161,3 +163,44 @@ def test_real_checkpoints_still_verify_and_load(tmp_path):
     directory = save_sharded(_state(), str(tmp_path / "ck"), step=1)
     verify_sharded(directory)
     assert torch.equal(load_full(directory)["model"]["w"], _state()["model"]["w"])
+
+
+def _replace_value(directory: str, fqn: str, payload: bytes) -> None:
+    """Append ``payload`` to the shard holding ``fqn`` and point the value's storage at it."""
+    metadata = load_metadata(os.path.join(directory, ".metadata"))
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
+    shard = os.path.join(directory, info.relative_path)
+    offset = os.path.getsize(shard)
+    with open(shard, "ab") as handle:
+        handle.write(payload)
+    _rewrite(directory, _point(fqn, offset=offset, length=len(payload)))
+
+
+def test_value_stored_as_a_deflate_bomb_is_refused_before_it_is_inflated(tmp_path):
+    directory = save_sharded(_state(), str(tmp_path / "ck"), step=1)
+    plain = io.BytesIO()
+    torch.save(0.1, plain)
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, zipfile.ZipFile(bomb, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                data = pickle.dumps("a" * (64 << 20), protocol=2)
+                dst.writestr(info.filename, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
+            else:
+                dst.writestr(info, data)
+    _replace_value(directory, "opt.lr", bomb.getvalue())
+    with pytest.raises(CheckpointCorruptError, match="compressed"):
+        load_full(directory)
+
+
+def test_value_stored_as_a_pickle_memo_dag_is_refused(tmp_path):
+    directory = save_sharded(_state(), str(tmp_path / "ck"), step=1)
+    leaf: list = []
+    for _ in range(60):
+        leaf = [leaf, leaf]
+    payload = io.BytesIO()
+    torch.save(leaf, payload)
+    _replace_value(directory, "opt.lr", payload.getvalue())
+    with pytest.raises(CheckpointCorruptError, match="MAX_TREE_NODES"):
+        load_full(directory)

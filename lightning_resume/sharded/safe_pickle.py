@@ -31,8 +31,11 @@ This module owns only those readers and checks; it does not decide what to load 
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import stat
+import zipfile
 from typing import IO, Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -200,6 +203,7 @@ def check_storage(directory: str, metadata: Metadata, files: Mapping[str, FileDi
         ranges.setdefault(name, []).append((begin, end, fqn))
     for name, spans in ranges.items():
         _check_disjoint(where, name, spans)
+        _check_uncompressed(where, os.path.join(directory, name), spans)
     for fqn, entry in entries.items():
         _typed(where, fqn, str, "a state key")
         if isinstance(entry, TensorStorageMetadata):
@@ -242,6 +246,64 @@ def _check_disjoint(where: str, name: str, spans: List[Tuple[int, int, str]]) ->
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
         if begin < end:
             raise CheckpointCorruptError(where, f"storage of {a!r} and {b!r} overlap in {name}")
+
+
+class _Window(io.RawIOBase):
+    """The bytes ``[begin, begin + length)`` of an open file, as a seekable file of their own."""
+
+    def __init__(self, fd: int, begin: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._begin, self._length, self._pos = fd, begin, length, 0
+
+    @override
+    def readable(self) -> bool:
+        return True
+
+    @override
+    def seekable(self) -> bool:
+        return True
+
+    @override
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    @override
+    def tell(self) -> int:
+        return self._pos
+
+    @override
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        data = os.pread(self._fd, n, self._begin + self._pos)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _check_uncompressed(where: str, path: str, spans: List[Tuple[int, int, str]]) -> None:
+    """Each stored item is a ``torch.save`` zip whose records are stored, not deflated (torch.save never
+    compresses; torch's reader would inflate a bomb whole). Reads only each zip's central directory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if a FIFO replaced the file
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointCorruptError(path, "shard is not a regular file (a link, FIFO or device?)")
+        for begin, end, fqn in spans:
+            try:
+                with zipfile.ZipFile(io.BufferedReader(_Window(fd, begin, end - begin))) as archive:
+                    records = archive.infolist()
+            except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+                raise CheckpointCorruptError(where, f"storage of {fqn!r} is not a torch.save archive: {err}") from err
+            for info in records:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise CheckpointCorruptError(
+                        where,
+                        f"storage of {fqn!r} holds compressed record {info.filename!r} (torch.save never "
+                        "compresses; a zip bomb?)",
+                    )
+    finally:
+        os.close(fd)
 
 
 def _check_tensor(where: str, fqn: str, entry: TensorStorageMetadata, storage: Mapping[Any, Any]) -> None:

@@ -204,3 +204,15 @@ def test_value_stored_as_a_pickle_memo_dag_is_refused(tmp_path):
     _replace_value(directory, "opt.lr", payload.getvalue())
     with pytest.raises(CheckpointCorruptError, match="MAX_TREE_NODES"):
         load_full(directory)
+
+
+def test_tensor_chunk_with_a_deflated_record_is_refused_by_verify_and_load(tmp_path):
+    directory = save_sharded(_state(), str(tmp_path / "ck"), step=1)
+    plain = io.BytesIO()
+    torch.save(torch.arange(6.0).reshape(2, 3), plain)
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, zipfile.ZipFile(deflated, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    _replace_value(directory, "model.w", deflated.getvalue())
+    _refused_everywhere(directory, "compressed record")

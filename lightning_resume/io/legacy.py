@@ -19,8 +19,10 @@ pickle at most ``MAX_PICKLE_BYTES``; the loaded tree, walked as a tree (a pickle
 from __future__ import annotations
 
 import argparse
+import collections
 import pathlib
 import pickle
+import pickletools
 import zipfile
 from typing import Any, Dict, List, Tuple
 
@@ -97,6 +99,49 @@ def check_zip(path: str, fileobj: Any) -> None:
                 MAX_PICKLE_BYTES,
                 info.file_size,
             )
+    for info in records:
+        if info.filename.endswith(".pkl"):
+            with zipfile.ZipFile(fileobj) as archive:
+                _check_hash_spread(path, archive.read(info))
+            if hasattr(fileobj, "seek"):
+                fileobj.seek(0)
+
+
+_NUMBER_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+
+
+def _check_hash_spread(path: str, pickled: bytes) -> None:
+    """Refuse a pickle whose numbers share hashes (hash flooding): torch's pure-Python unpickler would take
+    n**2 steps to put n such keys in a dict. Scans the opcodes (linear), never builds anything."""
+    distinct = set()  # by repr: str hashes are randomised, so this set cannot be flooded itself
+    try:
+        for op, arg, _ in pickletools.genops(pickled):
+            if op.name in _NUMBER_OPS and type(arg) in (int, float) and not _hashes_to_itself(arg):
+                distinct.add(f"{type(arg).__name__}:{arg!r}")
+    except (ValueError, EOFError) as err:
+        raise CheckpointCorruptError(path, f"pickle is malformed: {err}") from err
+    if len(distinct) <= codec.MAX_HASH_COLLISIONS:
+        return
+    by_hash = collections.Counter(hash(_number(text)) for text in distinct)
+    value, count = by_hash.most_common(1)[0]
+    if count > codec.MAX_HASH_COLLISIONS:
+        raise CheckpointCorruptError(
+            path,
+            f"pickle holds {count} numbers with the same hash {value} (hash flooding?); at most "
+            f"MAX_HASH_COLLISIONS={codec.MAX_HASH_COLLISIONS} (raise lightning_resume.io.codec.MAX_HASH_COLLISIONS)",
+        )
+
+
+def _hashes_to_itself(arg: Any) -> bool:
+    """Small ints (and integral floats below 2**53) hash to their own value: they cannot collide."""
+    if type(arg) is int:
+        return abs(arg) < 2**61 - 1
+    return type(arg) is float and arg.is_integer() and abs(arg) < 2**53
+
+
+def _number(text: str) -> Any:
+    kind, _, literal = text.partition(":")
+    return int(literal) if kind == "int" else float(literal)
 
 
 def check_tree(path: str, tree: Any) -> None:

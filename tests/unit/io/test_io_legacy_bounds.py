@@ -12,6 +12,7 @@ import json
 import pickle
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
@@ -113,3 +114,50 @@ print(json.dumps({{"outcome": outcome, "grown_mb": grown_mb}}))
     assert all("compressed" in o and str(path) in o for o in errors), errors
     assert prune_state is None
     assert result["grown_mb"] < 100, result
+
+
+def _binunicode(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def _flooding_pickle(n: int) -> bytes:
+    """``{"state_dict": {}, "epoch": 0, "x": {k * (2**61 - 1): 0 for k in 1..n}}``, written opcode by opcode
+    (building that dict here would itself take n**2 steps)."""
+    pairs = b"".join(
+        b"\x8a" + bytes([len(enc)]) + enc + b"K\x00"
+        for enc in (pickle.encode_long(k * (2**61 - 1)) for k in range(1, n + 1))
+    )
+    return (
+        b"\x80\x02}("
+        + _binunicode("state_dict")
+        + b"}"
+        + _binunicode("epoch")
+        + b"K\x00"
+        + _binunicode("x")
+        + b"}("
+        + pairs
+        + b"uu."
+    )
+
+
+def test_colliding_integer_keys_in_a_legacy_pickle_are_refused_before_unpickling(tmp_path):
+    path = tmp_path / "flood.ckpt"
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}, "epoch": 0}, str(plain))
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            data = _flooding_pickle(16_000) if info.filename.endswith("data.pkl") else src.read(info)
+            dst.writestr(info, data)
+    start = time.monotonic()
+    with pytest.raises(CheckpointCorruptError, match="MAX_HASH_COLLISIONS") as err:
+        load_file(str(path))
+    assert time.monotonic() - start < 5  # torch's unpickler takes seconds to build this dict, n**2 steps
+    assert str(path) in str(err.value)
+
+
+def test_a_legacy_pickle_full_of_ordinary_numbers_still_loads(tmp_path):
+    path = tmp_path / "numbers.ckpt"
+    history = [i / 7 for i in range(50_000)] + [2**70 + i for i in range(1000)]
+    torch.save({"state_dict": {}, "epoch": 0, "history": history}, str(path))
+    assert load_file(str(path)).checkpoint["history"] == history

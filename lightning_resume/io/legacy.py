@@ -101,10 +101,18 @@ def check_zip(path: str, fileobj: Any) -> None:
             )
     for info in records:
         if info.filename.endswith(".pkl"):
-            with zipfile.ZipFile(fileobj) as archive:
-                _check_hash_spread(path, archive.read(info))
-            if hasattr(fileobj, "seek"):
-                fileobj.seek(0)
+            _check_hash_spread(path, _read_record(path, fileobj, info))
+
+
+def _read_record(path: str, fileobj: Any, info: zipfile.ZipInfo) -> bytes:
+    try:
+        with zipfile.ZipFile(fileobj) as archive:
+            return archive.read(info)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        raise CheckpointCorruptError(path, f"torch.save record {info.filename!r} is unreadable: {err}") from err
+    finally:
+        if hasattr(fileobj, "seek"):
+            fileobj.seek(0)
 
 
 _NUMBER_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})

@@ -215,4 +215,4 @@ def test_tensor_chunk_with_a_deflated_record_is_refused_by_verify_and_load(tmp_p
         for info in src.infolist():
             dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
     _replace_value(directory, "model.w", deflated.getvalue())
-    _refused_everywhere(directory, "compressed record")
+    _refused_everywhere(directory, "is compressed")

@@ -1,8 +1,8 @@
 """Every use of ``torch.distributed.checkpoint`` (DCP) and DTensor internals, in one place (torch 2.13).
 
-The sharded checkpoints need four things DCP keeps private: loading a checkpoint with no state-dict
-template, the planner that builds that template from the metadata, the nested-dict setter its
-planners use, and the path of the metadata file of a reader; async staging builds a DTensor around a
+The sharded checkpoints need five things DCP keeps private: the record of where a chunk is stored,
+loading a checkpoint with no state-dict template, the planner that builds that template from the
+metadata, the nested-dict setter its planners use, and the path of the metadata file of a reader; async staging builds a DTensor around a
 host buffer without moving it back to the mesh's device. One function or alias each, with file:line.
 """
 
@@ -15,13 +15,24 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner
 """Builds the whole state from the metadata (default_planner.py:410)."""
 
-__all__ = ["EmptyStateDictLoadPlanner", "host_dtensor", "load_without_template", "metadata_path", "set_nested"]
+StorageInfo = _StorageInfo
+"""Where one chunk or value lives in a ``FileSystemWriter`` directory: file, offset, length (filesystem.py:75)."""
+
+__all__ = [
+    "EmptyStateDictLoadPlanner",
+    "StorageInfo",
+    "host_dtensor",
+    "load_without_template",
+    "metadata_path",
+    "set_nested",
+]
 
 
 def load_without_template(state: dict[str, Any], reader: Any, planner: Any) -> None:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import datetime as dt
 import enum
+import json
 import math
 import pathlib
 import struct
@@ -38,7 +40,17 @@ from lightning_resume.errors import TreeFormatError, UnencodableValueError, Unkn
 from lightning_resume.io.framing import check_storable
 
 MAX_DEPTH = 512
-"""Deepest nesting accepted on decode: a hostile header cannot exhaust the stack."""
+"""Deepest nesting accepted on decode (and in a legacy file's tree): a hostile file cannot exhaust the
+stack. Raise it by assigning ``lightning_resume.io.codec.MAX_DEPTH`` before loading."""
+MAX_TREE_NODES = 2_000_000
+"""Most nodes (containers, keys and leaves) a checkpoint tree may have, in a typed JSON header or a legacy
+file (where a container reached twice counts twice): bounds the memory and time of decoding and of every
+later walk. A real Lightning checkpoint has a few per tensor. Raise it by assigning
+``lightning_resume.io.codec.MAX_TREE_NODES`` before loading."""
+MAX_HASH_COLLISIONS = 64
+"""Most keys of one decoded dict or set that may share a hash value. Integers that differ by multiples of
+2**61 - 1 all hash alike, and building a dict of n of them takes n**2 steps (hash flooding); real keys
+almost never share a hash. Raise it by assigning ``lightning_resume.io.codec.MAX_HASH_COLLISIONS``."""
 
 RESERVED_TENSOR_NAMES = frozenset({"__metadata__"})
 """Names safetensors keeps for itself: a tensor at such a key path is stored under another name."""
@@ -254,6 +266,22 @@ _ENCODERS: List[Tuple[type, Callable[[Any], Any]]] = [
 # ----------------------------------------------------------------------------------------- decode
 
 
+def parse_tree(tree_json: str) -> Any:
+    """The JSON text of a tree, parsed only if it has at most ``MAX_TREE_NODES`` values.
+
+    Counted before parsing, from the characters that start or separate JSON values (an upper bound:
+    the same characters inside strings count too), so a hostile header never gets to build its
+    containers: each costs about 60 bytes of memory for 3 bytes of JSON, twice (parsed, decoded).
+    """
+    estimate = 1 + sum(tree_json.count(c) for c in "[{,:")
+    if estimate > MAX_TREE_NODES:
+        raise TreeFormatError(
+            f"tree has more than MAX_TREE_NODES={MAX_TREE_NODES} values (about {estimate}); raise "
+            "lightning_resume.io.codec.MAX_TREE_NODES to read it"
+        )
+    return json.loads(tree_json)
+
+
 def decode(tree: Any, tensors: Mapping[str, torch.Tensor], lenient: bool = False) -> Any:
     """Inverse of :func:`encode`. ``tensors`` maps names to loaded tensors.
 
@@ -319,6 +347,7 @@ class _Decoder:
             items = [
                 (_hashable(self.node(k, depth)), self.node(v, depth)) for k, v in (_pair(p) for p in _as_list(x["i"]))
             ]
+            _check_hash_spread(tag, [k for k, _ in items])
         if tag == "namespace":
             return argparse.Namespace(**{str(k): v for k, v in items})
         return _MAPPING_TAGS[tag]()(items)
@@ -397,6 +426,27 @@ def _hashable(k: Any) -> Any:
     return k
 
 
+def _check_hash_spread(what: str, keys: List[Any]) -> None:
+    """Refuse keys that would make building the dict or set quadratic (many equal hashes).
+
+    Counting hash values is linear: the counter's own keys are those hashes, and an int below
+    2**61 - 1 hashes to itself, so they cannot collide again."""
+    if len(keys) <= MAX_HASH_COLLISIONS:
+        return
+    value, count = collections.Counter(map(hash, keys)).most_common(1)[0]
+    if count > MAX_HASH_COLLISIONS:
+        raise TreeFormatError(
+            f"{what} has {count} keys with the same hash {value} (hash flooding?); at most "
+            f"MAX_HASH_COLLISIONS={MAX_HASH_COLLISIONS} (raise lightning_resume.io.codec.MAX_HASH_COLLISIONS)"
+        )
+
+
+def _hashed(what: str, values: Any, build: Callable[[Any], Any]) -> Any:
+    items = [_hashable(v) for v in values]
+    _check_hash_spread(what, items)
+    return build(items)
+
+
 def _float_from_hex(h: Any) -> float:
     if type(h) is not str or len(h) != 16:
         raise TreeFormatError(f"bad float bytes {short_repr(h)}")
@@ -450,8 +500,8 @@ _MAPPING_TAGS: Dict[str, Callable[[], Callable[[Any], Any]]] = {
 }
 _SEQUENCE_TAGS: Dict[str, Callable[[Any], Any]] = {
     "tuple": tuple,
-    "set": lambda it: set(_hashable(v) for v in it),
-    "frozenset": lambda it: frozenset(_hashable(v) for v in it),
+    "set": lambda it: _hashed("set", it, set),
+    "frozenset": lambda it: _hashed("frozenset", it, frozenset),
     "size": lambda it: torch.Size([_int(v) for v in it]),
 }
 

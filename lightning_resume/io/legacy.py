@@ -7,19 +7,34 @@ Lightning itself defines. Those, and nothing else, are added for the duration of
 that still needs another global, such as a ``__reduce__`` payload, is refused with
 ``UnsafeCheckpointError`` before anything it names is called. This module never passes
 ``weights_only=False``.
+
+Weights-only still builds whatever containers the pickle describes, so three bounds apply before and
+after the load (``CheckpointCorruptError`` naming the file and the limit): every zip record must be
+stored uncompressed (``torch.save`` never compresses; a deflated ``data.pkl`` can be a bomb) and the
+pickle at most ``MAX_PICKLE_BYTES``; the loaded tree, walked as a tree (a pickle memo can make a
+1 KB DAG of 2**60 leaves, or a list that contains itself), at most ``codec.MAX_TREE_NODES`` nodes and
+``codec.MAX_DEPTH`` deep, so every later walk (inspect, diff, convert, prune) ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import pathlib
 import pickle
+import pickletools
 import zipfile
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from lightning_resume.errors import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_resume.io import codec
+
+MAX_PICKLE_BYTES = 256 << 20
+"""Largest pickle record (``data.pkl``) of a ``torch.save`` zip that is read: tensors live in their own
+records, so a real checkpoint's pickle is a few hundred bytes per tensor. Raise it by assigning
+``lightning_resume.io.legacy.MAX_PICKLE_BYTES`` before loading."""
 
 
 def lightning_safe_globals() -> List[Any]:
@@ -37,6 +52,7 @@ def lightning_safe_globals() -> List[Any]:
 
 def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, Any]:
     """Load a ``torch.save`` file from ``fileobj`` with ``weights_only=True`` and Lightning's allowlist."""
+    check_zip(path, fileobj)
     try:
         with torch.serialization.safe_globals(lightning_safe_globals()):
             loaded = torch.load(fileobj, map_location=_torch_map_location(map_location), weights_only=True)
@@ -52,7 +68,125 @@ def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, 
         raise CheckpointCorruptError(
             path, "torch.save file does not hold a checkpoint dict", "dict", type(loaded).__name__
         )
+    check_tree(path, loaded)
     return loaded
+
+
+def check_zip(path: str, fileobj: Any) -> None:
+    """Every record stored uncompressed, the pickle within ``MAX_PICKLE_BYTES``; before torch reads any."""
+    if not zipfile.is_zipfile(fileobj):
+        return  # the pre-1.6 format: torch reads each storage with the length it declares, bounded by the file
+    if hasattr(fileobj, "seek"):
+        fileobj.seek(0)
+    try:
+        with zipfile.ZipFile(fileobj) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise CheckpointCorruptError(path, f"unreadable torch.save zip archive: {err}") from err
+    finally:
+        if hasattr(fileobj, "seek"):
+            fileobj.seek(0)
+    for info in records:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointCorruptError(
+                path, f"torch.save record {info.filename!r} is compressed (torch.save never compresses; a zip bomb?)"
+            )
+        if info.filename.endswith(".pkl") and info.file_size > MAX_PICKLE_BYTES:
+            raise CheckpointCorruptError(
+                path,
+                f"pickle record {info.filename!r} is larger than MAX_PICKLE_BYTES (raise "
+                "lightning_resume.io.legacy.MAX_PICKLE_BYTES to read it)",
+                MAX_PICKLE_BYTES,
+                info.file_size,
+            )
+    for info in records:
+        if info.filename.endswith(".pkl"):
+            _check_hash_spread(path, _read_record(path, fileobj, info))
+
+
+def _read_record(path: str, fileobj: Any, info: zipfile.ZipInfo) -> bytes:
+    try:
+        with zipfile.ZipFile(fileobj) as archive:
+            return archive.read(info)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        raise CheckpointCorruptError(path, f"torch.save record {info.filename!r} is unreadable: {err}") from err
+    finally:
+        if hasattr(fileobj, "seek"):
+            fileobj.seek(0)
+
+
+_NUMBER_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+
+
+def _check_hash_spread(path: str, pickled: bytes) -> None:
+    """Refuse a pickle whose numbers share hashes (hash flooding): torch's pure-Python unpickler would take
+    n**2 steps to put n such keys in a dict. Scans the opcodes (linear), never builds anything."""
+    distinct = set()  # by repr: str hashes are randomised, so this set cannot be flooded itself
+    try:
+        for op, arg, _ in pickletools.genops(pickled):
+            if op.name in _NUMBER_OPS and type(arg) in (int, float) and not _hashes_to_itself(arg):
+                distinct.add(f"{type(arg).__name__}:{arg!r}")
+    except (ValueError, EOFError) as err:
+        raise CheckpointCorruptError(path, f"pickle is malformed: {err}") from err
+    if len(distinct) <= codec.MAX_HASH_COLLISIONS:
+        return
+    by_hash = collections.Counter(hash(_number(text)) for text in distinct)
+    value, count = by_hash.most_common(1)[0]
+    if count > codec.MAX_HASH_COLLISIONS:
+        raise CheckpointCorruptError(
+            path,
+            f"pickle holds {count} numbers with the same hash {value} (hash flooding?); at most "
+            f"MAX_HASH_COLLISIONS={codec.MAX_HASH_COLLISIONS} (raise lightning_resume.io.codec.MAX_HASH_COLLISIONS)",
+        )
+
+
+def _hashes_to_itself(arg: Any) -> bool:
+    """Small ints (and integral floats below 2**53) hash to their own value: they cannot collide."""
+    if type(arg) is int:
+        return abs(arg) < 2**61 - 1
+    return type(arg) is float and arg.is_integer() and abs(arg) < 2**53
+
+
+def _number(text: str) -> Any:
+    kind, _, literal = text.partition(":")
+    return int(literal) if kind == "int" else float(literal)
+
+
+def check_tree(path: str, tree: Any) -> None:
+    """The loaded tree, counted as the tree every later walk sees: at most ``codec.MAX_TREE_NODES`` nodes
+    and ``codec.MAX_DEPTH`` levels (shared containers count each time they are reached)."""
+    limit, depth_limit = codec.MAX_TREE_NODES, codec.MAX_DEPTH
+    stack: List[Tuple[Any, int]] = [(tree, 0)]
+    nodes = 1
+    while stack:
+        node, depth = stack.pop()
+        children = _children(node)
+        if not children:
+            continue
+        nodes += len(children)
+        if nodes > limit:
+            raise CheckpointCorruptError(
+                path,
+                "checkpoint tree has more nodes than MAX_TREE_NODES (shared containers count each time they are"
+                " reached; raise lightning_resume.io.codec.MAX_TREE_NODES to read it)",
+                limit,
+                f"> {limit}",
+            )
+        if depth >= depth_limit:
+            raise CheckpointCorruptError(
+                path, "checkpoint tree is nested deeper than MAX_DEPTH (a container that holds itself?)", depth_limit
+            )
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _children(node: Any) -> List[Any]:
+    if isinstance(node, dict):
+        return [*node.keys(), *node.values()]
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return list(node)
+    if isinstance(node, argparse.Namespace):
+        return list(vars(node).values())
+    return []
 
 
 def _torch_map_location(map_location: Any) -> Any:

@@ -10,7 +10,6 @@ fsspec. This module knows files and tensors, not Lightning.
 from __future__ import annotations
 
 import io
-import json
 import mmap as mmap_module
 import os
 import queue
@@ -23,7 +22,7 @@ import torch
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io import framing, integrity
 from lightning_resume.io.atomic import is_local, local_path
-from lightning_resume.io.codec import decode
+from lightning_resume.io.codec import decode, parse_tree
 from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.legacy import load_legacy
 from lightning_resume.io.worker import Background
@@ -43,7 +42,13 @@ class ReadOptions:
     """``verify``: hash every tensor. ``map_location``: device for tensors (``None``: CPU).
     ``lenient``: unknown enum classes/converters decode to plain values (inspection tools).
     ``mmap``: return copy-on-write views of the file instead of copies (zero-copy, but the file's
-    disk space stays in use while any such tensor lives, e.g. optimizer moments for a whole run)."""
+    disk space stays in use while any such tensor lives, e.g. optimizer moments for a whole run).
+    What ``mmap=True`` guarantees: the bytes were verified when loaded, and writing to a tensor never
+    changes the file. It cannot guarantee more: a page not yet written is the file's page, so if another
+    process rewrites the file *in place* afterwards the tensors show the new bytes, and if it truncates
+    the file, touching them raises SIGBUS. lightning-resume's own saves never do either (they write a new
+    file and rename it over the name, so a mapping keeps the old file); use ``mmap=False`` (the default)
+    for files something else may rewrite in place."""
 
     verify: bool = True
     map_location: Any = None
@@ -138,6 +143,28 @@ def _load_local_copy(path: str, opts: ReadOptions) -> Loaded:
     return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
 
 
+def verify_local(path: str) -> None:
+    """Check every checksum of a local safetensors checkpoint and that its tree decodes, from plain reads.
+
+    Never memory-maps: a file truncated or rewritten in place while it is checked gives a short read or
+    a checksum mismatch (``CheckpointCorruptError``), never a SIGBUS. Holds one tensor's bytes at a time;
+    the tree is decoded against 1-element stand-ins of the right dtype and shape (registered converters
+    run on those, unknown classes decode leniently).
+    """
+    with open(local_path(path), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(9)
+        if not _is_safetensors_head(path, head):
+            raise CheckpointCorruptError(path, "not a safetensors checkpoint", "safetensors", "torch.save")
+        n = framing.header_length(path, head, size)
+        header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
+        record, tree_json = _checked_metadata(path, header)
+        ordered = sorted(header.entries.values(), key=lambda e: e.begin)  # entries tile the data in order
+        integrity.verify_data(path, record, ((e, _read_exact(path, f, e.end - e.begin)) for e in ordered))
+    stand_ins = {e.name: torch.zeros((), dtype=framing.DTYPES[e.dtype]).expand(e.shape) for e in ordered}
+    _decode_tree(path, tree_json, stand_ins, lenient=True)
+
+
 def _read_exact(path: str, f: Any, n: int, into: Any = None) -> Any:
     """Read exactly ``n`` bytes (into ``into`` if given); a short read means the file changed or is truncated."""
     buf = into if into is not None else bytearray(n)
@@ -193,7 +220,7 @@ def _device(map_location: Any) -> Optional[torch.device]:
 
 def _decode_tree(path: str, tree_json: str, tensors: Dict[str, torch.Tensor], lenient: bool) -> Dict[str, Any]:
     try:
-        tree = decode(json.loads(tree_json), tensors, lenient=lenient)
+        tree = decode(parse_tree(tree_json), tensors, lenient=lenient)
     except (ValueError, RecursionError) as err:  # TreeFormatError and json's errors are ValueErrors
         raise CheckpointCorruptError(path, f"typed JSON tree is malformed: {err}") from err
     if type(tree) is not dict:

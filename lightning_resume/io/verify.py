@@ -3,9 +3,11 @@
 ``verify(path)`` returns only when everything the checkpoint holds was checked, and raises
 ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) naming the file, shard or tensor otherwise:
 
-- a directory is a sharded checkpoint: its ``COMMITTED`` marker, and the size and SHA-256 of every file
-  the marker lists (each ``.distcp`` shard, DCP's ``.metadata``, the non-sharded ``meta.safetensors``);
-- a safetensors file: every tensor's checksum, the data-section and tree digests, and the whole tree decodes;
+- a directory is a sharded checkpoint: its ``COMMITTED`` marker, the size and SHA-256 of every file
+  the marker lists (each ``.distcp`` shard, DCP's ``.metadata``, the non-sharded ``meta.safetensors``),
+  each a regular file, and every storage reference of DCP's ``.metadata`` inside those files;
+- a safetensors file: every tensor's checksum, the data-section and tree digests, and the whole tree decodes,
+  all from plain reads (never a memory map, so a file truncated meanwhile is an error, not a SIGBUS);
 - a ``torch.save`` zip: the CRC-32 of every record, then a weights-only load (no code runs);
 - anything else: the ``checkpoint_io`` given, if it can verify (``VerifyingCheckpointIO``), else the
   reader's own refusal.
@@ -23,7 +25,7 @@ import fsspec
 
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.io.atomic import is_local, local_path
-from lightning_resume.io.read import is_safetensors, load_file
+from lightning_resume.io.read import is_safetensors, load_file, verify_local
 from lightning_resume.protocols import VerifyingCheckpointIO
 from lightning_resume.sharded.commit import DCP_METADATA, CommitRecord, verify_committed
 
@@ -38,7 +40,10 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
     if fs.isdir(fs_path):
         verify_directory(path, digests)
     elif is_safetensors(path):
-        load_file(path, verify=True, lenient=True, mmap=True)
+        if is_local(path):
+            verify_local(path)  # plain reads: a concurrent truncate is an error, never a SIGBUS
+        else:
+            load_file(path, verify=True, lenient=True)
     elif is_local(path) and zipfile.is_zipfile(local_path(path)):
         _verify_zip(path)
     elif isinstance(checkpoint_io, VerifyingCheckpointIO):
@@ -49,9 +54,12 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
 
 def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
     """A sharded checkpoint directory: committed, and every file its marker lists intact."""
+    from lightning_resume.sharded.safe_pickle import load_checked_metadata  # DCP only where directories are
+
     record = verify_committed(directory, digests)
     if DCP_METADATA not in record.files:
         raise CheckpointCorruptError(directory, f"commit marker does not list {DCP_METADATA}")
+    load_checked_metadata(directory, record.files)
     return record
 
 
@@ -75,4 +83,4 @@ def _verify_zip(path: str) -> None:
         raise CheckpointCorruptError(path, f"unreadable torch.save zip archive: {err}") from err
     if bad is not None:
         raise CheckpointCorruptError(path, f"torch.save record {bad!r} fails its CRC-32 check")
-    load_file(path, mmap=True)  # the pickle: only allowlisted classes, or UnsafeCheckpointError
+    load_file(path)  # the pickle: only allowlisted classes, or UnsafeCheckpointError

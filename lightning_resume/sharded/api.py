@@ -29,6 +29,7 @@ from lightning_resume.errors import (
     LightningResumeError,
     ShardedSaveError,
     UnencodableValueError,
+    UnsafeCheckpointError,
 )
 from lightning_resume.io.codec import encode
 from lightning_resume.io.read import load_file
@@ -37,7 +38,7 @@ from lightning_resume.io.verify import verify_directory
 from lightning_resume.io.write import save_file
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.commit import DCP_METADATA, META_FILE
-from lightning_resume.sharded.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_metadata
+from lightning_resume.sharded.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
 
 
 class RecordingWriter(FileSystemWriter):
@@ -163,14 +164,17 @@ def verify_sharded(directory: str, digests: bool = True) -> commits.CommitRecord
 def _verified_everywhere(directory: str, digests: bool) -> commits.CommitRecord:
     """Rank 0 verifies (one read of every file), every rank gets the verdict."""
     problem: Optional[str] = None
+    unsafe = False
     record = None
     if collective.rank_and_world()[0] == 0:
         try:
             record = verify_sharded(directory, digests)
-        except (CheckpointCorruptError, OSError) as err:  # any failure here must reach every rank
-            problem = str(err)
-    problem, record = collective.broadcast((problem, record))
+        except (LightningResumeError, OSError) as err:  # any failure here must reach every rank
+            problem, unsafe = str(err), isinstance(err, UnsafeCheckpointError)
+    problem, unsafe, record = collective.broadcast((problem, unsafe, record))
     if problem is not None:
+        if unsafe:
+            raise UnsafeCheckpointError(directory, problem)
         raise CheckpointCorruptError(directory, f"refusing to load: {problem}")
     assert record is not None  # rank 0 sent either a problem or the record it verified
     return record
@@ -184,7 +188,6 @@ def load_sharded(state_template: Dict[str, Any], directory: str, digests: bool =
     """
     directory = os.path.abspath(directory)
     record = _verified_everywhere(directory, digests)
-    load_metadata(os.path.join(directory, DCP_METADATA))  # refuse a hostile file here, with its own error
     with _domain_errors():
         dcp.load(
             state_template,
@@ -208,8 +211,7 @@ def load_meta(directory: str) -> Optional[Dict[str, Any]]:
 def load_full(directory: str, digests: bool = True) -> Dict[str, Any]:
     """The whole state of ``directory`` as plain tensors and values, in this one process (no template)."""
     directory = os.path.abspath(directory)
-    verify_sharded(directory, digests)
-    load_metadata(os.path.join(directory, DCP_METADATA))
+    verify_sharded(directory, digests)  # includes every storage reference of the metadata
     state: Dict[str, Any] = {}
     with _domain_errors():
         dcp_compat.load_without_template(state, SafeFileSystemReader(directory), _SafeFullLoadPlanner())

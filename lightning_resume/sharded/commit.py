@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
@@ -193,14 +194,26 @@ def verify_committed(directory: str, digests: bool = True) -> CommitRecord:
         path = os.path.join(directory, name)
         if os.path.basename(name) != name or name in (MARKER, IN_PROGRESS):
             raise CheckpointCorruptError(os.path.join(directory, MARKER), f"marker lists an invalid file name {name!r}")
-        if not os.path.isfile(path):
-            raise CheckpointCorruptError(path, "file listed in the commit marker is missing")
-        size = os.path.getsize(path)
+        size = _regular_file_size(path)
         if size != expected.size:
             raise CheckpointCorruptError(path, "size differs from the commit marker", expected.size, size)
         if digests and digest_file(path).sha256 != expected.sha256:
             raise CheckpointCorruptError(path, "SHA-256 differs from the commit marker", expected.sha256, "other")
     return record
+
+
+def _regular_file_size(path: str) -> int:
+    """The size of ``path`` if it is a regular file itself: never a symlink (it could lead outside the
+    directory), a FIFO (a read blocks for ever) or a device (``/dev/zero`` never ends)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as err:
+        raise CheckpointCorruptError(path, "file listed in the commit marker is missing") from err
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(
+            path, "file listed in the commit marker is not a regular file (a link, FIFO or device?)"
+        )
+    return st.st_size
 
 
 def pick_newest(records: Iterable[CommitRecord], mtimes: Mapping[str, float]) -> Optional[CommitRecord]:

@@ -12,25 +12,55 @@ What DCP pickles (torch 2.13, ``torch/distributed/checkpoint``):
    into a ``.distcp`` file (default_planner.py:286), read back with ``torch.load(weights_only=False)``
    (default_planner.py:387). :class:`SafeLoadPlanner` reads them with ``weights_only=True``: torch's
    restricted unpickler (containers, numbers, strings, tensors), and turns a refusal into
-   ``UnsafeCheckpointError``.
+   ``UnsafeCheckpointError``; the bounds of ``io.legacy`` apply (no compressed record, tree size
+   and depth).
 3. Tensors: ``torch.save`` per chunk (filesystem.py:346), already read with ``weights_only=True``
    (filesystem.py:899).
 
-This module owns only those two readers; it does not decide what to load or where from.
+4. Where each of those lives: ``Metadata.storage_data`` maps every tensor chunk and value to a
+   ``_StorageInfo(relative_path, offset, length)`` that DCP's reader opens unchecked
+   (filesystem.py:866-875), so a hostile file could name ``/etc/passwd``, ``../x``, ``/dev/zero`` or a
+   FIFO, or declare a tensor far larger than its chunks. :func:`check_storage` admits only references
+   to files the commit marker lists (regular files, checked by ``verify_committed``), with byte ranges
+   inside them that do not overlap, and tensors whose chunks tile them exactly within those ranges;
+   :class:`SafeFileSystemReader` applies it to the metadata it hands DCP, and ``io.verify`` to the
+   one it verifies.
+
+This module owns only those readers and checks; it does not decide what to load or where from.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
-from typing import IO, Any, Optional
+import stat
+import zipfile
+from typing import IO, Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from typing_extensions import override
 
-from lightning_resume._compat.dcp import metadata_path, set_nested
-from lightning_resume.errors import UnsafeCheckpointError
+from lightning_resume._compat.dcp import StorageInfo, metadata_path, set_nested
+from lightning_resume.errors import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_resume.io.legacy import check_tree, check_zip
+from lightning_resume.sharded.commit import DCP_METADATA, MARKER, FileDigest, read_marker
+
+MAX_METADATA_BYTES = 256 << 20
+"""Largest ``.metadata`` file read (a real one is a few hundred bytes per tensor chunk). Raise it by
+assigning ``lightning_resume.sharded.safe_pickle.MAX_METADATA_BYTES`` before loading."""
+MAX_CHUNKS_PER_TENSOR = 16384
+"""Most chunks one tensor may be split into (checking that chunks do not overlap is quadratic in it).
+Raise it by assigning ``lightning_resume.sharded.safe_pickle.MAX_CHUNKS_PER_TENSOR``."""
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 ALLOWED_GLOBALS = frozenset(
@@ -76,6 +106,15 @@ class MetadataUnpickler(pickle.Unpickler):
 def load_metadata(path: str) -> Metadata:
     """Read a DCP ``.metadata`` file with the allowlist; any malformed content is ``UnsafeCheckpointError``."""
     with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > MAX_METADATA_BYTES:
+            raise CheckpointCorruptError(
+                path,
+                "DCP metadata is larger than MAX_METADATA_BYTES (raise lightning_resume.sharded.safe_pickle."
+                "MAX_METADATA_BYTES to read it)",
+                MAX_METADATA_BYTES,
+                size,
+            )
         try:
             metadata = MetadataUnpickler(handle, str(path)).load()
         except UnsafeCheckpointError:
@@ -87,12 +126,26 @@ def load_metadata(path: str) -> Metadata:
     return metadata
 
 
+def load_checked_metadata(directory: str, files: Optional[Mapping[str, FileDigest]] = None) -> Metadata:
+    """The ``.metadata`` of a committed ``directory``, refused unless :func:`check_storage` accepts it.
+
+    ``files`` is what the commit marker lists (read from the marker when not given).
+    """
+    metadata = load_metadata(os.path.join(directory, DCP_METADATA))
+    check_storage(directory, metadata, read_marker(directory).files if files is None else files)
+    return metadata
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` uses :func:`load_metadata` instead of ``pickle.load``."""
+    """``FileSystemReader`` whose ``read_metadata`` uses :func:`load_metadata` instead of ``pickle.load``,
+    and hands DCP only metadata whose every storage reference :func:`check_storage` accepts."""
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = load_metadata(str(metadata_path(self, kwargs.get("rank"))))
+        path = str(metadata_path(self, kwargs.get("rank")))
+        metadata = load_metadata(path)
+        directory = os.path.dirname(path)
+        check_storage(directory, metadata, read_marker(directory).files)
         # getattr: metadata pickled by an older torch may lack the attribute
         storage_meta: Optional[StorageMeta] = getattr(metadata, "storage_meta", None)
         if storage_meta is None:
@@ -113,10 +166,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     @override
     def load_bytes(self, read_item: Any, value: Any) -> None:
         fqn = read_item.dest_index.fqn
+        where = f"{self._checkpoint_id()} (value {fqn!r})"
+        check_zip(where, value)  # no compressed record (a bomb), a bounded pickle
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
             raise UnsafeCheckpointError(self._checkpoint_id(), f"value {fqn!r} needs code to load: {err}") from err
+        check_tree(where, obj)  # a pickle-memo DAG or a self-containing list stops here, not in a later walk
         if self.flatten_state_dict:
             set_nested(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -125,3 +181,191 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def _checkpoint_id(self) -> str:
         storage = getattr(self.metadata, "storage_meta", None)
         return str(getattr(storage, "checkpoint_id", None) or "DCP checkpoint")
+
+
+# ------------------------------------------------------------------------------ storage references
+
+
+def check_storage(directory: str, metadata: Metadata, files: Mapping[str, FileDigest]) -> None:
+    """Every storage reference names a file the marker lists, inside it, and every tensor is tiled by its chunks.
+
+    ``files`` maps the names the commit marker lists to their size (``verify_committed`` checked each
+    is a regular file of that size). Raises ``CheckpointCorruptError`` naming the ``.metadata`` file.
+    """
+    where = os.path.join(directory, DCP_METADATA)
+    storage = _typed(where, metadata.storage_data, dict, "storage_data")
+    entries = _typed(where, metadata.state_dict_metadata, dict, "state_dict_metadata")
+    ranges: Dict[str, List[Tuple[int, int, str]]] = {}
+    for index, info in storage.items():
+        fqn = _typed(where, getattr(index, "fqn", None), str, "a storage key")
+        _typed(where, info, StorageInfo, f"storage of {fqn!r}")
+        name, begin, end = _storage_range(where, fqn, info, files)
+        ranges.setdefault(name, []).append((begin, end, fqn))
+    for name, spans in ranges.items():
+        _check_disjoint(where, name, spans)
+        _check_uncompressed(where, os.path.join(directory, name), spans)
+    for fqn, entry in entries.items():
+        _typed(where, fqn, str, "a state key")
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tensor(where, fqn, entry, storage)
+        elif isinstance(entry, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                raise CheckpointCorruptError(where, f"value {fqn!r} has no storage reference")
+        else:
+            raise CheckpointCorruptError(where, f"entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes")
+
+
+def _typed(where: str, value: Any, cls: type, what: str) -> Any:
+    if not isinstance(value, cls) or isinstance(value, bool):
+        raise CheckpointCorruptError(where, f"{what} is a {type(value).__name__}, not a {cls.__name__}")
+    return value
+
+
+def _storage_range(where: str, fqn: str, info: Any, files: Mapping[str, FileDigest]) -> Tuple[str, int, int]:
+    """(file, begin, end) of one reference: a listed file (never the marker or the metadata), in bounds."""
+    name = info.relative_path
+    if type(name) is not str or name in (DCP_METADATA, MARKER) or name not in files or os.path.basename(name) != name:
+        raise CheckpointCorruptError(
+            where, f"storage of {fqn!r} names {name!r}, which is not a shard file listed in the commit marker"
+        )
+    offset, length = info.offset, info.length
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        raise CheckpointCorruptError(where, f"storage of {fqn!r}: offset/length are not non-negative ints")
+    if offset + length > files[name].size:
+        raise CheckpointCorruptError(
+            where, f"storage of {fqn!r} runs past the end of {name}", files[name].size, offset + length
+        )
+    if getattr(info, "transform_descriptors", None):  # our writer never sets one (e.g. a decompressor)
+        raise CheckpointCorruptError(where, f"storage of {fqn!r} asks for transforms {info.transform_descriptors!r}")
+    return name, offset, offset + length
+
+
+def _check_disjoint(where: str, name: str, spans: List[Tuple[int, int, str]]) -> None:
+    """Two references may not read the same bytes: each stored byte backs at most one chunk."""
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise CheckpointCorruptError(where, f"storage of {a!r} and {b!r} overlap in {name}")
+
+
+class _Window(io.RawIOBase):
+    """The bytes ``[begin, begin + length)`` of an open file, as a seekable file of their own."""
+
+    def __init__(self, fd: int, begin: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._begin, self._length, self._pos = fd, begin, length, 0
+
+    @override
+    def readable(self) -> bool:
+        return True
+
+    @override
+    def seekable(self) -> bool:
+        return True
+
+    @override
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    @override
+    def tell(self) -> int:
+        return self._pos
+
+    @override
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        data = os.pread(self._fd, n, self._begin + self._pos)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _check_uncompressed(where: str, path: str, spans: List[Tuple[int, int, str]]) -> None:
+    """Each stored item is a ``torch.save`` zip within the bounds of ``io.legacy.check_zip``: no deflated
+    record (torch's reader would inflate a bomb whole), a bounded pickle without hash-flooding numbers."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if a FIFO replaced the file
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointCorruptError(path, "shard is not a regular file (a link, FIFO or device?)")
+        for begin, end, fqn in spans:
+            item = io.BufferedReader(_Window(fd, begin, end - begin))
+            if not zipfile.is_zipfile(item):
+                raise CheckpointCorruptError(where, f"storage of {fqn!r} is not a torch.save archive")
+            check_zip(f"{where} (storage of {fqn!r})", item)
+    finally:
+        os.close(fd)
+
+
+def _check_tensor(where: str, fqn: str, entry: TensorStorageMetadata, storage: Mapping[Any, Any]) -> None:
+    """Chunks lie inside the tensor, do not overlap, cover it exactly, and each fits in its stored bytes."""
+    size = _shape(where, f"tensor {fqn!r}", entry.size)
+    dtype = getattr(entry.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointCorruptError(where, f"tensor {fqn!r} has no dtype")
+    chunks = _typed(where, entry.chunks, list, f"chunks of {fqn!r}")
+    if len(chunks) > MAX_CHUNKS_PER_TENSOR:
+        raise CheckpointCorruptError(
+            where,
+            f"tensor {fqn!r} has more chunks than MAX_CHUNKS_PER_TENSOR (raise lightning_resume.sharded."
+            "safe_pickle.MAX_CHUNKS_PER_TENSOR to read it)",
+            MAX_CHUNKS_PER_TENSOR,
+            len(chunks),
+        )
+    boxes, covered = [], 0
+    for i, chunk in enumerate(chunks):
+        _typed(where, chunk, ChunkStorageMetadata, f"chunk {i} of {fqn!r}")
+        offsets = _shape(where, f"chunk {i} of {fqn!r}", chunk.offsets)
+        sizes = _shape(where, f"chunk {i} of {fqn!r}", chunk.sizes)
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=True))
+        ):
+            raise CheckpointCorruptError(where, f"chunk {i} of tensor {fqn!r} lies outside its size {list(size)}")
+        numel = _product(sizes)
+        info = storage.get(MetadataIndex(fqn, torch.Size(offsets), i)) or storage.get(MetadataIndex(fqn, offsets))
+        if info is None:
+            raise CheckpointCorruptError(where, f"chunk {i} of tensor {fqn!r} has no storage reference")
+        if numel * dtype.itemsize > info.length:
+            raise CheckpointCorruptError(
+                where,
+                f"chunk {i} of tensor {fqn!r} is larger than its stored bytes",
+                info.length,
+                numel * dtype.itemsize,
+            )
+        covered += numel
+        if numel:
+            boxes.append((offsets, sizes))
+    if covered != _product(size) or _any_overlap(boxes):
+        raise CheckpointCorruptError(
+            where, f"chunks of tensor {fqn!r} do not tile its size {list(size)} (a size larger than the data?)"
+        )
+
+
+def _shape(where: str, what: str, value: Any) -> Tuple[int, ...]:
+    if not isinstance(value, (torch.Size, tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
+        raise CheckpointCorruptError(where, f"{what}: shape is not a sequence of non-negative ints")
+    return tuple(value)
+
+
+def _product(dims: Tuple[int, ...]) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def _any_overlap(boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> bool:
+    """Whether two boxes share an element; sorted by their first coordinate so disjoint runs stop early."""
+    boxes = sorted(boxes)
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1 :]:
+            if a_off and b_off[0] >= a_off[0] + a_size[0]:
+                break  # every later box starts at or after this one's end along dimension 0
+            if all(
+                bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size, strict=True)
+            ):
+                return True
+    return False

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.evaluation_loop import RestartStage
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
@@ -98,6 +99,25 @@ def restart_train_iterator(trainer: pl.Trainer, prefetched: Optional[list[Any]] 
         fetcher.fetched += len(prefetched)
     else:
         iter(fetcher)
+
+
+def leave_finished_epoch(trainer: pl.Trainer) -> None:
+    """Restore a checkpoint saved in ``on_train_epoch_end`` as finished, as Lightning does with ``max_epochs``.
+
+    With ``max_steps`` every loop stays "restarting" (fit_loop.py:139), so such a checkpoint restarts
+    inside the finished epoch (RESTARTED_ON_EPOCH_END, fit_loop.py:361-367): the epoch loop trains one
+    more batch from the next epoch's iterator (training_epoch_loop.py:125-133, not done while restarting),
+    and the next epoch shuffles afresh and skips ``on_train_epoch_start``. Here the loops are put where a
+    ``max_epochs`` resume has them: not restarting, RESUMED_ON_EPOCH_END, the epoch counted completed
+    (fit_loop.py:368-374, :393-396).
+    """
+    fit_loop = trainer.fit_loop
+    if not fit_loop.restarted_on_epoch_end:
+        return
+    _Loop.restarting.fset(fit_loop, False)  # the parent setter: FitLoop's keeps iteration-based loops restarting
+    fit_loop.update_restart_stage()
+    if fit_loop.resumed_on_epoch_end:
+        fit_loop.epoch_progress.increment_completed()
 
 
 def apply_loader_states(loaders: list[Any]) -> None:

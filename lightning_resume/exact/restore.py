@@ -91,6 +91,7 @@ def restore_position_and_rng(
     elif mine["validation_pending"]:
         lc.defer_validation_to_loop(trainer)
     if mine["epoch_exhausted"]:
+        lc.leave_finished_epoch(trainer)  # with max_steps, Lightning would restart inside the finished epoch
         # The next epoch's iterator is made now, after the RNG it draws its seed from is restored.
         lc.set_sampler_epoch(loaders, trainer.current_epoch)
         lc.restart_train_iterator(trainer)

@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
@@ -113,6 +113,21 @@ class Model(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         loss = nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
         self.log("val_loss", loss, sync_dist=True)
+        if self.cfg.get("record_validation") and not self.trainer.sanity_checking:
+            self._log_validation(batch_idx, loss)
+
+    def _log_validation(self, batch_idx, loss) -> None:
+        """A validation batch as a step record: the epoch and step user code sees, and the loss bits."""
+        if self.log_file is None:
+            self.log_file = open(Path(self.cfg["out"]) / f"steps-rank{self.global_rank}.jsonl", "a", buffering=1)
+        bits = struct.unpack("<I", struct.pack("<f", loss.detach().float().item()))[0]
+        rec = {"val": batch_idx, "epoch": self.current_epoch, "step": self.global_step, "loss": f"{bits:08x}"}
+        self.log_file.write(json.dumps(rec) + "\n")
+
+    def on_train_epoch_start(self) -> None:
+        if self.cfg.get("record_lr"):  # the learning rate each epoch starts with (SWA changes it there)
+            lrs = [g["lr"] for g in self.trainer.optimizers[0].param_groups]
+            print("EPOCH_START", self.current_epoch, lrs, flush=True)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.cfg.get("lr", 1e-2))
@@ -198,6 +213,10 @@ def main(cfg: dict) -> None:
         callbacks = [RetentionCheckpoint(dirpath=ckpt_dir, **cfg["retention"])]
     else:
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, **cfg.get("ckpt", {}))]
+    if cfg.get("monitor_ckpt") is not None:  # a second, monitored checkpoint whose file names show epoch and step
+        callbacks.append(ModelCheckpoint(dirpath=f"{ckpt_dir}-monitor", **cfg["monitor_ckpt"]))
+    if cfg.get("swa") is not None:
+        callbacks.append(StochasticWeightAveraging(**cfg["swa"]))
     if cfg.get("exact", True):
         callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **cfg.get("exact_args", {})))
     if cfg.get("debug_rng"):

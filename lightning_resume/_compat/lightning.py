@@ -22,7 +22,6 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.evaluation_loop import RestartStage
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
-from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
@@ -114,7 +113,9 @@ def leave_finished_epoch(trainer: pl.Trainer) -> None:
     fit_loop = trainer.fit_loop
     if not fit_loop.restarted_on_epoch_end:
         return
-    _Loop.restarting.fset(fit_loop, False)  # the parent setter: FitLoop's keeps iteration-based loops restarting
+    # past FitLoop's setter, which keeps iteration-based loops restarting; the epoch loop's passes it down (loop.py:35-40)
+    fit_loop._restarting = False
+    fit_loop.epoch_loop.restarting = False
     fit_loop.update_restart_stage()
     if fit_loop.resumed_on_epoch_end:
         fit_loop.epoch_progress.increment_completed()

@@ -171,9 +171,15 @@ def skip_validation_fast_forward(trainer: pl.Trainer) -> None:
     val_loop.increment_progress_to_evaluation_end = once  # type: ignore[method-assign]
 
 
-def run_validation(trainer: pl.Trainer) -> None:
+def run_validation(trainer: pl.Trainer, epoch: int) -> None:
     """Run the validation that was due right after the saved step, as epoch_loop.on_advance_end does
-    (training_epoch_loop.py:396-408); Lightning skips it on resume (training_epoch_loop.py:281-292)."""
+    (training_epoch_loop.py:396-408); Lightning skips it on resume (training_epoch_loop.py:281-292).
+
+    ``epoch`` is the epoch it belongs to. After a save on an epoch's last batch Lightning counts that
+    epoch finished on restore (fit_loop.py:398-404), so ``trainer.current_epoch`` would be one too high
+    for the validation's hooks, logged rows and checkpoint names; it reads ``epoch`` while it runs
+    (``current_epoch`` is ``epoch_progress.current.completed``, trainer.py:1562-1564).
+    """
     loop = trainer.fit_loop.epoch_loop
     # The restored val loop counts the saved run's finished validation; this one starts from scratch.
     loop.val_loop.restarting = False
@@ -181,7 +187,12 @@ def run_validation(trainer: pl.Trainer) -> None:
     first_loop_iter = trainer._logger_connector._first_loop_iter
     if not loop._should_accumulate():
         call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
-    loop.val_loop.run()
+    progress = trainer.fit_loop.epoch_progress.current
+    progress.completed, counted = epoch, progress.completed
+    try:
+        loop.val_loop.run()
+    finally:
+        progress.completed = counted
     trainer.training = True
     trainer._logger_connector._first_loop_iter = first_loop_iter
 

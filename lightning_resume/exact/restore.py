@@ -87,7 +87,8 @@ def restore_position_and_rng(
     restore_rng(mine["rng"], generators)
     restored_rng = capture_rng(generators)
     if mine["validation_pending"] and mine["epoch_exhausted"]:
-        lc.run_validation(trainer)
+        # Lightning already counts the saved epoch finished; the validation still belongs to it.
+        lc.run_validation(trainer, epoch=mine.get("epoch", trainer.current_epoch))
     elif mine["validation_pending"]:
         lc.defer_validation_to_loop(trainer)
     if mine["epoch_exhausted"]:

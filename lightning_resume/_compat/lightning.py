@@ -19,12 +19,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loops.evaluation_loop import RestartStage
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
@@ -119,6 +120,40 @@ def leave_finished_epoch(trainer: pl.Trainer) -> None:
     fit_loop.update_restart_stage()
     if fit_loop.resumed_on_epoch_end:
         fit_loop.epoch_progress.increment_completed()
+
+
+def restarted_inside_epoch(trainer: pl.Trainer) -> bool:
+    """Whether Lightning restarts inside an epoch, and so skips ``on_train_epoch_start`` (fit_loop.py:354-360,
+    :447-454). After a save on an epoch's last batch it has already counted that epoch finished
+    (fit_loop.py:398-404): the hooks it skips are then the next epoch's, which never ran."""
+    return trainer.fit_loop.restarted_mid_epoch
+
+
+def hook_overriders(trainer: pl.Trainer, hook: str) -> list[Any]:
+    """The callbacks, then the LightningModule, that override ``hook``, in Lightning's call order
+    (fit_loop.py:451-452, call.py:_call_callback_hooks)."""
+    module = trainer.lightning_module
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by _CallbackConnector
+    hooked = [cb for cb in callbacks if is_overridden(hook, cb, Callback)]
+    return hooked + ([module] if is_overridden(hook, module, pl.LightningModule) else [])
+
+
+def call_epoch_start(trainer: pl.Trainer, hooked: Any) -> None:
+    """Call one callback's (or the module's) ``on_train_epoch_start`` as the fit loop does."""
+    if isinstance(hooked, pl.LightningModule):
+        call._call_lightning_module_hook(trainer, "on_train_epoch_start")
+    else:
+        hooked.on_train_epoch_start(trainer, trainer.lightning_module)
+
+
+def start_next_epoch(trainer: pl.Trainer) -> None:
+    """The part of fit_loop.on_advance_start that Lightning skips after a save on an epoch's last batch
+    (fit_loop.py:447-454): count the epoch ready, call every ``on_train_epoch_start``, count it started."""
+    progress = trainer.fit_loop.epoch_progress
+    progress.increment_ready()
+    call._call_callback_hooks(trainer, "on_train_epoch_start")
+    call._call_lightning_module_hook(trainer, "on_train_epoch_start")
+    progress.increment_started()
 
 
 def apply_loader_states(loaders: list[Any]) -> None:

@@ -85,6 +85,16 @@ def test_stock_checkpoint_resumes_bit_for_bit(tmp_path: Path, stop: str, validat
     assert_continues(a, c)
 
 
+@pytest.mark.parametrize("stop", list(STOPS))
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+def test_epoch_interval_scheduler(tmp_path: Path, stop: str, checkpoint: str) -> None:
+    """An LR schedule stepped once per epoch steps at the end of the resumed epoch, as in the uninterrupted run."""
+    ckpt, pause = CHECKPOINTS[checkpoint]
+    cfg = {**BASE, **STOPS[stop], "scheduler_interval": "epoch", "lr": 0.05, "ckpt": ckpt}
+    a, c = _three_runs(tmp_path, cfg, pause)
+    assert_continues(a, c)
+
+
 def test_default_model_checkpoint_with_max_steps(tmp_path: Path) -> None:
     """``ModelCheckpoint()`` with no arguments saves at each epoch's end; resume from its file."""
     cfg = {**BASE, **STOPS["max_steps"], "ckpt": {}}
@@ -122,14 +132,22 @@ def test_validation_due_after_last_batch_save_sees_the_same_epoch(tmp_path: Path
 
 
 SWA = {"swa_lrs": 0.05, "swa_epoch_start": 2, "annealing_epochs": 2}
+"""SWA from the second epoch (index 1) on, its LR annealed over two epochs."""
+SWA_KILLS = {
+    "mid_epoch_swa_starts": (MID_EPOCH, EPOCH + 4),
+    "mid_epoch_swa_active": (MID_EPOCH, 2 * EPOCH + 4),
+    "last_batch_before_swa_starts": ({**MID_EPOCH, "every_n_train_steps": EPOCH}, EPOCH + 2),
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_epoch", [1, 2])
-def test_stochastic_weight_averaging_resumed_mid_epoch(tmp_path: Path, kill_epoch: int) -> None:
-    """SWA sets its LR schedule in ``on_train_epoch_start``, which Lightning skips on a mid-epoch restart."""
-    cfg = {**BASE, "max_epochs": 4, "scheduler": False, "swa": SWA, "ckpt": MID_EPOCH}
-    a, c = _three_runs(tmp_path, cfg, kill_epoch * EPOCH + 4)
+@pytest.mark.parametrize("kill", list(SWA_KILLS))
+def test_stochastic_weight_averaging(tmp_path: Path, kill: str) -> None:
+    """SWA installs its LR schedule in ``on_train_epoch_start``, which Lightning skips on a restart inside an
+    epoch; it is replayed (or, after a save on an epoch's last batch, run for the first time)."""
+    ckpt, pause = SWA_KILLS[kill]
+    cfg = {**BASE, "max_epochs": 4, "scheduler": False, "swa": SWA, "ckpt": ckpt}
+    a, c = _three_runs(tmp_path, cfg, pause)
     assert_continues(a, c)
 
 

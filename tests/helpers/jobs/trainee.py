@@ -124,17 +124,13 @@ class Model(pl.LightningModule):
         rec = {"val": batch_idx, "epoch": self.current_epoch, "step": self.global_step, "loss": f"{bits:08x}"}
         self.log_file.write(json.dumps(rec) + "\n")
 
-    def on_train_epoch_start(self) -> None:
-        if self.cfg.get("record_lr"):  # the learning rate each epoch starts with (SWA changes it there)
-            lrs = [g["lr"] for g in self.trainer.optimizers[0].param_groups]
-            print("EPOCH_START", self.current_epoch, lrs, flush=True)
-
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.cfg.get("lr", 1e-2))
         if not self.cfg.get("scheduler"):
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        interval = self.cfg.get("scheduler_interval", "step")
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": interval}}
 
     def _loader(self, dataset, shuffle: bool):
         cfg = self.cfg

@@ -85,6 +85,7 @@ def test_stock_checkpoint_resumes_bit_for_bit(tmp_path: Path, stop: str, validat
     assert_continues(a, c)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", list(STOPS))
 @pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
 def test_epoch_interval_scheduler(tmp_path: Path, stop: str, checkpoint: str) -> None:
@@ -149,6 +150,15 @@ def test_stochastic_weight_averaging(tmp_path: Path, kill: str) -> None:
     cfg = {**BASE, "max_epochs": 4, "scheduler": False, "swa": SWA, "ckpt": ckpt}
     a, c = _three_runs(tmp_path, cfg, pause)
     assert_continues(a, c)
+
+
+def test_epoch_start_hook_not_replayed_is_named(tmp_path: Path) -> None:
+    """A user callback's ``on_train_epoch_start`` is not called twice on a mid-epoch resume; a warning names it."""
+    cfg = {**BASE, "max_epochs": 2, "ckpt": MID_EPOCH, "epoch_start_counter": True}
+    a, c = _three_runs(tmp_path, cfg, EPOCH + 4)
+    assert_continues(a, c)
+    output = (Path(c["out"]) / "stdout.txt").read_text()
+    assert "are not re-run: EpochStartCounter.on_train_epoch_start" in output
 
 
 @pytest.mark.parametrize(

@@ -173,6 +173,16 @@ class PauseBefore(Callback):
         self.seen += 1
 
 
+class EpochStartCounter(Callback):
+    """A user callback with state set in ``on_train_epoch_start`` that no checkpoint holds."""
+
+    def __init__(self) -> None:
+        self.epochs_started = 0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs_started += 1
+
+
 class DebugRng(Callback):
     def _p(self, what, trainer):
         import hashlib
@@ -211,6 +221,8 @@ def main(cfg: dict) -> None:
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, **cfg.get("ckpt", {}))]
     if cfg.get("monitor_ckpt") is not None:  # a second, monitored checkpoint whose file names show epoch and step
         callbacks.append(ModelCheckpoint(dirpath=f"{ckpt_dir}-monitor", **cfg["monitor_ckpt"]))
+    if cfg.get("epoch_start_counter"):
+        callbacks.append(EpochStartCounter())
     if cfg.get("swa") is not None:
         callbacks.append(StochasticWeightAveraging(**cfg["swa"]))
     if cfg.get("exact", True):

@@ -19,12 +19,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loops.evaluation_loop import RestartStage
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
@@ -100,6 +101,61 @@ def restart_train_iterator(trainer: pl.Trainer, prefetched: Optional[list[Any]] 
         iter(fetcher)
 
 
+def leave_finished_epoch(trainer: pl.Trainer) -> None:
+    """Restore a checkpoint saved in ``on_train_epoch_end`` as finished, as Lightning does with ``max_epochs``.
+
+    With ``max_steps`` every loop stays "restarting" (fit_loop.py:139), so such a checkpoint restarts
+    inside the finished epoch (RESTARTED_ON_EPOCH_END, fit_loop.py:361-367): the epoch loop trains one
+    more batch from the next epoch's iterator (training_epoch_loop.py:125-133, not done while restarting),
+    and the next epoch shuffles afresh and skips ``on_train_epoch_start``. Here the loops are put where a
+    ``max_epochs`` resume has them: not restarting, RESUMED_ON_EPOCH_END, the epoch counted completed
+    (fit_loop.py:368-374, :393-396).
+    """
+    fit_loop = trainer.fit_loop
+    if not fit_loop.restarted_on_epoch_end:
+        return
+    # past FitLoop's setter, which keeps iteration-based loops restarting; the epoch loop's passes it down (loop.py:35-40)
+    fit_loop._restarting = False
+    fit_loop.epoch_loop.restarting = False
+    fit_loop.update_restart_stage()
+    if fit_loop.resumed_on_epoch_end:
+        fit_loop.epoch_progress.increment_completed()
+
+
+def restarted_inside_epoch(trainer: pl.Trainer) -> bool:
+    """Whether Lightning restarts inside an epoch, and so skips ``on_train_epoch_start`` (fit_loop.py:354-360,
+    :447-454). After a save on an epoch's last batch it has already counted that epoch finished
+    (fit_loop.py:398-404): the hooks it skips are then the next epoch's, which never ran."""
+    return trainer.fit_loop.restarted_mid_epoch
+
+
+def hook_overriders(trainer: pl.Trainer, hook: str) -> list[Any]:
+    """The callbacks, then the LightningModule, that override ``hook``, in Lightning's call order
+    (fit_loop.py:451-452, call.py:_call_callback_hooks)."""
+    module = trainer.lightning_module
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by _CallbackConnector
+    hooked = [cb for cb in callbacks if is_overridden(hook, cb, Callback)]
+    return hooked + ([module] if is_overridden(hook, module, pl.LightningModule) else [])
+
+
+def call_epoch_start(trainer: pl.Trainer, hooked: Any) -> None:
+    """Call one callback's (or the module's) ``on_train_epoch_start`` as the fit loop does."""
+    if isinstance(hooked, pl.LightningModule):
+        call._call_lightning_module_hook(trainer, "on_train_epoch_start")
+    else:
+        hooked.on_train_epoch_start(trainer, trainer.lightning_module)
+
+
+def start_next_epoch(trainer: pl.Trainer) -> None:
+    """The part of fit_loop.on_advance_start that Lightning skips after a save on an epoch's last batch
+    (fit_loop.py:447-454): count the epoch ready, call every ``on_train_epoch_start``, count it started."""
+    progress = trainer.fit_loop.epoch_progress
+    progress.increment_ready()
+    call._call_callback_hooks(trainer, "on_train_epoch_start")
+    call._call_lightning_module_hook(trainer, "on_train_epoch_start")
+    progress.increment_started()
+
+
 def apply_loader_states(loaders: list[Any]) -> None:
     """Apply pending loader states by creating one iterator each and dropping it.
 
@@ -150,9 +206,15 @@ def skip_validation_fast_forward(trainer: pl.Trainer) -> None:
     val_loop.increment_progress_to_evaluation_end = once  # type: ignore[method-assign]
 
 
-def run_validation(trainer: pl.Trainer) -> None:
+def run_validation(trainer: pl.Trainer, epoch: int) -> None:
     """Run the validation that was due right after the saved step, as epoch_loop.on_advance_end does
-    (training_epoch_loop.py:396-408); Lightning skips it on resume (training_epoch_loop.py:281-292)."""
+    (training_epoch_loop.py:396-408); Lightning skips it on resume (training_epoch_loop.py:281-292).
+
+    ``epoch`` is the epoch it belongs to. After a save on an epoch's last batch Lightning counts that
+    epoch finished on restore (fit_loop.py:398-404), so ``trainer.current_epoch`` would be one too high
+    for the validation's hooks, logged rows and checkpoint names; it reads ``epoch`` while it runs
+    (``current_epoch`` is ``epoch_progress.current.completed``, trainer.py:1562-1564).
+    """
     loop = trainer.fit_loop.epoch_loop
     # The restored val loop counts the saved run's finished validation; this one starts from scratch.
     loop.val_loop.restarting = False
@@ -160,7 +222,12 @@ def run_validation(trainer: pl.Trainer) -> None:
     first_loop_iter = trainer._logger_connector._first_loop_iter
     if not loop._should_accumulate():
         call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
-    loop.val_loop.run()
+    progress = trainer.fit_loop.epoch_progress.current
+    progress.completed, counted = epoch, progress.completed
+    try:
+        loop.val_loop.run()
+    finally:
+        progress.completed = counted
     trainer.training = True
     trainer._logger_connector._first_loop_iter = first_loop_iter
 

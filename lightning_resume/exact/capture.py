@@ -69,6 +69,7 @@ def capture_rank(
         "rng": capture_rng(generators),
         "loaders": states,
         "prefetched": prefetched,
+        "epoch": trainer.current_epoch,
         "epoch_exhausted": lc.epoch_exhausted(trainer),
         "validation_pending": after_batch and lc.validation_due(trainer),
     }

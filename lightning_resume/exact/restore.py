@@ -21,6 +21,7 @@ from torchdata.stateful_dataloader.stateful import Stateful
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
+from lightning_resume.exact import epoch_hooks
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
 from lightning_resume.exact.state.data import loader_signature, remap_position
 from lightning_resume.exact.state.fingerprint import fingerprint_mismatches, unsaved_buffer_mismatches
@@ -54,6 +55,8 @@ def restore(
         if unsaved:
             report["unsaved_buffers_differ"] = unsaved
             warn_unsaved_buffers(unsaved)
+    if mine["epoch_exhausted"]:
+        start_next_epoch(trainer)  # after the check: the next epoch's start hooks may change the state
     return report
 
 
@@ -93,6 +96,9 @@ def restore_position_and_rng(
     trainer: pl.Trainer, mine: Mapping[str, Any], saved: Mapping[str, Any], generators: Mapping[str, torch.Generator]
 ) -> Any:
     """Restore in the order the uninterrupted run consumed randomness; return the RNG as restored."""
+    if not mine["epoch_exhausted"]:
+        # Before the RNG is restored: whatever the replayed hooks draw is put back.
+        epoch_hooks.warn_not_replayed(epoch_hooks.replay_epoch_start(trainer))
     loaders = lc.train_loaders(trainer)
     _load_loader_states(loaders, mine["loaders"], saved.get("signature", {}).get("loaders", []))
     if mine["epoch_exhausted"]:
@@ -102,15 +108,21 @@ def restore_position_and_rng(
     restore_rng(mine["rng"], generators)
     restored_rng = capture_rng(generators)
     if mine["validation_pending"] and mine["epoch_exhausted"]:
-        lc.run_validation(trainer)
+        # Lightning already counts the saved epoch finished; the validation still belongs to it.
+        lc.run_validation(trainer, epoch=mine.get("epoch", trainer.current_epoch))
     elif mine["validation_pending"]:
         lc.defer_validation_to_loop(trainer)
-    if mine["epoch_exhausted"]:
-        # The next epoch's iterator is made now, after the RNG it draws its seed from is restored.
-        lc.set_sampler_epoch(loaders, trainer.current_epoch)
-        lc.restart_train_iterator(trainer)
-        lc.skip_validation_fast_forward(trainer)
     return restored_rng
+
+
+def start_next_epoch(trainer: pl.Trainer) -> None:
+    """After a save at an epoch's end, start the next epoch as the uninterrupted run did: its start hooks
+    where Lightning skips them, then its iterator, made after the RNG it draws its seed from is restored."""
+    lc.leave_finished_epoch(trainer)  # with max_steps, Lightning would restart inside the finished epoch
+    lc.set_sampler_epoch(lc.train_loaders(trainer), trainer.current_epoch)
+    epoch_hooks.warn_not_replayed(epoch_hooks.start_skipped_epoch(trainer))
+    lc.restart_train_iterator(trainer)
+    lc.skip_validation_fast_forward(trainer)
 
 
 def _load_loader_states(loaders: list[Any], states: list[Any], signatures: list[Mapping[str, Any]]) -> None:

@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
@@ -113,13 +113,24 @@ class Model(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         loss = nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
         self.log("val_loss", loss, sync_dist=True)
+        if self.cfg.get("record_validation") and not self.trainer.sanity_checking:
+            self._log_validation(batch_idx, loss)
+
+    def _log_validation(self, batch_idx, loss) -> None:
+        """A validation batch as a step record: the epoch and step user code sees, and the loss bits."""
+        if self.log_file is None:
+            self.log_file = open(Path(self.cfg["out"]) / f"steps-rank{self.global_rank}.jsonl", "a", buffering=1)
+        bits = struct.unpack("<I", struct.pack("<f", loss.detach().float().item()))[0]
+        rec = {"val": batch_idx, "epoch": self.current_epoch, "step": self.global_step, "loss": f"{bits:08x}"}
+        self.log_file.write(json.dumps(rec) + "\n")
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.cfg.get("lr", 1e-2))
         if not self.cfg.get("scheduler"):
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        interval = self.cfg.get("scheduler_interval", "step")
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": interval}}
 
     def _loader(self, dataset, shuffle: bool):
         cfg = self.cfg
@@ -162,6 +173,16 @@ class PauseBefore(Callback):
         self.seen += 1
 
 
+class EpochStartCounter(Callback):
+    """A user callback with state set in ``on_train_epoch_start`` that no checkpoint holds."""
+
+    def __init__(self) -> None:
+        self.epochs_started = 0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs_started += 1
+
+
 class DebugRng(Callback):
     def _p(self, what, trainer):
         import hashlib
@@ -198,6 +219,12 @@ def main(cfg: dict) -> None:
         callbacks = [RetentionCheckpoint(dirpath=ckpt_dir, **cfg["retention"])]
     else:
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, **cfg.get("ckpt", {}))]
+    if cfg.get("monitor_ckpt") is not None:  # a second, monitored checkpoint whose file names show epoch and step
+        callbacks.append(ModelCheckpoint(dirpath=f"{ckpt_dir}-monitor", **cfg["monitor_ckpt"]))
+    if cfg.get("epoch_start_counter"):
+        callbacks.append(EpochStartCounter())
+    if cfg.get("swa") is not None:
+        callbacks.append(StochasticWeightAveraging(**cfg["swa"]))
     if cfg.get("exact", True):
         # No wall-clock snapshots unless a test asks: they would make the step a run resumes from depend
         # on this machine's speed (the default schedule is tested in tests/unit/exact/test_exact_schedule.py).

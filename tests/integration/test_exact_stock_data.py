@@ -48,6 +48,12 @@ DDP_CASES = {
     ),
     "shuffle_drop_last_unseeded": ({"drop_last": True, "n": 42, "seed_everything": False}, 7, 6),
     "torch_dataloader_shuffle_workers2": ({"pipeline": "torch", "num_workers": 2}, 7, 6),
+    # The README recipe (own StatefulDistributedSampler): workers make the iterator before Lightning sets the epoch.
+    "recipe_sampler_workers2_second_epoch": (
+        {"pipeline": "recipe", "use_distributed_sampler": False, "num_workers": 2},
+        7,
+        6,
+    ),
 }
 
 

@@ -24,8 +24,8 @@ from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, snapshots
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, INSIDE_STEP, INSIDE_VALIDATION, checkpoint_state
 from lightning_resume.exact.launchers import torchelastic_problem
-from lightning_resume.exact.restore import check_same_checkpoint, restore
-from lightning_resume.exact.state.data import loader_problems
+from lightning_resume.exact.restore import check_same_checkpoint, refuse_or_warn, restore
+from lightning_resume.exact.state.data import loader_problems, resumable_loader, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.schedule.policy import (
     DEFAULT_CHECK_INTERVAL,
@@ -109,6 +109,7 @@ class ExactResume(Callback):
         self._after_batch = False
         self._in_validation = False
         self._requeue_signal: Optional[signal.Signals] = None
+        self._stop_replacing_loaders: Optional[Callable[[], None]] = None
         self.resume_report: dict[str, Any] = {}
 
     @property
@@ -119,6 +120,9 @@ class ExactResume(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        if stage == "fit" and self._stop_replacing_loaders is None:
+            # The loaders users already have, made resumable as Lightning sets them up (no change to their code).
+            self._stop_replacing_loaders = lc.on_train_loader_processed(trainer, resumable_loader)
         if snapshots.snapshot_target(trainer) is None and snapshots.first_model_checkpoint(trainer) is None:
             if self.scheduler is not None and self.scheduler.asked_for_snapshots:
                 raise ConfigurationError("ExactResume", [
@@ -144,6 +148,10 @@ class ExactResume(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for problem in self._what_cannot_be_exact(trainer, pl_module):
             rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
+        loaders = enumerate(lc.train_loaders(trainer))
+        unsaved = [line for i, dl in loaders if (line := unsaved_position(f"train loader {i}", dl)) is not None]
+        if unsaved:
+            refuse_or_warn(self.strict, trainer.ckpt_path, unsaved)
         pending, self._pending = self._pending, None
         check_same_checkpoint(trainer, pending)
         if pending is not None:
@@ -186,14 +194,19 @@ class ExactResume(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._give_back_hooks()
+
+    def _give_back_hooks(self) -> None:
         if self.preemption is not None:
             self.preemption.uninstall()
+        if self._stop_replacing_loaders is not None:
+            self._stop_replacing_loaders()
+            self._stop_replacing_loaders = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning does not call ``teardown`` on callbacks after an exception: give the signals back now.
-        if self.preemption is not None:
-            self.preemption.uninstall()
+        self._give_back_hooks()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:

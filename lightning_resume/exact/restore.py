@@ -104,6 +104,8 @@ def restore_position_and_rng(
     if mine["epoch_exhausted"]:
         lc.apply_loader_states(loaders)
     else:
+        # The sampler's epoch picks its order; the iterator Lightning made before the restore had the default.
+        lc.set_sampler_epoch(loaders, trainer.current_epoch)
         lc.restart_train_iterator(trainer, mine["prefetched"])
     restore_rng(mine["rng"], generators)
     restored_rng = capture_rng(generators)

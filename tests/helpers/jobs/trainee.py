@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 torch.set_num_threads(1)
 
@@ -51,6 +51,62 @@ class Points(Dataset):
         if self.augment:
             x = x + 0.1 * torch.randn(DIM)
         return {"id": i, "x": x, "y": self.y[i]}
+
+
+class StatefulPoints(Points):
+    """A map-style dataset with its own ``state_dict()`` (it counts the samples it served)."""
+
+    def __init__(self, n: int, augment: bool) -> None:
+        super().__init__(n, augment)
+        self.served = 0
+
+    def __getitem__(self, i: int):
+        self.served += 1
+        return super().__getitem__(i)
+
+    def state_dict(self):
+        return {"served": self.served}
+
+    def load_state_dict(self, state):
+        self.served = state["served"]
+
+
+class PlainStream(IterableDataset):
+    """An iterable with no state anywhere (a generator), as users write them."""
+
+    def __init__(self, n: int, augment: bool) -> None:
+        self.points = Points(n, augment)
+
+    def __iter__(self):
+        for i in range(len(self.points)):
+            yield self.points[i]
+
+
+class StatefulStream(IterableDataset):
+    """An iterable that is its own Stateful iterator (``__iter__`` returns ``self``)."""
+
+    def __init__(self, n: int, augment: bool) -> None:
+        self.points, self.i = Points(n, augment), 0
+
+    def __iter__(self):
+        self.i = 0
+        return self
+
+    def __next__(self):
+        if self.i >= len(self.points):
+            raise StopIteration
+        self.i += 1
+        return self.points[self.i - 1]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+DATASETS = {"points": Points, "stateful": StatefulPoints, "stream": None, "plain_stream": PlainStream}
+DATASETS["stateful_stream"] = StatefulStream
 
 
 class PointStream(IterableDataset):
@@ -135,6 +191,12 @@ class Model(pl.LightningModule):
     def _loader(self, dataset, shuffle: bool):
         cfg = self.cfg
         kwargs = dict(batch_size=cfg.get("batch_size", 4), num_workers=cfg.get("num_workers", 0))
+        pipeline = cfg.get("pipeline", "recipe")
+        if pipeline != "recipe":  # what users already write: no wrapper, Lightning's own DDP sampler
+            cls = StatefulDataLoader if pipeline == "stock" else DataLoader
+            if isinstance(dataset, IterableDataset):
+                return cls(dataset, drop_last=cfg.get("drop_last", False), **kwargs)
+            return cls(dataset, shuffle=shuffle, drop_last=cfg.get("drop_last", False), **kwargs)
         if isinstance(dataset, IterableDataset):
             return StatefulDataLoader(dataset, **kwargs)
         if cfg.get("num_workers", 0) > 0:
@@ -147,8 +209,9 @@ class Model(pl.LightningModule):
 
     def train_dataloader(self):
         n, augment = self.cfg.get("n", 40), self.cfg.get("augment", False)
-        ds = PointStream(n, augment) if self.cfg.get("iterable") else Points(n, augment)
-        return self._loader(ds, shuffle=self.cfg.get("shuffle", True) and not self.cfg.get("iterable"))
+        kind = self.cfg.get("dataset", "stream" if self.cfg.get("iterable") else "points")
+        ds = PointStream(n, augment) if kind == "stream" else DATASETS[kind](n, augment)
+        return self._loader(ds, shuffle=self.cfg.get("shuffle", True) and not isinstance(ds, IterableDataset))
 
     def val_dataloader(self):
         if not self.cfg.get("val_check_interval"):
@@ -211,7 +274,10 @@ class DebugRng(Callback):
 def main(cfg: dict) -> None:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
-    pl.seed_everything(cfg.get("seed", 0), workers=True)
+    if cfg.get("seed_everything", True):
+        pl.seed_everything(cfg.get("seed", 0), workers=True)
+    else:  # the same start, but no PL_GLOBAL_SEED / PL_SEED_WORKERS for Lightning's samplers and workers
+        torch.manual_seed(cfg.get("seed", 0))
     ckpt_dir = cfg["ckpt_dir"]
     if cfg.get("ckpt_dir_per_rank"):  # each node its own local directory (Lightning's DDP launcher sets LOCAL_RANK)
         ckpt_dir = f"{ckpt_dir}-rank{os.environ.get('LOCAL_RANK', '0')}"
@@ -243,7 +309,7 @@ def main(cfg: dict) -> None:
         accelerator="cpu",
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
-        use_distributed_sampler=False,
+        use_distributed_sampler=cfg.get("use_distributed_sampler", False),
         max_epochs=cfg.get("max_epochs", 2),
         max_steps=cfg.get("max_steps", -1),
         val_check_interval=cfg.get("val_check_interval") or 1.0,

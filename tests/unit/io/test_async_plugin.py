@@ -295,8 +295,10 @@ def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(t
 
     _trainer(tmp_path, 14, [exact, ret, Slow()], io).fit(Tiny())
     state = exact.scheduler.state
-    assert state.saves >= 2 and all(c < 0.15 for c in state.costs)  # the write is not blocking time
     assert state.last_write_s is not None and state.last_write_s >= 0.15
+    # the write (>= 0.15 s of it asleep) is not blocking time; compared with the write itself, not a
+    # fixed bound, so a loaded machine slowing the copy does not fail it
+    assert state.saves >= 2 and all(c < state.last_write_s for c in state.costs), (state.costs, state.last_write_s)
     assert any(writes_seen) and state.saves < 14 // 3  # no save started while a write was in flight
 
 

@@ -34,7 +34,7 @@ from lightning_resume.errors import (
     ConfigurationError,
     SkippedCheckpointWarning,
 )
-from lightning_resume.io import read, write
+from lightning_resume.io import read, remote, write
 from lightning_resume.io.atomic import clean_stale_temporaries, is_local
 from lightning_resume.io.integrity import DIGESTS, Algorithm
 from lightning_resume.io.resolve import is_last_name, newest_verified, sibling_checkpoints
@@ -234,9 +234,10 @@ class SafetensorsCheckpointIO(CheckpointIO):
         return done
 
     def _clean_once(self, path: str) -> None:
-        if not is_local(path):
-            return
-        directory = os.path.dirname(os.path.abspath(fsspec.core.url_to_fs(path)[1]))
+        if is_local(path):
+            directory = os.path.dirname(os.path.abspath(fsspec.core.url_to_fs(path)[1]))
+        else:
+            directory = remote.split(path)[0]  # the URL, scheme kept
         if directory in self._cleaned:
             return
         self._cleaned.add(directory)

@@ -27,6 +27,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
 from lightning_resume._compat import check_versions
+from lightning_resume._compat.lightning import keep_url_scheme_for_last
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
     AsyncWriteWarning,
@@ -82,6 +83,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         flush_timeout: Duration = "10min",
     ) -> None:
         check_versions()
+        keep_url_scheme_for_last()
         problems = []
         if checksum not in DIGESTS:
             problems.append(f"checksum={checksum!r} is not supported; use one of {sorted(DIGESTS)}")

@@ -68,6 +68,7 @@ def list_dir(dirpath: str) -> List[Entry]:
     """
     dirpath = str(dirpath)
     fs, fs_path = fsspec.core.url_to_fs(dirpath)
+    fs.invalidate_cache(fs_path)  # another process (or a background upload) may have changed it
     try:
         infos = fs.ls(fs_path, detail=True)
     except (FileNotFoundError, NotADirectoryError):

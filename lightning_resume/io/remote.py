@@ -177,3 +177,19 @@ def _named(err: Exception, url: str, what: str, attempts: Optional[int]) -> OSEr
     cls = type(err) if isinstance(err, (FileNotFoundError, PermissionError)) else OSError
     errno_ = err.errno if isinstance(err, OSError) else None
     return cls(message) if errno_ is None else cls(errno_, message)
+
+
+def require_local(path: str, owner: str) -> None:
+    """Refuse a remote ``path`` where only local directories are supported (sharded checkpoints for now:
+    their commit marker protocol renames directories, which object stores cannot do atomically)."""
+    if is_remote(str(path)):
+        from lightning_resume.errors import ConfigurationError
+
+        raise ConfigurationError(
+            owner,
+            [
+                f"{path} is a remote URL; sharded checkpoints are written to local (or mounted shared)"
+                " directories only for now: use a local dirpath, or a single-file checkpoint"
+                " (SafetensorsCheckpointIO) for remote storage"
+            ],
+        )

@@ -108,3 +108,41 @@ def test_stale_temporaries_of_dead_writers_are_removed_live_and_foreign_kept(s3_
     assert later == [f"{s3_bucket}/run/{foreign}"]
     fs.invalidate_cache()
     assert sorted(e.name for e in remote.list_dir(f"{s3_bucket}/run")) == sorted([live, "keep.ckpt"])
+
+
+def test_sharded_checkpoints_to_a_url_are_refused_clearly_before_anything_is_written(tmp_path, monkeypatch) -> None:
+    from lightning_resume.errors import ConfigurationError
+    from lightning_resume.sharded.api import load_sharded, save_sharded
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match="s3://bucket/run/step-1 is a remote URL"):
+        save_sharded({"w": torch.zeros(2)}, "s3://bucket/run/step-1", 1)
+    with pytest.raises(ConfigurationError, match="remote URL"):
+        load_sharded({"w": torch.zeros(2)}, "s3://bucket/run/step-1")
+    assert list(tmp_path.iterdir()) == []  # no local folder named "s3:"
+
+
+def test_async_save_to_s3_uploads_in_the_background_in_order(s3_bucket: str) -> None:
+    io = SafetensorsCheckpointIO(async_save=True)
+    try:
+        first, second = f"{s3_bucket}/run/step=1.ckpt", f"{s3_bucket}/run/step=2.ckpt"
+        io.save_checkpoint(_state(1), first)
+        io.save_checkpoint(_state(2), second)  # reuses the host buffer once the first upload is done
+        io.remove_checkpoint(first)  # queued behind both writes
+        assert io.wait()
+        names = sorted(e.name for e in remote.list_dir(f"{s3_bucket}/run"))
+        assert names == ["step=2.ckpt"]
+        assert torch.equal(io.load_checkpoint(second)["state_dict"]["w"], _state(2)["state_dict"]["w"])
+    finally:
+        io.teardown()
+
+
+def test_async_save_failure_on_s3_surfaces_at_wait_naming_the_url(s3_server, monkeypatch) -> None:
+    from lightning_resume.errors import AsyncWriteError
+
+    io = SafetensorsCheckpointIO(async_save=True)
+    url = "s3://no-such-bucket-async/run/step=1.ckpt"
+    io.save_checkpoint(_state(1), url)  # returns after the snapshot; the upload fails in the background
+    with pytest.raises(AsyncWriteError, match="no-such-bucket-async/run/step=1.ckpt"):
+        io.wait()
+    io.teardown()

@@ -144,6 +144,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if self._saver is not None and self._saver.in_flight(path):
             self.wait(path)
         fs, fs_path = fsspec.core.url_to_fs(path)
+        fs.invalidate_cache(fs_path)  # a remote listing cached earlier may predate another process's upload
         if not fs.exists(fs_path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         try:

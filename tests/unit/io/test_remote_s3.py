@@ -146,3 +146,17 @@ def test_async_save_failure_on_s3_surfaces_at_wait_naming_the_url(s3_server, mon
     with pytest.raises(AsyncWriteError, match="no-such-bucket-async/run/step=1.ckpt"):
         io.wait()
     io.teardown()
+
+
+def test_incomplete_uploads_of_dead_writers_are_aborted_once_a_day_old(s3_bucket: str) -> None:
+    fs, key = fsspec.core.url_to_fs(f"{s3_bucket}/run/step=7.ckpt")
+    f = fs.open(key, "wb", autocommit=False, block_size=5 << 20)
+    f.write(b"x" * (6 << 20))
+    f.flush()  # a multi-part upload begun, then its writer "dies": never completed, never aborted
+    bucket = key.split("/")[0]
+    (upload,) = fs.list_multipart_uploads(bucket)
+    started = upload["Initiated"].timestamp()  # moto reports a fixed date: the clock is taken relative to it
+    assert atomic.clean_stale_temporaries(f"{s3_bucket}/run", now=started + 60) == []  # may still be in flight
+    removed = atomic.clean_stale_temporaries(f"{s3_bucket}/run", now=started + 2 * atomic.STALE_AFTER_S)
+    assert removed == [f"{s3_bucket}/run/step=7.ckpt (incomplete upload)"]
+    assert fs.list_multipart_uploads(bucket) == []

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lightning_resume import SafetensorsCheckpointIO  # noqa: E402
-from tests.helpers.s3 import S3Server, s3_env  # noqa: E402
+from lightning_resume import SafetensorsCheckpointIO
+from tests.helpers.s3 import S3Server, s3_env
 
 
 def _state(size_mb: int) -> dict:

@@ -39,7 +39,7 @@ def is_remote(path: str) -> bool:
 def join(dirpath: str, name: str) -> str:
     """``dirpath/name``: a URL keeps its scheme; a local path is normalised as ``os.path`` does."""
     dirpath = str(dirpath)
-    if "://" in dirpath and is_remote(dirpath):
+    if "://" in dirpath:  # any URL, file:// included: normpath would turn "s3://" into "s3:/"
         return dirpath.rstrip("/") + "/" + name
     return os.path.normpath(os.path.join(dirpath, name))
 
@@ -47,7 +47,7 @@ def join(dirpath: str, name: str) -> str:
 def split(path: str) -> Tuple[str, str]:
     """(parent, name) of ``path``; a URL's parent keeps its scheme."""
     path = str(path)
-    if "://" in path and is_remote(path):
+    if "://" in path:
         parent, _, name = path.rstrip("/").rpartition("/")
         return parent, name
     return os.path.dirname(path), os.path.basename(path)

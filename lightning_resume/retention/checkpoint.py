@@ -361,4 +361,4 @@ def _exists(path: str) -> bool:
 
 def _canonical(path: str) -> str:
     """The resume source as records name it: a real local path, or the URL unchanged (scheme kept)."""
-    return str(path) if remote.is_remote(str(path)) else os.path.realpath(path)
+    return str(path) if "://" in str(path) else os.path.realpath(path)

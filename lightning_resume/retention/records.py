@@ -28,7 +28,7 @@ class FileEntry(NamedTuple):
 def list_checkpoint_files(dirpath: str, extension: str = ".ckpt") -> list:
     """Checkpoints in ``dirpath`` ending in ``extension``: files, and directories (sharded checkpoints
     written through torch.distributed.checkpoint), oldest modification first."""
-    if not remote.is_remote(dirpath):
+    if "://" not in str(dirpath):  # a URL (s3://, file://...) is listed through fsspec, scheme kept
         if not os.path.isdir(dirpath):
             return []
         entries = []

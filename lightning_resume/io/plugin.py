@@ -250,9 +250,16 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
 def _remove(path: str) -> None:
     fs, fs_path = fsspec.core.url_to_fs(path)
-    if fs.exists(fs_path):
-        fs.rm(fs_path, recursive=True)
-        log.debug("Removed checkpoint: %s", path)
+
+    def remove() -> None:
+        if fs.exists(fs_path):
+            fs.rm(fs_path, recursive=True)
+            log.debug("Removed checkpoint: %s", path)
+
+    if is_local(path):
+        remove()
+    else:
+        remote.with_retries(remove, path, "delete")  # transient errors retried, as for uploads
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:

@@ -51,3 +51,25 @@ def test_superseded_exact_resume_snapshots_on_s3_are_found_by_url(s3_bucket: str
         fs.pipe_file(f"{base}/run/{SNAPSHOT_PREFIX}{step:09d}.ckpt", b"x")
     found = sorted(older_snapshots(f"{s3_bucket}/run", 9))
     assert found == [f"{s3_bucket}/run/{SNAPSHOT_PREFIX}{s:09d}.ckpt" for s in (3, 6)]
+
+
+def test_a_fit_on_s3_rides_out_server_errors_and_prunes_and_resumes_last(
+    s3_bucket: str, s3_server, monkeypatch
+) -> None:
+    """HTTP 500s during the run: every save retries and lands; keep_last=2 prunes on S3; "last" resolves there."""
+    from lightning_resume.io import remote
+    from tests.helpers.models import tiny_fit
+
+    monkeypatch.setattr(remote, "RETRY_BASE_S", 0.01)
+    dirpath = f"{s3_bucket}/fit"
+    s3_server.faults.fail(8)  # the first uploads fail, past the client's own retries
+    callback = RetentionCheckpoint(dirpath=dirpath, keep_last=2, every_n_train_steps=2)
+    trainer = tiny_fit(callback, plugins=[SafetensorsCheckpointIO(async_save=True)])
+    assert s3_server.faults.seen == 8 and trainer.global_step == 12
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(dirpath[len("s3://") :]))
+    assert names == ["step=000000010.ckpt", "step=000000012.ckpt"]
+    again = RetentionCheckpoint(dirpath=dirpath, keep_last=2, every_n_train_steps=2)
+    resumed = tiny_fit(again, ckpt_path="last", plugins=[SafetensorsCheckpointIO()], max_epochs=4)
+    assert resumed.ckpt_path == f"{dirpath}/step=000000012.ckpt" and resumed.global_step == 16

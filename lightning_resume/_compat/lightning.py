@@ -11,7 +11,7 @@ and nothing else. ``lightning_resume._compat.check_versions`` warns when the ver
 
 from __future__ import annotations
 
-import os
+import re
 import signal
 from typing import Any, Callable, Optional, cast
 
@@ -31,6 +31,8 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
+
+from lightning_resume.io import remote
 
 
 def train_loaders(trainer: pl.Trainer) -> list[Any]:
@@ -343,8 +345,39 @@ def checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
         logger = trainer.loggers[0]
         save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
         version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-        return os.path.join(str(save_dir), str(logger.name), version, "checkpoints")
-    return os.path.join(trainer.default_root_dir, "checkpoints")
+        return remote.join(remote.join(remote.join(str(save_dir), str(logger.name)), version), "checkpoints")
+    return remote.join(str(trainer.default_root_dir), "checkpoints")
+
+
+_LIGHTNING_FIND_LAST = ModelCheckpoint._find_last_checkpoints
+
+
+def _find_last_keeping_scheme(self: ModelCheckpoint, trainer: pl.Trainer) -> set[str]:
+    """``ModelCheckpoint._find_last_checkpoints`` (model_checkpoint.py:867-877) for a remote ``dirpath``.
+
+    Lightning's lists the directory and ``os.path.normpath``s what the filesystem returns: s3fs lists
+    scheme-less keys, so ``s3://b/run/last.ckpt`` became the local path ``b/run/last.ckpt``, which
+    ``_parse_ckpt_path`` (checkpoint_connector.py:181-194) finds missing, and ``fit(ckpt_path="last")``
+    silently started from step 0. Same rule (``last``, ``last-vN``; the callback's extension), URLs kept.
+    Local directories go to Lightning's own code unchanged.
+    """
+    directory = checkpoint_dir(self, trainer)
+    if not remote.is_remote(directory):
+        return _LIGHTNING_FIND_LAST(self, trainer)
+    pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?")
+    return {
+        e.path
+        for e in remote.list_dir(directory)
+        if not e.is_dir and e.name.endswith(self.FILE_EXTENSION) and pattern.match(e.name[: -len(self.FILE_EXTENSION)])
+    }
+
+
+def keep_url_scheme_for_last() -> None:
+    """Route every ``ModelCheckpoint``'s "last" search (model_checkpoint.py:867) through
+    ``_find_last_keeping_scheme``, so stock callbacks resume from ``s3://`` too. Idempotent; local
+    directories behave exactly as before. Called by the plugin's and ``RetentionCheckpoint``'s constructors."""
+    if ModelCheckpoint._find_last_checkpoints is _LIGHTNING_FIND_LAST:
+        ModelCheckpoint._find_last_checkpoints = _find_last_keeping_scheme  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------------------ strategies

@@ -14,11 +14,11 @@ from typing import Optional
 
 import fsspec
 import lightning.pytorch as pl
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
+from lightning_resume.io import remote
 from lightning_resume.io.atomic import (
     atomic_write,
     fsync_directory,
@@ -64,7 +64,7 @@ def save_snapshot(trainer: pl.Trainer, reason: str) -> str:
             "ExactResume",
             ["scheduled snapshots need a checkpoint directory; add a RetentionCheckpoint or ModelCheckpoint"],
         )
-    path = os.path.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
+    path = remote.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
     trainer.save_checkpoint(path)
     if trainer.is_global_zero:
         fsync_file_and_dir(path)  # durable before the older snapshot goes (a no-op for remote paths)
@@ -75,13 +75,12 @@ def save_snapshot(trainer: pl.Trainer, reason: str) -> str:
 
 def older_snapshots(dirpath: str, step: int) -> list[str]:
     """This directory's ``last-snapshot-step=N.ckpt`` with N < ``step``: superseded by the new one."""
-    fs = get_filesystem(dirpath)
     found = []
-    for entry in fs.ls(dirpath, detail=False):
-        name = os.path.basename(str(entry))
+    for entry in remote.list_dir(dirpath):  # URLs keep their scheme (s3fs lists scheme-less keys)
+        name = entry.name
         digits = name[len(SNAPSHOT_PREFIX) : -len(".ckpt")]
         if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and digits.isdigit() and int(digits) < step:
-            found.append(os.path.join(dirpath, name))
+            found.append(entry.path)
     return found
 
 

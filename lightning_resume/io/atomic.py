@@ -6,25 +6,34 @@ power loss. A kill at any instant leaves the previous file (or nothing, before t
 under the final name, plus at worst one temporary that :func:`clean_stale_temporaries` removes
 later. ``<owner>`` identifies where ``<pid>`` means something: host, boot and PID namespace; another
 container, another host over NFS or a process after a reboot has another owner, so its pid is never
-looked up here (it could name anything). Remote fsspec paths (``s3://``, ``gs://``, ``memory://``...) get the best their filesystem
-offers: the bytes go to a temporary sibling, then ``fs.mv`` renames it. On object stores an upload
-becomes visible only when complete and ``mv`` is a server-side copy plus delete, so readers never see
-a partial object, but there is no directory fsync and no atomic replace of an existing object.
+looked up here (it could name anything).
+
+Remote fsspec paths (``s3://``, ``gs://``, ``memory://``...): upload, then commit. The bytes go to the
+final key with ``autocommit=False``; the object appears only at ``commit()`` (a one-shot PUT or the
+completion of a multi-part upload), whole; on any failure ``discard()`` aborts the multi-part upload,
+so no partial object ever appears under a final name and "last" can never resolve one. A killed
+writer leaves at worst an incomplete multi-part upload, invisible to readers. A filesystem that
+cannot defer its commit gets a temporary sibling and ``fs.mv``. The whole transfer is retried with
+backoff on transient errors (``io.remote.with_retries``); permanent ones fail at once, naming the URL.
+Stale temporaries and incomplete uploads are cleaned remotely too, by owner and age.
 This module knows files, not tensors or Lightning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import secrets
 import socket
 import time
-from typing import BinaryIO, Callable, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, List, Optional, Tuple
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from lightning_resume.io import remote
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<owner>[0-9a-f]{12})-)?(?P<pid>\d+)-[0-9a-f]{8}$")
 
@@ -98,11 +107,40 @@ def _local_atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
 
 
 def _remote_write_then_move(path: str, write: Callable[[BinaryIO], object]) -> None:
+    """Upload then commit, the whole transfer retried on transient errors (``write`` may run again)."""
     fs, fs_path = fsspec.core.url_to_fs(path)
+    remote.with_retries(lambda: _upload_then_commit(fs, fs_path, write), path, "write")
+
+
+def _upload_then_commit(fs: fsspec.AbstractFileSystem, fs_path: str, write: Callable[[BinaryIO], object]) -> None:
+    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
+    if parent and not hasattr(fs, "split_path"):  # object stores have no directories (s3fs would create a bucket)
+        fs.makedirs(parent, exist_ok=True)
+    try:
+        f = fs.open(fs_path, "wb", autocommit=False)
+    except (TypeError, NotImplementedError, ValueError):
+        return _write_temporary_then_move(fs, fs_path, write)
+    try:
+        write(f)
+        f.close()  # uploads what is buffered; with autocommit=False nothing is visible yet
+        f.commit()  # the object appears here, whole
+    except BaseException:
+        _discard_quietly(f)
+        raise
+    fs.invalidate_cache(parent)
+    return None
+
+
+def _discard_quietly(f: Any) -> None:
+    with contextlib.suppress(Exception):  # the original error is the one to report
+        f.discard()  # aborts a multi-part upload; the final name never shows a partial object
+
+
+def _write_temporary_then_move(
+    fs: fsspec.AbstractFileSystem, fs_path: str, write: Callable[[BinaryIO], object]
+) -> None:
     parent, name = fs_path.rsplit("/", 1) if "/" in fs_path else ("", fs_path)
     tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
     try:
         with fs.open(tmp, "wb") as f:
             write(f)
@@ -145,13 +183,17 @@ def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List
     Call it only from a writer, never from a reader. Only names matching ``.<name>.tmp-[<owner>-]<pid>-<8 hex>``
     are considered: one of this owner (host, boot, PID namespace) when ``<pid>`` is not alive; any other
     (another container or host, or no owner recorded) only when untouched for ``STALE_AFTER_S`` seconds,
-    so a save in flight elsewhere is never touched. ``now`` is the clock (``time.time()``).
+    so a save in flight elsewhere is never touched. ``now`` is the clock (``time.time()``). A remote
+    ``directory`` (a URL) is listed through fsspec, and on S3 its incomplete multi-part uploads older
+    than ``STALE_AFTER_S`` are aborted too (they have no owner to ask).
     """
+    now = time.time() if now is None else now
+    if remote.is_remote(directory):
+        return _clean_remote(str(directory), now)
     try:
         names = os.listdir(directory)
     except OSError:
         return []
-    now = time.time() if now is None else now
     mine = owner_token()
     removed = []
     for name in names:
@@ -161,6 +203,55 @@ def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List
         if stale and _remove_quietly(full):
             removed.append(full)
     return removed
+
+
+def _clean_remote(directory: str, now: float) -> List[str]:
+    mine = owner_token()
+    removed = []
+    for entry in remote.list_dir(directory):
+        match = _TEMP.match(entry.name)
+        if match is None or entry.is_dir:
+            continue
+        if match["owner"] == mine:
+            stale = not _pid_alive(int(match["pid"]))
+        else:
+            stale = now - entry.mtime > STALE_AFTER_S
+        if stale and _remove_remote_quietly(entry.path):
+            removed.append(entry.path)
+    return removed + _abort_stale_uploads(directory, now)
+
+
+def _remove_remote_quietly(url: str) -> bool:
+    fs, fs_path = fsspec.core.url_to_fs(url)
+    try:
+        fs.rm(fs_path)
+        return True
+    except OSError:
+        return False
+
+
+def _abort_stale_uploads(directory: str, now: float) -> List[str]:
+    """S3 only: abort multi-part uploads under ``directory`` begun more than ``STALE_AFTER_S`` ago."""
+    fs, fs_path = fsspec.core.url_to_fs(directory)
+    if not hasattr(fs, "list_multipart_uploads"):
+        return []
+    bucket, _, prefix = fs_path.partition("/")
+    prefix = prefix.rstrip("/") + "/" if prefix else ""
+    try:
+        uploads = fs.list_multipart_uploads(bucket)
+    except Exception:  # noqa: BLE001 - cleanup is best effort; a listing refused is not an error of the save
+        return []
+    aborted = []
+    for upload in uploads or []:
+        key, started = str(upload.get("Key", "")), upload.get("Initiated")
+        age = now - started.timestamp() if hasattr(started, "timestamp") else 0.0
+        if key.startswith(prefix) and "/" not in key[len(prefix) :] and age > STALE_AFTER_S:
+            try:
+                fs.abort_mpu(bucket, key, upload["UploadId"])
+                aborted.append(f"{directory.rstrip('/')}/{key[len(prefix) :]} (incomplete upload)")
+            except Exception:  # noqa: BLE001 - best effort, as above
+                continue
+    return aborted
 
 
 def _is_stale(path: str, same_owner: bool, pid: int, now: float) -> bool:

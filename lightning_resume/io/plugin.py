@@ -27,6 +27,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
 from lightning_resume._compat import check_versions
+from lightning_resume._compat.lightning import keep_url_scheme_for_last
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
     AsyncWriteWarning,
@@ -34,7 +35,7 @@ from lightning_resume.errors import (
     ConfigurationError,
     SkippedCheckpointWarning,
 )
-from lightning_resume.io import read, write
+from lightning_resume.io import read, remote, write
 from lightning_resume.io.atomic import clean_stale_temporaries, is_local
 from lightning_resume.io.integrity import DIGESTS, Algorithm
 from lightning_resume.io.resolve import is_last_name, newest_verified, sibling_checkpoints
@@ -82,6 +83,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         flush_timeout: Duration = "10min",
     ) -> None:
         check_versions()
+        keep_url_scheme_for_last()
         problems = []
         if checksum not in DIGESTS:
             problems.append(f"checksum={checksum!r} is not supported; use one of {sorted(DIGESTS)}")
@@ -142,6 +144,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if self._saver is not None and self._saver.in_flight(path):
             self.wait(path)
         fs, fs_path = fsspec.core.url_to_fs(path)
+        fs.invalidate_cache(fs_path)  # a remote listing cached earlier may predate another process's upload
         if not fs.exists(fs_path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         try:
@@ -234,9 +237,10 @@ class SafetensorsCheckpointIO(CheckpointIO):
         return done
 
     def _clean_once(self, path: str) -> None:
-        if not is_local(path):
-            return
-        directory = os.path.dirname(os.path.abspath(fsspec.core.url_to_fs(path)[1]))
+        if is_local(path):
+            directory = os.path.dirname(os.path.abspath(fsspec.core.url_to_fs(path)[1]))
+        else:
+            directory = remote.split(path)[0]  # the URL, scheme kept
         if directory in self._cleaned:
             return
         self._cleaned.add(directory)
@@ -246,9 +250,16 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
 def _remove(path: str) -> None:
     fs, fs_path = fsspec.core.url_to_fs(path)
-    if fs.exists(fs_path):
-        fs.rm(fs_path, recursive=True)
-        log.debug("Removed checkpoint: %s", path)
+
+    def remove() -> None:
+        if fs.exists(fs_path):
+            fs.rm(fs_path, recursive=True)
+            log.debug("Removed checkpoint: %s", path)
+
+    if is_local(path):
+        remove()
+    else:
+        remote.with_retries(remove, path, "delete")  # transient errors retried, as for uploads
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:

@@ -33,6 +33,7 @@ from lightning_resume.errors import (
     RetentionWarning,
     SkippedCheckpointWarning,
 )
+from lightning_resume.io import remote
 from lightning_resume.io.atomic import fsync_file_and_dir
 from lightning_resume.io.resolve import newest_verified
 from lightning_resume.io.verify import problem, verify
@@ -77,6 +78,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         anchor_every: Optional[Duration] = None,
     ) -> None:
         check_versions()
+        lc.keep_url_scheme_for_last()
         super().__init__(
             dirpath=dirpath,
             filename=filename,
@@ -206,7 +208,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
                 del self._records[path]
 
     def _rolling_path(self, step: int) -> str:
-        return os.path.normpath(os.path.join(str(self.dirpath), rolling_name(step, self.FILE_EXTENSION)))
+        return remote.join(str(self.dirpath), rolling_name(step, self.FILE_EXTENSION))
 
     def _metric_of(self, monitor_candidates: dict) -> Optional[float]:
         value = monitor_candidates.get(self.monitor) if self.monitor else None
@@ -268,7 +270,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         if not self.policy.active:
             return
         resume = trainer.ckpt_path
-        self._resume_source = os.path.realpath(resume) if resume else None
+        self._resume_source = _canonical(str(resume)) if resume else None
         self._run_id = trainer.strategy.broadcast(self._run_id)  # one run, one id on every rank
         records = self._reconciled_records(trainer) if trainer.is_global_zero else []  # rank 0's is broadcast
         self._records = {r.path: r for r in trainer.strategy.broadcast(records)}
@@ -353,4 +355,10 @@ def _step_or_minus_one(path: str, extension: str) -> int:
 
 def _exists(path: str) -> bool:
     fs, fs_path = fsspec.core.url_to_fs(path)
+    fs.invalidate_cache()  # an object store's listing cache may predate the commit
     return bool(fs.exists(fs_path))
+
+
+def _canonical(path: str) -> str:
+    """The resume source as records name it: a real local path, or the URL unchanged (scheme kept)."""
+    return str(path) if "://" in str(path) else os.path.realpath(path)

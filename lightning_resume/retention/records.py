@@ -13,6 +13,7 @@ import os
 import re
 from typing import NamedTuple, Optional
 
+from lightning_resume.io import remote
 from lightning_resume.io.read import load_file
 from lightning_resume.io.verify import problem
 from lightning_resume.retention.naming import parse_rolling_name
@@ -27,14 +28,17 @@ class FileEntry(NamedTuple):
 def list_checkpoint_files(dirpath: str, extension: str = ".ckpt") -> list:
     """Checkpoints in ``dirpath`` ending in ``extension``: files, and directories (sharded checkpoints
     written through torch.distributed.checkpoint), oldest modification first."""
-    if not os.path.isdir(dirpath):
-        return []
-    entries = []
-    for name in os.listdir(dirpath):
-        path = os.path.join(dirpath, name)
-        if name.endswith(extension) and (os.path.isfile(path) or os.path.isdir(path)):
-            entries.append(FileEntry(os.path.normpath(path), os.path.getmtime(path)))
-    return sorted(entries, key=lambda e: (e.mtime, e.path))
+    if "://" not in str(dirpath):  # a URL (s3://, file://...) is listed through fsspec, scheme kept
+        if not os.path.isdir(dirpath):
+            return []
+        entries = []
+        for name in os.listdir(dirpath):
+            path = os.path.join(dirpath, name)
+            if name.endswith(extension) and (os.path.isfile(path) or os.path.isdir(path)):
+                entries.append(FileEntry(os.path.normpath(path), os.path.getmtime(path)))
+        return sorted(entries, key=lambda e: (e.mtime, e.path))
+    found = [e for e in remote.list_dir(dirpath) if e.name.endswith(extension) and not e.name.startswith(".")]
+    return sorted((FileEntry(e.path, e.mtime) for e in found), key=lambda e: (e.mtime, e.path))
 
 
 def read_checkpoint_callback_state(path: str, state_key: Optional[str] = None) -> Optional[dict]:
@@ -43,7 +47,7 @@ def read_checkpoint_callback_state(path: str, state_key: Optional[str] = None) -
     and without reading tensors it does not need (memory-mapped, unverified: the state is advisory).
     """
     try:
-        if os.path.isdir(path):
+        if remote.is_dir(path):
             from lightning_resume.sharded.api import load_meta  # DCP is imported only for sharded runs
 
             checkpoint = load_meta(path)

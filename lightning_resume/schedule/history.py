@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping, Optional
 
+import fsspec
+
 from lightning_resume.errors import HistoryWarning
+from lightning_resume.io import remote
 from lightning_resume.io.atomic import atomic_write
 
 HISTORY_FILENAME = "resume_history.json"
@@ -66,7 +69,8 @@ class FailureHistory:
 
 
 def history_path(dirpath: str) -> str:
-    return os.path.join(os.fspath(dirpath), HISTORY_FILENAME)
+    """``dirpath/resume_history.json``; a URL (``s3://...``) keeps its scheme."""
+    return remote.join(os.fspath(dirpath), HISTORY_FILENAME)
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,8 +188,10 @@ def history_from_json(data: Any) -> FailureHistory:
 def load_history(path: str) -> FailureHistory:
     """The history stored at ``path``; a fresh one if it is missing, or (with a warning) unreadable."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return history_from_json(json.load(f))
+        fs, fs_path = fsspec.core.url_to_fs(str(path))
+        fs.invalidate_cache()  # an earlier life of this run may have rewritten it a moment ago
+        with fs.open(fs_path, "rb") as f:
+            return history_from_json(json.loads(f.read().decode("utf-8")))
     except FileNotFoundError:
         return FailureHistory()
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:

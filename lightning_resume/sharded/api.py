@@ -31,6 +31,7 @@ from lightning_resume.errors import (
     UnencodableValueError,
     UnsafeCheckpointError,
 )
+from lightning_resume.io import remote
 from lightning_resume.io.codec import encode
 from lightning_resume.io.read import load_file
 from lightning_resume.io.resolve import newest_verified
@@ -105,6 +106,7 @@ def save_sharded(state: Dict[str, Any], directory: str, step: int, meta: Optiona
     untouched. When this returns on any rank, ``directory`` is committed; when it raises (the same
     ``ShardedSaveError`` on every rank), the previous ``directory`` is still there.
     """
+    remote.require_local(directory, "save_sharded")
     directory = os.path.abspath(directory)
     rank, world = collective.rank_and_world()
     collective.on_every_rank(lambda: _check_meta(meta), failure(directory, "encode the non-sharded state"))
@@ -186,6 +188,7 @@ def load_sharded(state_template: Dict[str, Any], directory: str, digests: bool =
     The template's tensors/DTensors give the layout wanted now; the world size may differ from the
     one that saved. Returns the commit record (step, world size at save).
     """
+    remote.require_local(directory, "load_sharded")
     directory = os.path.abspath(directory)
     record = _verified_everywhere(directory, digests)
     with _domain_errors():

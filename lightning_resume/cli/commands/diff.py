@@ -7,6 +7,7 @@ import json
 from typing import Any, Dict
 
 from lightning_resume.cli.render import diff
+from lightning_resume.io import remote
 from lightning_resume.io.read import load_file
 
 
@@ -19,11 +20,18 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    a = load_file(args.a, lenient=True, mmap=True).checkpoint
-    b = load_file(args.b, lenient=True, mmap=True).checkpoint
+    a = load_file(require(args.a), lenient=True, mmap=True).checkpoint
+    b = load_file(require(args.b), lenient=True, mmap=True).checkpoint
     result = diff(a, b)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
+
+
+def require(path: str) -> str:
+    """``path`` if it exists; else ``FileNotFoundError`` naming it whole (s3fs names only the bucket key)."""
+    if not remote.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    return path
 
 
 def render(result: Dict[str, Any]) -> str:

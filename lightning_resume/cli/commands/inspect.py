@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any, Dict
 
+from lightning_resume.cli.commands.diff import require
 from lightning_resume.cli.render import describe
 from lightning_resume.exact.state.describe import describe_exact_state
 from lightning_resume.io.read import load_file
@@ -21,7 +22,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded = load_file(args.file, verify=False, lenient=True, mmap=True)
+    loaded = load_file(require(args.file), verify=False, lenient=True, mmap=True)
     info = describe(args.file, loaded)
     callbacks = loaded.checkpoint.get("callbacks")
     info["exact_resume"] = describe_exact_state(callbacks.get("ExactResume")) if isinstance(callbacks, dict) else None

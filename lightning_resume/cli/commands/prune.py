@@ -12,7 +12,10 @@ import json
 import os
 from typing import Any
 
+import fsspec
+
 from lightning_resume.durations import parse_duration
+from lightning_resume.io import remote
 from lightning_resume.retention.policy import KeepDecision, RetentionPolicy
 from lightning_resume.retention.records import records_in
 from lightning_resume.sharded.commit import discard
@@ -34,7 +37,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     policy = _policy(args)
-    if not os.path.isdir(args.dir):
+    if not remote.is_dir(args.dir):
         raise NotADirectoryError(f"{args.dir} is not a directory; pass a RetentionCheckpoint dirpath")
     decisions = policy.decide(records_in(args.dir, args.monitor))
     _print(decisions, args.json)
@@ -47,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _remove(path: str) -> None:
     """A file, or a sharded checkpoint directory (its commit marker first, so it is never half "last")."""
-    if os.path.isdir(path):
+    if remote.is_remote(path):
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        fs.rm(fs_path)  # one object: deleted whole or not at all
+    elif os.path.isdir(path):
         discard(path)
     else:
         os.remove(path)

@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+from lightning_resume.io import remote
 from lightning_resume.io.resolve import CHECKPOINT_SUFFIXES, newest_verified
 from lightning_resume.io.verify import problem
 from lightning_resume.sharded.commit import is_sharded_checkpoint
@@ -29,6 +30,13 @@ def register(subparsers: Any) -> None:
 
 def candidates(target: str) -> list[str]:
     """The checkpoints ``target`` names: itself, or the checkpoints directly inside a directory of them."""
+    if remote.is_remote(target):  # a URL: listed through fsspec, scheme kept (sharded directories are local-only)
+        if not remote.is_dir(target):
+            if not remote.exists(target):
+                raise FileNotFoundError(f"{target}: no such file or directory")
+            return [target]
+        entries = sorted(remote.list_dir(target), key=lambda e: e.name)
+        return [e.path for e in entries if not e.name.startswith(".") and e.name.endswith(CHECKPOINT_SUFFIXES)]
     if not os.path.exists(target):
         raise FileNotFoundError(f"{target}: no such file or directory")
     if not os.path.isdir(target) or is_sharded_checkpoint(target):

@@ -1,0 +1,86 @@
+"""Upload throughput to S3 of ``SafetensorsCheckpointIO`` against ``s3fs.put`` of the same bytes.
+
+A local moto S3 server (``tests/helpers/s3.py``, 127.0.0.1, no network) receives, interleaved,
+``--repeats`` times: (1) ``s3fs.put`` of a local file holding the tensors' raw bytes (the baseline:
+no format, no checksums, s3fs's own multi-part upload); (2) a synchronous save through
+``SafetensorsCheckpointIO`` (encode, checksum, upload, commit); (3) an async save: the training
+thread's blocked time and the total until the upload is committed. Medians and ratios to the baseline
+of the same run. The server shares the machine's cores with the client, so absolute figures say
+little; the ratio is what to read.
+
+Usage: ``python benchmarks/bench_s3.py --size-mb 256 --repeats 3`` (needs ``moto[server]`` and ``s3fs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import fsspec
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lightning_resume import SafetensorsCheckpointIO
+from tests.helpers.s3 import S3Server, s3_env
+
+
+def _state(size_mb: int) -> dict:
+    n = size_mb * (1 << 20) // 4 // 8
+    return {"state_dict": {f"layer{i}.weight": torch.randn(n) for i in range(8)}, "global_step": 1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    server = S3Server()
+    os.environ.update(s3_env(server.endpoint))
+    server.start()
+    try:
+        run(args.size_mb, args.repeats)
+    finally:
+        server.stop()
+
+
+def run(size_mb: int, repeats: int) -> None:
+    fs = fsspec.filesystem("s3")
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    state = _state(size_mb)
+    raw = b"".join(t.numpy().tobytes() for t in state["state_dict"].values())
+    times: dict = {"s3fs.put": [], "sync save": [], "async blocked": [], "async total": []}
+    sync_io, async_io = SafetensorsCheckpointIO(), SafetensorsCheckpointIO(async_save=True)
+    with tempfile.NamedTemporaryFile() as local:
+        local.write(raw)
+        local.flush()
+        for r in range(repeats):
+            t = time.perf_counter()
+            fs.put(local.name, f"{bucket}/raw-{r}.bin")
+            times["s3fs.put"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            sync_io.save_checkpoint(state, f"s3://{bucket}/sync-{r}.ckpt")
+            times["sync save"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            async_io.save_checkpoint(state, f"s3://{bucket}/async-{r}.ckpt")
+            times["async blocked"].append(time.perf_counter() - t)
+            async_io.wait()
+            times["async total"].append(time.perf_counter() - t)
+    async_io.teardown()
+    base = statistics.median(times["s3fs.put"])
+    mb = len(raw) / (1 << 20)
+    print(f"| {mb:.0f} MB to moto S3 | median s | MB/s | ratio to s3fs.put |")
+    print("|---|---|---|---|")
+    for name, values in times.items():
+        m = statistics.median(values)
+        print(f"| {name} | {m:.3f} | {mb / m:.0f} | {m / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -64,6 +64,13 @@ def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, 
         ) from err
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, IndexError) as err:
         raise CheckpointCorruptError(path, f"torch.save file could not be read: {_first_line(err)}") from err
+    except (TypeError, AttributeError, RecursionError, MemoryError) as err:
+        # an allowlisted class called with arguments it does not take (``Namespace(1)``), or a state it cannot
+        # hold: the pickle is malformed, not unsafe (nothing outside the allowlist ran)
+        raise CheckpointCorruptError(
+            path,
+            f"torch.save pickle builds an allowed class from bad arguments: {type(err).__name__}: {_first_line(err)}",
+        ) from err
     if not isinstance(loaded, dict):
         raise CheckpointCorruptError(
             path, "torch.save file does not hold a checkpoint dict", "dict", type(loaded).__name__

@@ -25,7 +25,7 @@ import fsspec
 
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.io.atomic import is_local, local_path
-from lightning_resume.io.read import is_safetensors, load_file, verify_local
+from lightning_resume.io.read import check_regular_file, is_safetensors, load_file, verify_local
 from lightning_resume.protocols import VerifyingCheckpointIO
 from lightning_resume.sharded.commit import DCP_METADATA, CommitRecord, verify_committed
 
@@ -36,6 +36,7 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
     ``digests=False`` checks sharded files by size only (their SHA-256 costs a full read).
     """
     path = str(path)
+    check_regular_file(path)  # a FIFO named *.ckpt must not hang "last" or ``verify DIR``
     fs, fs_path = fsspec.core.url_to_fs(path)
     if fs.isdir(fs_path):
         verify_directory(path, digests)

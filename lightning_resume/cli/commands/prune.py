@@ -47,10 +47,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _remove(path: str) -> None:
     """A file, or a sharded checkpoint directory (its commit marker first, so it is never half "last")."""
-    if os.path.isdir(path):
-        discard(path)
-    else:
-        os.remove(path)
+    try:
+        if os.path.isdir(path):
+            discard(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass  # already deleted (another prune of the same directory): the decision is carried out
 
 
 def _policy(args: argparse.Namespace) -> RetentionPolicy:

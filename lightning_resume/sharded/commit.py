@@ -29,6 +29,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from lightning_resume.errors import CheckpointCorruptError, ShardedCheckpointWarning
 from lightning_resume.io.atomic import atomic_write, fsync_directory
+from lightning_resume.io.framing import unique_keys
 
 DCP_METADATA = ".metadata"
 """DCP's metadata file: a sharded checkpoint's index of every shard."""
@@ -177,10 +178,10 @@ def read_marker(directory: str) -> CommitRecord:
         raise CheckpointCorruptError(directory, f"no {MARKER} marker: the save never finished; use an older checkpoint")
     try:
         with open(marker, encoding="utf-8") as handle:
-            body = json.load(handle)
+            body = json.load(handle, object_pairs_hook=unique_keys)  # a key twice is malformed
         files = {str(n): FileDigest(int(d["size"]), str(d["sha256"])) for n, d in body["files"].items()}
         record = CommitRecord(str(directory), int(body["step"]), int(body["world_size"]), files)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise CheckpointCorruptError(marker, f"malformed commit marker: {err}") from err
     if body.get("format") != FORMAT:
         raise CheckpointCorruptError(marker, "unknown commit marker format", FORMAT, body.get("format"))

@@ -1,10 +1,14 @@
-"""Issue 15 item 11: ``clean_uncommitted`` removes only what killed saves left, and reports only what it removed."""
+"""Issue 15 item 11: ``clean_uncommitted`` removes only what killed saves left, and reports only what it removed;
+the commit marker is read as strictly as every other JSON of a checkpoint."""
 
 from __future__ import annotations
 
 import os
 
-from lightning_resume.sharded.commit import IN_PROGRESS, clean_uncommitted
+import pytest
+
+from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.sharded.commit import FORMAT, IN_PROGRESS, MARKER, clean_uncommitted, read_marker
 
 
 def test_a_symlinked_hidden_directory_is_neither_followed_nor_reported_removed(tmp_path):
@@ -29,3 +33,13 @@ def test_a_directory_with_in_progress_and_other_files_is_not_an_unfinished_save(
     (unfinished / ".metadata").write_bytes(b"x")
     assert clean_uncommitted(str(tmp_path)) == [str(unfinished)]
     assert (user / "draft.md").read_text() == "mine"
+
+
+def test_a_commit_marker_with_a_key_twice_or_nested_too_deep_is_corrupt(tmp_path):
+    body = f'{{"format": "{FORMAT}", "step": 1, "world_size": 1, "files": {{}}, "step": 2}}'
+    (tmp_path / MARKER).write_text(body)
+    with pytest.raises(CheckpointCorruptError, match="more than once"):
+        read_marker(str(tmp_path))
+    (tmp_path / MARKER).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointCorruptError, match="malformed"):
+        read_marker(str(tmp_path))

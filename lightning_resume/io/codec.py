@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from lightning_resume.errors import TreeFormatError, UnencodableValueError, UnknownTypeError, short_repr
-from lightning_resume.io.framing import check_storable
+from lightning_resume.io.framing import check_storable, unique_keys
 
 MAX_DEPTH = 512
 """Deepest nesting accepted on decode (and in a legacy file's tree): a hostile file cannot exhaust the
@@ -102,11 +102,19 @@ class _Encoder:
         self.stack: set = set()
 
     def run(self, tree: Any) -> Encoded:
-        self.out.tree = self.node(tree, "")
+        self.deepest = ""
+        try:
+            self.out.tree = self.node(tree, "")
+        except RecursionError as err:  # caught here, with the stack unwound, so building the error cannot recurse
+            raise UnencodableValueError(
+                self.deepest or "<root>", "container", "nested deeper than Python's recursion limit allows to encode"
+            ) from err
         return self.out
 
     def node(self, x: Any, path: str) -> Any:
         t = type(x)
+        if t is int and x.bit_length() > 64:
+            _check_int_digits(x, path)
         if x is None or t in (str, bool, int):
             return x
         if t is float:
@@ -139,6 +147,9 @@ class _Encoder:
     def container(self, x: Any, path: str, build: Callable[[], Any]) -> Any:
         if id(x) in self.stack:
             raise UnencodableValueError(path, _qualified_name(type(x)), "it contains itself (a reference cycle)")
+        if len(self.stack) >= MAX_DEPTH:  # the reader refuses deeper trees: fail the save, not the resume
+            raise UnencodableValueError(path, _qualified_name(type(x)), f"nested deeper than MAX_DEPTH={MAX_DEPTH}")
+        self.deepest = path
         self.stack.add(id(x))
         try:
             return build()
@@ -175,6 +186,17 @@ class _Encoder:
         if key is not None:
             self.seen[key] = name
         return name
+
+
+def _check_int_digits(x: int, path: str) -> None:
+    """An int JSON cannot write or read back (Python limits int<->str conversion to
+    ``sys.get_int_max_str_digits()`` digits) fails the save here, naming its key path."""
+    try:
+        str(x)
+    except ValueError as err:
+        raise UnencodableValueError(
+            path or "<root>", "int", f"{x.bit_length()} bits: more decimal digits than Python converts to text"
+        ) from err
 
 
 def _alias_key(t: torch.Tensor) -> Optional[Tuple]:
@@ -279,7 +301,7 @@ def parse_tree(tree_json: str) -> Any:
             f"tree has more than MAX_TREE_NODES={MAX_TREE_NODES} values (about {estimate}); raise "
             "lightning_resume.io.codec.MAX_TREE_NODES to read it"
         )
-    return json.loads(tree_json)
+    return json.loads(tree_json, object_pairs_hook=unique_keys)
 
 
 def decode(tree: Any, tensors: Mapping[str, torch.Tensor], lenient: bool = False) -> Any:
@@ -453,11 +475,28 @@ def _float_from_hex(h: Any) -> float:
     return struct.unpack("<d", bytes.fromhex(h))[0]
 
 
+_DTYPES_BY_NAME: Dict[str, torch.dtype] = {
+    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+}
+"""Every dtype by its name in ``torch``, read once from the module's own dict: a name in a file is looked up
+here, never with ``getattr(torch, name)`` (which runs torch's module ``__getattr__`` for names such as
+``has_cuda``)."""
+
+
 def _dtype_from_name(name: Any) -> torch.dtype:
-    value = getattr(torch, name, None) if type(name) is str else None
-    if not isinstance(value, torch.dtype):
+    value = _DTYPES_BY_NAME.get(name) if type(name) is str else None
+    if value is None:
         raise TreeFormatError(f"unknown torch dtype {short_repr(name)}")
     return value
+
+
+def _size(values: Any) -> torch.Size:
+    """A ``torch.Size`` of dimensions torch can hold (0 <= d < 2**63): a larger one builds an object whose
+    ``repr`` raises."""
+    dims = [_int(v) for v in values]
+    if not all(0 <= d < 2**63 for d in dims):
+        raise TreeFormatError(f"torch.Size dimension out of range 0..2**63-1: {short_repr(dims)}")
+    return torch.Size(dims)
 
 
 def _path_from(x: Dict[str, Any]) -> pathlib.PurePath:
@@ -502,7 +541,7 @@ _SEQUENCE_TAGS: Dict[str, Callable[[Any], Any]] = {
     "tuple": tuple,
     "set": lambda it: _hashed("set", it, set),
     "frozenset": lambda it: _hashed("frozenset", it, frozenset),
-    "size": lambda it: torch.Size([_int(v) for v in it]),
+    "size": _size,
 }
 
 

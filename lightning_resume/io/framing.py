@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Tuple, Union
 
 import torch
 
-from lightning_resume.errors import CheckpointCorruptError, UnencodableValueError, short_repr
+from lightning_resume.errors import CheckpointCorruptError, TreeFormatError, UnencodableValueError, short_repr
 
 TREE_KEY = "lightning_resume.tree"
 """Header metadata key of the typed JSON tree (everything that is not a tensor)."""
@@ -103,6 +103,19 @@ def header_bytes(entries: List[Entry], metadata: Mapping[str, str], align: int =
     return struct.pack("<Q", len(raw)) + raw
 
 
+def unique_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    """``object_pairs_hook`` for every JSON this package reads: a key given twice is refused (parsers
+    disagree on which one wins, so a file could show one value to a checker and another to a loader)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise TreeFormatError(f"JSON object has the key {short_repr(key)} more than once")
+            seen.add(key)
+    return out
+
+
 def parse_header(path: str, prefix: Union[bytes, bytearray, memoryview], file_size: int) -> Header:
     """Validate the header in ``prefix`` (the file's first bytes) against ``file_size``.
 
@@ -111,8 +124,8 @@ def parse_header(path: str, prefix: Union[bytes, bytearray, memoryview], file_si
     """
     n = header_length(path, prefix, file_size)
     try:
-        doc = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        doc = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"), object_pairs_hook=unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # TreeFormatError (a key twice) is a ValueError
         raise CheckpointCorruptError(path, "header is not valid JSON", "JSON object", str(err)) from err
     if type(doc) is not dict:
         raise CheckpointCorruptError(path, "header is not a JSON object", "object", type(doc).__name__)

@@ -20,7 +20,7 @@ import zlib
 from typing import Any, Callable, Dict, Iterable, Literal, Mapping, Tuple
 
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.framing import Entry
+from lightning_resume.io.framing import Entry, unique_keys
 
 Algorithm = Literal["sha256", "blake2b", "crc32"]
 RECORD_VERSION = 1
@@ -56,7 +56,7 @@ def make_record(algorithm: str, tree_json: str, entries: Iterable[Entry], digest
 
 def parse_record(path: str, text: str) -> Dict[str, Any]:
     try:
-        record = json.loads(text)
+        record = json.loads(text, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as err:
         raise CheckpointCorruptError(path, "integrity record is not valid JSON") from err
     if type(record) is not dict or record.get("version") != RECORD_VERSION:

@@ -23,6 +23,7 @@ import collections
 import pathlib
 import pickle
 import pickletools
+import struct
 import zipfile
 from typing import Any, Dict, List, Tuple
 
@@ -64,6 +65,18 @@ def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, 
         ) from err
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, IndexError) as err:
         raise CheckpointCorruptError(path, f"torch.save file could not be read: {_first_line(err)}") from err
+    except (TypeError, AttributeError) as err:
+        # an allowlisted class called with arguments it does not take (``Namespace(1)``): the pickle is
+        # malformed, not unsafe (nothing outside the allowlist ran)
+        raise CheckpointCorruptError(
+            path,
+            f"torch.save pickle builds an allowed class from bad arguments: {type(err).__name__}: {_first_line(err)}",
+        ) from err
+    except Exception as err:
+        # (struct.error on a short argument, AssertionError, RecursionError...); only allowlisted code ran
+        raise CheckpointCorruptError(
+            path, f"torch.save file is malformed: {type(err).__name__}: {_first_line(err)}"
+        ) from err
     if not isinstance(loaded, dict):
         raise CheckpointCorruptError(
             path, "torch.save file does not hold a checkpoint dict", "dict", type(loaded).__name__
@@ -74,14 +87,14 @@ def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, 
 
 def check_zip(path: str, fileobj: Any) -> None:
     """Every record stored uncompressed, the pickle within ``MAX_PICKLE_BYTES``; before torch reads any."""
-    if not zipfile.is_zipfile(fileobj):
+    if not is_zip(path, fileobj):
         return  # the pre-1.6 format: torch reads each storage with the length it declares, bounded by the file
     if hasattr(fileobj, "seek"):
         fileobj.seek(0)
     try:
         with zipfile.ZipFile(fileobj) as archive:
             records = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as err:
+    except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, NotImplementedError) as err:
         raise CheckpointCorruptError(path, f"unreadable torch.save zip archive: {err}") from err
     finally:
         if hasattr(fileobj, "seek"):
@@ -104,11 +117,24 @@ def check_zip(path: str, fileobj: Any) -> None:
             _check_hash_spread(path, _read_record(path, fileobj, info))
 
 
+def is_zip(path: str, fileobj: Any) -> bool:
+    """``zipfile.is_zipfile``, except that a malformed end record (which makes it raise, e.g. "zipfiles that
+    span multiple disks") is ``CheckpointCorruptError`` naming the file."""
+    try:
+        return zipfile.is_zipfile(fileobj)
+    except (zipfile.BadZipFile, ValueError, struct.error) as err:
+        raise CheckpointCorruptError(path, f"unreadable torch.save zip archive: {err}") from err
+    finally:
+        if hasattr(fileobj, "seek"):
+            fileobj.seek(0)
+
+
 def _read_record(path: str, fileobj: Any, info: zipfile.ZipInfo) -> bytes:
     try:
         with zipfile.ZipFile(fileobj) as archive:
             return archive.read(info)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as err:
+        # RuntimeError: a record flagged encrypted; NotImplementedError: an unknown zip version (torch.save writes neither)
         raise CheckpointCorruptError(path, f"torch.save record {info.filename!r} is unreadable: {err}") from err
     finally:
         if hasattr(fileobj, "seek"):

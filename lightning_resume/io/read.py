@@ -13,6 +13,7 @@ import io
 import mmap as mmap_module
 import os
 import queue
+import stat
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -61,6 +62,7 @@ def load_file(
 ) -> Loaded:
     """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong."""
     path, opts = str(path), ReadOptions(verify, map_location, lenient, mmap)
+    check_regular_file(path)
     if is_local(path) and not mmap:
         return _load_local_copy(path, opts)
     buf, size = _map(path)
@@ -68,6 +70,17 @@ def load_file(
         return _load_safetensors(path, buf, size, opts)
     source = local_path(path) if is_local(path) else io.BytesIO(bytes(buf))
     return Loaded(load_legacy(path, source, map_location), None, size)
+
+
+def check_regular_file(path: str) -> None:
+    """A local checkpoint must be a regular file: opening a FIFO named ``*.ckpt`` would wait forever for a
+    writer, and a device never ends. Checked with ``stat`` (which never blocks) before anything opens it."""
+    if is_local(path):
+        mode = os.stat(local_path(str(path))).st_mode
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            raise CheckpointCorruptError(
+                str(path), "not a regular file (a FIFO, socket or device?); refused without opening it"
+            )
 
 
 def _is_safetensors_head(path: str, head: bytes) -> bool:

@@ -24,7 +24,7 @@ CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors")
 _LAST_STEM = re.compile(r"^last(-v\d+)?$")
 
 Verify = Callable[[str], object]
-"""Returns (any value, ignored) if a path verifies, raises ``LightningResumeError`` (or ``OSError``) naming the problem otherwise."""
+"""Returns (any value, ignored) if a path verifies, raises naming the problem otherwise (any exception skips the path)."""
 Skipped = Callable[[str], None]
 """Told one line per candidate passed over."""
 
@@ -58,8 +58,9 @@ def newest_verified(
     for _, path in sorted(keyed, reverse=True):
         try:
             check(path)
-        except (LightningResumeError, OSError) as err:
-            skipped(f"skipping checkpoint {path}: {err}")
+        except Exception as err:  # noqa: BLE001 - one odd sibling (any reader error) must not stop the search
+            reason = str(err) if isinstance(err, (LightningResumeError, OSError)) else f"{type(err).__name__}: {err}"
+            skipped(f"skipping checkpoint {path}: {reason}")
             continue
         return path
     return None

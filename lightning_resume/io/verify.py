@@ -25,7 +25,8 @@ import fsspec
 
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.io.atomic import is_local, local_path
-from lightning_resume.io.read import is_safetensors, load_file, verify_local
+from lightning_resume.io.legacy import is_zip
+from lightning_resume.io.read import check_regular_file, is_safetensors, load_file, verify_local
 from lightning_resume.protocols import VerifyingCheckpointIO
 from lightning_resume.sharded.commit import DCP_METADATA, CommitRecord, verify_committed
 
@@ -36,6 +37,7 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
     ``digests=False`` checks sharded files by size only (their SHA-256 costs a full read).
     """
     path = str(path)
+    check_regular_file(path)  # a FIFO named *.ckpt must not hang "last" or ``verify DIR``
     fs, fs_path = fsspec.core.url_to_fs(path)
     if fs.isdir(fs_path):
         verify_directory(path, digests)
@@ -44,7 +46,7 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
             verify_local(path)  # plain reads: a concurrent truncate is an error, never a SIGBUS
         else:
             load_file(path, verify=True, lenient=True)
-    elif is_local(path) and zipfile.is_zipfile(local_path(path)):
+    elif is_local(path) and is_zip(path, local_path(path)):
         _verify_zip(path)
     elif isinstance(checkpoint_io, VerifyingCheckpointIO):
         checkpoint_io.verify_checkpoint(path)
@@ -79,7 +81,8 @@ def _verify_zip(path: str) -> None:
     try:
         with zipfile.ZipFile(local_path(path)) as archive:
             bad = archive.testzip()
-    except (OSError, zipfile.BadZipFile, EOFError) as err:
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError, NotImplementedError) as err:
+        # RuntimeError: a record flagged encrypted; NotImplementedError: an unknown zip version
         raise CheckpointCorruptError(path, f"unreadable torch.save zip archive: {err}") from err
     if bad is not None:
         raise CheckpointCorruptError(path, f"torch.save record {bad!r} fails its CRC-32 check")

@@ -32,6 +32,7 @@ from lightning_resume.errors import (
     NoLoadableCheckpointError,
     RetentionWarning,
     SkippedCheckpointWarning,
+    TreeFormatError,
 )
 from lightning_resume.io import remote
 from lightning_resume.io.atomic import fsync_file_and_dir
@@ -302,7 +303,12 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         ours (its state names another run, or no record for it: another callback's or run's file)."""
         state = read_checkpoint_callback_state(path, self.state_key) or {}
         saved = owned_record(state.get(_STATE), path, self._run_id)
-        return None if saved is None else replace(CheckpointRecord.from_state(saved), path=path, owned=True)
+        if saved is None:
+            return None
+        try:
+            return replace(CheckpointRecord.from_state(saved), path=path, owned=True)
+        except TreeFormatError:
+            return None  # a record this version cannot read proves nothing: the file is not tracked
 
     @override
     def last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
@@ -342,9 +348,24 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         super().load_state_dict(state_dict)
         same_dir = state_dict.get("dirpath", self.dirpath) == self.dirpath
         if self.policy.active and same_dir and _STATE in state_dict:
-            saved = [CheckpointRecord.from_state(s) for s in state_dict[_STATE]["records"]]
+            saved = _records_from_state(state_dict[_STATE])
             self._records = {r.path: r for r in saved}
             self._run_id = str(state_dict[_STATE].get("run_id") or self._run_id)  # resuming continues the run
+
+
+def _records_from_state(state: object) -> list:
+    """The records of a saved state; one this version cannot read is dropped with a warning (its file is
+    then not tracked, so never deleted), never a crash at train start."""
+    saved = state.get("records") if isinstance(state, dict) else None
+    records = []
+    for raw in saved if isinstance(saved, (list, tuple)) else []:
+        try:
+            records.append(CheckpointRecord.from_state(raw))
+        except TreeFormatError as err:
+            rank_zero_warn(
+                f"RetentionCheckpoint: ignoring a saved record it cannot read ({err})", category=RetentionWarning
+            )
+    return records
 
 
 def _step_or_minus_one(path: str, extension: str) -> int:

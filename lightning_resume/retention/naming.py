@@ -10,7 +10,7 @@ import re
 from typing import Optional
 
 STEP_DIGITS = 9
-_ROLLING = re.compile(r"^step=(\d+)(\.[A-Za-z0-9]+)$")
+_ROLLING = re.compile(r"^step=([0-9]+)(\.[A-Za-z0-9]+)$")  # ASCII digits only: int() reads "١٠٠" too
 
 
 def rolling_name(step: int, extension: str = ".ckpt") -> str:

@@ -19,9 +19,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, NamedTuple, Optional, Sequence
 
-from lightning_resume.errors import ConfigurationError
+from lightning_resume.errors import ConfigurationError, TreeFormatError
 
 ANCHOR = "anchor"
+
+_RECORD_TYPES: dict = {
+    "path": (str,),
+    "step": (int,),
+    "epoch": (int,),
+    "time": (int, float),
+    "metric": (int, float, type(None)),
+    "tags": (list, tuple, set, frozenset),
+    "verified": (bool,),
+    "in_flight": (bool,),
+    "owned": (bool,),
+    "seq": (int,),
+}
+"""The fields of a saved ``CheckpointRecord`` and the types each may hold in a file."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +77,21 @@ class CheckpointRecord:
 
     @classmethod
     def from_state(cls, state: dict) -> "CheckpointRecord":
-        fields = dict(state)
-        fields["tags"] = frozenset(fields.get("tags", ()))
-        return cls(**fields)
+        """Inverse of :meth:`to_state`. Fields a newer version added are ignored (forward compatible);
+        a known field of the wrong type raises ``TreeFormatError`` naming it."""
+        if not isinstance(state, dict):
+            raise TreeFormatError(f"retention record is not a dict: {type(state).__name__}")
+        known = {k: v for k, v in state.items() if k in _RECORD_TYPES}
+        if "path" not in known or "step" not in known:
+            raise TreeFormatError(f"retention record lacks 'path' or 'step': {sorted(map(str, state))}")
+        for name, value in known.items():
+            types = _RECORD_TYPES[name]
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise TreeFormatError(f"retention record field {name!r} has type {type(value).__name__}")
+        tags = known.get("tags", ())
+        if not all(isinstance(t, str) for t in tags):
+            raise TreeFormatError("retention record field 'tags' holds a non-string")
+        return cls(**{**known, "tags": frozenset(tags)})
 
     @property
     def recency(self) -> tuple:

@@ -35,7 +35,10 @@ def list_checkpoint_files(dirpath: str, extension: str = ".ckpt") -> list:
         for name in os.listdir(dirpath):
             path = os.path.join(dirpath, name)
             if name.endswith(extension) and (os.path.isfile(path) or os.path.isdir(path)):
-                entries.append(FileEntry(os.path.normpath(path), os.path.getmtime(path)))
+                try:
+                    entries.append(FileEntry(os.path.normpath(path), os.path.getmtime(path)))
+                except FileNotFoundError:
+                    continue  # deleted since the listing (a concurrent prune): not a candidate any more
         return sorted(entries, key=lambda e: (e.mtime, e.path))
     found = [e for e in remote.list_dir(dirpath) if e.name.endswith(extension) and not e.name.startswith(".")]
     return sorted((FileEntry(e.path, e.mtime) for e in found), key=lambda e: (e.mtime, e.path))
@@ -56,6 +59,8 @@ def read_checkpoint_callback_state(path: str, state_key: Optional[str] = None) -
     except Exception:  # noqa: BLE001 - any unreadable or unsafe file simply has no usable state
         return None
     callbacks = checkpoint.get("callbacks", {}) if isinstance(checkpoint, dict) else {}
+    if not isinstance(callbacks, dict):
+        return None
     for key, state in callbacks.items():
         wanted = key == state_key if state_key else str(key).startswith("ModelCheckpoint{")
         if wanted and isinstance(state, dict):
@@ -71,13 +76,29 @@ def owned_record(retention_state: object, path: str, run_id: Optional[str] = Non
     if run_id is not None and retention_state.get("run_id") != run_id:
         return None
     name = os.path.basename(path)
-    for saved in retention_state.get("records", []):
-        if isinstance(saved, dict) and os.path.basename(str(saved.get("path"))) == name:
+    for saved in _saved_records(retention_state):
+        if os.path.basename(str(saved.get("path"))) == name:
             return saved
     return None
 
 
-_ANY_STEP = re.compile(r"step=(\d+)")
+def _saved_records(retention_state: object) -> list[dict]:
+    """The saved records of a ``RetentionCheckpoint`` state that are dicts; anything else in a file is ignored."""
+    saved = retention_state.get("records") if isinstance(retention_state, dict) else None
+    return [s for s in saved if isinstance(s, dict)] if isinstance(saved, (list, tuple)) else []
+
+
+def _saved_anchor_names(state: Optional[dict]) -> set[str]:
+    """Base names the saved records tag as anchors; odd records (no path, tags not a list) are ignored."""
+    names = set()
+    for saved in _saved_records((state or {}).get("retention")):
+        tags = saved.get("tags")
+        if isinstance(saved.get("path"), str) and isinstance(tags, (list, tuple)) and ANCHOR in tags:
+            names.add(os.path.basename(saved["path"]))
+    return names
+
+
+_ANY_STEP = re.compile(r"step=([0-9]+)")
 
 
 def records_in(dirpath: str, monitor: Optional[str] = None) -> list[CheckpointRecord]:
@@ -91,8 +112,7 @@ def records_in(dirpath: str, monitor: Optional[str] = None) -> list[CheckpointRe
     for entry in list_checkpoint_files(dirpath):
         state = read_checkpoint_callback_state(entry.path)
         records.append(_record(entry, state, monitor))
-        saved = (state or {}).get("retention", {}).get("records", [])
-        anchors |= {os.path.basename(s["path"]) for s in saved if ANCHOR in s.get("tags", ())}
+        anchors |= _saved_anchor_names(state)
     return [r if os.path.basename(r.path) not in anchors else _tag_anchor(r) for r in records]
 
 
@@ -116,5 +136,8 @@ def _metric(state: Optional[dict], monitor: Optional[str]) -> Optional[float]:
         return None
     if monitor is not None and state.get("monitor") != monitor:
         return None
-    value = float(state["current_score"])
+    try:
+        value = float(state["current_score"])
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return None  # not a number (a file may hold anything): no metric, so never ranked as best
     return None if math.isnan(value) else value

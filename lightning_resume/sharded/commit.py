@@ -29,6 +29,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from lightning_resume.errors import CheckpointCorruptError, ShardedCheckpointWarning
 from lightning_resume.io.atomic import atomic_write, fsync_directory
+from lightning_resume.io.framing import unique_keys
 
 DCP_METADATA = ".metadata"
 """DCP's metadata file: a sharded checkpoint's index of every shard."""
@@ -177,10 +178,10 @@ def read_marker(directory: str) -> CommitRecord:
         raise CheckpointCorruptError(directory, f"no {MARKER} marker: the save never finished; use an older checkpoint")
     try:
         with open(marker, encoding="utf-8") as handle:
-            body = json.load(handle)
+            body = json.load(handle, object_pairs_hook=unique_keys)  # a key twice is malformed
         files = {str(n): FileDigest(int(d["size"]), str(d["sha256"])) for n, d in body["files"].items()}
         record = CommitRecord(str(directory), int(body["step"]), int(body["world_size"]), files)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise CheckpointCorruptError(marker, f"malformed commit marker: {err}") from err
     if body.get("format") != FORMAT:
         raise CheckpointCorruptError(marker, "unknown commit marker format", FORMAT, body.get("format"))
@@ -269,13 +270,34 @@ def clean_uncommitted(root: str, keep: Iterable[str] = ()) -> List[str]:
     _restore_missing_finals(root)
     kept = {os.path.abspath(p) for p in keep}
     removed = []
-    for path in _subdirs(root):
+    for path in _subdirs(root, links=False):
         hidden = _HIDDEN.match(os.path.basename(path)) is not None
-        unfinished = os.path.exists(os.path.join(path, IN_PROGRESS)) and not os.path.exists(os.path.join(path, MARKER))
-        if (hidden or unfinished) and os.path.abspath(path) not in kept:
-            shutil.rmtree(path, ignore_errors=True)
+        if (hidden or _unfinished_save(path)) and os.path.abspath(path) not in kept:
+            try:
+                shutil.rmtree(path)
+            except OSError as err:
+                warnings.warn(
+                    f"could not remove {path} ({err}); it is left in place", ShardedCheckpointWarning, stacklevel=2
+                )
+                continue
             removed.append(path)
     return removed
+
+
+_SAVE_FILE_NAMES = frozenset({IN_PROGRESS, DCP_METADATA, META_FILE})
+
+
+def _unfinished_save(path: str) -> bool:
+    """An in-place save of the first release that never committed: ``IN_PROGRESS``, no marker, and only
+    files such a save writes (shards, DCP's metadata, the meta file, hidden temporaries). A directory
+    that also holds anything else is a user's directory, never removed for one file's name."""
+    if not os.path.isfile(os.path.join(path, IN_PROGRESS)) or os.path.lexists(os.path.join(path, MARKER)):
+        return False
+    for entry in os.scandir(path):
+        ours = entry.name in _SAVE_FILE_NAMES or entry.name.endswith(".distcp") or entry.name.startswith(".")
+        if not ours or not entry.is_file(follow_symlinks=False):
+            return False
+    return True
 
 
 def _restore_missing_finals(root: str) -> None:
@@ -297,14 +319,17 @@ def _restore_missing_finals(root: str) -> None:
 def _hidden_dirs(root: str) -> List[Tuple[str, str, str]]:
     """(hidden directory, the final name it belongs to, its kind) under ``root``."""
     out = []
-    for path in _subdirs(root):
+    for path in _subdirs(root, links=False):
         match = _HIDDEN.match(os.path.basename(path))
         if match:
             out.append((path, os.path.join(root, match["name"]), match["kind"]))
     return out
 
 
-def _subdirs(root: str) -> List[str]:
+def _subdirs(root: str, links: bool = True) -> List[str]:
+    """Directories directly under ``root``; with ``links=False`` no symlink (cleanup: this module creates
+    none, and removing through one would report as removed what it only points to)."""
     if not os.path.isdir(root):
         return []
-    return sorted(os.path.join(root, n) for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)))
+    paths = (os.path.join(root, n) for n in os.listdir(root))
+    return sorted(p for p in paths if os.path.isdir(p) and (links or not os.path.islink(p)))

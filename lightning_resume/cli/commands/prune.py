@@ -50,13 +50,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _remove(path: str) -> None:
     """A file, or a sharded checkpoint directory (its commit marker first, so it is never half "last")."""
-    if remote.is_remote(path):
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        fs.rm(fs_path)  # one object: deleted whole or not at all
-    elif os.path.isdir(path):
-        discard(path)
-    else:
-        os.remove(path)
+    try:
+        if remote.is_remote(path):
+            fs, fs_path = fsspec.core.url_to_fs(path)
+            fs.rm(fs_path)  # one object: deleted whole or not at all
+        elif os.path.isdir(path):
+            discard(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass  # already deleted (another prune of the same directory): the decision is carried out
 
 
 def _policy(args: argparse.Namespace) -> RetentionPolicy:

@@ -9,7 +9,6 @@ its cost is measured (the blocking part only, for async writers) and its metrics
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from typing import Any, Callable, Mapping, Optional
@@ -23,6 +22,7 @@ from lightning_resume.durations import Duration
 from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
+from lightning_resume.io import remote
 from lightning_resume.schedule.policy import ScheduleConfig
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
@@ -141,7 +141,7 @@ def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason
         snapshots.wait_durable(writer, path)
     if scheduler is None or scheduler.state is None:
         return path
-    nbytes = os.path.getsize(path) if trainer.is_global_zero and os.path.isfile(path) else None
+    nbytes = remote.file_size(path) if trainer.is_global_zero else None  # a sharded directory: None
     metrics = scheduler.record(trainer.global_step, blocked, nbytes, writer)
     if trainer.is_global_zero:
         for logger in trainer.loggers:

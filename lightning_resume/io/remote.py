@@ -114,6 +114,15 @@ def exists(path: str) -> bool:
     return bool(fs.exists(fs_path))
 
 
+def file_size(path: str) -> Optional[int]:
+    """The size in bytes of the file at ``path`` (a URL or a local path), ``None`` if it is not a file."""
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    try:
+        return int(fs.size(fs_path)) if fs.isfile(fs_path) else None
+    except (OSError, TypeError, ValueError):
+        return None
+
+
 def is_transient(err: BaseException) -> bool:
     """Whether trying again may succeed: server errors, throttling, resets and timeouts; not a missing
     bucket or key, a refused permission, or a bad request."""

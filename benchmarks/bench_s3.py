@@ -4,8 +4,9 @@ A local moto S3 server (``tests/helpers/s3.py``, 127.0.0.1, no network) receives
 ``--repeats`` times: (1) ``s3fs.put`` of a local file holding the tensors' raw bytes (the baseline:
 no format, no checksums, s3fs's own multi-part upload); (2) a synchronous save through
 ``SafetensorsCheckpointIO`` (encode, checksum, upload, commit); (3) an async save: the training
-thread's blocked time and the total until the upload is committed. Medians and ratios to the baseline
-of the same run. The server shares the machine's cores with the client, so absolute figures say
+thread's blocked time and the total until the upload is committed; (4) a raw memcpy of the same
+tensors into preallocated buffers (the floor for the blocked time). Medians and ratios to the
+baselines of the same run. The server shares the machine's cores with the client, so absolute figures say
 little; the ratio is what to read.
 
 Usage: ``python benchmarks/bench_s3.py --size-mb 256 --repeats 3`` (needs ``moto[server]`` and ``s3fs``).
@@ -55,7 +56,8 @@ def run(size_mb: int, repeats: int) -> None:
     fs.mkdir(bucket)
     state = _state(size_mb)
     raw = b"".join(t.numpy().tobytes() for t in state["state_dict"].values())
-    times: dict = {"s3fs.put": [], "sync save": [], "async blocked": [], "async total": []}
+    times: dict = {"s3fs.put": [], "sync save": [], "async blocked": [], "async total": [], "memcpy": []}
+    buffers = {k: torch.empty_like(v) for k, v in state["state_dict"].items()}
     sync_io, async_io = SafetensorsCheckpointIO(), SafetensorsCheckpointIO(async_save=True)
     with tempfile.NamedTemporaryFile() as local:
         local.write(raw)
@@ -72,6 +74,10 @@ def run(size_mb: int, repeats: int) -> None:
             times["async blocked"].append(time.perf_counter() - t)
             async_io.wait()
             times["async total"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for key, tensor in state["state_dict"].items():
+                buffers[key].copy_(tensor)
+            times["memcpy"].append(time.perf_counter() - t)
     async_io.teardown()
     base = statistics.median(times["s3fs.put"])
     mb = len(raw) / (1 << 20)
@@ -80,6 +86,8 @@ def run(size_mb: int, repeats: int) -> None:
     for name, values in times.items():
         m = statistics.median(values)
         print(f"| {name} | {m:.3f} | {mb / m:.0f} | {m / base:.2f}x |")
+    blocked, copy = statistics.median(times["async blocked"]), statistics.median(times["memcpy"])
+    print(f"\nasync blocked / memcpy into preallocated buffers: {blocked / copy:.2f}x")
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ class ExactResume(Callback):
         clock: Optional[Callable[[], float]] = None,
     ) -> None:
         check_versions()
+        lc.keep_url_scheme_for_last()  # fit(ckpt_path="last") finds a stock ModelCheckpoint's s3:// files too
         self.generators: dict[str, torch.Generator] = dict(generators or {})
         self.strict = strict
         self.fingerprint = fingerprint

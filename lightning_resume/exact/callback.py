@@ -147,10 +147,11 @@ class ExactResume(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for problem in self._what_cannot_be_exact(trainer, pl_module):
+        loaders = lc.train_loaders(trainer)
+        for problem in self._what_cannot_be_exact(trainer, pl_module, loaders):
             rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
-        loaders = enumerate(lc.train_loaders(trainer))
-        unsaved = [line for i, dl in loaders if (line := unsaved_position(f"train loader {i}", dl)) is not None]
+        numbered = enumerate(loaders)
+        unsaved = [line for i, dl in numbered if (line := unsaved_position(f"train loader {i}", dl)) is not None]
         if unsaved:
             refuse_or_warn(self.strict, trainer.ckpt_path, unsaved)
         pending, self._pending = self._pending, None
@@ -163,9 +164,8 @@ class ExactResume(Callback):
             self._take_over_slurm_requeue(trainer)
             self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it
 
-    def _what_cannot_be_exact(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[str]:
+    def _what_cannot_be_exact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list) -> list[str]:
         """One line per loader configuration, unsaved random stream or launcher setting that defeats exactness."""
-        loaders = lc.train_loaders(trainer)
         out = [
             f"resume will not be exact: {p}"
             for i, dl in enumerate(loaders)

@@ -178,6 +178,7 @@ def _read_tensors(
     chunk just after it lands (xxh3, crc32 and hashlib release the GIL: the reads go on meanwhile)."""
     pending: queue.Queue[Any] = queue.Queue()
     hashing = Background(integrity.verify_data, path, record, iter(pending.get, None)) if verify else None
+    put = pending.put if verify else _ignore
     tensors = {}
     try:
         for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
@@ -186,14 +187,18 @@ def _read_tensors(
             for start in range(0, len(view), CHUNK):
                 chunk = view[start : start + CHUNK]
                 _read_exact(path, f, len(chunk), into=chunk)
-                pending.put((e, chunk))
-            pending.put((e, None))
+                put((e, chunk))
+            put((e, None))
             tensors[e.name] = t
     finally:
         pending.put(None)
     if hashing is not None:
         hashing.result()  # raises CheckpointCorruptError before any tensor is handed out
     return tensors
+
+
+def _ignore(item: Any) -> None:
+    """``put`` when nothing hashes: the chunks are not queued."""
 
 
 def _check_by_chunks(path: str, f: Any, ordered: Any, record: Dict[str, Any]) -> None:

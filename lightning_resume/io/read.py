@@ -2,9 +2,9 @@
 
 The content, not the extension, decides the format: safetensors if a JSON header follows the 8-byte
 length, a ``torch.save`` zip or pickle goes to the weights-only loader of ``legacy``, anything else
-is refused. Local files are read chunk by chunk into each tensor's fresh memory while a thread hashes
-each chunk just read, still in cache (or, with ``mmap=True``, memory-mapped copy-on-write and hashed
-from the map); remote files are read whole through fsspec. This module knows files and tensors, not Lightning.
+is refused. Local files are read chunk by chunk into each tensor's fresh memory, each chunk hashed
+right after it is read, still in cache (or, with ``mmap=True``, memory-mapped copy-on-write and hashed
+from the map by a thread); remote files are read whole through fsspec. This module knows files and tensors, not Lightning.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import mmap as mmap_module
 import os
-import queue
 import stat
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
@@ -159,59 +158,49 @@ def verify_local(path: str) -> None:
         header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
         record, tree_json = _checked_metadata(path, header)
         ordered = sorted(header.entries.values(), key=lambda e: e.begin)  # entries tile the data in order
-        _check_by_chunks(path, f, ordered, record)
+        check, scratch = integrity.DataCheck(path, record), memoryview(bytearray(CHUNK))
+        for e in ordered:
+            _read_tensor(path, f, e, scratch, check, reuse=True)
+        check.finish()
     stand_ins = {e.name: torch.zeros((), dtype=framing.DTYPES[e.dtype]).expand(e.shape) for e in ordered}
     _decode_tree(path, tree_json, stand_ins, lenient=True)
 
 
-CHUNK = 1 << 20
-"""Bytes read at a time on load: the hashing thread takes each chunk while it is still in the CPU's
-cache, so verifying adds no second pass over main memory."""
-SCRATCH = 1 << 18
-"""``verify_local``'s reusable read buffer: fits a core's L2 cache, where the hash finds it."""
+CHUNK = 1 << 18
+"""Bytes read and hashed at a time: each chunk is hashed right after the read writes it, while it is
+still in the core's L2 cache, so verifying adds no second pass over main memory. Hashing inline beat a
+hashing thread fed chunk by chunk on this 2-core machine under load (the thread waits for the GIL at
+each hand-over; figures in the commit that made this choice)."""
 
 
 def _read_tensors(
     path: str, f: Any, header: framing.Header, record: Dict[str, Any], verify: bool
 ) -> Dict[str, torch.Tensor]:
-    """Read each tensor into fresh memory ``CHUNK`` bytes at a time; with ``verify`` a thread hashes every
-    chunk just after it lands (xxh3, crc32 and hashlib release the GIL: the reads go on meanwhile)."""
-    pending: queue.Queue[Any] = queue.Queue()
-    hashing = Background(integrity.verify_data, path, record, iter(pending.get, None)) if verify else None
-    put = pending.put if verify else _ignore
+    """Read each tensor into its own fresh memory, hashing each chunk as it lands (with ``verify``)."""
+    check = integrity.DataCheck(path, record) if verify else None
     tensors = {}
-    try:
-        for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
-            t = torch.empty(e.shape, dtype=framing.DTYPES[e.dtype])
-            view = framing.host_bytes(t)
-            for start in range(0, len(view), CHUNK):
-                chunk = view[start : start + CHUNK]
-                _read_exact(path, f, len(chunk), into=chunk)
-                put((e, chunk))
-            put((e, None))
-            tensors[e.name] = t
-    finally:
-        pending.put(None)
-    if hashing is not None:
-        hashing.result()  # raises CheckpointCorruptError before any tensor is handed out
+    for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
+        t = torch.empty(e.shape, dtype=framing.DTYPES[e.dtype])
+        _read_tensor(path, f, e, framing.host_bytes(t), check)
+        tensors[e.name] = t
+    if check is not None:
+        check.finish()  # raises CheckpointCorruptError before any tensor is handed out
     return tensors
 
 
-def _ignore(item: Any) -> None:
-    """``put`` when nothing hashes: the chunks are not queued."""
-
-
-def _check_by_chunks(path: str, f: Any, ordered: Any, record: Dict[str, Any]) -> None:
-    """Hash the data section through one small reused buffer, each chunk right after it is read (in cache)."""
-    check, scratch = integrity.DataCheck(path, record), memoryview(bytearray(SCRATCH))
-    for e in ordered:
-        size = e.end - e.begin
-        for start in range(0, size, SCRATCH):
-            chunk = scratch[: min(SCRATCH, size - start)]
-            _read_exact(path, f, len(chunk), into=chunk)
+def _read_tensor(
+    path: str, f: Any, e: framing.Entry, into: memoryview, check: Optional[integrity.DataCheck], reuse: bool = False
+) -> None:
+    """Read ``e``'s bytes ``CHUNK`` at a time into ``into`` (or, with ``reuse``, each chunk into the start of
+    the same ``CHUNK``-sized scratch), hashing each chunk right after it arrives."""
+    size = e.end - e.begin
+    for start in range(0, size, CHUNK):
+        chunk = into[: min(CHUNK, size - start)] if reuse else into[start : min(start + CHUNK, size)]
+        _read_exact(path, f, len(chunk), into=chunk)
+        if check is not None:
             check.update(chunk)
+    if check is not None:
         check.end_tensor(e)
-    check.finish()
 
 
 def _read_exact(path: str, f: Any, n: int, into: Any = None) -> Any:

@@ -4,7 +4,8 @@ The content, not the extension, decides the format: safetensors if a JSON header
 length, a ``torch.save`` zip or pickle goes to the weights-only loader of ``legacy``, anything else
 is refused. Local files are read chunk by chunk into each tensor's fresh memory, each chunk hashed
 right after it is read, still in cache (or, with ``mmap=True``, memory-mapped copy-on-write and hashed
-from the map by a thread); remote files are read whole through fsspec. This module knows files and tensors, not Lightning.
+from the map by a thread); remote files are read whole through fsspec. This module knows files and
+tensors, not Lightning.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def identity(values):
     return values
 
 
-def run(config, steps, step_s=1.0, c1=0.5, c2=10.0, restored=None, check_every_step=False):
+def run(config, steps, step_s=1.0, c1=0.5, c2=10.0, restored=None):
     """Drive decide_tier like the callback does; return [(step, tier, reason, time)]."""
     clock = Clock()
     sched = SnapshotScheduler(config, clock)

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 def _is_cuda(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+    return t.is_cuda
 
 
 def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:

@@ -193,9 +193,7 @@ class HostBuffers:
         assert self._pool is not None
         return self._pool[:n]
 
-    def fill(
-        self, staged: StagedTensors, tensors: Mapping[str, torch.Tensor], algorithm: Optional[str] = None
-    ) -> None:
+    def fill(self, staged: StagedTensors, tensors: Mapping[str, torch.Tensor], algorithm: Optional[str] = None) -> None:
         """Copy ``tensors`` into ``staged`` in file order, releasing each stretch to readers as it is copied.
 
         CPU tensors are copied in batches of up to ``NOTIFY_BYTES`` with one call each (no Python work
@@ -300,6 +298,51 @@ def _block_aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
+# ------------------------------------------------------------------------------------ writer priority
+
+WRITER_NICE = 10
+"""How far below the training thread the writer's CPU priority is (a ``nice`` increment; 19 is the lowest)."""
+
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}  # syscall numbers; the libc has no wrapper
+_IOPRIO_WHO_PROCESS = 1  # with a thread id: that thread only
+_IOPRIO_BEST_EFFORT_LOWEST = (2 << 13) | 7  # class best-effort, level 7 (not "idle": that could starve the save)
+
+
+def lower_thread_priority(nice: int = WRITER_NICE) -> bool:
+    """Lower the calling thread's CPU priority by ``nice`` and its I/O priority to the lowest best-effort
+    level, so training threads get the cores and the disk first; threads it starts later inherit both.
+
+    Linux only (elsewhere ``setpriority`` would apply to the whole process): a no-op returning ``False``.
+    Fails soft: where the OS refuses (seccomp, containers), the thread keeps its priority, one debug
+    line says so, and ``False`` is returned. ``True`` when both were lowered.
+    """
+    if not sys.platform.startswith("linux") or nice <= 0:
+        return False
+    tid = threading.get_native_id()
+    lowered = True
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as err:
+        log.debug("could not lower the CPU priority of the checkpoint writer thread: %s", err)
+        lowered = False
+    try:
+        _ioprio_set(tid, _IOPRIO_BEST_EFFORT_LOWEST)
+    except OSError as err:
+        log.debug("could not lower the I/O priority of the checkpoint writer thread: %s", err)
+        lowered = False
+    return lowered
+
+
+def _ioprio_set(tid: int, value: int) -> None:
+    number = _IOPRIO_SET.get(platform.machine())
+    if number is None:
+        raise OSError(f"ioprio_set: no syscall number known for {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, value) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 # ------------------------------------------------------------------------------------ ordered writer
 
 
@@ -318,10 +361,17 @@ class Job:
 
 
 class OrderedWriter:
-    """A single daemon thread that runs submitted jobs one at a time, in submission order."""
+    """A single daemon thread that runs submitted jobs one at a time, in submission order.
 
-    def __init__(self, name: str = "lightning-resume-writer") -> None:
+    The thread runs ``nice`` steps below its creator's CPU priority and at the lowest best-effort I/O
+    priority (:func:`lower_thread_priority`; ``nice=0`` keeps the creator's); ``lowered`` tells whether
+    the OS allowed it (``None`` before the thread first ran).
+    """
+
+    def __init__(self, name: str = "lightning-resume-writer", nice: int = WRITER_NICE) -> None:
         self._name = name
+        self.nice = nice
+        self.lowered: Optional[bool] = None
         self._cv = threading.Condition()
         self._queue: Deque[Job] = deque()
         self._outstanding: List[Job] = []
@@ -366,6 +416,7 @@ class OrderedWriter:
             self._failed = [j for j in self._failed if j is not job]
 
     def _loop(self) -> None:
+        self.lowered = lower_thread_priority(self.nice)
         while True:
             with self._cv:
                 while not self._queue:

@@ -13,7 +13,10 @@ on a full disk). :class:`AsyncSaver` ties them together: at most one save in fli
 waits for it, and that wait is measured), a worker's error is handed to the training thread at the
 next save, at :meth:`AsyncSaver.wait` or at teardown, never lost. The worker runs at a lower CPU
 and I/O priority than training (:func:`lower_thread_priority`), so its hashing and writing take the
-cores training leaves idle. This module knows tensors, threads and files, not Lightning.
+cores training leaves idle. A save of the same tensors as the last one (the usual case) is copied on
+a helper thread while the training thread encodes the tree (:meth:`HostBuffers.recopy_last`), and
+taken only if every tensor is still the same memory seen the same way (:meth:`HostBuffers.adopt`).
+This module knows tensors, threads and files, not Lightning.
 """
 
 from __future__ import annotations
@@ -145,6 +148,10 @@ class HostBuffers:
         self.layouts = 0
         """How many times views were carved (first save, and each save whose signature changed)."""
         self._layout: Optional[_Layout] = None
+        self._last: Optional[Tuple[_Layout, List[torch.Tensor], List[torch.Tensor]]] = None
+        """The layout, destinations and sources of the last CPU-only fill: what :meth:`recopy_last` copies."""
+        self.adopted = 0
+        """Saves whose copy was made by :meth:`recopy_last` during their encoding (no copy after it)."""
 
     @property
     def capacity(self) -> int:
@@ -203,16 +210,52 @@ class HostBuffers:
         needs no pass over memory of its own (at the price of a longer copy). If a copy raises, readers
         get ``StagingAborted`` and the error propagates here.
         """
+        self._last = None
         try:
             with torch.no_grad():
-                _Filler(staged, algorithm).run(tensors)
+                filler = _Filler(staged, algorithm)
+                filler.run(tensors)
         except BaseException as err:
             staged._abort(err)
             raise
         staged._copied_up_to(len(staged), notify=True)
+        if not filler.devices and algorithm is None and self._layout is not None:
+            self._last = (self._layout, list(staged.values()), [tensors[name] for name in staged])
+
+    def recopy_last(self) -> Optional[_Recopy]:
+        """Start copying the sources of the last fill into the same places again, on a helper thread.
+
+        Meant to run while the caller encodes the next checkpoint (Python work that holds the GIL; the
+        copy is one C call that releases it): a model saved again usually has the very same tensors, so
+        :meth:`adopt` can then take this copy instead of copying after the encoding. ``None`` when there
+        is nothing to recopy (first save, CUDA sources, hashing during the copy). The caller must not
+        touch the pool before :meth:`adopt` (or ``join``) returns.
+        """
+        return None if self._last is None else _Recopy(*self._last)
+
+    def adopt(self, recopy: Optional[_Recopy], staged: StagedTensors, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Wait for ``recopy``; if it copied exactly what :meth:`fill` of ``tensors`` would, mark ``staged``
+        copied and return ``True``; else ``False`` (the caller then fills).
+
+        Exactly: the same layout object (same names, dtypes, shapes) and, per tensor, the same memory
+        seen the same way (data pointer, strides, conjugate and negative bits). The sources of the last
+        fill are kept referenced, so a pointer equal to one of theirs cannot be reused memory.
+        """
+        if recopy is None:
+            return False
+        recopy.join()
+        if not recopy.ok or recopy.layout is not self._layout or len(tensors) != len(recopy.srcs):
+            return False
+        for old, name in zip(recopy.srcs, staged, strict=True):
+            new = tensors[name]
+            if not _same_view(old, new):
+                return False
+        staged._copied_up_to(len(staged), notify=True)
+        self.adopted += 1
+        return True
 
     def release(self) -> None:
-        self._pool, self._layout = None, None
+        self._pool, self._layout, self._last = None, None, None
 
     def _ensure(self, nbytes: int, pinned: bool) -> None:
         if self._pool is not None and self.capacity >= nbytes and (self.pinned or not pinned):
@@ -278,6 +321,36 @@ class _Filler:
             return
         for name in names:
             digests[name] = integrity.digest(algorithm, framing.host_bytes(self.staged[name]))
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.stride() == b.stride()
+        and a.is_conj() == b.is_conj()
+        and a.is_neg() == b.is_neg()
+        and not b.is_cuda
+    )
+
+
+class _Recopy:
+    """:meth:`HostBuffers.recopy_last` in flight: one batched copy on a helper thread."""
+
+    def __init__(self, layout: _Layout, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+        self.layout, self.srcs, self.ok = layout, srcs, False
+        self._thread = threading.Thread(target=self._run, args=(dsts, srcs), name="lightning-resume-recopy")
+        self._thread.start()
+
+    def _run(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+        try:
+            with torch.no_grad():
+                _copy_batch(dsts, srcs)
+            self.ok = True
+        except BaseException as err:  # noqa: BLE001 - the caller then copies the usual way
+            log.debug("recopy of the last snapshot failed, copying after encoding instead: %s", err)
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def _copy_batch(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
@@ -503,13 +576,19 @@ class AsyncSaver:
         snapshot_start = time.monotonic()
         self.last_wait_seconds = snapshot_start - started
         self.report()
-        tree_json, tensors = self._encode(checkpoint)  # unencodable values fail here, before any file
+        recopy = None if self.overlap else self.buffers.recopy_last()  # the same tensors, copied meanwhile
+        try:
+            tree_json, tensors = self._encode(checkpoint)  # unencodable values fail here, before any file
+        finally:
+            if recopy is not None:
+                recopy.join()  # nothing touches the pool while it is being copied into
         staged = self.buffers.prepare(tensors)
         job = Job("write", path, lambda: self._write(path, tree_json, staged))
         if self.overlap:
             self._fill_while_writing(staged, tensors, job)
         else:
-            self.buffers.fill(staged, tensors)
+            if not self.buffers.adopt(recopy, staged, tensors):
+                self.buffers.fill(staged, tensors)
             self.writer.submit(job)
         self.last_blocked_seconds = time.monotonic() - snapshot_start
         self._last_write = job

@@ -7,6 +7,7 @@ import os
 import struct
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -191,3 +192,58 @@ def test_nice_zero_keeps_the_creators_priority():
     writer = OrderedWriter(nice=0)
     writer.wait([writer.submit(Job("write", "x", lambda: seen.append(_priority())))], timeout=10)
     assert seen == [_priority()] and writer.lowered is False
+
+
+# ------------------------------------------------------------------------------------ recopy during encoding
+
+
+def _saver_roundtrip(tmp_path, io, state, name):
+    io.save_checkpoint(state, tmp_path / name)
+    io.wait()
+    return SafetensorsCheckpointIO().load_checkpoint(tmp_path / name)
+
+
+def test_the_next_save_of_the_same_tensors_is_copied_while_encoding_and_holds_the_values_at_save_time(tmp_path):
+    io = SafetensorsCheckpointIO(async_save=True)
+    state = {"step": 1, "w": torch.randn(300, 20), "m": {"a": torch.arange(7), "t": torch.randn(5, 4).t()}}
+    _saver_roundtrip(tmp_path, io, state, "a.ckpt")
+    buffers = io._saver.buffers
+    for t in (state["w"], state["m"]["a"]):
+        t.add_(3)  # changed in place between saves: the recopy reads them at the second save
+    state["step"] = 2
+    loaded = _saver_roundtrip(tmp_path, io, state, "b.ckpt")
+    assert buffers.adopted == 1
+    assert_same(loaded, state)
+
+
+def test_a_tensor_replaced_between_saves_is_not_taken_from_the_recopy(tmp_path):
+    io = SafetensorsCheckpointIO(async_save=True)
+    state = {"w": torch.randn(64, 3), "v": torch.randn(9)}
+    _saver_roundtrip(tmp_path, io, state, "a.ckpt")
+    state["w"] = torch.randn(64, 3)  # same name, dtype and shape; other memory (e.g. a rebuilt optimizer state)
+    loaded = _saver_roundtrip(tmp_path, io, state, "b.ckpt")
+    assert io._saver.buffers.adopted == 0
+    assert_same(loaded, state)
+    state["w"].mul_(2)
+    loaded = _saver_roundtrip(tmp_path, io, state, "c.ckpt")  # same tensors as the save before: recopied
+    assert io._saver.buffers.adopted == 1
+    assert_same(loaded, state)
+
+
+def test_the_recopy_is_waited_for_when_encoding_fails(tmp_path, monkeypatch):
+    io = SafetensorsCheckpointIO(async_save=True)
+    state = {"w": torch.randn(1000, 100)}
+    _saver_roundtrip(tmp_path, io, state, "a.ckpt")
+    real = staging._copy_batch
+
+    def slow_recopy(dsts, srcs):
+        if threading.current_thread().name == "lightning-resume-recopy":
+            time.sleep(0.5)
+        real(dsts, srcs)
+
+    monkeypatch.setattr(staging, "_copy_batch", slow_recopy)
+    with pytest.raises(Exception, match="object"):
+        io.save_checkpoint({**state, "bad": object()}, tmp_path / "b.ckpt")
+    assert not [t for t in threading.enumerate() if t.name == "lightning-resume-recopy"]
+    loaded = _saver_roundtrip(tmp_path, io, state, "c.ckpt")
+    assert_same(loaded, state)

@@ -35,6 +35,7 @@ from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tup
 
 import torch
 
+from lightning_resume._compat.torch_ops import foreach_copy_
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning, StagingAborted
 from lightning_resume.io import framing, integrity
 from lightning_resume.io.framing import BLOCK
@@ -358,7 +359,7 @@ def _copy_batch(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
     if len(dsts) == 1:
         dsts[0].copy_(srcs[0])
     else:
-        torch._foreach_copy_(dsts, srcs)
+        foreach_copy_(dsts, srcs)
 
 
 def _blocks(n: int) -> int:

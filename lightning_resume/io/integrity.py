@@ -169,18 +169,53 @@ def verify_tree(path: str, record: Mapping[str, Any], tree_json: str) -> None:
         )
 
 
-def verify_data(path: str, record: Mapping[str, Any], pairs: Iterable[Tuple[Entry, Any]]) -> None:
-    """Hash every tensor's bytes (``pairs`` of entry and its bytes, in file order) and the hash list."""
-    algorithm, recorded = record["algorithm"], record["tensors"]
-    parts = []
-    for e, data in pairs:
-        actual = digest(algorithm, data)
-        if actual != recorded[e.name][2]:
-            raise CheckpointCorruptError(path, f"tensor '{e.name}': checksum mismatch", recorded[e.name][2], actual)
-        parts.append(actual)
-    whole = digest(algorithm, "".join(parts).encode("ascii"))
-    if whole != record["data"]:
-        raise CheckpointCorruptError(path, "whole data-section digest mismatch", record["data"], whole)
+class DataCheck:
+    """Checks the data section as it is read: each tensor's digest in file order, then the hash list.
+
+    Feed each tensor's bytes with ``update`` (in one piece or in chunks of any size), then call
+    ``end_tensor``; ``finish`` checks that every recorded tensor came and the whole-data digest. Every
+    mismatch is a ``CheckpointCorruptError`` naming the tensor. Not thread-safe: one feeder at a time."""
+
+    def __init__(self, path: str, record: Mapping[str, Any]) -> None:
+        self.path, self._record = path, record
+        self._algorithm = str(record["algorithm"])
+        self._current = hasher(self._algorithm)
+        self._parts: list[str] = []
+
+    def update(self, data: Any) -> None:
+        """The next bytes of the current tensor."""
+        self._current.update(data)
+
+    def end_tensor(self, entry: Entry) -> None:
+        """All of ``entry``'s bytes were fed: compare its digest with the recorded one."""
+        actual, expected = self._current.hexdigest(), self._record["tensors"][entry.name][2]
+        self._current = hasher(self._algorithm)
+        if actual != expected:
+            raise CheckpointCorruptError(self.path, f"tensor '{entry.name}': checksum mismatch", expected, actual)
+        self._parts.append(actual)
+
+    def finish(self) -> None:
+        """Every recorded tensor was checked, and the digest over their digests matches."""
+        recorded = len(self._record["tensors"])
+        if len(self._parts) != recorded:
+            raise CheckpointCorruptError(
+                self.path, "tensors checked differ from the recorded ones", recorded, len(self._parts)
+            )
+        whole = digest(self._algorithm, "".join(self._parts).encode("ascii"))
+        if whole != self._record["data"]:
+            raise CheckpointCorruptError(self.path, "whole data-section digest mismatch", self._record["data"], whole)
+
+
+def verify_data(path: str, record: Mapping[str, Any], pieces: Iterable[Tuple[Entry, Any]]) -> None:
+    """Check the data section from ``pieces``: ``(entry, bytes)`` for consecutive chunks of each tensor in
+    file order, and ``(entry, None)`` after a tensor's last chunk (a tensor may come in one piece)."""
+    check = DataCheck(path, record)
+    for entry, data in pieces:
+        if data is None:
+            check.end_tensor(entry)
+        else:
+            check.update(data)
+    check.finish()
 
 
 def _get(record: Any, key: str) -> Any:

@@ -15,8 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_resume.cli.main import main
 from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
-from lightning_resume.io import framing, integrity
+from lightning_resume.io import framing, integrity, read
 from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.read import load_file
 from lightning_resume.io.verify import verify
@@ -162,11 +163,23 @@ def _regions(path: str) -> dict:
     return regions
 
 
+@pytest.fixture(params=["default chunks", "tiny chunks"])
+def chunking(request, monkeypatch):
+    """Run once with the reader's real chunk sizes and once with tiny ones, so every tensor spans many
+    chunks (what a large tensor does at the real sizes) and chunk boundaries fall inside tensors."""
+    if request.param == "tiny chunks":
+        monkeypatch.setattr(read, "CHUNK", 24)
+    return request.param
+
+
 @pytest.mark.parametrize("algorithm", [integrity.DEFAULT_ALGORITHM, "crc32"])
-def test_a_bit_flip_in_every_region_is_refused(tmp_path, algorithm):
+def test_a_bit_flip_in_every_region_is_refused(tmp_path, algorithm, chunking):
     path = str(tmp_path / "c.ckpt")
     save_file(CK, path, algorithm=algorithm)
     good = open(path, "rb").read()
+    for mmap in (False, True):  # the untouched file loads (a reader that refuses everything fails here)
+        assert_same(CK, load_file(path, mmap=mmap).checkpoint)
+    verify(path)
     regions = _regions(path)
     assert {"header JSON", "tensor index", "integrity record", "tree", "tensor state_dict.w"} <= set(regions)
     for name, (lo, hi) in regions.items():
@@ -185,3 +198,26 @@ def test_a_bit_flip_in_every_region_is_refused(tmp_path, algorithm):
                     with pytest.raises(CheckpointCorruptError):
                         check()
                         pytest.fail(f"{algorithm}: flipped bit {bit} at {offset} ({name}) was not detected")
+
+
+@pytest.mark.parametrize("algorithm", integrity.ALGORITHMS)
+def test_chunked_reads_load_the_same_bytes(tmp_path, algorithm, chunking):
+    path = str(tmp_path / "k.ckpt")
+    big = {"w": torch.randn(1000, 3), "b": torch.arange(17, dtype=torch.int16), "s": torch.tensor(2.5)}
+    save_file(big, path, algorithm=algorithm)
+    assert_same(big, load_file(path).checkpoint)
+    assert_same(big, load_file(path, verify=False).checkpoint)
+    verify(path)
+
+
+def test_convert_offers_every_algorithm_and_writes_the_default(tmp_path, capsys):
+    legacy = str(tmp_path / "old.ckpt")
+    torch.save({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, legacy)
+    for args, expected in (([], integrity.DEFAULT_ALGORITHM), (["--checksum", "sha256"], "sha256")):
+        new = str(tmp_path / f"new-{expected}.ckpt")
+        assert main(["convert", legacy, new, *args]) == 0
+        header = framing.parse_header(new, open(new, "rb").read(), os.path.getsize(new))
+        assert json.loads(header.metadata[INTEGRITY_KEY])["algorithm"] == expected
+    with pytest.raises(SystemExit):
+        main(["convert", legacy, str(tmp_path / "x.ckpt"), "--checksum", "md5"])
+    assert "xxh3-128" in capsys.readouterr().err

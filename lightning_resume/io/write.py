@@ -21,7 +21,7 @@ import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -52,6 +52,7 @@ def commit(
     algorithm: str = integrity.DEFAULT_ALGORITHM,
     ready: Optional[Callable[[str], None]] = None,
     image: Optional[memoryview] = None,
+    digests: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Write an encoded checkpoint (from :func:`encode_tree`) atomically at ``path``, hashing while writing.
 
@@ -60,6 +61,9 @@ def commit(
     ``image``, when given, is the data section as one buffer (the tensors are views of it, back to
     back in file order; start and length multiples of ``BLOCK``): a local file is then written from it
     with direct I/O, no page-cache copy, where the filesystem allows.
+    ``digests``, when given, are the tensors' ``algorithm`` digests already computed (an async snapshot
+    hashed during its copy, complete once every tensor is ready): the write then reads no byte twice.
+    The file is the same either way.
     """
     wait = ready if ready is not None else _always_ready
     entries = framing.layout(tensors)
@@ -71,9 +75,9 @@ def commit(
         return framing.header_bytes(entries, meta, align)
 
     def write(f: BinaryIO) -> None:
-        data = _Data(entries, views, wait)
+        data = _Data(entries, views, wait, digests)
         if not _is_local_file(f):
-            f.write(header(_digests(algorithm, data)))
+            f.write(header(_hashing(algorithm, data).result()))
             for view in views:
                 f.write(view)
         elif image is None or not _write_direct(f, header, data, image, algorithm):
@@ -93,6 +97,28 @@ class _Data:
     entries: List[framing.Entry]
     views: List[memoryview]
     wait: Callable[[str], None]
+    digests: Optional[Mapping[str, str]] = None  # computed during the snapshot copy, if it was hashed
+
+
+class _Known:
+    """Digests computed before the write (during the snapshot copy): ready once every tensor is."""
+
+    def __init__(self, data: _Data) -> None:
+        self._data = data
+
+    def join(self) -> None:
+        return None
+
+    def result(self) -> Dict[str, str]:
+        assert self._data.digests is not None
+        if self._data.entries:
+            self._data.wait(self._data.entries[-1].name)
+        return dict(self._data.digests)
+
+
+def _hashing(algorithm: str, data: _Data) -> Any:
+    """What gives the digests: the ones known already, or a thread hashing the bytes (``join``/``result``)."""
+    return _Known(data) if data.digests is not None else Background(_digests, algorithm, data)
 
 
 def _digests(algorithm: str, data: _Data) -> Dict[str, str]:
@@ -116,7 +142,7 @@ def _write_hashing_during_flush(
     only for the tail. Digests are fixed-length hex, so the real header, written last at offset 0,
     has exactly the placeholder's size; nothing is durable or visible before that fsync and the rename.
     """
-    hasher = Background(_digests, algorithm, data)
+    hasher = _hashing(algorithm, data)
     blank = "0" * len(integrity.digest(algorithm, b""))
     placeholder = header(defaultdict(lambda: blank))
     fd = f.fileno()
@@ -154,7 +180,7 @@ def _write_direct(f: Any, header: Callable[..., bytes], data: _Data, image: memo
     try:
         if not _pwrite_direct(fd, placeholder, 0, probe=True):
             return False
-        hasher = Background(_digests, algorithm, data)
+        hasher = _hashing(algorithm, data)
         try:
             size = _write_image(fd, len(placeholder), data, image)
         finally:
@@ -219,15 +245,27 @@ WRITEBACK_EVERY = 32 << 20
 
 
 class _Writeback:
-    """Start writeback of each stretch once ``WRITEBACK_EVERY`` bytes were written after it."""
+    """Pace a page-cache write: start writeback of each ``WRITEBACK_EVERY`` stretch as soon as it is
+    written, and wait for the stretch before it to reach the disk before writing on.
+
+    The file then has at most about two stretches of dirty pages at a time, instead of up to the
+    kernel's dirty limit (a large share of memory): the writer cannot push the whole system into dirty
+    throttling, which would stall every other writer, training's logs included, and the final fsync
+    waits only for the last stretch. The pace is the disk's own; the CPU does not wait for it.
+    """
 
     def __init__(self, fd: int, start: int) -> None:
         self._fd, self._start = fd, start
+        self._previous: Optional[Tuple[int, int]] = None
 
     def written(self, end: int) -> None:
-        if end - self._start >= WRITEBACK_EVERY:
-            start_writeback(self._fd, self._start, end - self._start)
-            self._start = end
+        if end - self._start < WRITEBACK_EVERY:
+            return
+        start_writeback(self._fd, self._start, end - self._start)
+        if self._previous is not None:
+            wait_for_writeback(self._fd, *self._previous)
+        self._previous = (self._start, end - self._start)
+        self._start = end
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -236,11 +274,23 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` through libc (Python's ``os`` lacks it); a no-op
     where it is unavailable. It only starts I/O: durability still comes from the fsync that follows.
     """
+    _sync_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def wait_for_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Wait until ``[offset, offset+nbytes)`` of ``fd`` has been written to disk (data only, not metadata:
+    not durability, which still comes from fsync). A no-op where ``sync_file_range`` is unavailable."""
+    _sync_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
+
+
+def _sync_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
     fn = _sync_file_range()
     if fn is not None:
-        fn(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), _SYNC_FILE_RANGE_WRITE)
+        fn(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), flags)
 
 
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1
+_SYNC_FILE_RANGE_WAIT_AFTER = 4
 _SYNC_FILE_RANGE_WRITE = 2
 
 

@@ -251,6 +251,7 @@ def test_a_copy_that_fails_mid_snapshot_raises_its_own_error_once_and_leaves_no_
     io = SafetensorsCheckpointIO(async_save=True, overlap_write=overlap)
     state = {"a": torch.randn(1000), "b": torch.randn(1000), "c": torch.randn(1000)}
     real_copy, calls = torch.Tensor.copy_, []
+    monkeypatch.setattr(staging, "NOTIFY_BYTES", 0)  # one copy_ per tensor (else they are batched in one call)
 
     def failing(dst, src, non_blocking=False):
         calls.append(1)
@@ -282,6 +283,7 @@ def test_the_snapshot_is_copied_in_file_order():
 def test_overlap_starts_the_write_before_the_copy_ends_and_save_still_returns_after_it(monkeypatch, overlap):
     started, copied_when_started, real_copy = threading.Event(), [], torch.Tensor.copy_
     state = {"a": torch.ones(10), "b": torch.full((10,), 2.0)}
+    monkeypatch.setattr(staging, "NOTIFY_BYTES", 0)  # one copy_ per tensor (else they are batched in one call)
 
     def write(path, tree_json, tensors):
         copied_when_started.append(tensors._copied)

@@ -141,7 +141,9 @@ def _selection_problems(sel: BlockSelection) -> list[str]:
     if sel.recompute not in RECOMPUTES:
         problems.append(f"recompute={sel.recompute!r} is unknown; use one of {list(RECOMPUTES)}")
     if sel.recompute == "selective" and not sel.save_ops:
-        problems.append("recompute='selective' with save_ops=[] keeps nothing: use recompute='full' or name ops to keep")
+        problems.append(
+            "recompute='selective' with save_ops=[] keeps nothing: use recompute='full' or name ops to keep"
+        )
     bad_ops = [op for op in sel.save_ops if not isinstance(op, str) or op.count(".") not in (1, 2)]
     if bad_ops:
         problems.append(f"save_ops={bad_ops!r}: name ops as 'namespace.op' or 'namespace.op.overload' (e.g. 'aten.mm')")
@@ -209,7 +211,9 @@ class CheckpointPlan:
         basis = "measured op times" if timed else "parameter share"
         lines.append(f"  extra compute: about {self.extra_forward:.2f} of one forward pass ({basis})")
         lines.extend(f"  unit {i}: {_fmt_unit(unit)}" for i, unit in enumerate(self.units))
-        lines.extend(f"  unit {i}: {_fmt_unit(unit)} (selective)" for i, unit in enumerate(self.selective, len(self.units)))
+        lines.extend(
+            f"  unit {i}: {_fmt_unit(unit)} (selective)" for i, unit in enumerate(self.selective, len(self.units))
+        )
         if self.rows and any(r.kept_bytes is not None for r in self.rows):
             lines.extend(_table(self.rows))
         lines.extend(f"  note: {n}" for n in self.notes)
@@ -281,7 +285,9 @@ def plan_checkpointing(
         choices, notes = _budget_choices(candidates, total_bytes or 0, selection)
     else:
         step = selection.every if selection.mode == "every" else 1
-        chosen = {c.name for c in candidates[:: step or 1]} if selection.mode != "sqrt" else {c.name for c in candidates}
+        chosen = (
+            {c.name for c in candidates[:: step or 1]} if selection.mode != "sqrt" else {c.name for c in candidates}
+        )
         choices = _uniform(candidates, chosen, selection.recompute)
     full = tuple(u for u in segments if choices[u[0]] == "full")
     sel = tuple(u for u in segments if choices[u[0]] == "selective")
@@ -335,7 +341,7 @@ def _budget_choices(
                 " choose more blocks, or use a smaller batch"
             ],
         )
-    choices = {c.name: o.choice for c, o in zip(candidates, best)}
+    choices = {c.name: o.choice for c, o in zip(candidates, best, strict=True)}
     notes = ("the model already fits the budget; nothing is recomputed",) if needed <= 0 else ()
     return choices, notes
 
@@ -430,7 +436,17 @@ def _estimate(
         freed += [_freed(candidates, unit, selective=True) for unit in sel]
         before, after, peak = total, total - sum(f for f, _ in freed), max((p for _, p in freed), default=0)
     return CheckpointPlan(
-        selection.mode, full, len(candidates), extra, before, after, peak, notes, sel, selection.save_ops if sel else (), rows
+        selection.mode,
+        full,
+        len(candidates),
+        extra,
+        before,
+        after,
+        peak,
+        notes,
+        sel,
+        selection.save_ops if sel else (),
+        rows,
     )
 
 

@@ -22,11 +22,14 @@ generator during the rerun, so every later random op would draw different number
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
+from torch.fx.operator_schemas import get_signature_for_torch_op
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_resume.activation.policy import DEFAULT_SAVE_OPS, OWNER, CheckpointPlan
@@ -38,7 +41,7 @@ _MARK = "_lightning_resume_ac"  # set on every module whose forward we replaced
 _SAVE_OPS = "_lightning_resume_ac_save_ops"  # op names a selective block keeps (strings: deepcopy-safe)
 
 
-def _resolve_one(name: str) -> list[torch._ops.OpOverload]:
+def _resolve_one(name: str) -> list[OpOverload]:
     namespace, op, *overload = name.split(".")
     packet = getattr(getattr(torch.ops, namespace), op)  # AttributeError when absent
     if overload:
@@ -50,8 +53,8 @@ class SaveOps(NamedTuple):
     """Resolved ``save_ops``: every op overload whose output is kept, and those among them that are
     random only when their ``dropout_p`` argument is not 0 (fused attention): kept only when it is 0."""
 
-    ops: frozenset[torch._ops.OpOverload]
-    with_dropout: frozenset[torch._ops.OpOverload]
+    ops: frozenset[OpOverload]
+    with_dropout: frozenset[OpOverload]
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,7 +65,7 @@ def resolve_save_ops(names: tuple[str, ...]) -> SaveOps:
     name, and any op that is always random (it would draw different numbers when the rest is rerun),
     is refused.
     """
-    ops: set[torch._ops.OpOverload] = set()
+    ops: set[OpOverload] = set()
     problems = []
     for name in names:
         try:
@@ -73,7 +76,7 @@ def resolve_save_ops(names: tuple[str, ...]) -> SaveOps:
                     f"save_ops: {name!r} is not an op of this torch build; use names like 'aten.mm' or 'aten.mm.default'"
                 )
             continue
-        if any(_is_random(op) and _dropout_index(op) is None for op in resolved):
+        if any(_is_random(op) and not _takes_dropout(op) for op in resolved):
             problems.append(
                 f"save_ops: {name!r} is a random op; keeping its output would change later random draws in the rerun:"
                 " leave it out"
@@ -84,23 +87,28 @@ def resolve_save_ops(names: tuple[str, ...]) -> SaveOps:
     return SaveOps(frozenset(ops), frozenset(op for op in ops if _is_random(op)))
 
 
-def _is_random(op: torch._ops.OpOverload) -> bool:
+def _is_random(op: OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in op.tags
 
 
-def _dropout_index(op: torch._ops.OpOverload) -> Optional[int]:
-    names = [a.name for a in op._schema.arguments]
-    return names.index("dropout_p") if "dropout_p" in names else None
+@functools.lru_cache(maxsize=256)
+def _signature(op: OpOverload) -> Optional[inspect.Signature]:
+    signatures = get_signature_for_torch_op(op) or []
+    return signatures[0] if len(signatures) == 1 else None
 
 
-def _dropout_p(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> float:
-    index = _dropout_index(op)
-    if index is None:
+def _takes_dropout(op: OpOverload) -> bool:
+    signature = _signature(op)
+    return signature is not None and "dropout_p" in signature.parameters
+
+
+def _dropout_p(op: OpOverload, args: tuple, kwargs: dict) -> float:
+    signature = _signature(op)
+    if signature is None or "dropout_p" not in signature.parameters:
         return 0.0
-    if "dropout_p" in kwargs:
-        return float(kwargs["dropout_p"])
-    default = op._schema.arguments[index].default_value
-    return float(args[index] if index < len(args) else default or 0.0)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return float(bound.arguments["dropout_p"])
 
 
 def keeps_output(save: SaveOps, op: Any, args: tuple, kwargs: dict) -> bool:

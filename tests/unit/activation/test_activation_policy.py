@@ -166,7 +166,9 @@ def costed(saved: list[int], sel_bytes: list[int], full_s: list[float], sel_s: l
     for r in records:
         if r.class_paths[0] == BLOCK:
             i = int(r.name.split(".")[1])
-            r = dataclasses.replace(r, forward_seconds=full_s[i], selective_bytes=sel_bytes[i], selective_seconds=sel_s[i])
+            r = dataclasses.replace(
+                r, forward_seconds=full_s[i], selective_bytes=sel_bytes[i], selective_seconds=sel_s[i]
+            )
         out.append(r)
     return out
 
@@ -187,7 +189,9 @@ def brute_force(saved, sel_bytes, full_s, sel_s, total, budget):
 @settings(max_examples=120, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(0, 60), st.integers(0, 80), st.integers(1, 50), st.integers(0, 50)), min_size=1, max_size=6
+        st.tuples(st.integers(0, 60), st.integers(0, 80), st.integers(1, 50), st.integers(0, 50)),
+        min_size=1,
+        max_size=6,
     ),
     st.integers(0, 300),
     st.integers(0, 30),

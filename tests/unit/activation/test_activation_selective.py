@@ -46,7 +46,9 @@ class AttentionBlock(nn.Module):
 
 def make(attn_dropout: float = 0.0) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(Block(), AttentionBlock(attn_dropout=attn_dropout), Block(), AttentionBlock(attn_dropout=attn_dropout))
+    return nn.Sequential(
+        Block(), AttentionBlock(attn_dropout=attn_dropout), Block(), AttentionBlock(attn_dropout=attn_dropout)
+    )
 
 
 NAMES = ("0", "1", "2", "3")

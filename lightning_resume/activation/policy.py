@@ -37,7 +37,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from lightning_resume.errors import ConfigurationError
 
@@ -308,6 +308,9 @@ def _uniform(candidates: Sequence[BlockRecord], chosen: set[str], recompute: Rec
     return {c.name: (recompute if c.name in chosen else "none") for c in candidates}
 
 
+_FRONTIER = 1024
+
+
 @dataclass(frozen=True)
 class _Option:
     choice: Choice
@@ -330,7 +333,7 @@ def _budget_choices(
     timed = all(c.forward_seconds is not None for c in candidates)
     per_block = [_options(c, selection.selective, timed) for c in candidates]
     needed = total - budget
-    best = cheapest_combination(per_block, needed)
+    best = _cheapest_combination(per_block, needed)
     if best is None:
         remaining = total - sum(max(o.freed for o in opts) for opts in per_block)
         raise ConfigurationError(
@@ -346,29 +349,40 @@ def _budget_choices(
     return choices, notes
 
 
-def cheapest_combination(per_block: Sequence[Sequence[_Option]], needed: int) -> Optional[list[_Option]]:
+def _cheapest_combination(per_block: Sequence[Sequence[_Option]], needed: int) -> Optional[list[_Option]]:
     """One option per block freeing at least ``needed`` bytes at the least total cost (``None``: impossible).
 
-    Exact: walks the blocks keeping the Pareto frontier of (cost, bytes freed), with bytes freed
-    capped at ``needed`` (freeing more than needed is worth nothing), so the frontier holds at most
-    one point per distinct capped byte count. Ties: more bytes freed, then fewer recomputed blocks.
+    Walks the blocks keeping the Pareto frontier of (cost, bytes freed), with bytes freed capped at
+    ``needed`` (freeing more than needed is worth nothing). Ties: more bytes freed, then fewer
+    recomputed blocks. Exact while the frontier has at most ``_FRONTIER`` points (always so for
+    repeated identical blocks: one point per count of full and selective blocks); beyond that, the
+    cheapest point per ``needed / _FRONTIER`` bytes is kept, so the cost is optimal to within that
+    resolution of bytes freed while every answer still frees the bytes needed.
     """
     need = max(needed, 0)
-    frontier: list[tuple[float, int, int, tuple[_Option, ...]]] = [(0.0, 0, 0, ())]
+    grain = max(1, need // _FRONTIER)
+    # A point: (cost, bytes freed, recomputed blocks, its last option, the point it extends).
+    frontier: list[tuple[float, int, int, Optional[_Option], Any]] = [(0.0, 0, 0, None, None)]
     for options in per_block:
         merged = [
-            (cost + o.cost, min(freed + o.freed, need), busy + (o.choice != "none"), picks + (o,))
-            for cost, freed, busy, picks in frontier
+            (point[0] + o.cost, min(point[1] + o.freed, need), point[2] + (o.choice != "none"), o, point)
+            for point in frontier
             for o in options
         ]
         merged.sort(key=lambda p: (p[0], -p[1], p[2]))
-        frontier, most = [], -1
+        frontier, most, buckets = [], -1, set()
         for point in merged:
-            if point[1] > most:
+            bucket = point[1] // grain if len(merged) > _FRONTIER else point[1]
+            if point[1] > most and (bucket not in buckets or point[1] == need):
                 frontier.append(point)
                 most = point[1]
-    feasible = [p for p in frontier if p[1] >= need]
-    return list(feasible[0][3]) if feasible else None
+                buckets.add(bucket)
+    best = next((p for p in frontier if p[1] >= need), None)
+    picks: list[_Option] = []
+    while best is not None and best[3] is not None:
+        picks.append(best[3])
+        best = best[4]
+    return picks[::-1] if best is not None else None
 
 
 def _sqrt_units(candidates: list[BlockRecord]) -> tuple[tuple[str, ...], ...]:

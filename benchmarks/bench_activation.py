@@ -99,6 +99,7 @@ def make_plan(
         mode=mode,
         budget_bytes=budget,
         recompute=recompute,  # type: ignore[arg-type]
+        save_ops=save_ops,
     )
     return plan_checkpointing(block_records(model, saved, costs), selection, saved.total)
 

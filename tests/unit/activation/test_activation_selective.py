@@ -157,3 +157,15 @@ def test_save_ops_names_are_checked():
     text = str(info.value)
     assert "'aten.no_such_op' is not an op" in text and "'aten.bernoulli' is a random op" in text
     assert "'aten.mm.nope' is not an op" in text
+
+
+def test_a_narrower_op_list_keeps_less_and_stays_bitwise():
+    narrow = make()
+    apply_plan(narrow, plan("selective", ("aten.addmm",)))
+    default = build("selective")
+    assert measure_kept_bytes(lambda: narrow(X)) < measure_kept_bytes(lambda: default(X))
+    assert backward_calls(narrow)["_scaled_dot_product_flash_attention_for_cpu"] == 2  # attention now rerun
+    _, g0 = grads(make())
+    narrow.zero_grad(set_to_none=True)
+    _, g1 = grads(narrow)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))

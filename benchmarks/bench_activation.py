@@ -12,7 +12,10 @@ selective cache, counted with a dispatch mode), the estimated peak during backwa
 largest unit being recomputed), and the step time (forward, backward, SGD step) as a ratio to no
 checkpointing: the plans' steps are interleaved, each round gives one ratio per plan, and the table
 shows the median ratio with its spread (min-max over rounds), plus the added time in units of one
-plain forward pass. ``--profile`` adds where forward time and memory go, op by op.
+plain forward pass. Times are the CPU time of the training thread (``time.thread_time``: with one
+intra-op thread, forward, backward and the optimizer step all run on it), which other processes
+on a shared machine do not inflate the way they inflate wall-clock time; the wall-clock median
+ratio is shown beside it. ``--profile`` adds where forward time and memory go, op by op.
 
     python benchmarks/bench_activation.py                 # a few minutes on one core
     python benchmarks/bench_activation.py --sizes 8 --attention sdpa --dropout 0 --profile
@@ -104,34 +107,34 @@ def make_plan(
     return plan_checkpointing(block_records(model, saved, costs), selection, saved.total)
 
 
-def make_step(model: Model, tokens: torch.Tensor) -> Callable[[], float]:
+def make_step(model: Model, tokens: torch.Tensor) -> Callable[[], tuple[float, float]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
 
-    def step() -> float:
-        start = time.perf_counter()
+    def step() -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        loss_fn(model(tokens).flatten(0, 1), tokens.flatten()).backward()  # CPU backward: this thread
         optimizer.step()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.thread_time() - cpu
 
     return step
 
 
-def make_forward(model: Model, tokens: torch.Tensor) -> Callable[[], float]:
-    def forward() -> float:
-        start = time.perf_counter()
+def make_forward(model: Model, tokens: torch.Tensor) -> Callable[[], tuple[float, float]]:
+    def forward() -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.thread_time()
         model(tokens)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.thread_time() - cpu
 
     return forward
 
 
-def interleaved(steps: list[Callable[[], float]], repeats: int) -> list[list[float]]:
+def interleaved(steps: list[Callable[[], tuple[float, float]]], repeats: int) -> list[list[tuple[float, float]]]:
     """Steps of all plans taken in turn, ``repeats`` rounds: other load on the machine hits them alike."""
     for step in steps:
         step()  # warm-up
-    times: list[list[float]] = [[] for _ in steps]
+    times: list[list[tuple[float, float]]] = [[] for _ in steps]
     for _ in range(repeats):
         for i, step in enumerate(steps):
             times[i].append(step())
@@ -161,11 +164,14 @@ def rows_for(n: int, args: argparse.Namespace) -> list[list[str]]:
             apply_plan(models[label], plan)
     kept = {label: measure_kept_bytes(lambda m=models[label]: m(tokens)) for label in plans}
     steps = [make_step(m, tokens) for m in models.values()] + [make_forward(models["none"], tokens)]
-    *step_times, forward = interleaved(steps, args.repeats)
-    times = dict(zip(plans, step_times, strict=True))
+    *step_times, forward_times = interleaved(steps, args.repeats)
+    times = {label: [cpu for _, cpu in t] for label, t in zip(plans, step_times, strict=True)}
+    walls = {label: [wall for wall, _ in t] for label, t in zip(plans, step_times, strict=True)}
+    forward = [cpu for _, cpu in forward_times]
     rows = []
     for label, plan in plans.items():
         ratios = [t / b for t, b in zip(times[label], times["none"], strict=True)]
+        wall = statistics.median(w / b for w, b in zip(walls[label], walls["none"], strict=True))
         extra = (statistics.median(times[label]) - statistics.median(times["none"])) / statistics.median(forward)
         peak = kept[label] + (plan.peak_recompute_bytes or 0 if plan is not None else 0)
         rows.append(
@@ -178,6 +184,7 @@ def rows_for(n: int, args: argparse.Namespace) -> list[list[str]]:
                 _mib(peak),
                 f"{statistics.median(times[label]) * 1e3:.1f}",
                 f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                f"{wall:.2f}x",
                 f"{extra:.2f}",
             ]
         )
@@ -264,8 +271,9 @@ def main() -> None:
         "kept MiB",
         "kept vs none",
         "est. peak MiB",
-        "step ms",
-        "step vs none",
+        "step CPU ms",
+        "step vs none (CPU)",
+        "wall vs none",
         "extra / fwd",
     ]
     print("| " + " | ".join(header) + " |")

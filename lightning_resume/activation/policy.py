@@ -222,11 +222,12 @@ class CheckpointPlan:
 
 def _table(rows: Sequence[BlockEstimate]) -> list[str]:
     width = max(len("block"), *(len(r.name) for r in rows))
-    out = [f"  {'block':<{width}}  {'recompute':<9}  {'kept':>10}  {'recompute ms':>12}"]
+    timed = any(r.recompute_seconds for r in rows)  # untimed plans leave the column out
+    out = [f"  {'block':<{width}}  {'recompute':<9}  {'kept':>10}" + (f"  {'recompute ms':>12}" if timed else "")]
     for r in rows:
         kept = _fmt_bytes(r.kept_bytes) if r.kept_bytes is not None else "?"
         ms = f"{r.recompute_seconds * 1e3:.2f}" if r.recompute_seconds is not None else "?"
-        out.append(f"  {r.name:<{width}}  {r.recompute:<9}  {kept:>10}  {ms:>12}")
+        out.append(f"  {r.name:<{width}}  {r.recompute:<9}  {kept:>10}" + (f"  {ms:>12}" if timed else ""))
     return out
 
 

@@ -5,12 +5,17 @@ weights; 51.7M parameters give about 600 MB). Every method runs on the same tens
 ``--repeats`` times; the table shows medians and ratios to the raw baseline of the same run:
 
 - raw write+fsync: the tensors' bytes written to one file and fsync'd (no format, no checksums).
-- raw read: the same file read into one reusable buffer (page cache warm, as for every read here).
+- raw read (reused buffer): the same file read into one reusable buffer (page cache warm, as for every
+  read here); every load row is compared with it. "raw read (fresh memory)" reads into a new
+  allocation, the floor for any load that returns new tensors (page faults on fresh memory are slow
+  on the project VM).
+- saves and verified loads with each checksum (``xxh3-128``, the default, then ``crc32`` and
+  ``sha256``), ``lightning_resume.verify`` of the default file (every byte hashed, nothing kept).
 
 ``os.sync()`` runs (untimed) before each measurement, and each save's previous output is deleted
 (untimed) first, so no write pays for truncating or freeing the last one (``discard`` mounts make
 that slow). The order of the saves rotates from one repeat to the next (a write right after another
-can find the disk still busy). The spread line gives the range of the per-repeat ratios to raw. TorchCheckpointIO does not fsync, so its save
+can find the disk still busy), and so does the order of the loads. The ratio columns give the median and the range of the per-repeat ratios to raw. TorchCheckpointIO does not fsync, so its save
 time excludes the flush that every other save row includes.
 
 Usage: ``python benchmarks/bench_io.py --size-mb 600 --repeats 3`` (defaults are small).
@@ -35,6 +40,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_resume import SafetensorsCheckpointIO
 from lightning_resume.io.framing import host_bytes
+from lightning_resume.io.verify import verify
 
 
 def make_state(size_mb: float, d: int = 512) -> Dict:
@@ -94,18 +100,30 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def raw_read_fresh(path: str, nbytes: int) -> None:
+    """The floor of any load that returns new tensors: the same read into freshly allocated memory."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(memoryview(buffer.numpy()))
+
+
+CHECKSUMS = ("xxh3-128", "crc32", "sha256")  # the default first
+SAVE_BASE, LOAD_BASE = "raw write+fsync", "raw read (reused buffer)"
+
+
 def run(size_mb: float, repeats: int, workdir: str) -> Dict[str, List[float]]:
     state = make_state(size_mb)
     views = [host_bytes(t) for t in all_tensors(state)]
     nbytes = sum(len(v) for v in views)
     read_buffer = bytearray(nbytes)  # reusable: fresh memory is slow on the project VM
-    ours, verified_off, torch_io = (
-        SafetensorsCheckpointIO(),
+    ios = {c: SafetensorsCheckpointIO(checksum=c) for c in CHECKSUMS}
+    unverified, lazy, torch_io = (
+        SafetensorsCheckpointIO(verify=False),
         SafetensorsCheckpointIO(verify=False, mmap=True),
         TorchCheckpointIO(),
     )
-    ours_sha = SafetensorsCheckpointIO(checksum="sha256")
-    paths = {k: os.path.join(workdir, f"{k}.ckpt") for k in ("raw", "ours", "sha", "torch")}
+    paths = {k: os.path.join(workdir, f"{k}.ckpt") for k in ("raw", "torch", *CHECKSUMS)}
+    default = paths[CHECKSUMS[0]]
 
     destinations = all_tensors(state)  # restore copies into existing tensors, as load_state_dict does
 
@@ -113,42 +131,41 @@ def run(size_mb: float, repeats: int, workdir: str) -> Dict[str, List[float]]:
         for dst, src in zip(destinations, all_tensors(io.load_checkpoint(path))):
             dst.copy_(src)
 
-    methods = {
-        "raw write+fsync": lambda: raw_write(views, paths["raw"]),
-        "SafetensorsCheckpointIO save (crc32, default)": lambda: ours.save_checkpoint(state, paths["ours"]),
-        "SafetensorsCheckpointIO save (sha256)": lambda: ours_sha.save_checkpoint(state, paths["sha"]),
-        "TorchCheckpointIO save": lambda: torch_io.save_checkpoint(state, paths["torch"]),
-        "raw read": lambda: raw_read(paths["raw"], read_buffer),
-        "SafetensorsCheckpointIO load (verify crc32)": lambda: ours.load_checkpoint(paths["ours"]),
-        "SafetensorsCheckpointIO load (verify sha256)": lambda: ours_sha.load_checkpoint(paths["sha"]),
-        "SafetensorsCheckpointIO load (verify=False, mmap=True: lazy views)": lambda: verified_off.load_checkpoint(
-            paths["ours"]
-        ),
-        "TorchCheckpointIO load": lambda: torch_io.load_checkpoint(paths["torch"]),
-        "SafetensorsCheckpointIO load+copy into model (verify)": lambda: restore(ours, paths["ours"]),
-        "SafetensorsCheckpointIO load+copy into model (verify=False, mmap=True)": lambda: restore(
-            verified_off, paths["ours"]
-        ),
-        "TorchCheckpointIO load+copy into model": lambda: restore(torch_io, paths["torch"]),
+    saves = {SAVE_BASE: lambda: raw_write(views, paths["raw"])}
+    for c in CHECKSUMS:
+        saves[f"SafetensorsCheckpointIO save ({c}{', default' if c == CHECKSUMS[0] else ''})"] = lambda c=c: ios[
+            c
+        ].save_checkpoint(state, paths[c])
+    saves["TorchCheckpointIO save"] = lambda: torch_io.save_checkpoint(state, paths["torch"])
+    outputs = dict(zip(saves, ["raw", *CHECKSUMS, "torch"]))
+    loads = {
+        LOAD_BASE: lambda: raw_read(paths["raw"], read_buffer),
+        "raw read (fresh memory)": lambda: raw_read_fresh(paths["raw"], nbytes),
     }
-    outputs = {
-        "raw write+fsync": "raw",
-        "SafetensorsCheckpointIO save (crc32, default)": "ours",
-        "SafetensorsCheckpointIO save (sha256)": "sha",
-        "TorchCheckpointIO save": "torch",
-    }
-    times: Dict[str, List[float]] = {k: [] for k in methods}
-    saves, loads = list(outputs), [k for k in methods if k not in outputs]
-    for r in range(repeats):
-        for name in (
-            saves[r % len(saves) :] + saves[: r % len(saves)] + loads
-        ):  # saves rotate: none always follows another
-            fn = methods[name]
-            if name in outputs and os.path.exists(paths[outputs[name]]):
+    for c in CHECKSUMS:
+        loads[f"SafetensorsCheckpointIO load (verify {c})"] = lambda c=c: ios[c].load_checkpoint(paths[c])
+    loads.update(
+        {
+            "SafetensorsCheckpointIO load (verify=False)": lambda: unverified.load_checkpoint(default),
+            "SafetensorsCheckpointIO load (verify=False, mmap=True: lazy views)": lambda: lazy.load_checkpoint(default),
+            f"lightning_resume.verify ({CHECKSUMS[0]})": lambda: verify(default),
+            "TorchCheckpointIO load": lambda: torch_io.load_checkpoint(paths["torch"]),
+            "SafetensorsCheckpointIO load+copy into model (verify)": lambda: restore(ios[CHECKSUMS[0]], default),
+            "SafetensorsCheckpointIO load+copy into model (verify=False, mmap=True)": lambda: restore(lazy, default),
+            "TorchCheckpointIO load+copy into model": lambda: restore(torch_io, paths["torch"]),
+        }
+    )
+    times: Dict[str, List[float]] = {k: [] for k in (*saves, *loads)}
+    order, rotation = list(saves), list(loads)
+    for r in range(repeats):  # saves rotate (none always follows another), so do loads (fresh memory varies)
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            if os.path.exists(paths[outputs[name]]):
                 os.remove(
                     paths[outputs[name]]
                 )  # untimed: each save writes a new file, none pays for freeing the old one
-            times[name].append(timed(fn))
+            times[name].append(timed(saves[name]))
+        for name in rotation[r % len(rotation) :] + rotation[: r % len(rotation)]:
+            times[name].append(timed(loads[name]))
     times["_bytes"] = [float(nbytes)]
     return times
 
@@ -156,17 +173,25 @@ def run(size_mb: float, repeats: int, workdir: str) -> Dict[str, List[float]]:
 def report(times: Dict[str, List[float]]) -> str:
     nbytes = times.pop("_bytes")[0]
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = {"save": med["raw write+fsync"], "load": med["raw read"]}
-    lines = [f"state: {nbytes / 1e6:.0f} MB of tensors ({nbytes / 12 / 1e6:.1f}M params + AdamW moments)", "",
-             "| operation | median s | MB/s | vs raw |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines = [f"state: {nbytes / 1e6:.0f} MB of tensors ({nbytes / 12 / 1e6:.1f}M params + AdamW moments), "
+             f"{len(times[LOAD_BASE])} repeats", "",
+             "| operation | median s | MB/s | vs raw (median) | per-repeat ratio min-max |", "|---|---:|---:|---:|---:|"]  # fmt: skip
     for name, t in med.items():
-        kind = "save" if ("save" in name or "write" in name) else "load"
-        lines.append(f"| {name} | {t:.3f} | {nbytes / 1e6 / t:.0f} | {t / base[kind]:.2f}x |")
-    ours = [t / r for t, r in zip(times["SafetensorsCheckpointIO save (crc32, default)"], times["raw write+fsync"])]
-    lines += [
-        "",
-        f"save (crc32) / raw write+fsync per repeat: min {min(ours):.2f}x, median {statistics.median(ours):.2f}x, max {max(ours):.2f}x",
-    ]
+        base = SAVE_BASE if ("save" in name or "write" in name) else LOAD_BASE
+        ratios = [x / y for x, y in zip(times[name], times[base])]
+        lines.append(
+            f"| {name} | {t:.3f} | {nbytes / 1e6 / t:.0f} | {t / med[base]:.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x |"
+        )
+    lines.append("")
+    for c in CHECKSUMS:
+        for name, base in (
+            (f"SafetensorsCheckpointIO load (verify {c})", LOAD_BASE),
+            (f"SafetensorsCheckpointIO save ({c}", SAVE_BASE),
+        ):
+            name = next(k for k in times if k.startswith(name))
+            ratios = sorted(x / y for x, y in zip(times[name], times[base]))
+            lines.append(f"{name} / {base}, per repeat: median {statistics.median(ratios):.2f}x, "
+                         f"min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x")  # fmt: skip
     return "\n".join(lines)
 
 

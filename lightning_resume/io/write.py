@@ -32,7 +32,7 @@ from lightning_resume.io.framing import BLOCK, FORMAT_KEY, FORMAT_VALUE, INTEGRI
 from lightning_resume.io.worker import Background
 
 
-def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = "crc32") -> None:
+def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = integrity.DEFAULT_ALGORITHM) -> None:
     """Encode ``checkpoint`` and commit it atomically at ``path``."""
     tree_json, tensors = encode_tree(checkpoint)  # fails on an unencodable value before any file exists
     commit(path, tree_json, tensors, algorithm)
@@ -49,7 +49,7 @@ def commit(
     path: str,
     tree_json: str,
     tensors: Dict[str, torch.Tensor],
-    algorithm: str = "crc32",
+    algorithm: str = integrity.DEFAULT_ALGORITHM,
     ready: Optional[Callable[[str], None]] = None,
     image: Optional[memoryview] = None,
 ) -> None:

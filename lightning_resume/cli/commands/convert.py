@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from lightning_resume.cli.render import tensor_groups
+from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM
 from lightning_resume.io.read import load_file
 from lightning_resume.io.write import save_file
 
@@ -19,7 +20,12 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("convert", help="convert a legacy torch.save checkpoint to the safetensors format")
     p.add_argument("old", help="legacy checkpoint (torch.save zip or pickle)")
     p.add_argument("new", help="path of the new checkpoint (any extension; *.ckpt works with ModelCheckpoint)")
-    p.add_argument("--checksum", choices=["crc32", "sha256", "blake2b"], default="crc32")
+    p.add_argument(
+        "--checksum",
+        choices=ALGORITHMS,
+        default=DEFAULT_ALGORITHM,
+        help=f"digest recorded in the new file (default {DEFAULT_ALGORITHM}; sha256 if you need a cryptographic one)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 

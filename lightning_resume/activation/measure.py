@@ -10,12 +10,17 @@ deterministic on CPU for a given input; it reads no allocator statistics.
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_resume.activation.policy import BlockRecord
 
@@ -112,7 +117,21 @@ def class_paths(module: nn.Module) -> tuple[str, ...]:
     return tuple(f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__ if issubclass(c, nn.Module))
 
 
-def block_records(root: nn.Module, saved: Optional[SavedBytes] = None) -> list[BlockRecord]:
+def _cost_fields(name: str, costs: Optional[RecomputeCosts]) -> dict[str, Any]:
+    if costs is None:
+        return {}
+    if name == "":
+        return {"forward_seconds": costs.total_seconds}
+    return {
+        "forward_seconds": costs.forward_seconds.get(name),
+        "selective_seconds": costs.selective_seconds.get(name),
+        "selective_bytes": costs.selective_bytes.get(name),
+    }
+
+
+def block_records(
+    root: nn.Module, saved: Optional[SavedBytes] = None, costs: Optional[RecomputeCosts] = None
+) -> list[BlockRecord]:
     """One :class:`BlockRecord` per module of ``root`` (the root itself has name ``""``)."""
     records = []
     for name, module in root.named_modules():
@@ -128,6 +147,138 @@ def block_records(root: nn.Module, saved: Optional[SavedBytes] = None) -> list[B
                 params=sum(p.numel() for p in module.parameters()),
                 saved_bytes=saved.per_block.get(name) if saved else None,
                 input_bytes=saved.input_bytes.get(name) if saved else None,
+                **_cost_fields(name, costs),
             )
         )
     return records
+
+
+@dataclass(frozen=True)
+class RecomputeCosts:
+    """What recomputation costs per watched block, from timed forward passes.
+
+    ``forward_seconds``: time of the block's ops (children included): the cost of recomputing it
+    whole. ``selective_seconds``: time of the ops selective recomputation reruns (all but the saved
+    ops). ``selective_bytes``: unique bytes of the saved ops' outputs (what selective recomputation
+    keeps), its own inputs, parameters and buffers excluded. ``total_seconds``: the whole forward.
+    """
+
+    total_seconds: float
+    forward_seconds: dict[str, float]
+    selective_seconds: dict[str, float]
+    selective_bytes: dict[str, int]
+
+
+class _OpClock(TorchDispatchMode):
+    """Times every aten op and charges it to the watched blocks running; keeps saved ops' outputs."""
+
+    def __init__(self, meter: _Meter, keep: Callable[..., bool], sync: Callable[[], None]) -> None:
+        super().__init__()
+        self.meter, self.keep, self.sync = meter, keep, sync
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.rerun: dict[str, float] = defaultdict(float)
+        self.total = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        seconds = time.perf_counter() - start
+        self.total += seconds
+        kept = self.keep(func, args, kwargs)
+        for name in self.meter.stack:
+            self.seconds[name] += seconds
+            if not kept:
+                self.rerun[name] += seconds
+        if kept:
+            for t in _tensors(tree_leaves(out)):
+                self.meter.pack(t)
+        return out
+
+
+def measure_recompute(
+    root: nn.Module,
+    forward: Callable[[], Any],
+    blocks: Iterable[str],
+    keep: Callable[[Any, tuple, dict], bool],
+    repeats: int = 3,
+) -> RecomputeCosts:
+    """Time ``forward()`` op by op (grad enabled; best of ``repeats`` per block, after one warm-up).
+
+    ``keep(op, args, kwargs)``: whether selective recomputation keeps that op's output (the same
+    decision its checkpoint policy makes). Times are wall-clock on the calling thread; on CUDA each
+    op is followed by a synchronize, which inflates small ops alike in every block.
+    """
+    blocks = list(blocks)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
+    runs = [_timed_pass(root, forward, blocks, keep, sync) for _ in range(repeats + 1)][1:]
+    best = min(runs, key=lambda r: r.total_seconds)
+    return RecomputeCosts(
+        total_seconds=best.total_seconds,
+        forward_seconds={n: min(r.forward_seconds[n] for r in runs) for n in blocks},
+        selective_seconds={n: min(r.selective_seconds[n] for r in runs) for n in blocks},
+        selective_bytes=best.selective_bytes,
+    )
+
+
+def _timed_pass(
+    root: nn.Module, forward: Callable[[], Any], blocks: list[str], keep: Callable[..., bool], sync: Callable[[], None]
+) -> RecomputeCosts:
+    modules = dict(root.named_modules())
+    meter = _Meter(root)
+    clock = _OpClock(meter, keep, sync)
+    with ExitStack() as stack:
+        for name in blocks:
+            pre = modules[name].register_forward_pre_hook(meter.pre_hook(name), with_kwargs=True)
+            post = modules[name].register_forward_hook(meter.post_hook, with_kwargs=True, always_call=True)
+            stack.callback(pre.remove)
+            stack.callback(post.remove)
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(clock)
+        output = forward()
+    kept = meter.result(blocks, ()).per_block
+    del output
+    return RecomputeCosts(clock.total, {n: clock.seconds[n] for n in blocks}, {n: clock.rerun[n] for n in blocks}, kept)
+
+
+def measure_kept_bytes(forward: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the storages ``forward()`` creates that are still alive when it returns.
+
+    What a training step holds for backward at the end of forward, however it is held: autograd's
+    saved tensors, inputs kept by checkpoints, outputs cached by selective checkpointing. The
+    returned output's own storages, storages that existed before (inputs, parameters, buffers) and
+    ``exclude`` are left out. Counts every op below autograd with a dispatch mode.
+    """
+    census = _Census()
+    with census, torch.enable_grad():
+        output = forward()
+    gone = {StorageWeakRef(t.untyped_storage()).cdata for t in [*_tensors(tree_leaves(output)), *exclude]}
+    total = census.alive_bytes(gone)
+    del output
+    return total
+
+
+class _Census(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.external: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for t in _tensors(tree_leaves((args, kwargs))):
+            if t.layout == torch.strided and (ref := StorageWeakRef(t.untyped_storage())).cdata not in self.created:
+                self.external.add(ref.cdata)
+        out = func(*args, **kwargs)
+        for t in _tensors(tree_leaves(out)):
+            if t.layout == torch.strided:
+                ref = StorageWeakRef(t.untyped_storage())
+                seen = self.created.get(ref.cdata)
+                # A freed storage's address can come back for a new one: the new one counts.
+                if ref.cdata not in self.external and (seen is None or seen[0].expired()):
+                    self.created[ref.cdata] = (ref, t.untyped_storage().nbytes())
+        return out
+
+    def alive_bytes(self, exclude: set[int]) -> int:
+        return sum(size for key, (ref, size) in self.created.items() if key not in exclude and not ref.expired())

@@ -15,8 +15,21 @@ Selection modes (over the *candidates*: the outermost blocks matching the classe
   segments whose lengths differ by at most one (longer first). A segment is recomputed as a whole:
   forward keeps only its input, and in backward one segment's internals live at a time. So the
   activations kept are about ``sqrt(m)`` segment inputs plus, transiently, ``m / sqrt(m)`` blocks.
-- ``"budget"``: the fewest single-block units whose measured savings bring the estimated saved
-  bytes at the end of forward to at most ``budget_bytes`` (largest savings first).
+- ``"budget"``: single-block units that bring the estimated saved bytes at the end of forward to
+  at most ``budget_bytes`` at the least recompute (see below).
+
+How a unit is recomputed (``recompute``): ``"full"`` keeps only the unit's input and reruns its
+whole forward in backward; ``"selective"`` also keeps the outputs of the ops named in ``save_ops``
+(matmuls, attention, convolutions by default: expensive to rerun, cheap to keep) and reruns only the
+rest (norms, activations, elementwise ops, dropout with the same mask).
+
+The budget planner treats each candidate block as a choice among ``none`` (nothing recomputed),
+``full`` and, with ``recompute="selective"``, ``selective``. Each choice frees some bytes (measured:
+the block's saved bytes, minus what selective recomputation still keeps) and costs some recompute
+(measured forward seconds of the block, or of the ops selective recomputation reruns; when no times
+are measured, one unit per fully recomputed block, i.e. the fewest blocks). The plan is the cheapest
+combination that frees enough, found exactly over the Pareto frontier of (cost, bytes freed), with
+ties going to more bytes freed, then fewer recomputed blocks.
 """
 
 from __future__ import annotations
@@ -24,13 +37,31 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from lightning_resume.errors import ConfigurationError
 
 OWNER = "activation checkpointing"
 Mode = Literal["all", "every", "sqrt", "budget"]
 MODES: tuple[str, ...] = ("all", "every", "sqrt", "budget")
+Recompute = Literal["full", "selective"]
+RECOMPUTES: tuple[str, ...] = ("full", "selective")
+Choice = Literal["none", "selective", "full"]
+
+#: Ops whose outputs selective recomputation keeps (``namespace.op`` packets: every overload; or one
+#: overload as ``namespace.op.overload``): matmuls, convolutions and fused attention kernels. Ops the
+#: running torch build does not have are skipped when they come from this default.
+DEFAULT_SAVE_OPS: tuple[str, ...] = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +71,9 @@ class BlockRecord:
     ``saved_bytes``: bytes its forward saves for backward, excluding its own inputs and parameters
     (what recomputing it frees). ``input_bytes``: bytes of its tensor inputs that something saves
     (freed too when it is recomputed inside a segment, not at a segment's head).
+    ``forward_seconds``: measured forward time of its ops (the cost of recomputing it whole).
+    ``selective_bytes``: bytes selective recomputation still keeps (outputs of the saved ops, its own
+    inputs excluded). ``selective_seconds``: measured forward time of the ops it reruns.
     """
 
     name: str
@@ -50,6 +84,9 @@ class BlockRecord:
     params: int = 0
     saved_bytes: Optional[int] = None
     input_bytes: Optional[int] = None
+    forward_seconds: Optional[float] = None
+    selective_bytes: Optional[int] = None
+    selective_seconds: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +98,8 @@ class BlockSelection:
     mode: Mode = "all"
     every: Optional[int] = None
     budget_bytes: Optional[int] = None
+    recompute: Recompute = "full"
+    save_ops: tuple[str, ...] = DEFAULT_SAVE_OPS
 
     def __post_init__(self) -> None:
         problems = _selection_problems(self)
@@ -70,6 +109,10 @@ class BlockSelection:
     @property
     def needs_measurement(self) -> bool:
         return self.mode == "budget"
+
+    @property
+    def selective(self) -> bool:
+        return self.recompute == "selective"
 
     def describe(self) -> str:
         parts = [
@@ -95,17 +138,42 @@ def _selection_problems(sel: BlockSelection) -> list[str]:
         problems.append(f"select='budget' needs budget=<bytes >= 0> (got budget={sel.budget_bytes!r})")
     if sel.mode != "budget" and sel.budget_bytes is not None:
         problems.append(f"budget={sel.budget_bytes!r} is only used with select='budget' (got select={sel.mode!r})")
+    if sel.recompute not in RECOMPUTES:
+        problems.append(f"recompute={sel.recompute!r} is unknown; use one of {list(RECOMPUTES)}")
+    if sel.recompute == "selective" and not sel.save_ops:
+        problems.append(
+            "recompute='selective' with save_ops=[] keeps nothing: use recompute='full' or name ops to keep"
+        )
+    bad_ops = [op for op in sel.save_ops if not isinstance(op, str) or op.count(".") not in (1, 2)]
+    if bad_ops:
+        problems.append(f"save_ops={bad_ops!r}: name ops as 'namespace.op' or 'namespace.op.overload' (e.g. 'aten.mm')")
     return problems
+
+
+@dataclass(frozen=True)
+class BlockEstimate:
+    """One candidate block in a plan: how it is recomputed and what that is expected to cost.
+
+    ``kept_bytes``: bytes of its internals kept for backward under that choice (``None``: not
+    measured). ``recompute_seconds``: forward time rerun in backward (``None``: not measured).
+    """
+
+    name: str
+    recompute: Choice
+    kept_bytes: Optional[int] = None
+    recompute_seconds: Optional[float] = None
 
 
 @dataclass(frozen=True)
 class CheckpointPlan:
     """The decision: units to recompute (each a tuple of consecutive block names), and estimates.
 
-    ``bytes_before``/``bytes_after``: estimated saved-activation bytes kept at the end of forward
-    without and with the plan (``None`` when not measured). ``extra_forward``: the fraction of one
-    forward pass recomputed in backward, estimated by the parameter share of the recomputed blocks.
-    ``peak_recompute_bytes``: the largest unit's internals, alive only while it is recomputed.
+    ``units`` are recomputed whole; ``selective`` units keep the outputs of ``save_ops`` and rerun
+    the rest. ``bytes_before``/``bytes_after``: estimated saved-activation bytes kept at the end of
+    forward without and with the plan (``None`` when not measured). ``extra_forward``: the fraction
+    of one forward pass rerun in backward: measured op times when every candidate was timed, else
+    the parameter share of the fully recomputed blocks. ``peak_recompute_bytes``: the largest
+    unit's internals, alive only while it is recomputed. ``rows``: one estimate per candidate block.
     """
 
     mode: str
@@ -116,13 +184,22 @@ class CheckpointPlan:
     bytes_after: Optional[int] = None
     peak_recompute_bytes: Optional[int] = None
     notes: tuple[str, ...] = field(default=())
+    selective: tuple[tuple[str, ...], ...] = field(default=())
+    save_ops: tuple[str, ...] = field(default=())
+    rows: tuple[BlockEstimate, ...] = field(default=())
 
     @property
     def blocks(self) -> tuple[str, ...]:
-        return tuple(name for unit in self.units for name in unit)
+        """Every recomputed block (whole or selectively), in model order when ``rows`` give it."""
+        names = [name for unit in (*self.units, *self.selective) for name in unit]
+        order = {r.name: i for i, r in enumerate(self.rows)}
+        return tuple(sorted(names, key=lambda n: order.get(n, len(order)))) if order else tuple(names)
 
     def describe(self) -> str:
-        head = f"activation checkpointing ({self.mode}): {len(self.units)} unit(s) over {len(self.blocks)} of {self.candidates} candidate block(s)"
+        n_units = len(self.units) + len(self.selective)
+        head = f"activation checkpointing ({self.mode}): {n_units} unit(s) over {len(self.blocks)} of {self.candidates} candidate block(s)"
+        if self.selective:
+            head += f", {len(self.selective)} recomputed selectively (keeping the outputs of {len(self.save_ops)} op kind(s))"
         lines = [head]
         if self.bytes_before is not None and self.bytes_after is not None:
             saved = self.bytes_before - self.bytes_after
@@ -130,10 +207,28 @@ class CheckpointPlan:
                 f"  saved activations: {_fmt_bytes(self.bytes_before)} -> {_fmt_bytes(self.bytes_after)} (estimated {_fmt_bytes(saved)} saved;"
                 f" + up to {_fmt_bytes(self.peak_recompute_bytes or 0)} while one unit is recomputed)"
             )
-        lines.append(f"  extra compute: about {self.extra_forward:.2f} of one forward pass (parameter share)")
+        timed = bool(self.rows) and all(r.recompute_seconds is not None for r in self.rows)
+        basis = "measured op times" if timed else "parameter share"
+        lines.append(f"  extra compute: about {self.extra_forward:.2f} of one forward pass ({basis})")
         lines.extend(f"  unit {i}: {_fmt_unit(unit)}" for i, unit in enumerate(self.units))
+        lines.extend(
+            f"  unit {i}: {_fmt_unit(unit)} (selective)" for i, unit in enumerate(self.selective, len(self.units))
+        )
+        if self.rows and any(r.kept_bytes is not None for r in self.rows):
+            lines.extend(_table(self.rows))
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _table(rows: Sequence[BlockEstimate]) -> list[str]:
+    width = max(len("block"), *(len(r.name) for r in rows))
+    timed = any(r.recompute_seconds for r in rows)  # untimed plans leave the column out
+    out = [f"  {'block':<{width}}  {'recompute':<9}  {'kept':>10}" + (f"  {'recompute ms':>12}" if timed else "")]
+    for r in rows:
+        kept = _fmt_bytes(r.kept_bytes) if r.kept_bytes is not None else "?"
+        ms = f"{r.recompute_seconds * 1e3:.2f}" if r.recompute_seconds is not None else "?"
+        out.append(f"  {r.name:<{width}}  {r.recompute:<9}  {kept:>10}" + (f"  {ms:>12}" if timed else ""))
+    return out
 
 
 def _fmt_unit(unit: tuple[str, ...]) -> str:
@@ -181,30 +276,67 @@ def plan_checkpointing(
 ) -> CheckpointPlan:
     """Decide the units to recompute. ``total_bytes``: measured saved bytes of the whole forward."""
     candidates = select_candidates(records, selection)
-    if selection.needs_measurement and (total_bytes is None or any(c.saved_bytes is None for c in candidates)):
-        raise ConfigurationError(OWNER, ["select='budget' needs measured saved bytes for every candidate block"])
+    if selection.needs_measurement:
+        missing = _unmeasured(candidates, selection, total_bytes)
+        if missing:
+            raise ConfigurationError(OWNER, [f"select='budget' needs measured {missing} for every candidate block"])
+    notes: tuple[str, ...] = ()
+    segments = _sqrt_units(candidates) if selection.mode == "sqrt" else tuple((c.name,) for c in candidates)
     if selection.mode == "budget":
-        units, notes = _budget_units(candidates, total_bytes or 0, selection.budget_bytes or 0)
-    elif selection.mode == "sqrt":
-        units, notes = _sqrt_units(candidates), ()
+        choices, notes = _budget_choices(candidates, total_bytes or 0, selection)
     else:
         step = selection.every if selection.mode == "every" else 1
-        units, notes = tuple((c.name,) for c in candidates[:: step or 1]), ()
-    return _estimate(selection.mode, candidates, records, units, total_bytes, notes)
+        chosen = (
+            {c.name for c in candidates[:: step or 1]} if selection.mode != "sqrt" else {c.name for c in candidates}
+        )
+        choices = _uniform(candidates, chosen, selection.recompute)
+    full = tuple(u for u in segments if choices[u[0]] == "full")
+    sel = tuple(u for u in segments if choices[u[0]] == "selective")
+    return _estimate(selection, candidates, records, (full, sel), choices, total_bytes, notes)
 
 
-def _budget_units(
-    candidates: list[BlockRecord], total: int, budget: int
-) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
-    ranked = sorted(range(len(candidates)), key=lambda i: (-(candidates[i].saved_bytes or 0), i))
-    chosen: list[int] = []
-    remaining = total
-    for i in ranked:
-        if remaining <= budget:
-            break
-        chosen.append(i)
-        remaining -= candidates[i].saved_bytes or 0
-    if remaining > budget:
+def _unmeasured(candidates: Sequence[BlockRecord], selection: BlockSelection, total: Optional[int]) -> str:
+    if total is None or any(c.saved_bytes is None for c in candidates):
+        return "saved bytes"
+    if selection.selective and any(
+        None in (c.forward_seconds, c.selective_bytes, c.selective_seconds) for c in candidates
+    ):
+        return "forward times and selective bytes (recompute='selective')"
+    return ""
+
+
+def _uniform(candidates: Sequence[BlockRecord], chosen: set[str], recompute: Recompute) -> dict[str, Choice]:
+    return {c.name: (recompute if c.name in chosen else "none") for c in candidates}
+
+
+_FRONTIER = 1024
+
+
+@dataclass(frozen=True)
+class _Option:
+    choice: Choice
+    freed: int
+    cost: float
+
+
+def _options(c: BlockRecord, selective: bool, timed: bool) -> list[_Option]:
+    saved = c.saved_bytes or 0
+    options = [_Option("none", 0, 0.0), _Option("full", saved, (c.forward_seconds or 0.0) if timed else 1.0)]
+    if selective:
+        options.append(_Option("selective", saved - (c.selective_bytes or 0), c.selective_seconds or 0.0))
+    return options
+
+
+def _budget_choices(
+    candidates: list[BlockRecord], total: int, selection: BlockSelection
+) -> tuple[dict[str, Choice], tuple[str, ...]]:
+    budget = selection.budget_bytes or 0
+    timed = all(c.forward_seconds is not None for c in candidates)
+    per_block = [_options(c, selection.selective, timed) for c in candidates]
+    needed = total - budget
+    best = _cheapest_combination(per_block, needed)
+    if best is None:
+        remaining = total - sum(max(o.freed for o in opts) for opts in per_block)
         raise ConfigurationError(
             OWNER,
             [
@@ -213,8 +345,45 @@ def _budget_units(
                 " choose more blocks, or use a smaller batch"
             ],
         )
-    notes = ("the model already fits the budget; nothing is recomputed",) if not chosen else ()
-    return tuple((candidates[i].name,) for i in sorted(chosen)), notes
+    choices = {c.name: o.choice for c, o in zip(candidates, best, strict=True)}
+    notes = ("the model already fits the budget; nothing is recomputed",) if needed <= 0 else ()
+    return choices, notes
+
+
+def _cheapest_combination(per_block: Sequence[Sequence[_Option]], needed: int) -> Optional[list[_Option]]:
+    """One option per block freeing at least ``needed`` bytes at the least total cost (``None``: impossible).
+
+    Walks the blocks keeping the Pareto frontier of (cost, bytes freed), with bytes freed capped at
+    ``needed`` (freeing more than needed is worth nothing). Ties: more bytes freed, then fewer
+    recomputed blocks. Exact while the frontier has at most ``_FRONTIER`` points (always so for
+    repeated identical blocks: one point per count of full and selective blocks); beyond that, the
+    cheapest point per ``needed / _FRONTIER`` bytes is kept, so the cost is optimal to within that
+    resolution of bytes freed while every answer still frees the bytes needed.
+    """
+    need = max(needed, 0)
+    grain = max(1, need // _FRONTIER)
+    # A point: (cost, bytes freed, recomputed blocks, its last option, the point it extends).
+    frontier: list[tuple[float, int, int, Optional[_Option], Any]] = [(0.0, 0, 0, None, None)]
+    for options in per_block:
+        merged = [
+            (point[0] + o.cost, min(point[1] + o.freed, need), point[2] + (o.choice != "none"), o, point)
+            for point in frontier
+            for o in options
+        ]
+        merged.sort(key=lambda p: (p[0], -p[1], p[2]))
+        frontier, most, buckets = [], -1, set()
+        for point in merged:
+            bucket = point[1] // grain if len(merged) > _FRONTIER else point[1]
+            if point[1] > most and (bucket not in buckets or point[1] == need):
+                frontier.append(point)
+                most = point[1]
+                buckets.add(bucket)
+    best = next((p for p in frontier if p[1] >= need), None)
+    picks: list[_Option] = []
+    while best is not None and best[3] is not None:
+        picks.append(best[3])
+        best = best[4]
+    return picks[::-1] if best is not None else None
 
 
 def _sqrt_units(candidates: list[BlockRecord]) -> tuple[tuple[str, ...], ...]:
@@ -257,24 +426,59 @@ def split_evenly(items: Sequence, parts: int) -> list[list]:
 
 
 def _estimate(
-    mode: str,
+    selection: BlockSelection,
     candidates: list[BlockRecord],
     records: Sequence[BlockRecord],
-    units: tuple[tuple[str, ...], ...],
+    units: tuple[tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]],
+    choices: dict[str, Choice],
     total: Optional[int],
     notes: tuple[str, ...],
 ) -> CheckpointPlan:
-    by_name = {c.name: c for c in candidates}
-    root_params = max((r.params for r in records), default=0) or 1  # the root holds every parameter
-    extra = sum(by_name[n].params for unit in units for n in unit) / root_params
+    full, sel = units
+    rows = tuple(_row(c, choices[c.name]) for c in candidates)
+    root = next((r for r in records if r.name == ""), None)
+    if root is not None and root.forward_seconds and all(r.recompute_seconds is not None for r in rows):
+        extra = sum(r.recompute_seconds or 0.0 for r in rows) / root.forward_seconds
+    else:
+        by_name = {c.name: c for c in candidates}
+        root_params = max((r.params for r in records), default=0) or 1  # the root holds every parameter
+        extra = sum(by_name[n].params for unit in full for n in unit) / root_params
+        if sel:
+            notes = (*notes, "selective recompute time not measured (no example_input_array): not in extra compute")
     before = after = peak = None
     if total is not None and all(c.saved_bytes is not None for c in candidates):
-        freed = [
-            sum((by_name[n].saved_bytes or 0) + (by_name[n].input_bytes or 0) * (j > 0) for j, n in enumerate(u))
-            for u in units
-        ]
-        before, after, peak = total, total - sum(freed), max(freed, default=0)
-    return CheckpointPlan(mode, units, len(candidates), extra, before, after, peak, notes)
+        freed = [_freed(candidates, unit, selective=False) for unit in full]
+        freed += [_freed(candidates, unit, selective=True) for unit in sel]
+        before, after, peak = total, total - sum(f for f, _ in freed), max((p for _, p in freed), default=0)
+    return CheckpointPlan(
+        selection.mode,
+        full,
+        len(candidates),
+        extra,
+        before,
+        after,
+        peak,
+        notes,
+        sel,
+        selection.save_ops if sel else (),
+        rows,
+    )
+
+
+def _row(c: BlockRecord, choice: Choice) -> BlockEstimate:
+    if choice == "none":
+        return BlockEstimate(c.name, choice, c.saved_bytes, 0.0)
+    if choice == "full":
+        return BlockEstimate(c.name, choice, 0 if c.saved_bytes is not None else None, c.forward_seconds)
+    return BlockEstimate(c.name, choice, c.selective_bytes, c.selective_seconds)
+
+
+def _freed(candidates: list[BlockRecord], unit: tuple[str, ...], selective: bool) -> tuple[int, int]:
+    """(bytes the unit frees at the end of forward, bytes alive while it is recomputed)."""
+    by_name = {c.name: c for c in candidates}
+    internals = sum((by_name[n].saved_bytes or 0) + (by_name[n].input_bytes or 0) * (j > 0) for j, n in enumerate(unit))
+    kept = sum(by_name[n].selective_bytes or 0 for n in unit) if selective else 0
+    return internals - kept, internals - kept
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}

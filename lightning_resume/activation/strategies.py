@@ -29,13 +29,26 @@ from typing_extensions import override
 
 from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import ModelSetupHook, set_fsdp_checkpoint_fn
-from lightning_resume.activation.apply import apply_plan, remove_activation_checkpointing
-from lightning_resume.activation.measure import SavedBytes, block_records, measure_saved_bytes
+from lightning_resume.activation.apply import (
+    apply_plan,
+    keeps_output,
+    remove_activation_checkpointing,
+    resolve_save_ops,
+)
+from lightning_resume.activation.measure import (
+    RecomputeCosts,
+    SavedBytes,
+    block_records,
+    measure_recompute,
+    measure_saved_bytes,
+)
 from lightning_resume.activation.policy import (
+    DEFAULT_SAVE_OPS,
     OWNER,
     BlockSelection,
     CheckpointPlan,
     Mode,
+    Recompute,
     parse_bytes,
     plan_checkpointing,
 )
@@ -86,19 +99,34 @@ class _ActivationCheckpointingHook(ModelSetupHook):
         every: Optional[int],
         budget: Union[int, str, None],
         log_plan: bool,
+        recompute: Recompute = "full",
+        save_ops: Optional[Sequence[str]] = None,
     ) -> None:
         check_versions()
+        if save_ops is not None and recompute != "selective":
+            raise ConfigurationError(
+                OWNER, [f"save_ops is only used with recompute='selective' (got recompute={recompute!r})"]
+            )
         self.activation_selection = BlockSelection(
-            resolve_class_paths(blocks), pattern, select, every, parse_bytes(budget, "budget")
+            resolve_class_paths(blocks),
+            pattern,
+            select,
+            every,
+            parse_bytes(budget, "budget"),
+            recompute,
+            DEFAULT_SAVE_OPS if save_ops is None else tuple(save_ops),
         )
+        if self.activation_selection.selective:
+            resolve_save_ops(self.activation_selection.save_ops)  # unknown or random ops: refused now
         self.activation_plan = None
         self.log_plan = log_plan
 
     def _plan_activation(self, model: nn.Module) -> CheckpointPlan:
         remove_activation_checkpointing(model)  # a second fit/validate on the same module re-plans
         measured = self._measure(model)
+        costs = self._measure_recompute(model) if measured is not None else None
         plan = plan_checkpointing(
-            block_records(model, measured), self.activation_selection, measured.total if measured else None
+            block_records(model, measured, costs), self.activation_selection, measured.total if measured else None
         )
         plan = self.broadcast(plan)  # every rank planned alike; rank 0 decides
         if self.log_plan:
@@ -124,6 +152,24 @@ class _ActivationCheckpointingHook(ModelSetupHook):
             model,
             self.root_device,
             lambda: measure_saved_bytes(model, lambda: _call_forward(model, self, example), blocks),
+        )
+
+    def _measure_recompute(self, model: nn.Module) -> Optional[RecomputeCosts]:
+        """Op times and selectively kept bytes per block (``recompute='selective'`` only)."""
+        if not self.activation_selection.selective:
+            return None
+        save = resolve_save_ops(self.activation_selection.save_ops)
+        blocks = [r.name for r in block_records(model) if r.name]
+        example = model.example_input_array  # set: _measure returned a measurement
+        return _without_side_effects(
+            model,
+            self.root_device,
+            lambda: measure_recompute(
+                model,
+                lambda: _call_forward(model, self, example),
+                blocks,
+                lambda op, args, kwargs: keeps_output(save, op, args, kwargs),
+            ),
         )
 
     @override
@@ -166,7 +212,15 @@ class ActivationCheckpointingStrategy(_ActivationCheckpointingHook, SingleDevice
         every: k for ``select="every"`` (blocks 0, k, 2k, ...).
         budget: for ``select="budget"``: saved-activation bytes to fit (int or ``"512MiB"``);
             measured on the LightningModule's ``example_input_array``.
-        log_plan: log the plan (units, estimated bytes saved, extra forward cost) on rank 0.
+        log_plan: log the plan (units, estimated bytes saved, extra forward cost, and a per-block
+            table of expected kept bytes and recompute time when measured) on rank 0.
+        recompute: ``"full"`` reruns a chosen block whole; ``"selective"`` keeps the outputs of
+            ``save_ops`` and reruns the rest. With ``select="budget"``, ``"selective"`` lets the
+            planner choose per block between none, selective and full, from op times measured on
+            ``example_input_array``.
+        save_ops: ops whose outputs selective recomputation keeps, as ``"aten.mm"`` (every
+            overload) or ``"aten.mm.default"``; default :data:`DEFAULT_SAVE_OPS` (matmuls,
+            convolutions, fused attention).
         device: the device; by default the one the Trainer's ``accelerator``/``devices`` select.
     """
 
@@ -180,11 +234,13 @@ class ActivationCheckpointingStrategy(_ActivationCheckpointingHook, SingleDevice
         every: Optional[int] = None,
         budget: Union[int, str, None] = None,
         log_plan: bool = True,
+        recompute: Recompute = "full",
+        save_ops: Optional[Sequence[str]] = None,
         device: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(device=device or "cpu", **kwargs)
-        self._init_activation(blocks, pattern, select, every, budget, log_plan)
+        self._init_activation(blocks, pattern, select, every, budget, log_plan, recompute, save_ops)
         self._device_given = device is not None
         # Lightning's accelerator connector fills `parallel_devices` on any strategy that has the
         # attribute (accelerator_connector.py:521-524): that is how we learn the Trainer's device.
@@ -222,17 +278,19 @@ class ActivationCheckpointingDDPStrategy(_ActivationCheckpointingHook, DDPStrate
         every: Optional[int] = None,
         budget: Union[int, str, None] = None,
         log_plan: bool = True,
+        recompute: Recompute = "full",
+        save_ops: Optional[Sequence[str]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._init_activation(blocks, pattern, select, every, budget, log_plan)
+        self._init_activation(blocks, pattern, select, every, budget, log_plan, recompute, save_ops)
 
 
 class ActivationCheckpointingFSDPStrategy(_ActivationCheckpointingHook, FSDPStrategy):
     """``FSDPStrategy`` whose native activation checkpointing recomputes the blocks this policy picks.
 
     Arguments as :class:`ActivationCheckpointingStrategy`; ``**kwargs`` go to ``FSDPStrategy``.
-    ``select="sqrt"`` segments are refused: FSDP checkpoints whole modules only.
+    ``select="sqrt"`` segments and ``recompute="selective"`` are refused: FSDP checkpoints whole modules only.
     """
 
     strategy_name = "activation_checkpointing_fsdp"
@@ -245,8 +303,14 @@ class ActivationCheckpointingFSDPStrategy(_ActivationCheckpointingHook, FSDPStra
         every: Optional[int] = None,
         budget: Union[int, str, None] = None,
         log_plan: bool = True,
+        recompute: Recompute = "full",
         **kwargs: Any,
     ) -> None:
+        if recompute != "full":
+            raise ConfigurationError(
+                OWNER,
+                [f"recompute={recompute!r} cannot be delegated to FSDP (it recomputes whole modules); use 'full'"],
+            )
         clash = [k for k in ("activation_checkpointing", "activation_checkpointing_policy") if kwargs.get(k)]
         if clash:
             raise ConfigurationError(OWNER, [f"{clash[0]} is set by this strategy's blocks/pattern/select; remove it"])

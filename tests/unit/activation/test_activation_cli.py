@@ -99,3 +99,22 @@ def test_yaml_budget_with_glob_and_size_string(tmp_path, monkeypatch):
     plan = cli.trainer.strategy.activation_plan
     assert cli.trainer.strategy.activation_selection.budget_bytes == 921
     assert plan.bytes_after <= 921 < plan.bytes_before and len(plan.units) >= 1
+
+
+def test_yaml_selective_recompute_with_an_op_list(tmp_path, monkeypatch):
+    cli = cli_with(
+        tmp_path,
+        monkeypatch,
+        textwrap.dedent(f"""\
+        class_path: lightning_resume.ActivationCheckpointingStrategy
+        init_args:
+          blocks: {TINY_BLOCK}
+          recompute: selective
+          save_ops: [aten.addmm, aten.mm.default]
+        """),
+    )
+    selection = cli.trainer.strategy.activation_selection
+    assert selection.recompute == "selective" and selection.save_ops == ("aten.addmm", "aten.mm.default")
+    cli.trainer.fit(cli.model)
+    plan = cli.trainer.strategy.activation_plan
+    assert len(plan.selective) == 5 and plan.save_ops == ("aten.addmm", "aten.mm.default")

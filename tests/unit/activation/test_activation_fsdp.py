@@ -26,3 +26,8 @@ def test_fsdp_refuses_sqrt_segments_and_a_second_policy():
         ActivationCheckpointingFSDPStrategy(blocks=Block, select="sqrt")
     with pytest.raises(ConfigurationError, match="activation_checkpointing_policy"):
         ActivationCheckpointingFSDPStrategy(blocks=Block, activation_checkpointing_policy={Block})
+
+
+def test_fsdp_refuses_selective_recomputation():
+    with pytest.raises(ConfigurationError, match="recompute='selective' cannot be delegated to FSDP"):
+        ActivationCheckpointingFSDPStrategy(blocks=Block, recompute="selective")

@@ -127,3 +127,33 @@ def test_device_follows_the_trainer():
     strategy = ActivationCheckpointingStrategy(blocks=Block)
     Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
     assert strategy.root_device == torch.device("cpu") and strategy.parallel_devices == [torch.device("cpu")]
+
+
+def test_selective_fit_is_bitwise_equal_to_plain_training():
+    plain = fit()
+    selective = fit(ActivationCheckpointingStrategy(blocks=Block, recompute="selective"))
+    plan = selective.trainer_.strategy.activation_plan
+    assert plan.units == () and len(plan.selective) == 4
+    assert checkpointed_modules(selective) == [f"layers.{i}" for i in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(plain.step_losses, selective.step_losses, strict=True))
+    assert same_weights(plain, selective)
+
+
+def test_budget_with_selective_logs_a_per_block_table(caplog):
+    model = Stack(n_blocks=6)
+    model.example_input_array = torch.randn(8, 8, 16)
+    strategy = ActivationCheckpointingStrategy(blocks=Block, select="budget", budget="150KiB", recompute="selective")
+    with caplog.at_level(logging.INFO):
+        fit(strategy, steps=2, model=model)
+    plan = strategy.activation_plan
+    assert plan.bytes_after <= 150 * 1024 < plan.bytes_before
+    assert len(plan.rows) == 6 and all(r.recompute_seconds is not None and r.kept_bytes is not None for r in plan.rows)
+    assert "recompute ms" in caplog.text and "measured op times" in caplog.text
+    assert checkpointed_modules(model) == list(plan.blocks)
+
+
+def test_selective_options_fail_at_construction():
+    with pytest.raises(ConfigurationError, match="save_ops is only used with recompute='selective'"):
+        ActivationCheckpointingStrategy(blocks=Block, save_ops=["aten.mm"])
+    with pytest.raises(ConfigurationError, match="'aten.bernoulli' is a random op"):
+        ActivationCheckpointingStrategy(blocks=Block, recompute="selective", save_ops=["aten.mm", "aten.bernoulli"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -153,3 +154,109 @@ def test_split_evenly_and_parse_bytes():
 
 def test_candidates_exclude_the_root():
     assert all(r.name for r in select_candidates(stack(2), BlockSelection(pattern="*")))
+
+
+# --------------------------------------------------------------------------- selective recomputation
+
+
+def costed(saved: list[int], sel_bytes: list[int], full_s: list[float], sel_s: list[float]) -> list[BlockRecord]:
+    """``stack`` with made-up measurements: kept bytes and recompute seconds per mode."""
+    records = stack(len(saved), saved=saved)
+    out = []
+    for r in records:
+        if r.class_paths[0] == BLOCK:
+            i = int(r.name.split(".")[1])
+            r = dataclasses.replace(
+                r, forward_seconds=full_s[i], selective_bytes=sel_bytes[i], selective_seconds=sel_s[i]
+            )
+        out.append(r)
+    return out
+
+
+def brute_force(saved, sel_bytes, full_s, sel_s, total, budget):
+    """The least recompute over all 3^n choices that fits, or None."""
+    best = None
+    for combo in itertools.product(("none", "selective", "full"), repeat=len(saved)):
+        freed = sum(
+            {"none": 0, "full": s, "selective": s - k}[c] for c, s, k in zip(combo, saved, sel_bytes, strict=True)
+        )
+        cost = sum({"none": 0.0, "full": f, "selective": q}[c] for c, f, q in zip(combo, full_s, sel_s, strict=True))
+        if total - freed <= budget and (best is None or cost < best):
+            best = cost
+    return best
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 60), st.integers(0, 80), st.integers(1, 50), st.integers(0, 50)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 300),
+    st.integers(0, 30),
+)
+def test_budget_with_selective_picks_the_cheapest_feasible_combination(blocks, budget, outside):
+    saved = [b[0] for b in blocks]
+    sel_bytes = [b[1] for b in blocks]  # may exceed saved: selective can keep more than plain autograd
+    full_s = [float(b[2]) for b in blocks]
+    sel_s = [float(b[3]) for b in blocks]
+    total = sum(saved) + outside
+    selection = BlockSelection(classes=(BLOCK,), mode="budget", budget_bytes=budget, recompute="selective")
+    records = costed(saved, sel_bytes, full_s, sel_s)
+    best = brute_force(saved, sel_bytes, full_s, sel_s, total, budget)
+    if best is None:
+        with pytest.raises(ConfigurationError, match="cannot be met"):
+            plan_checkpointing(records, selection, total)
+        return
+    plan = plan_checkpointing(records, selection, total)
+    assert sum(r.recompute_seconds or 0.0 for r in plan.rows) == pytest.approx(best)
+    assert plan.bytes_after is not None and plan.bytes_after <= budget
+    assert [r.name for r in plan.rows] == [f"layers.{i}" for i in range(len(saved))]
+    chosen = {r.name: r.recompute for r in plan.rows}
+    assert {u[0] for u in plan.units} == {n for n, c in chosen.items() if c == "full"}
+    assert {u[0] for u in plan.selective} == {n for n, c in chosen.items() if c == "selective"}
+
+
+def test_budget_mixes_modes_when_that_is_cheapest():
+    # Block 0: selective frees 80 of 100 for 1 s (full: 10 s). Block 1: selective frees little.
+    records = costed([100, 100], [20, 90], [10.0, 10.0], [1.0, 1.0])
+    selection = BlockSelection(classes=(BLOCK,), mode="budget", budget_bytes=50, recompute="selective")
+    plan = plan_checkpointing(records, selection, total_bytes=220)  # needs 170 freed
+    assert [(r.name, r.recompute) for r in plan.rows] == [("layers.0", "selective"), ("layers.1", "full")]
+    assert plan.units == (("layers.1",),) and plan.selective == (("layers.0",),)
+    assert plan.bytes_after == 220 - 80 - 100
+    assert plan.blocks == ("layers.0", "layers.1")
+    text = plan.describe()
+    assert "1 recomputed selectively" in text and "(selective)" in text
+    assert "layers.0  selective" in text and "1000.00" in text  # the table: block, mode, kept, recompute ms
+
+
+def test_budget_with_selective_error_names_the_least_that_can_be_kept():
+    records = costed([100, 100], [20, 90], [10.0, 10.0], [1.0, 1.0])
+    selection = BlockSelection(classes=(BLOCK,), mode="budget", budget_bytes=5, recompute="selective")
+    with pytest.raises(ConfigurationError, match="cannot be met.*still keeps about 20 bytes.*>= 20"):
+        plan_checkpointing(records, selection, total_bytes=220)
+
+
+def test_budget_with_selective_needs_times():
+    selection = BlockSelection(classes=(BLOCK,), mode="budget", budget_bytes=5, recompute="selective")
+    with pytest.raises(ConfigurationError, match="forward times and selective bytes"):
+        plan_checkpointing(stack(2), selection, total_bytes=220)
+
+
+def test_selective_all_and_sqrt_make_selective_units():
+    plan = plan_checkpointing(stack(4), BlockSelection(classes=(BLOCK,), recompute="selective"))
+    assert plan.units == () and plan.selective == tuple((f"layers.{i}",) for i in range(4))
+    assert plan.save_ops and "aten.mm" in plan.save_ops
+    seg = plan_checkpointing(stack(4), BlockSelection(classes=(BLOCK,), mode="sqrt", recompute="selective"))
+    assert [len(u) for u in seg.selective] == [2, 2] and seg.units == ()
+
+
+def test_selective_options_are_validated():
+    with pytest.raises(ConfigurationError) as info:
+        BlockSelection(classes=(BLOCK,), recompute="some", save_ops=("mm",))
+    assert any("recompute='some'" in p for p in info.value.problems)
+    assert any("save_ops=['mm']" in p for p in info.value.problems)
+    with pytest.raises(ConfigurationError, match=r"save_ops=\[\] keeps nothing"):
+        BlockSelection(classes=(BLOCK,), recompute="selective", save_ops=())

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_resume import ConfigurationError, ExactResume
+from lightning_resume import ConfigurationError, ExactResume, ExactResumeWarning
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.exact.memory import _why_not_memory
+from lightning_resume.exact.memory import MemoryTier, _why_not_memory
 from lightning_resume.io import memory_tier
 from lightning_resume.io.atomic import owner_token
 from lightning_resume.io.memory_tier import MemoryStore, NotEnoughSharedMemory, durable_step, run_id, run_key
@@ -63,6 +63,10 @@ def test_a_damaged_or_foreign_snapshot_is_refused(tmp_path: Path) -> None:
     Path(store.path).write_bytes(bytes(data))
     with pytest.raises(CheckpointCorruptError, match="rank-0-of-2.safetensors"):
         store.load()
+    tier = MemoryTier(str(tmp_path))
+    tier.store = store
+    with pytest.warns(ExactResumeWarning, match=f"skipping the memory-tier snapshot {store.path} on rank 0"):
+        assert tier._load_verified() is None
 
 
 def test_size_check_names_needed_free_and_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

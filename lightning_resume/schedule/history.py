@@ -1,8 +1,11 @@
 """The run's failure history: a small JSON file next to the checkpoints, and the M it implies.
 
 Each resume appends one event (when the process restarted, the time of the snapshot it resumed
-from, the time lost, the interval since the previous failure, and whether the previous process
-died or stopped cleanly). ``mtbf="observed"`` turns that history into the job's M with
+from, the time lost, the interval since the previous failure, whether the previous process
+died or stopped cleanly, and which tier it resumed from). A failure resumed from the memory tier
+is a *process failure* (the machine survived: its shared memory still held the snapshot); any
+other failure is counted as a *node failure* (the conservative reading of a disk resume, and of
+events written before tiers were recorded). ``mtbf="observed"`` turns that history into the job's M with
 ``estimate_mtbf``. The record functions and the estimate are pure (clock passed in); only
 ``load_history`` / ``save_history`` touch the file, and they never take training down: a corrupt
 or unreadable file gives a ``HistoryWarning`` and a fresh history, a failed write a warning.
@@ -26,6 +29,7 @@ import fsspec
 from lightning_resume.errors import HistoryWarning
 from lightning_resume.io import remote
 from lightning_resume.io.atomic import atomic_write
+from lightning_resume.schedule.policy import Tier
 
 HISTORY_FILENAME = "resume_history.json"
 FORMAT_VERSION = 1
@@ -40,7 +44,8 @@ class EventKind(str, Enum):
 class ResumeEvent:
     """One resume. ``lost_s`` = restart time - time of the snapshot resumed from (redone work plus
     downtime); ``uptime_s`` = how long the ended process ran, counted (conservatively, for a
-    failure) up to that snapshot; ``interval_s`` = time since the previous failure's restart, or the run start."""
+    failure) up to that snapshot; ``interval_s`` = time since the previous failure's restart, or the run start.
+    ``tier``: the tier resumed from (``None``: not recorded, as in files written before tiers)."""
 
     restart_time: float
     checkpoint_time: float
@@ -48,6 +53,17 @@ class ResumeEvent:
     interval_s: float
     uptime_s: float
     kind: EventKind
+    tier: Optional[Tier] = None
+
+    @property
+    def process_failure(self) -> bool:
+        """A failure the machine survived: the resume came from the memory tier."""
+        return self.kind is EventKind.FAILURE and self.tier is Tier.MEMORY
+
+    @property
+    def node_failure(self) -> bool:
+        """Any other failure (a disk resume after an unclean stop, or tier unknown)."""
+        return self.kind is EventKind.FAILURE and self.tier is not Tier.MEMORY
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,16 @@ class FailureHistory:
     @property
     def failures(self) -> tuple:
         return tuple(e for e in self.events if e.kind is EventKind.FAILURE)
+
+    @property
+    def process_failures(self) -> tuple:
+        """Failures resumed from the memory tier (the node survived)."""
+        return tuple(e for e in self.events if e.process_failure)
+
+    @property
+    def node_failures(self) -> tuple:
+        """Failures resumed from the durable tier (or of unknown tier)."""
+        return tuple(e for e in self.events if e.node_failure)
 
     def life_start(self) -> Optional[float]:
         """When the current process (life) started."""
@@ -78,11 +104,14 @@ def history_path(dirpath: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def record_start(history: FailureHistory, now: float, checkpoint_time: Optional[float]) -> FailureHistory:
+def record_start(
+    history: FailureHistory, now: float, checkpoint_time: Optional[float], tier: Optional[Tier] = None
+) -> FailureHistory:
     """The history once a process starts at ``now``.
 
     ``checkpoint_time`` is when the snapshot being resumed from was taken, or ``None`` for a fresh
-    run (which starts a new history: an old one described another run).
+    run (which starts a new history: an old one described another run). ``tier`` is the tier it
+    came from (``Tier.MEMORY`` or ``Tier.DURABLE``; ``None`` if unknown).
     """
     if checkpoint_time is None:
         return FailureHistory(run_start=float(now))
@@ -100,6 +129,7 @@ def record_start(history: FailureHistory, now: float, checkpoint_time: Optional[
         interval_s=max(0.0, now - previous_failure),
         uptime_s=max(0.0, end - start),
         kind=kind,
+        tier=None if tier is None else Tier(tier),
     )
     run_start = history.run_start if history.run_start is not None else start
     return FailureHistory(run_start=run_start, events=history.events + (event,), clean_stop_time=None)
@@ -127,11 +157,24 @@ def estimate_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: fl
     failure is counted only up to the snapshot resumed from, which errs towards a shorter M (more
     frequent saves) rather than counting queue time as survival.
     """
+    return _posterior_mtbf(len(history.failures), history, prior_mtbf_s, prior_weight, now)
+
+
+def estimate_process_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: float, now: float) -> float:
+    """The job's M1 (process failures: resumed from the memory tier), as ``estimate_mtbf``."""
+    return _posterior_mtbf(len(history.process_failures), history, prior_mtbf_s, prior_weight, now)
+
+
+def estimate_node_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: float, now: float) -> float:
+    """The job's M2 (node failures: every other failure), as ``estimate_mtbf``."""
+    return _posterior_mtbf(len(history.node_failures), history, prior_mtbf_s, prior_weight, now)
+
+
+def _posterior_mtbf(n: int, history: FailureHistory, prior_mtbf_s: float, prior_weight: float, now: float) -> float:
     if not (math.isfinite(prior_mtbf_s) and prior_mtbf_s > 0):
         raise ValueError(f"prior_mtbf_s={prior_mtbf_s!r} must be > 0 seconds")
     if not (math.isfinite(prior_weight) and prior_weight > 0):
         raise ValueError(f"prior_weight={prior_weight!r} must be > 0 pseudo-failures")
-    n = len(history.failures)
     return (prior_weight * prior_mtbf_s + exposure_s(history, now)) / (prior_weight + n)
 
 
@@ -141,7 +184,11 @@ def estimate_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: fl
 
 
 def history_to_json(history: FailureHistory) -> dict:
-    events = [{**dataclasses.asdict(e), "kind": e.kind.value} for e in history.events]
+    # "tier" is an extra key of version 1: readers that predate it ignore it, and a missing one reads as None
+    events = [
+        {**dataclasses.asdict(e), "kind": e.kind.value, "tier": None if e.tier is None else e.tier.value}
+        for e in history.events
+    ]
     return {
         "version": FORMAT_VERSION,
         "run_start": history.run_start,
@@ -175,6 +222,7 @@ def history_from_json(data: Any) -> FailureHistory:
             interval_s=_number(e, "interval_s"),
             uptime_s=_number(e, "uptime_s"),
             kind=EventKind(e["kind"]),
+            tier=None if e.get("tier") is None else Tier(e["tier"]),
         )
         for e in data["events"]
     )

@@ -29,6 +29,7 @@ DEFAULT_MIN_INTERVAL: Duration = "1min"
 DEFAULT_MAX_INTERVAL: Duration = "6h"
 DEFAULT_INITIAL_COST: Duration = "60s"
 DEFAULT_CHECK_INTERVAL: Duration = "10s"
+DEFAULT_MEMORY_INITIAL_COST: Duration = "5s"
 DEFAULT_MTBF: Duration = "observed"
 DEFAULT_MTBF_PRIOR: Duration = "30d"
 """The schedule's defaults, written once: ``ScheduleConfig`` and ``ExactResume``'s arguments use these.
@@ -66,6 +67,20 @@ class SaveReason(str, Enum):
     NOT_DUE = "not_due"
     WRITE_IN_FLIGHT = "write_in_flight"  # due (or not), but the previous async write is not durable yet
     OFF = "off"  # mtbf=None and no step cap
+    MEMORY_FIRST_MEASUREMENT = "memory_first_measurement"  # no C1 measured yet: snapshot early to measure it
+    MEMORY_INTERVAL = "memory_interval"  # T1 has elapsed since the last snapshot of either tier
+    MEMORY_STEP_CAP = "memory_step_cap"  # memory_every_n_train_steps_max steps since the last snapshot
+    EVERY_KTH = "every_kth"  # the memory snapshot due now is the k-th since the last durable save: durable
+    MAX_INTERVAL = "max_interval"  # max_interval has passed since the last durable save
+
+
+class Tier(str, Enum):
+    """Where a snapshot goes: nowhere, the memory tier (survives a crashed process, not a lost node) or
+    the durable tier (disk or object store; survives anything)."""
+
+    NONE = "none"
+    MEMORY = "memory"
+    DURABLE = "durable"
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,6 +148,109 @@ def first_order_waste(t: float, c: float, m: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+# Two-level formulas
+# --------------------------------------------------------------------------------------------
+
+MAX_K = 1_000_000
+"""Upper bound on k (durable saves every k-th memory snapshot): reached only when C1 is ~0."""
+
+
+@dataclass(frozen=True)
+class TwoLevelPlan:
+    """The optimum of the two-level model: a memory snapshot every ``t1`` seconds, every ``k``-th of
+    them durable (so a durable save every ``t2 = k * t1``), with ``waste`` the expected fraction of
+    time lost (first order, see ``two_level_waste``)."""
+
+    t1: float
+    k: int
+    waste: float
+
+    @property
+    def t2(self) -> float:
+        """Seconds between durable saves: ``k * t1``."""
+        return self.k * self.t1
+
+
+def _check_two_level(c1: float, c2: float, m1: float, m2: float) -> None:
+    for name, c in (("c1", c1), ("c2", c2)):
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"checkpoint cost {name}={c!r} must be a finite number of seconds >= 0")
+    for name, m in (("m1", m1), ("m2", m2)):
+        if not (math.isfinite(m) and m > 0):
+            raise ValueError(f"mean time between failures {name}={m!r} must be a finite number of seconds > 0")
+
+
+def two_level_waste(t1: float, k: int, c1: float, c2: float, m1: float, m2: float) -> float:
+    """First-order expected waste ``C1/T1 + C2/(k T1) + T1/(2 M1) + k T1/(2 M2)`` of a two-level plan.
+
+    The model (Moody et al., "Design, modeling, and evaluation of a scalable multi-level
+    checkpointing system", SC'10; Di et al., "Optimization of multi-level checkpoint model for large
+    scale HPC applications", IPDPS'14; first order, as Young's): a memory snapshot every ``T1``
+    seconds of training costs ``C1`` of blocking; every ``k``-th is also written to the durable tier
+    at an extra ``C2``. Process failures (rate ``1/M1``: an exception, an OOM kill, a collective
+    timeout; the node and its shared memory survive) roll back to the newest memory snapshot, on
+    average ``T1/2`` of work; node failures (rate ``1/M2``: the memory is gone) roll back to the
+    newest durable save, on average ``k T1 / 2``. Per unit of time that is the sum above; it
+    ignores failures during saves and restarts (fine while C1, C2 << T1 and T1 << M1).
+
+    A durable save *is* that step's memory snapshot too (the mechanism keeps the memory copy of the
+    state it just staged for the durable write), so a process failure right after it loses nothing
+    more. Its cost is counted as ``C1 + C2``, exact when the memory copy is a separate memcpy and an
+    upper bound by C1 when the durable save's staging is reused; ``k = 1`` is then a single-level
+    schedule with cost ``C1 + C2`` and rate ``1/M1 + 1/M2``.
+    """
+    _check_two_level(c1, c2, m1, m2)
+    if not (math.isfinite(t1) and t1 > 0):
+        raise ValueError(f"interval t1={t1!r} must be a finite number of seconds > 0")
+    if isinstance(k, bool) or int(k) != k or k < 1:
+        raise ValueError(f"k={k!r} must be an integer >= 1 (durable every k-th memory snapshot)")
+    return c1 / t1 + c2 / (k * t1) + t1 / (2.0 * m1) + k * t1 / (2.0 * m2)
+
+
+def two_level_t1(k: int, c1: float, c2: float, m1: float, m2: float) -> float:
+    """The optimal ``T1`` for a fixed ``k``: ``sqrt(2 (C1 + C2/k) / (1/M1 + k/M2))``.
+
+    (Setting ``dW/dT1 = 0`` in ``two_level_waste``.) Zero when both costs are zero.
+    """
+    _check_two_level(c1, c2, m1, m2)
+    return math.sqrt(2.0 * (c1 + c2 / k) / (1.0 / m1 + k / m2))
+
+
+def two_level_plan(c1: float, c2: float, m1: float, m2: float) -> TwoLevelPlan:
+    """The optimal two-level plan for memory-snapshot cost ``c1``, durable cost ``c2`` (seconds of
+    blocking), process MTBF ``m1`` and node MTBF ``m2`` (seconds, for the whole job).
+
+    At its best ``T1`` the waste for a given ``k`` is ``sqrt(2 (C1 + C2/k) (1/M1 + k/M2))``; the
+    product expands to ``C1/M1 + C2/M2 + C1 k/M2 + C2/(k M1)``, minimised over real ``k`` at
+    ``k* = sqrt(C2 M2 / (C1 M1))``. The waste is convex in ``k``, so the best integer is one of
+    ``floor(k*)``, ``ceil(k*)`` (at least 1, at most ``MAX_K``). Unclamped: the scheduler applies
+    ``min_interval`` / ``max_interval``. When both costs are 0 the plan is ``t1 = 0``, ``waste = 0``.
+    """
+    _check_two_level(c1, c2, m1, m2)
+    if c1 > 0:
+        k_real = math.sqrt(c2 * m2 / (c1 * m1))
+    else:  # a free memory tier: durable as rarely as allowed, unless durable saves are free too
+        k_real = float(MAX_K) if c2 > 0 else 1.0
+    candidates = {min(MAX_K, max(1, math.floor(k_real))), min(MAX_K, max(1, math.ceil(k_real)))}
+    best: Optional[TwoLevelPlan] = None
+    for k in sorted(candidates):
+        t1 = two_level_t1(k, c1, c2, m1, m2)
+        waste = two_level_waste(t1, k, c1, c2, m1, m2) if t1 > 0 else 0.0
+        if best is None or waste < best.waste:
+            best = TwoLevelPlan(t1=t1, k=k, waste=waste)
+    assert best is not None
+    return best
+
+
+def single_level_waste(c: float, m1: float, m2: float) -> float:
+    """First-order waste of the single-level optimum for the same failures: every failure (rate
+    ``1/M1 + 1/M2``) rolls back to a durable save of cost ``c`` taken every Young interval:
+    ``sqrt(2 c (1/M1 + 1/M2))``."""
+    _check_two_level(c, c, m1, m2)
+    return math.sqrt(2.0 * c * (1.0 / m1 + 1.0 / m2))
+
+
+# --------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------
 
@@ -151,6 +269,12 @@ class ScheduleConfig:
     the first save happens as soon as ``min_interval_s`` has passed, to measure C).
     ``check_interval_s`` bounds the time between two decisions, so a preemption flag raised on any
     rank is seen within it and rank 0 broadcasts at most once per check.
+
+    Two-level schedule (memory tier): ``process_mtbf_s`` is the per-node mean time between *process*
+    failures that leave the node and its shared memory alive (M1; ``mtbf_s`` stays the node MTBF,
+    M2). ``None`` with no ``memory_every_n_train_steps_max`` is the single-level schedule, exactly as
+    before. ``memory_initial_cost_s`` is the conservative C1 assumed before the first measurement.
+    In ``process_mtbf_mode`` OBSERVED, ``process_mtbf_s`` is the prior of M1.
     """
 
     mtbf_s: Optional[float] = None
@@ -163,10 +287,14 @@ class ScheduleConfig:
     mtbf_mode: MtbfMode = MtbfMode.CONFIGURED
     prior_weight: float = 1.0
     check_interval_s: float = parse_duration(DEFAULT_CHECK_INTERVAL)
+    process_mtbf_s: Optional[float] = None
+    memory_every_n_train_steps_max: Optional[int] = None
+    process_mtbf_mode: MtbfMode = MtbfMode.CONFIGURED
+    memory_initial_cost_s: float = parse_duration(DEFAULT_MEMORY_INITIAL_COST)
 
     def __post_init__(self) -> None:
         problems = []
-        for name, enum in (("formula", Formula), ("mtbf_mode", MtbfMode)):
+        for name, enum in (("formula", Formula), ("mtbf_mode", MtbfMode), ("process_mtbf_mode", MtbfMode)):
             try:
                 object.__setattr__(self, name, enum(getattr(self, name)))
             except ValueError:
@@ -201,12 +329,41 @@ class ScheduleConfig:
             p.append(f"prior_weight={self.prior_weight!r} must be > 0 (pseudo-failures the prior MTBF counts for)")
         if not _positive(self.check_interval_s):
             p.append(f"check_interval={self.check_interval_s!r}s must be > 0")
+        return p + self._memory_problems()
+
+    def _memory_problems(self) -> list:
+        p = []
+        if self.process_mtbf_s is not None and not _positive(self.process_mtbf_s):
+            p.append(
+                f"process_mtbf={self.process_mtbf_s!r}s must be > 0; use a duration like '1h', "
+                "or None for no memory tier"
+            )
+        if self.process_mtbf_mode is MtbfMode.OBSERVED and self.process_mtbf_s is None:
+            p.append("process_mtbf='observed' needs a prior; give process_mtbf_prior, e.g. '6h'")
+        cap = self.memory_every_n_train_steps_max
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            p.append(f"memory_every_n_train_steps_max={cap!r} must be an integer >= 1, or None for no memory step cap")
+        if not _positive(self.memory_initial_cost_s):
+            p.append(
+                f"memory_initial_cost={self.memory_initial_cost_s!r}s must be > 0 "
+                "(a conservative guess of a memory snapshot's blocking time)"
+            )
         return p
 
     @property
     def job_mtbf_s(self) -> Optional[float]:
         """The configured (or prior) M for the whole job: per-node MTBF / num_nodes."""
         return None if self.mtbf_s is None else self.mtbf_s / self.num_nodes
+
+    @property
+    def job_process_mtbf_s(self) -> Optional[float]:
+        """The configured (or prior) M1 for the whole job: per-node process MTBF / num_nodes."""
+        return None if self.process_mtbf_s is None else self.process_mtbf_s / self.num_nodes
+
+    @property
+    def takes_memory_snapshots(self) -> bool:
+        """Whether the memory tier is on (a process MTBF or a memory step cap is configured)."""
+        return self.process_mtbf_s is not None or self.memory_every_n_train_steps_max is not None
 
     @classmethod
     def from_user(
@@ -220,10 +377,17 @@ class ScheduleConfig:
         initial_cost: Duration = DEFAULT_INITIAL_COST,
         mtbf_prior: Optional[Duration] = None,
         check_interval: Duration = DEFAULT_CHECK_INTERVAL,
+        process_mtbf: Union[Duration, None] = None,
+        memory_every_n_train_steps_max: Optional[int] = None,
+        process_mtbf_prior: Optional[Duration] = None,
+        memory_initial_cost: Duration = DEFAULT_MEMORY_INITIAL_COST,
     ) -> ScheduleConfig:
         """Build from user-facing values (durations as ``"24h"``, seconds or ``timedelta``).
 
         ``mtbf="observed"`` estimates M from the failure history with ``mtbf_prior`` as prior.
+        ``process_mtbf`` (M1, per node) turns the memory tier on with the two-level schedule;
+        ``process_mtbf="observed"`` estimates it from the history (process failures: resumes from
+        the memory tier) with ``process_mtbf_prior`` as prior. ``mtbf`` stays the node MTBF (M2).
         Every problem is collected into one ``ConfigurationError``.
         """
         problems: list = []
@@ -245,14 +409,21 @@ class ScheduleConfig:
                 problems.append(str(err))
                 return None
 
-        observed = isinstance(mtbf, str) and mtbf.strip().lower() == MtbfMode.OBSERVED.value
+        observed = _is_observed(mtbf)
         mtbf_s = optional_seconds(mtbf_prior if observed else mtbf, "mtbf_prior" if observed else "mtbf")
+        p_observed = _is_observed(process_mtbf)
+        process_s = optional_seconds(
+            process_mtbf_prior if p_observed else process_mtbf, "process_mtbf_prior" if p_observed else "process_mtbf"
+        )
+        memory_initial_cost_s = seconds(memory_initial_cost, "memory_initial_cost")
         min_interval_s = seconds(min_interval, "min_interval")
         max_interval_s = seconds(max_interval, "max_interval")
         initial_cost_s = seconds(initial_cost, "initial_cost")
         check_interval_s = seconds(check_interval, "check_interval")
         if observed and mtbf_s is None and problems:
             mtbf_s = 1.0  # the bad prior is already reported
+        if p_observed and process_s is None and problems:
+            process_s = 1.0
         mode = MtbfMode.OBSERVED if observed else MtbfMode.CONFIGURED
         try:
             config = cls(
@@ -266,6 +437,10 @@ class ScheduleConfig:
                 initial_cost_s=initial_cost_s,
                 mtbf_mode=mode,
                 check_interval_s=check_interval_s,
+                process_mtbf_s=process_s,
+                memory_every_n_train_steps_max=memory_every_n_train_steps_max,
+                process_mtbf_mode=MtbfMode.OBSERVED if p_observed else MtbfMode.CONFIGURED,
+                memory_initial_cost_s=memory_initial_cost_s,
             )
         except ConfigurationError as err:
             raise ConfigurationError("ScheduleConfig", problems + err.problems) from None
@@ -276,6 +451,10 @@ class ScheduleConfig:
     def with_nodes(self, num_nodes: int) -> ScheduleConfig:
         """The same options for ``num_nodes`` nodes (known only once the trainer is set up)."""
         return dataclasses.replace(self, num_nodes=num_nodes)
+
+
+def _is_observed(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == MtbfMode.OBSERVED.value
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,3 +640,216 @@ def expected_waste_now(state: ScheduleState) -> Optional[float]:
     if interval is None or interval <= 0 or state.mtbf_s is None:
         return None
     return expected_waste(interval, cost_estimate(state), state.mtbf_s)
+
+
+# --------------------------------------------------------------------------------------------
+# Two-level state machine (memory tier + durable tier)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierDecision:
+    """Rank 0's two-level answer at a check: which tier to snapshot to now (``Tier.NONE``: none),
+    why, and the step of the next check (broadcast with it, as in ``SaveDecision``)."""
+
+    tier: Tier
+    reason: SaveReason
+    next_check_step: int
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    """What the memory tier's schedule remembers, next to the durable ``ScheduleState``.
+
+    ``process_mtbf_s``: the job's M1 (``None``: no process MTBF, only a step cap paces the tier).
+    ``anchor_time`` / ``anchor_step``: the end of the newest snapshot of *either* tier (a durable
+    save is also that step's memory snapshot). ``costs``: recent measured C1, newest last.
+    ``since_durable``: memory snapshots since the newest durable save; ``durable_step``: that save's
+    step (``None`` before the first one of this process).
+    """
+
+    process_mtbf_s: Optional[float]
+    anchor_time: float
+    anchor_step: int
+    costs: tuple = ()
+    since_durable: int = 0
+    durable_step: Optional[int] = None
+    snapshots: int = 0
+
+
+def start_memory(
+    config: ScheduleConfig,
+    now: float,
+    step: int,
+    process_mtbf_s: Optional[float] = None,
+    restored: Optional[Mapping[str, Any]] = None,
+) -> MemoryState:
+    """The memory tier's state at the start of a process; ``restored`` as in ``start_schedule``
+    (keys ``memory_costs``, ``memory_snapshots`` of ``memory_state_dict``)."""
+    restored = restored or {}
+    m1 = config.job_process_mtbf_s if process_mtbf_s is None else float(process_mtbf_s)
+    return MemoryState(
+        process_mtbf_s=m1,
+        anchor_time=float(now),
+        anchor_step=int(step),
+        costs=tuple(float(c) for c in restored.get("memory_costs", ()))[-COST_WINDOW:],
+        snapshots=int(restored.get("memory_snapshots", 0)),
+    )
+
+
+def memory_state_dict(memory: MemoryState) -> dict:
+    """The part of the memory tier's state worth keeping across a restart (JSON-friendly)."""
+    return {"memory_costs": list(memory.costs), "memory_snapshots": memory.snapshots}
+
+
+def memory_cost_estimate(state: ScheduleState, memory: MemoryState) -> float:
+    """C1: the median of the recent measured memory-snapshot costs, or the conservative guess."""
+    return statistics.median(memory.costs) if memory.costs else state.config.memory_initial_cost_s
+
+
+def current_plan(state: ScheduleState, memory: MemoryState) -> Optional[TwoLevelPlan]:
+    """The unclamped two-level optimum for the current C1, C2, M1, M2 (``None`` unless both MTBFs are known)."""
+    if memory.process_mtbf_s is None or state.mtbf_s is None:
+        return None
+    return two_level_plan(
+        memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
+    )
+
+
+def memory_interval(state: ScheduleState, memory: MemoryState) -> Optional[float]:
+    """T1 clamped to [min_interval, max_interval]: the plan's, or Young's ``sqrt(2 C1 M1)`` when the
+    durable tier has no MTBF; ``None`` when only a memory step cap paces the tier."""
+    if memory.process_mtbf_s is None:
+        return None
+    plan = current_plan(state, memory)
+    cfg = state.config
+    t1 = plan.t1 if plan is not None else young_interval(memory_cost_estimate(state, memory), memory.process_mtbf_s)
+    return min(max(t1, cfg.min_interval_s), cfg.max_interval_s)
+
+
+def durable_every(state: ScheduleState, memory: MemoryState) -> Optional[int]:
+    """k as applied: the plan's, lowered so that ``k * T1`` (clamped) stays within max_interval.
+
+    ``None`` without a plan: the durable tier then keeps its own single-level schedule."""
+    plan, t1 = current_plan(state, memory), memory_interval(state, memory)
+    if plan is None or t1 is None:
+        return None
+    return max(1, min(plan.k, math.floor(state.config.max_interval_s / t1)))
+
+
+def _durable_reason(state: ScheduleState, memory: MemoryState, now: float, step: int) -> Optional[SaveReason]:
+    """Why a durable save is due regardless of the memory tier (cap, first measurement, max interval)."""
+    cfg = state.config
+    if state.write_started_at is not None:
+        return None
+    cap = cfg.every_n_train_steps_max
+    if cap is not None and step - state.anchor_step >= cap:
+        return SaveReason.STEP_CAP
+    if durable_every(state, memory) is None:  # no plan: the durable tier is single-level
+        decision = should_save(state, now, step)
+        return decision.reason if decision.save else None
+    if not state.costs and now >= state.anchor_time + cfg.min_interval_s:
+        return SaveReason.FIRST_MEASUREMENT
+    if now >= state.anchor_time + cfg.max_interval_s:
+        return SaveReason.MAX_INTERVAL
+    return None
+
+
+def memory_due_time(state: ScheduleState, memory: MemoryState) -> Optional[float]:
+    """When the next memory snapshot is due (after min_interval while C1 is unmeasured)."""
+    t1 = memory_interval(state, memory)
+    if t1 is None:
+        return None
+    return memory.anchor_time + (t1 if memory.costs else state.config.min_interval_s)
+
+
+def _memory_reason(state: ScheduleState, memory: MemoryState, now: float, step: int) -> Optional[SaveReason]:
+    cap = state.config.memory_every_n_train_steps_max
+    if cap is not None and step - memory.anchor_step >= cap:
+        return SaveReason.MEMORY_STEP_CAP
+    due = memory_due_time(state, memory)
+    if due is not None and now >= due:
+        return SaveReason.MEMORY_INTERVAL if memory.costs else SaveReason.MEMORY_FIRST_MEASUREMENT
+    return None
+
+
+def _next_tier_check(state: ScheduleState, memory: MemoryState, now: float, step: int) -> int:
+    cfg = state.config
+    targets = [memory_due_time(state, memory)]
+    if durable_every(state, memory) is None:
+        targets.append(due_time(state))
+    elif not state.costs:
+        targets.append(state.anchor_time + cfg.min_interval_s)
+    else:
+        targets.append(state.anchor_time + cfg.max_interval_s)
+    if state.write_started_at is not None:
+        targets.append(_write_end(state, now))
+    known = [t for t in targets if t is not None]
+    nxt = _next_check(state, now, step, min(known) if known else None)
+    cap = cfg.memory_every_n_train_steps_max
+    if cap is not None:
+        nxt = min(nxt, max(step + 1, memory.anchor_step + cap))
+    return nxt
+
+
+def should_snapshot(state: ScheduleState, memory: Optional[MemoryState], now: float, step: int) -> TierDecision:
+    """Rank 0's two-level decision at a check. Without a memory tier (``memory`` is ``None`` or the
+    config has none) this is ``should_save`` with ``save`` mapped to ``Tier.DURABLE``.
+
+    With one: a durable save when the durable tier's own triggers fire (its step cap, its first
+    measurement, max_interval since the last durable save; or, with no two-level plan because the
+    node MTBF is off, its single-level schedule), or when the memory snapshot due now is the k-th
+    since the last durable save (and no async write is in flight); else a memory snapshot when T1
+    (or the memory step cap) has passed since the newest snapshot of either tier.
+    """
+    if memory is None or not state.config.takes_memory_snapshots:
+        d = should_save(state, now, step)
+        return TierDecision(Tier.DURABLE if d.save else Tier.NONE, d.reason, d.next_check_step)
+    durable = _durable_reason(state, memory, now, step)
+    if durable is not None:
+        return TierDecision(Tier.DURABLE, durable, step + 1)
+    reason = _memory_reason(state, memory, now, step)
+    if reason is not None:
+        k = durable_every(state, memory)
+        if k is not None and state.write_started_at is None and memory.since_durable + 1 >= k:
+            return TierDecision(Tier.DURABLE, SaveReason.EVERY_KTH, step + 1)
+        return TierDecision(Tier.MEMORY, reason, step + 1)
+    idle = SaveReason.WRITE_IN_FLIGHT if state.write_started_at is not None else SaveReason.NOT_DUE
+    return TierDecision(Tier.NONE, idle, _next_tier_check(state, memory, now, step))
+
+
+def record_memory_snapshot(memory: MemoryState, now: float, step: int, blocked_s: float) -> MemoryState:
+    """The memory tier's state after a memory snapshot whose blocking part ended at ``now``.
+
+    At the step of the newest durable save (the mechanism refreshing the memory copy of that save)
+    only the cost is recorded: that snapshot was already counted as the durable one."""
+    if not (math.isfinite(blocked_s) and blocked_s >= 0):
+        raise ValueError(f"blocked_s={blocked_s!r} must be a finite number of seconds >= 0")
+    costs = (memory.costs + (float(blocked_s),))[-COST_WINDOW:]
+    if memory.durable_step is not None and int(step) == memory.durable_step:
+        return dataclasses.replace(memory, costs=costs)
+    return dataclasses.replace(
+        memory,
+        anchor_time=float(now),
+        anchor_step=int(step),
+        costs=costs,
+        since_durable=memory.since_durable + 1,
+        snapshots=memory.snapshots + 1,
+    )
+
+
+def record_durable_snapshot(memory: MemoryState, now: float, step: int) -> MemoryState:
+    """The memory tier's state after a durable save (which is also that step's memory snapshot)."""
+    return dataclasses.replace(
+        memory, anchor_time=float(now), anchor_step=int(step), since_durable=0, durable_step=int(step)
+    )
+
+
+def two_level_waste_now(state: ScheduleState, memory: MemoryState) -> Optional[float]:
+    """First-order expected waste at the clamped T1 and applied k (``None`` without a plan)."""
+    t1, k = memory_interval(state, memory), durable_every(state, memory)
+    if t1 is None or k is None or memory.process_mtbf_s is None or state.mtbf_s is None:
+        return None
+    return two_level_waste(
+        t1, k, memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
+    )

@@ -4,6 +4,10 @@ the rank-0 decision that every rank follows.
 The decision itself is ``schedule.policy`` (pure); this module feeds it measurements and
 keeps the run-time state (schedule state, next check step, history file). Ranks agree through one
 small collective per check (``agree``, given by the caller), never per step.
+
+With a memory tier (``ScheduleConfig.takes_memory_snapshots``) the caller asks ``decide_tier``
+instead of ``decide`` and reports memory snapshots with ``record_memory``; durable saves are
+reported with ``record`` as before (and also count as that step's memory snapshot).
 """
 
 from __future__ import annotations
@@ -14,19 +18,30 @@ from typing import Callable, Optional, Sequence
 
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.schedule import history
-from lightning_resume.schedule.metrics import save_metrics
+from lightning_resume.schedule.metrics import memory_metrics, save_metrics
 from lightning_resume.schedule.policy import (
+    MemoryState,
     MtbfMode,
     SaveDecision,
     SaveReason,
     ScheduleConfig,
     ScheduleState,
+    Tier,
+    TierDecision,
+    memory_state_dict,
+    record_durable_snapshot,
+    record_memory_snapshot,
     record_save,
     record_write_done,
     schedule_state_dict,
     should_save,
+    should_snapshot,
+    start_memory,
     start_schedule,
 )
+
+_TIER_CODES = (Tier.NONE, Tier.MEMORY, Tier.DURABLE)
+"""Tiers as the integers ranks agree on (element-wise max: durable beats memory beats none)."""
 
 Agree = Callable[[Sequence[int]], Sequence[int]]
 """Element-wise max of small integer vectors over all ranks (identity on one process)."""
@@ -39,6 +54,7 @@ class SnapshotScheduler:
         self.config = config
         self.clock = clock
         self.state: Optional[ScheduleState] = None
+        self.memory: Optional[MemoryState] = None
         self.next_check_step = 0
         self.history_file: Optional[str] = None
         self.last_durable: Optional[float] = None
@@ -48,6 +64,11 @@ class SnapshotScheduler:
     def takes_snapshots(self) -> bool:
         """Whether this schedule ever saves on its own (else it only paces preemption checks)."""
         return self.config.mtbf_s is not None or self.config.every_n_train_steps_max is not None
+
+    @property
+    def takes_memory_snapshots(self) -> bool:
+        """Whether this schedule ever takes memory-tier snapshots (a process MTBF or a memory step cap)."""
+        return self.config.takes_memory_snapshots
 
     @property
     def asked_for_snapshots(self) -> bool:
@@ -64,21 +85,41 @@ class SnapshotScheduler:
         restored: Optional[dict],
         checkpoint_wall_time: Optional[float],
         is_rank_zero: bool,
+        resumed_tier: Optional[str] = None,
     ) -> None:
-        """Begin timing at ``step``; record this start in the failure history (rank 0 writes it)."""
+        """Begin timing at ``step``; record this start in the failure history (rank 0 writes it).
+
+        ``resumed_tier`` is the tier this start resumed from (``"memory"`` or ``"durable"``; ``None``
+        for a fresh start or when unknown): a failure resumed from memory is a process failure."""
         config = self.config.with_nodes(num_nodes)
-        mtbf = None
+        mtbf = process_mtbf = None
         if history_dir is not None:
             self.history_file = history.history_path(history_dir)
-            past = history.record_start(history.load_history(self.history_file), time.time(), checkpoint_wall_time)
+            tier = None if resumed_tier is None else Tier(resumed_tier)
+            past = history.record_start(
+                history.load_history(self.history_file), time.time(), checkpoint_wall_time, tier=tier
+            )
             if is_rank_zero:
                 history.save_history(self.history_file, past)
-            if config.mtbf_mode is MtbfMode.OBSERVED:
-                prior = config.job_mtbf_s
-                assert prior is not None  # ScheduleConfig rejects mtbf='observed' without a prior
-                mtbf = history.estimate_mtbf(past, prior, config.prior_weight, time.time())
+            mtbf, process_mtbf = self._observed(config, past)
         self.state = start_schedule(config, self.clock(), step, mtbf_s=mtbf, restored=restored)
+        if config.takes_memory_snapshots:
+            self.memory = start_memory(config, self.clock(), step, process_mtbf_s=process_mtbf, restored=restored)
         self.next_check_step = step + 1
+
+    @staticmethod
+    def _observed(config: ScheduleConfig, past: history.FailureHistory) -> tuple[Optional[float], Optional[float]]:
+        """(M, M1) estimated from the history where the config asks for observed values, else ``None``.
+
+        With a memory tier, M (the node MTBF) counts node failures only; without one, every failure."""
+        now, w = time.time(), config.prior_weight
+        mtbf = process_mtbf = None
+        if config.mtbf_mode is MtbfMode.OBSERVED and config.job_mtbf_s is not None:
+            estimate = history.estimate_node_mtbf if config.takes_memory_snapshots else history.estimate_mtbf
+            mtbf = estimate(past, config.job_mtbf_s, w, now)
+        if config.process_mtbf_mode is MtbfMode.OBSERVED and config.job_process_mtbf_s is not None:
+            process_mtbf = history.estimate_process_mtbf(past, config.job_process_mtbf_s, w, now)
+        return mtbf, process_mtbf
 
     def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[bool, int, str]:
         """(save, preempt, reason) at a step boundary; a collective only at check steps.
@@ -94,6 +135,25 @@ class SnapshotScheduler:
         save, next_check, preempt = agree([int(decision.save), decision.next_check_step, int(preempt_local)])
         self.next_check_step = max(int(next_check), step + 1)
         return bool(save), int(preempt), decision.reason.value
+
+    def decide_tier(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[Tier, int, str]:
+        """(tier, preempt, reason) at a step boundary, as ``decide`` but for both tiers.
+
+        ``Tier.MEMORY`` only when the memory tier is on; without it this is ``decide`` with
+        ``save`` as ``Tier.DURABLE``. One collective at check steps, none in between."""
+        if self.state is None or step < self.next_check_step:
+            return Tier.NONE, 0, SaveReason.NOT_DUE.value
+        self.poll_write()
+        decision = (
+            should_snapshot(self.state, self.memory, self.clock(), step)
+            if is_rank_zero
+            else TierDecision(Tier.NONE, SaveReason.NOT_DUE, 0)
+        )
+        code, next_check, preempt = agree(
+            [_TIER_CODES.index(decision.tier), decision.next_check_step, int(preempt_local)]
+        )
+        self.next_check_step = max(int(next_check), step + 1)
+        return _TIER_CODES[int(code)], int(preempt), decision.reason.value
 
     def record(
         self, step: int, blocked_s: float, nbytes: Optional[int], writer: Optional[AsyncCheckpointWriter] = None
@@ -111,8 +171,19 @@ class SnapshotScheduler:
         self._writer = writer if in_flight else None
         self.last_durable = self.last_durable if in_flight else now
         self.next_check_step = step + 1
-        metrics = save_metrics(self.state, now, blocked_s, write_s, nbytes, self.last_durable)
-        return {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}
+        if self.memory is not None:
+            self.memory = record_durable_snapshot(self.memory, now, step)
+        metrics = save_metrics(self.state, now, blocked_s, write_s, nbytes, self.last_durable, memory=self.memory)
+        return _finite(metrics)
+
+    def record_memory(self, step: int, blocked_s: float, nbytes: Optional[int]) -> dict[str, float]:
+        """Account a memory snapshot whose blocking part ended now and took ``blocked_s`` (C1); return
+        its metrics. At the step of a durable save just recorded it only adds the cost measurement."""
+        assert self.state is not None and self.memory is not None, "record_memory needs a started memory tier"
+        now = self.clock()
+        self.memory = record_memory_snapshot(self.memory, now, step, blocked_s)
+        self.next_check_step = max(self.next_check_step, step + 1)
+        return _finite(memory_metrics(self.state, self.memory, blocked_s, nbytes))
 
     def poll_write(self) -> bool:
         """If the async write recorded last has become durable, account it; ``True`` when it did now."""
@@ -130,4 +201,11 @@ class SnapshotScheduler:
             history.save_history(self.history_file, stopped)
 
     def state_dict(self) -> dict:
-        return schedule_state_dict(self.state) if self.state is not None else {}
+        if self.state is None:
+            return {}
+        memory = memory_state_dict(self.memory) if self.memory is not None else {}
+        return {**schedule_state_dict(self.state), **memory}
+
+
+def _finite(metrics: dict) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}

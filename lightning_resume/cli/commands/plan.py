@@ -6,6 +6,12 @@ counted in the ZeRO paper, 2 B bf16/fp16 weights + 2 B gradients + 12 B fp32 mas
 momentum and variance; a plain fp32 + Adam checkpoint is 12). With async saves only the host copy
 blocks: pass that bandwidth instead, or give ``--cost`` directly. M = per-node MTBF / nodes. The
 numbers come from ``lightning_resume.schedule.policy``; this module only parses, formats and plots.
+
+With ``--process-mtbf`` (M1: failures that keep the node, so a memory-tier snapshot survives them)
+it also prints the two-level plan: a memory snapshot every T1 at cost C1 (``--memory-cost``, or the
+state bytes over ``--memory-bw``, by default this machine's measured memcpy bandwidth), every k-th
+one durable (T2 = k T1), and its expected waste against the single-level optimum that sends every
+failure (rate 1/M1 + 1/M2) back to the newest durable save.
 """
 
 from __future__ import annotations
@@ -15,11 +21,19 @@ import json
 import math
 import re
 import sys
+import time
 from typing import Any, Callable, List, Optional, TypedDict
 
 from lightning_resume.durations import parse_duration
 from lightning_resume.errors import ConfigurationError
-from lightning_resume.schedule.policy import daly_interval, expected_waste, first_order_waste, young_interval
+from lightning_resume.schedule.policy import (
+    daly_interval,
+    expected_waste,
+    first_order_waste,
+    single_level_waste,
+    two_level_plan,
+    young_interval,
+)
 
 _COUNT = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _BYTES = {
@@ -54,6 +68,21 @@ class Plan(TypedDict):
     daly_s: float
     daly_waste: float
     curve: List[PlanRow]
+
+
+class TwoLevelSummary(TypedDict):
+    """The two-level part of ``--json`` (``two_level``): first-order model, job-wide MTBFs."""
+
+    memory_cost_s: float
+    process_mtbf_s: float
+    node_mtbf_s: float
+    t1_s: float
+    k: int
+    t2_s: float
+    waste: float
+    single_level_young_s: float
+    single_level_waste: float
+    ratio: float
 
 
 def parse_count(text: str) -> float:
@@ -118,6 +147,58 @@ def compute_plan(cost_s: float, job_mtbf_s: float) -> Plan:
     }
 
 
+def compute_two_level(
+    memory_cost_s: float, durable_cost_s: float, process_mtbf_s: float, node_mtbf_s: float
+) -> TwoLevelSummary:
+    """The two-level plan and the single-level optimum it replaces, for job-wide MTBFs."""
+    plan = two_level_plan(memory_cost_s, durable_cost_s, process_mtbf_s, node_mtbf_s)
+    either = 1.0 / (1.0 / process_mtbf_s + 1.0 / node_mtbf_s)
+    single = single_level_waste(durable_cost_s, process_mtbf_s, node_mtbf_s)
+    return {
+        "memory_cost_s": memory_cost_s,
+        "process_mtbf_s": process_mtbf_s,
+        "node_mtbf_s": node_mtbf_s,
+        "t1_s": plan.t1,
+        "k": plan.k,
+        "t2_s": plan.t2,
+        "waste": plan.waste,
+        "single_level_young_s": young_interval(durable_cost_s, either),
+        "single_level_waste": single,
+        "ratio": single / plan.waste if plan.waste > 0 else math.inf,
+    }
+
+
+def format_two_level(two: TwoLevelSummary) -> str:
+    return "\n".join(
+        [
+            "",
+            "",
+            "two-level: a memory snapshot every T1, every k-th one durable (first-order model)",
+            f"C1 (memory snapshot) {fmt_duration(two['memory_cost_s'])}",
+            f"M1 (job process MTBF){fmt_duration(two['process_mtbf_s']):>10}   M2 (job node MTBF) "
+            f"{fmt_duration(two['node_mtbf_s'])}",
+            f"T1 memory interval   {fmt_duration(two['t1_s']):>10}",
+            f"k  durable every     {two['k']:>10}   -> T2 durable interval {fmt_duration(two['t2_s'])}",
+            f"expected waste       {two['waste']:>10.2%}",
+            f"single level         {fmt_duration(two['single_level_young_s']):>10}   expected waste "
+            f"{two['single_level_waste']:.2%}  (Young, every failure back to disk)",
+            f"two-level saves      {two['ratio']:>9.1f}x   of the single-level waste",
+        ]
+    )
+
+
+def measure_memcpy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3) -> float:
+    """This machine's memcpy bandwidth (bytes/s): the best of ``repeats`` copies of ``nbytes`` into a
+    preallocated buffer, roughly what a memory-tier snapshot costs per byte."""
+    src, dst = bytearray(nbytes), bytearray(nbytes)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst[:] = src
+        best = min(best, time.perf_counter() - start)
+    return nbytes / max(best, 1e-9)
+
+
 def format_plan(plan: Plan, header: List[str]) -> str:
     lines = header + [
         f"C (blocking cost)    {fmt_duration(plan['cost_s'])}",
@@ -180,13 +261,31 @@ def run(args: argparse.Namespace) -> int:
         )
     plan = compute_plan(cost, args.mtbf / args.nodes)
     header.append(f"nodes                {args.nodes} x MTBF {fmt_duration(args.mtbf)} per node")
-    print(json.dumps(plan, indent=1) if args.json else format_plan(plan, header))
+    two = _two_level(args, cost)
+    if args.json:
+        print(json.dumps({**plan, "two_level": two}, indent=1))
+    else:
+        print(format_plan(plan, header) + ("" if two is None else format_two_level(two)))
     if args.plot:
         error = write_plot(plan, args.plot)
         if error:
             raise ConfigurationError("lightning-resume plan", [error])
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _two_level(args: argparse.Namespace, durable_cost: float) -> Optional[TwoLevelSummary]:
+    if args.process_mtbf is None:
+        return None
+    memory_cost = args.memory_cost
+    if memory_cost is None:
+        if args.size is None:
+            raise ConfigurationError(
+                "lightning-resume plan", ["--process-mtbf needs --memory-cost, or --size to derive it from memcpy"]
+            )
+        bandwidth = args.memory_bw if args.memory_bw is not None else measure_memcpy_bandwidth()
+        memory_cost = args.size * args.bytes_per_param / bandwidth
+    return compute_two_level(memory_cost, durable_cost, args.process_mtbf / args.nodes, args.mtbf / args.nodes)
 
 
 def register(subparsers: Any) -> None:
@@ -199,6 +298,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--cost", type=_duration("--cost"), help="blocking cost C of one save, instead of size/bandwidth")
     p.add_argument("--mtbf", type=_duration("--mtbf"), default=86400.0, help="MTBF of one node (default 24h)")
     p.add_argument("--nodes", type=int, default=1, help="nodes in the job (default 1)")
+    p.add_argument(
+        "--process-mtbf",
+        type=_duration("--process-mtbf"),
+        help="mean time between process failures that keep the node (M1, per node): adds the two-level plan",
+    )
+    p.add_argument("--memory-cost", type=_duration("--memory-cost"), help="blocking cost C1 of a memory snapshot")
+    p.add_argument(
+        "--memory-bw",
+        type=parse_bandwidth,
+        help="host memcpy bandwidth for C1 = size / bw (default: measured here)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="PNG", help="also write the waste(T) curve (needs matplotlib)")
     p.set_defaults(func=run)

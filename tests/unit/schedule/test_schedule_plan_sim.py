@@ -9,9 +9,15 @@ import sys
 import numpy as np
 import pytest
 
-from lightning_resume.cli.commands.plan import parse_bandwidth, parse_count
+from lightning_resume.cli.commands.plan import fmt_duration, parse_bandwidth, parse_count
 from lightning_resume.cli.main import main
-from lightning_resume.schedule.policy import daly_interval, expected_waste, young_interval
+from lightning_resume.schedule.policy import (
+    daly_interval,
+    expected_waste,
+    single_level_waste,
+    two_level_plan,
+    young_interval,
+)
 from tests.helpers.paths import REPO_ROOT
 
 ROOT = str(REPO_ROOT)
@@ -81,3 +87,28 @@ def test_simulation_agrees_with_the_model_and_ranks_policies():
     row = sim.run_scenario(sim.Scenario(m=m, c=c, step_time=1.0, restart=0.0, work=50 * m, seeds=100), sweep_points=40)
     assert row["young"] <= 1.05 * row["best"] and row["daly"] <= 1.05 * row["best"]
     assert row["every_30min"] > 2 * row["young"]
+
+
+def test_plan_shows_both_tiers_with_a_process_mtbf(capsys):
+    args = ["plan", "--cost", "20s", "--mtbf", "24h", "--process-mtbf", "1h", "--memory-cost", "0.2s"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    plan = two_level_plan(0.2, 20.0, 3600.0, 86400.0)
+    assert "two-level: a memory snapshot every T1" in out
+    assert f"T1 memory interval   {fmt_duration(plan.t1):>10}" in out
+    assert f"k  durable every     {plan.k:>10}   -> T2 durable interval {fmt_duration(plan.t2)}" in out
+    assert f"expected waste       {plan.waste:>10.2%}" in out
+    single = single_level_waste(20.0, 3600.0, 86400.0)
+    assert f"expected waste {single:.2%}" in out and f"{single / plan.waste:>9.1f}x" in out
+    assert main(args[:-4] + ["--json"]) == 0 and json.loads(capsys.readouterr().out)["two_level"] is None
+
+
+def test_plan_two_level_json_scales_mtbfs_by_nodes_and_derives_c1_from_bandwidth(capsys):
+    args = ["plan", "--size", "1B", "--write-bw", "1GB/s", "--mtbf", "24h", "--nodes", "4"]
+    assert main(args + ["--process-mtbf", "4h", "--memory-bw", "8GB/s", "--json"]) == 0
+    two = json.loads(capsys.readouterr().out)["two_level"]
+    assert two["memory_cost_s"] == pytest.approx(2.0) and two["process_mtbf_s"] == 3600.0
+    plan = two_level_plan(2.0, 16.0, 3600.0, 21600.0)
+    assert (two["k"], two["t1_s"], two["waste"]) == (plan.k, pytest.approx(plan.t1), pytest.approx(plan.waste))
+    assert main(["plan", "--cost", "20s", "--process-mtbf", "1h"]) == 2
+    assert "--process-mtbf needs --memory-cost" in capsys.readouterr().err

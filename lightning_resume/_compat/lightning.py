@@ -405,7 +405,7 @@ def remember_ckpt_path_requests() -> None:
     """Keep the ``ckpt_path`` a ``fit`` was called with (``"last"``), which Lightning resolves to a file
     before any callback runs (trainer.py:624, checkpoint_connector.py:86-114). Idempotent."""
     if _CheckpointConnector._select_ckpt_path is _LIGHTNING_SELECT_CKPT_PATH:
-        _CheckpointConnector._select_ckpt_path = _select_remembering_request  # type: ignore[method-assign]
+        _CheckpointConnector._select_ckpt_path = _select_remembering_request  # type: ignore[method-assign,assignment]
 
 
 def requested_ckpt_path(trainer: pl.Trainer) -> Any:

@@ -22,9 +22,9 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, snapshots
-from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, INSIDE_STEP, INSIDE_VALIDATION, checkpoint_state
 from lightning_resume.exact.launchers import torchelastic_problem
+from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.restore import check_same_checkpoint, refuse_or_warn, restore
 from lightning_resume.exact.state.data import loader_problems, resumable_loader, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems

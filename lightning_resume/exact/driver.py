@@ -21,8 +21,8 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration
 from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
-from lightning_resume.exact.memory import MemoryTier
 from lightning_resume.exact.launchers import requeue
+from lightning_resume.exact.memory import MemoryTier
 from lightning_resume.io import remote
 from lightning_resume.schedule.policy import ScheduleConfig, Tier
 from lightning_resume.schedule.preemption import PreemptionFlag

@@ -84,7 +84,9 @@ class MemoryTier:
         # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
         _exact_state(mine.checkpoint)["saved_at"] = records[0][2]
         self.seq, self.resumed_tier = mine.seq, MEMORY
-        rank_zero_info(f"ExactResume: resuming from the memory tier at step {mine.step} (durable: step {newest_durable})")
+        rank_zero_info(
+            f"ExactResume: resuming from the memory tier at step {mine.step} (durable: step {newest_durable})"
+        )
         return mine.path, mine.checkpoint
 
     def _load_verified(self) -> Optional[MemorySnapshot]:

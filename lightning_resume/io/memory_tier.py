@@ -15,6 +15,7 @@ directory was deleted and started over. The step, save sequence and save time tr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -113,7 +114,7 @@ class MemoryStore:
     def save(self, checkpoint: Dict[str, Any], step: int, seq: int, now: Optional[float] = None) -> int:
         """Commit ``checkpoint`` as this rank's snapshot (replacing the previous one once complete); return
         its size. Raises ``NotEnoughSharedMemory`` before writing anything when it would not fit."""
-        record = {"step": int(step), "seq": int(seq), "saved_at": time.time() if now is None else now}
+        record: Dict[str, Any] = {"step": int(step), "seq": int(seq), "saved_at": time.time() if now is None else now}
         record.update(run=self.key, rank=self.rank, world_size=self.world_size)
         tree_json, tensors = write.encode_tree({**checkpoint, MEMORY_KEY: record})
         needed = sum(t.numel() * t.element_size() for t in tensors.values()) + len(tree_json) + HEADER_SLACK
@@ -150,10 +151,8 @@ class MemoryStore:
         """Remove this rank's snapshot (a clean end of training), and the run directory once empty."""
         for path in (self.path, self.owner_path):
             _remove_quietly(path)
-        try:
+        with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
             os.rmdir(self.directory)
-        except OSError:
-            pass  # another rank's snapshot is still there, or it is already gone
 
     def clean_stale(self, now: Optional[float] = None) -> List[str]:
         """Remove other runs' directories under ``root`` that no live process owns; return them.
@@ -208,10 +207,8 @@ def _read_text(path: str) -> str:
 
 
 def _remove_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.remove(path)
-    except OSError:
-        pass
 
 
 def describe(snapshot: Optional[MemorySnapshot]) -> Optional[dict[str, Any]]:

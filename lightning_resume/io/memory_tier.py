@@ -23,13 +23,15 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import fsspec
+import torch
 
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io import framing, read, remote, write
 from lightning_resume.io.atomic import STALE_AFTER_S, _pid_alive, atomic_write, owner_token
+from lightning_resume.io.staging import AsyncSaver, StagedTensors
 
 DEFAULT_ROOT = "/dev/shm/lightning-resume"
 """Where snapshots live unless ``ExactResume(memory_dir=...)`` says otherwise."""
@@ -102,29 +104,56 @@ class MemoryStore:
         rank, world_size: this process's place; a snapshot is only read back by the same rank of
             the same world size.
         checksum: digest written into the file (``"crc32"``, as ``SafetensorsCheckpointIO``).
+        asynchronous: block only to copy the tensors into reusable host buffers (``staging.AsyncSaver``,
+            as async saves do) and write the file on a worker; a process killed meanwhile keeps the
+            previous snapshot. ``False``: the snapshot is committed when :meth:`save` returns.
     """
 
-    def __init__(self, root: str, key: str, rank: int, world_size: int, checksum: str = "crc32") -> None:
+    def __init__(
+        self, root: str, key: str, rank: int, world_size: int, checksum: str = "crc32", asynchronous: bool = True
+    ) -> None:
         self.root, self.key, self.rank, self.world_size, self.checksum = str(root), key, rank, world_size, checksum
         self.directory = os.path.join(self.root, key)
         stem = f"rank-{rank}-of-{world_size}"
         self.path = os.path.join(self.directory, f"{stem}.safetensors")
         self.owner_path = os.path.join(self.directory, f"{stem}.owner")
+        self._encoded: Optional[Tuple[str, Dict[str, torch.Tensor]]] = None
+        # the tree is encoded once, in ``save`` (the size check needs it), and handed to the saver as is
+        self._saver = AsyncSaver(self._take_encoded, self._commit, on_error="raise") if asynchronous else None
 
     def save(self, checkpoint: Dict[str, Any], step: int, seq: int, now: Optional[float] = None) -> int:
-        """Commit ``checkpoint`` as this rank's snapshot (replacing the previous one once complete); return
-        its size. Raises ``NotEnoughSharedMemory`` before writing anything when it would not fit."""
+        """Snapshot ``checkpoint`` as this rank's (the previous one is replaced once the new one is complete);
+        return its size in bytes. Raises ``NotEnoughSharedMemory`` before writing anything when it would
+        not fit, and (asynchronous) ``AsyncWriteError`` for a previous snapshot whose write failed."""
         record: Dict[str, Any] = {"step": int(step), "seq": int(seq), "saved_at": time.time() if now is None else now}
         record.update(run=self.key, rank=self.rank, world_size=self.world_size)
+        if self._saver is not None:
+            self._saver.wait()  # the previous write holds shared memory until it is renamed over the old file
         tree_json, tensors = write.encode_tree({**checkpoint, MEMORY_KEY: record})
-        needed = sum(t.numel() * t.element_size() for t in tensors.values()) + len(tree_json) + HEADER_SLACK
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + len(tree_json)
         os.makedirs(self.directory, exist_ok=True)
         free = free_bytes(self.directory)
-        if needed > free:
-            raise NotEnoughSharedMemory(self.root, needed, free)
+        if nbytes + HEADER_SLACK > free:
+            raise NotEnoughSharedMemory(self.root, nbytes + HEADER_SLACK, free)
         self._claim()
-        write.commit(self.path, tree_json, tensors, self.checksum)
-        return os.path.getsize(self.path)
+        if self._saver is None:
+            write.commit(self.path, tree_json, tensors, self.checksum)
+        else:
+            self._encoded = (tree_json, tensors)
+            self._saver.save(checkpoint, self.path)
+        return nbytes
+
+    def _take_encoded(self, checkpoint: Dict[str, Any]) -> Tuple[str, Dict[str, torch.Tensor]]:
+        encoded, self._encoded = self._encoded, None
+        assert encoded is not None, "MemoryStore.save encodes before the saver snapshots"
+        return encoded
+
+    def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
+        write.commit(path, tree_json, staged, self.checksum, ready=staged.wait, image=staged.image)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Until the snapshot being written is committed (``False`` if ``timeout`` passed first)."""
+        return True if self._saver is None else self._saver.wait(None, timeout)
 
     def _claim(self) -> None:
         """Record this process as the slot's writer, so no other run's cleanup removes it while it lives."""
@@ -138,6 +167,7 @@ class MemoryStore:
     def load(self) -> Optional[MemorySnapshot]:
         """This rank's snapshot, every checksum verified; ``None`` when there is none. Raises
         ``CheckpointCorruptError`` naming the file when it does not verify or is not this slot's."""
+        self.wait()
         if not self.exists():
             return None
         loaded = read.load_file(self.path, verify=True).checkpoint
@@ -149,6 +179,9 @@ class MemoryStore:
 
     def free(self) -> None:
         """Remove this rank's snapshot (a clean end of training), and the run directory once empty."""
+        if self._saver is not None:
+            self._saver.wait()  # a write still in flight would otherwise commit after the removal
+            self._saver.buffers.release()
         for path in (self.path, self.owner_path):
             _remove_quietly(path)
         with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone

@@ -27,17 +27,24 @@ def _state(step: int) -> dict:
 
 def test_save_load_roundtrip_and_replace(tmp_path: Path) -> None:
     store = MemoryStore(str(tmp_path), "k", rank=0, world_size=1)
+    state = _state(5)
     store.save(_state(3), step=3, seq=1)
-    store.save(_state(5), step=5, seq=2)
-    snap = store.load()
+    store.save(state, step=5, seq=2)
+    state["w"].add_(100)  # the snapshot was copied when save returned: later changes are not in it
+    store.wait()
+    snap = MemoryStore(str(tmp_path), "k", rank=0, world_size=1).load()  # what a new process finds
     assert snap is not None and (snap.step, snap.seq) == (5, 2)
     assert torch.equal(snap.checkpoint["w"], _state(5)["w"]) and memory_tier.MEMORY_KEY not in snap.checkpoint
     assert sorted(os.listdir(tmp_path / "k")) == ["rank-0-of-1.owner", "rank-0-of-1.safetensors"]  # one snapshot
 
 
-def test_a_failed_save_leaves_the_previous_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = MemoryStore(str(tmp_path), "k", rank=0, world_size=1)
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_failed_save_leaves_the_previous_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    store = MemoryStore(str(tmp_path), "k", rank=0, world_size=1, asynchronous=asynchronous)
     store.save(_state(3), step=3, seq=1)
+    store.wait()
 
     def crash(src: str, dst: str) -> None:
         raise OSError("killed before the rename")
@@ -45,6 +52,7 @@ def test_a_failed_save_leaves_the_previous_snapshot(tmp_path: Path, monkeypatch:
     monkeypatch.setattr("lightning_resume.io.atomic.os.replace", crash)
     with pytest.raises(OSError, match="before the rename"):
         store.save(_state(9), step=9, seq=2)
+        store.wait()  # asynchronous: the worker's failure is reported here
     monkeypatch.undo()
     snap = store.load()
     assert snap is not None and snap.step == 3  # the new one never replaced the old one
@@ -54,6 +62,7 @@ def test_a_failed_save_leaves_the_previous_snapshot(tmp_path: Path, monkeypatch:
 def test_a_damaged_or_foreign_snapshot_is_refused(tmp_path: Path) -> None:
     store = MemoryStore(str(tmp_path), "k", rank=0, world_size=2)
     store.save(_state(3), step=3, seq=1)
+    store.wait()
     other = MemoryStore(str(tmp_path), "k", rank=1, world_size=2)
     Path(other.path).write_bytes(Path(store.path).read_bytes())  # rank 0's file in rank 1's slot
     with pytest.raises(CheckpointCorruptError, match="not this slot's"):
@@ -85,6 +94,7 @@ def test_clean_end_frees_everything(tmp_path: Path) -> None:
     stores = [MemoryStore(str(tmp_path), "k", rank=r, world_size=2) for r in range(2)]
     for s in stores:
         s.save(_state(1), step=1, seq=1)
+        s.wait()
     stores[0].free()
     assert not stores[0].exists() and stores[1].exists()
     stores[1].free()

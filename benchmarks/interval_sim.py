@@ -16,6 +16,18 @@ copying a ~100 MB state into preallocated buffers (the snapshot half of an async
 
     python benchmarks/interval_sim.py                 # the README table
     python benchmarks/interval_sim.py --seeds 50 --c 0.05 --mtbf 15min   # quick look
+
+Two failure classes (``--two-level``): process failures (exponential, mean ``--m1``) roll back to
+the newest memory snapshot, node failures (mean ``--m2``) to the newest durable save. A memory
+snapshot every ``T1`` of computation blocks ``C1``; every ``k``-th one is also durable and blocks
+``C1 + C2`` (the cost model of ``schedule.policy.two_level_waste``). Compared: the two-level plan
+(``two_level_plan``), the single-level optimum that sends every failure to disk (Young and Daly
+with ``C = C2`` and ``M = 1/(1/M1 + 1/M2)``), the best swept single interval and the best swept
+pair (T1, k). ``--measure`` first measures C1 (copying a ``--state-mb`` state into a preallocated
+buffer backed by a ``/dev/shm`` file) and C2 (a synchronous ``SafetensorsCheckpointIO`` save of
+the same state to ``--durable-dir``, fsync included) and uses them:
+
+    python benchmarks/interval_sim.py --two-level --measure --m1 1h --m2 24h   # the README two-level table
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_resume.durations import parse_duration
-from lightning_resume.schedule.policy import daly_interval, young_interval
+from lightning_resume.schedule.policy import daly_interval, single_level_waste, two_level_plan, young_interval
 
 
 def measure_copy_cost(megabytes: int = 100, repeats: int = 7) -> float:
@@ -117,6 +129,231 @@ def run_scenario(s: Scenario, sweep_points: int = 120, rng_seed: int = 0) -> Dic
     return result
 
 
+# --------------------------------------------------------------------------------------------
+# Two failure classes
+# --------------------------------------------------------------------------------------------
+
+
+def _position(t: np.ndarray, seg: np.ndarray, k: np.ndarray, c2: float) -> np.ndarray:
+    """Segments completed after ``t`` seconds from the start: a cycle is ``k`` segments of ``seg``
+    (``T1 + C1``) plus ``C2`` at the k-th, which the save ends."""
+    cycle = k * seg + c2
+    cycles = np.floor(t / cycle)
+    within = np.minimum(np.floor((t - cycles * cycle) / seg), k - 1)
+    return cycles * k + within
+
+
+def _elapsed(j: np.ndarray, seg: np.ndarray, k: np.ndarray, c2: float) -> np.ndarray:
+    """Seconds from the start to the end of segment ``j`` (inverse of ``_position``)."""
+    return j * seg + np.floor(j / k) * c2
+
+
+def simulate_two_level(
+    t1s: np.ndarray,
+    ks: np.ndarray,
+    c1: float,
+    c2: float,
+    m1: float,
+    m2: float,
+    work: float,
+    seeds: int,
+    restart: float = 0.0,
+    rng_seed: int = 0,
+    memory: bool = True,
+) -> np.ndarray:
+    """Waste fraction, shape (len(t1s), seeds), of ``work`` seconds under plan i = (t1s[i], ks[i]).
+
+    One iteration per failure, vectorised over (plan, seed) pairs with common random numbers (a
+    seed's failure times and classes are the same for every plan). ``memory=False`` is the
+    single-level baseline: every failure goes back to the newest durable save (use ``k = 1``,
+    ``c1 = 0``)."""
+    rng = np.random.default_rng(rng_seed)
+    rate = 1.0 / m1 + 1.0 / m2
+    t1 = np.repeat(np.asarray(t1s, dtype=float), seeds)
+    k = np.repeat(np.asarray(ks, dtype=float), seeds)
+    seed = np.tile(np.arange(seeds), len(t1s))
+    seg = t1 + c1
+    need = np.ceil(work / t1)
+    useful = need * t1
+    pos = np.zeros_like(t1)  # segments completed at the restart point
+    wall = np.zeros_like(t1)
+    idx = np.arange(t1.size)
+    life = 0
+    while idx.size:
+        x = rng.exponential(1.0 / rate, size=seeds)[seed[idx]]
+        is_process = (rng.random(size=seeds) < (1.0 / m1) / rate)[seed[idx]]
+        r = restart if life > 0 else 0.0
+        kk, sg = k[idx], seg[idx]
+        base = _elapsed(pos[idx], sg, kk, c2)
+        reached = _position(base + np.clip(x - r, 0.0, None), sg, kk, c2)
+        finish = reached >= need[idx]
+        wall[idx] += np.where(finish, r + _elapsed(need[idx], sg, kk, c2) - base, x)
+        durable = np.floor(reached / kk) * kk
+        pos[idx] = np.where(is_process & memory, reached, durable)
+        idx = idx[~finish]
+        life += 1
+    return (1.0 - useful / wall).reshape(len(t1s), seeds)
+
+
+@dataclass
+class TwoLevelScenario:
+    m1: float
+    m2: float
+    c1: float
+    c2: float
+    step_time: float
+    restart: float
+    work: float
+    seeds: int
+
+
+def run_two_level(s: TwoLevelScenario, t1_points: int = 60, rng_seed: int = 0) -> Dict[str, float]:
+    """Mean simulated waste: two-level plan, single-level Young/Daly, best swept T and (T1, k)."""
+    plan = two_level_plan(s.c1, s.c2, s.m1, s.m2)
+    m = 1.0 / (1.0 / s.m1 + 1.0 / s.m2)
+    sim = dict(c2=s.c2, m1=s.m1, m2=s.m2, work=s.work, seeds=s.seeds, restart=s.restart, rng_seed=rng_seed)
+    singles = {"young": young_interval(s.c2, m), "daly": daly_interval(s.c2, m)}
+    grid = np.unique([_steps(t, s.step_time) for t in np.geomspace(s.step_time, 1.5 * m, 4 * t1_points)])
+    taus = np.array([_steps(t, s.step_time) for t in singles.values()] + grid.tolist())
+    single = simulate_two_level(taus, np.ones_like(taus), 0.0, memory=False, **sim).mean(axis=1)
+    t1_grid = np.unique([_steps(t, s.step_time) for t in np.geomspace(s.step_time, 1.5 * s.m1, t1_points)])
+    k_grid = np.unique(np.round(np.geomspace(1, max(4.0, 4 * plan.k), 30)))
+    pairs = [(_steps(plan.t1, s.step_time), plan.k)] + [(t, k) for t in t1_grid for k in k_grid]
+    two = simulate_two_level(np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]), s.c1, **sim)
+    two_mean = two.mean(axis=1)
+    best = 1 + int(np.argmin(two_mean[1:]))
+    best_single = 2 + int(np.argmin(single[2:]))
+    return {
+        "plan_t1": plan.t1,
+        "plan_k": float(plan.k),
+        "plan_model": plan.waste,
+        "plan": float(two_mean[0]),
+        "plan_ci": float(1.96 * two[0].std(ddof=1) / math.sqrt(s.seeds)),
+        "young_s": singles["young"],
+        "young": float(single[0]),
+        "young_model": single_level_waste(s.c2, s.m1, s.m2),
+        "daly": float(single[1]),
+        "best_single_s": float(taus[best_single]),
+        "best_single": float(single[best_single]),
+        "best_t1": float(pairs[best][0]),
+        "best_k": float(pairs[best][1]),
+        "best": float(two_mean[best]),
+    }
+
+
+def two_level_table(rows: List[Dict[str, float]]) -> str:
+    head = (
+        "| M1 | M2 | C1 | C2 | two-level T1, k (T2) | waste two-level (sim ± 95% CI) | model | "
+        "single-level Young T* | waste Young | waste Daly | best single T (sweep) | best (T1, k) (sweep) | "
+        "Young / two-level | two-level / best pair |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {fmt(r['m1'])} | {fmt(r['m2'])} | {fmt(r['c1'])} | {fmt(r['c2'])} | "
+            f"{fmt(r['plan_t1'])}, {r['plan_k']:.0f} ({fmt(r['plan_t1'] * r['plan_k'])}) | "
+            f"{r['plan']:.2%} ± {r['plan_ci']:.2%} | {r['plan_model']:.2%} | {fmt(r['young_s'])} | "
+            f"{r['young']:.2%} | {r['daly']:.2%} | {fmt(r['best_single_s'])}: {r['best_single']:.2%} | "
+            f"{fmt(r['best_t1'])}, {r['best_k']:.0f}: {r['best']:.2%} | {r['young'] / r['plan']:.2f}x | "
+            f"{r['plan'] / r['best']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def measure_two_level_costs(state_mb: float, durable_dir: str, repeats: int = 5) -> Dict[str, float]:
+    """Median C1 and C2 (seconds) and their per-repeat spread for a ``state_mb`` state.
+
+    C1: copying every tensor into a preallocated buffer backed by a ``/dev/shm`` file (the memory
+    tier's snapshot; pages touched once beforehand, as a reused snapshot buffer is). C2: a synchronous
+    ``SafetensorsCheckpointIO`` save to ``durable_dir`` (checksums, fsync, atomic rename), the
+    blocking cost of a durable save without async; interleaved with C1 in each repeat."""
+    import statistics
+    import tempfile
+
+    import torch
+
+    from lightning_resume import SafetensorsCheckpointIO
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_io import all_tensors, make_state
+
+    torch.set_num_threads(1)
+    state = make_state(state_mb)
+    tensors = all_tensors(state)
+    numel = sum(t.numel() for t in tensors)
+    io = SafetensorsCheckpointIO()
+    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    c1s, c2s = [], []
+    with (
+        tempfile.NamedTemporaryFile(dir=shm_dir, prefix="lr-bench-") as shm,
+        tempfile.TemporaryDirectory(dir=durable_dir) as disk,
+    ):
+        flat = torch.from_file(shm.name, shared=True, size=numel, dtype=torch.float32)
+        flat.fill_(0.0)  # touch the pages: a snapshot buffer is allocated once and reused
+        views, offset = [], 0
+        for t in tensors:
+            views.append(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        for i in range(repeats):
+            os.sync()
+            start = time.perf_counter()
+            for dst, src in zip(views, tensors):
+                dst.copy_(src)
+            c1s.append(time.perf_counter() - start)
+            path = os.path.join(disk, f"state-{i}.ckpt")
+            os.sync()
+            start = time.perf_counter()
+            io.save_checkpoint(state, path)
+            c2s.append(time.perf_counter() - start)
+            os.remove(path)
+        del views, flat
+    ratios = [b / a for a, b in zip(c1s, c2s)]
+    return {
+        "bytes": float(numel * 4),
+        "c1": statistics.median(c1s),
+        "c2": statistics.median(c2s),
+        "c1_min": min(c1s),
+        "c1_max": max(c1s),
+        "c2_min": min(c2s),
+        "c2_max": max(c2s),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+
+
+def main_two_level(args: argparse.Namespace) -> int:
+    step, restart = parse_duration(args.step_time, "--step-time"), parse_duration(args.restart, "--restart")
+    m1s = [parse_duration(m, "--m1") for m in args.m1] if args.m1 else [3600.0]
+    m2s = [parse_duration(m, "--m2") for m in args.m2] if args.m2 else [86400.0]
+    pairs = [(parse_duration(args.c1, "--c1"), parse_duration(args.c2, "--c2"))]
+    if args.measure:
+        cost = measure_two_level_costs(args.state_mb, args.durable_dir, args.repeats)
+        print(
+            f"measured on this machine, {cost['bytes'] / 1e6:.0f} MB state, median of {args.repeats}: "
+            f"C1 (copy into /dev/shm buffer) = {cost['c1'] * 1e3:.0f} ms [{cost['c1_min'] * 1e3:.0f}-"
+            f"{cost['c1_max'] * 1e3:.0f}], C2 (synchronous safetensors save + fsync) = {cost['c2'] * 1e3:.0f} ms "
+            f"[{cost['c2_min'] * 1e3:.0f}-{cost['c2_max'] * 1e3:.0f}], C2/C1 = {cost['ratio']:.1f}x "
+            f"[{cost['ratio_min']:.1f}-{cost['ratio_max']:.1f}]",
+            file=sys.stderr,
+        )
+        pairs = [(cost["c1"], cost["c2"])] + pairs
+    start, rows = time.perf_counter(), []
+    for m1 in m1s:
+        for m2 in m2s:
+            for c1, c2 in pairs:
+                m = 1.0 / (1.0 / m1 + 1.0 / m2)
+                s = TwoLevelScenario(m1, m2, c1, c2, step, restart, args.work_mtbfs * m, args.seeds)
+                rows.append({"m1": m1, "m2": m2, "c1": c1, "c2": c2, **run_two_level(s)})
+    print(two_level_table(rows))
+    print(
+        f"\n{args.seeds} seeds x {len(rows)} scenarios, work = {args.work_mtbfs:g} x (1/M1 + 1/M2)^-1 each, "
+        f"step {fmt(step)}, restart {fmt(restart)}; {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def fmt(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.3g} s"
@@ -178,7 +415,19 @@ def main(argv: Sequence[str] = None) -> int:
     p.add_argument("--work-mtbfs", type=float, default=100.0, help="training work, in units of M (default 100)")
     p.add_argument("--seeds", type=int, default=1000)
     p.add_argument("--plot", metavar="PNG")
+    two = p.add_argument_group("two failure classes (--two-level)")
+    two.add_argument("--two-level", action="store_true", help="simulate a memory tier and a durable tier")
+    two.add_argument("--m1", action="append", help="job process MTBF(s) M1 (default 1h)")
+    two.add_argument("--m2", action="append", help="job node MTBF(s) M2 (default 24h)")
+    two.add_argument("--c1", default="0.2s", help="memory snapshot cost C1 (default 0.2s)")
+    two.add_argument("--c2", default="10s", help="durable save cost C2 (default 10s)")
+    two.add_argument("--measure", action="store_true", help="also measure C1 and C2 here and simulate them first")
+    two.add_argument("--state-mb", type=float, default=600.0, help="state size for --measure (default 600 MB)")
+    two.add_argument("--durable-dir", default=".", help="where --measure writes the durable saves (default .)")
+    two.add_argument("--repeats", type=int, default=5, help="repeats of each --measure timing (default 5)")
     args = p.parse_args(argv)
+    if args.two_level:
+        return main_two_level(args)
 
     measured = measure_copy_cost()
     print(

@@ -728,13 +728,21 @@ def memory_interval(state: ScheduleState, memory: MemoryState) -> Optional[float
 
 
 def durable_every(state: ScheduleState, memory: MemoryState) -> Optional[int]:
-    """k as applied: the plan's, lowered so that ``k * T1`` (clamped) stays within max_interval.
+    """k as applied: the plan's, or, when T1 was clamped, the best k for that T1 (the integer
+    neighbours of ``sqrt(2 C2 M2) / T1``, which minimises the durable terms of the waste); then
+    lowered so that ``k * T1`` stays within max_interval.
 
     ``None`` without a plan: the durable tier then keeps its own single-level schedule."""
     plan, t1 = current_plan(state, memory), memory_interval(state, memory)
-    if plan is None or t1 is None:
+    if plan is None or t1 is None or memory.process_mtbf_s is None or state.mtbf_s is None:
         return None
-    return max(1, min(plan.k, math.floor(state.config.max_interval_s / t1)))
+    k = plan.k
+    if not math.isclose(t1, plan.t1):
+        c1, c2, m1, m2 = memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
+        k_real = math.sqrt(2.0 * c2 * m2) / t1
+        candidates = {max(1, math.floor(k_real)), max(1, math.ceil(k_real))}
+        k = min(sorted(candidates), key=lambda n: two_level_waste(t1, n, c1, c2, m1, m2))
+    return max(1, min(k, math.floor(state.config.max_interval_s / t1)))
 
 
 def _durable_reason(state: ScheduleState, memory: MemoryState, now: float, step: int) -> Optional[SaveReason]:

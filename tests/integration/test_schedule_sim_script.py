@@ -31,3 +31,19 @@ def test_simulation_script_runs_and_prints_a_markdown_table():
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("| M | C | T* Young") and len(lines) == 3 and lines[2].startswith("| 15 min | 30 s |")
     assert "measured blocking cost" in proc.stderr
+
+
+def test_two_level_simulation_script_prints_its_table():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/interval_sim.py", "--two-level", "--seeds", "20", "--work-mtbfs", "10"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("| M1 | M2 | C1 | C2 | two-level T1, k (T2)") and len(lines) == 3
+    assert lines[2].startswith("| 60 min | 24 h | 0.2 s | 10 s |")
+    ratio = float(lines[2].split("|")[-3].strip().rstrip("x"))  # single-level Young waste / two-level waste
+    assert ratio > 2.0

@@ -115,6 +115,8 @@ def _duration(name: str) -> Callable[[str], float]:
 
 
 def fmt_duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.2f} s"
     if seconds < 120:
         return f"{seconds:.1f} s"
     if seconds < 2 * 3600:

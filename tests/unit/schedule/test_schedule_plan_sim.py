@@ -112,3 +112,30 @@ def test_plan_two_level_json_scales_mtbfs_by_nodes_and_derives_c1_from_bandwidth
     assert (two["k"], two["t1_s"], two["waste"]) == (plan.k, pytest.approx(plan.t1), pytest.approx(plan.waste))
     assert main(["plan", "--cost", "20s", "--process-mtbf", "1h"]) == 2
     assert "--process-mtbf needs --memory-cost" in capsys.readouterr().err
+
+
+def test_two_level_simulation_agrees_with_the_model_and_beats_single_level():
+    sim = _load_sim()
+    c1, c2, m1, m2 = 0.2, 10.0, 3600.0, 86400.0
+    plan = two_level_plan(c1, c2, m1, m2)
+    m = 1.0 / (1.0 / m1 + 1.0 / m2)
+    kw = dict(c2=c2, m1=m1, m2=m2, work=30 * m, seeds=200, rng_seed=3)
+    two = sim.simulate_two_level(np.array([plan.t1]), np.array([plan.k]), c1, **kw).mean(axis=1)[0]
+    young = young_interval(c2, m)
+    single = sim.simulate_two_level(np.array([young]), np.array([1]), 0.0, memory=False, **kw).mean(axis=1)[0]
+    assert two == pytest.approx(plan.waste, rel=0.15)  # first-order model vs Monte Carlo
+    assert single == pytest.approx(expected_waste(young, c2, m), rel=0.15)
+    assert single / two > 2.0
+    # without the memory tier surviving process failures, the same plan is far worse
+    lost = sim.simulate_two_level(np.array([plan.t1]), np.array([plan.k]), c1, memory=False, **kw).mean(axis=1)[0]
+    assert lost > 2 * two
+
+
+def test_two_level_simulation_with_k_one_and_free_memory_is_the_single_level_simulation():
+    sim = _load_sim()
+    taus = np.array([300.0, 900.0])
+    kw = dict(work=20 * 900.0, seeds=50, rng_seed=5)
+    # all failures one class (m1 huge): the two-failure simulation reduces to the one-class one
+    two = sim.simulate_two_level(taus, np.ones(2), 0.0, c2=30.0, m1=1e12, m2=900.0, memory=False, **kw)
+    one = sim.simulate(taus, 30.0, 900.0, **kw)
+    assert two.mean(axis=1) == pytest.approx(one.mean(axis=1), abs=0.03)

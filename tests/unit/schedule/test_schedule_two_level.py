@@ -127,7 +127,7 @@ def identity(values):
     return values
 
 
-def run(config, steps, step_s=1.0, c1=0.5, c2=10.0, restored=None, check_every_step=False):
+def run(config, steps, step_s=1.0, c1=0.5, c2=10.0, restored=None):
     """Drive decide_tier like the callback does; return [(step, tier, reason, time)]."""
     clock = Clock()
     sched = SnapshotScheduler(config, clock)
@@ -240,3 +240,17 @@ def test_ranks_agree_on_the_highest_tier():
         tiers.append(follower.decide_tier(step, 1 if step == 3 else 0, agree, False)[:2])
     assert tiers == [(Tier.NONE, 0), (Tier.MEMORY, 0), (Tier.NONE, 1), (Tier.DURABLE, 0)]
     assert all(v[0] == 0 for v in seen)  # a follower proposes nothing
+
+
+def test_a_clamped_t1_gets_the_best_k_for_that_t1():
+    from lightning_resume.schedule.policy import durable_every, memory_interval, start_memory, start_schedule
+
+    # measured C1 = 0.34 s, C2 = 3.4 s: the plan's T1 is ~50 s, below min_interval = 60 s
+    cfg = ScheduleConfig(mtbf_s=86400.0, process_mtbf_s=3600.0, min_interval_s=60.0)
+    restored = {"costs": [3.4], "memory_costs": [0.34]}
+    state, memory = start_schedule(cfg, 0.0, 0, restored=restored), start_memory(cfg, 0.0, 0, restored=restored)
+    plan = two_level_plan(0.34, 3.4, 3600.0, 86400.0)
+    assert plan.t1 < 60.0 and memory_interval(state, memory) == 60.0
+    k = durable_every(state, memory)
+    best = min(range(1, 200), key=lambda n: two_level_waste(60.0, n, 0.34, 3.4, 3600.0, 86400.0))
+    assert k == best and k != plan.k

@@ -45,6 +45,21 @@ NOT_RESTORED_WITHOUT_EXACT_RESUME = (
 )
 
 
+DEFAULT_PROCESS_MTBF_PRIOR: Duration = "1h"
+"""Prior of the process MTBF (M1) when ``memory_tier=True`` is given without ``process_mtbf``: failures that
+keep the machine (exceptions, OOM kills, timeouts, deploys) are the common kind; the history refines it."""
+
+
+def _memory_schedule(memory_tier: bool, process_mtbf: Optional[Duration], every: Optional[int]) -> dict[str, Any]:
+    """The scheduler's memory-tier arguments: none without the tier; a step cap alone stays a pure step cap."""
+    if not memory_tier:
+        return {}
+    if process_mtbf is None and every is None:
+        process_mtbf = "observed"
+    prior = DEFAULT_PROCESS_MTBF_PRIOR if process_mtbf == "observed" else None
+    return {"process_mtbf": process_mtbf, "memory_every_n_train_steps_max": every, "process_mtbf_prior": prior}
+
+
 def _check_memory_options(
     memory_tier: bool, process_mtbf: Optional[Duration], memory_dir: Optional[str], every: Optional[int]
 ) -> None:
@@ -100,8 +115,10 @@ class ExactResume(Callback):
             schedule (README, "Memory tier"); the memory is given back at a clean end of training.
             Single-device and DDP runs.
         process_mtbf: mean time between failures that keep the machine (a crash, an OOM kill, a
-            deploy): ``"1h"``, seconds or ``timedelta``; with ``mtbf`` (the failures that lose it), it sets
-            the interval of each tier. ``None``: the schedule's default.
+            deploy): ``"1h"``, seconds, ``timedelta``, or ``"observed"`` (learnt from the failure history,
+            where a resume from memory counts as one); with ``mtbf`` (the failures that lose it), it sets
+            the interval of each tier. ``None`` (default): ``"observed"`` with a 1 h prior
+            (``DEFAULT_PROCESS_MTBF_PRIOR``), unless ``memory_every_n_train_steps_max`` alone paces the tier.
         memory_dir: the shared-memory directory for ``memory_tier`` (default ``/dev/shm/lightning-resume``);
             a local tmpfs path.
         memory_every_n_train_steps_max: take a memory snapshot at least every this many optimizer steps.
@@ -141,8 +158,7 @@ class ExactResume(Callback):
         self.scheduler = driver.make_scheduler(
             mtbf, num_nodes, formula, min_interval, max_interval, every_n_train_steps_max,
             mtbf_prior, initial_cost, check_interval, clock, checks_needed=self.preemption is not None,
-            process_mtbf=process_mtbf if memory_tier else None,
-            memory_every_n_train_steps_max=memory_every_n_train_steps_max,
+            **_memory_schedule(memory_tier, process_mtbf, memory_every_n_train_steps_max),
         )  # fmt: skip
         self._num_nodes = num_nodes
         self.preempted = False

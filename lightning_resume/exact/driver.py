@@ -45,6 +45,7 @@ def make_scheduler(
     checks_needed: bool,
     process_mtbf: Optional[Duration] = None,
     memory_every_n_train_steps_max: Optional[int] = None,
+    process_mtbf_prior: Optional[Duration] = None,
 ) -> Optional[SnapshotScheduler]:
     """The scheduler, also without snapshots (``mtbf=None``, no step cap) when preemption signals need
     its cadence of rank-agreed checks; ``None`` when there is nothing to decide. ``process_mtbf`` or
@@ -57,6 +58,7 @@ def make_scheduler(
         max_interval=max_interval, every_n_train_steps_max=every_n_train_steps_max,
         initial_cost=initial_cost, mtbf_prior=mtbf_prior, check_interval=check_interval,
         process_mtbf=process_mtbf, memory_every_n_train_steps_max=memory_every_n_train_steps_max,
+        process_mtbf_prior=process_mtbf_prior,
     )  # fmt: skip
     return SnapshotScheduler(config, clock or time.monotonic)
 

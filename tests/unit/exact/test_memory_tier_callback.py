@@ -71,3 +71,18 @@ def test_a_fresh_start_drops_the_snapshot_of_another_line(tmp_path: Path, shm: P
     assert not list(shm.glob("*/rank-*.safetensors"))
     resumed = _fit(tmp_path, shm, ckpt_path="last")
     assert resumed.resume_report.get("tier") != "memory"
+
+
+def test_memory_options_come_from_lightning_cli_yaml() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(ExactResume, "exact")
+    init_args = {"mtbf": None, "memory_tier": True, "process_mtbf": "1h", "memory_dir": "/dev/shm/x"}
+    config = parser.parse_object({"exact": dict(init_args, memory_every_n_train_steps_max=5)})
+    exact = parser.instantiate(config).exact if hasattr(parser, "instantiate") else None
+    exact = exact or parser.instantiate_classes(config).exact
+    assert exact.memory is not None and exact.memory.root == "/dev/shm/x"
+    assert (
+        exact.scheduler.config.process_mtbf_s == 3600.0 and exact.scheduler.config.memory_every_n_train_steps_max == 5
+    )

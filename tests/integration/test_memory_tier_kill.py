@@ -33,7 +33,7 @@ def _cfg(tmp_path: Path, shm: Path, devices: int = 1) -> dict[str, Any]:
     return {
         "n": 40 * devices, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "augment": True, "shuffle": True,
         "devices": devices, "safetensors": True, "ckpt": {"save_top_k": 0}, "exact_args": exact,
-        "ckpt_dir": str(tmp_path / "B" / "ckpt"),
+        "ckpt_dir": str(tmp_path / "B" / "ckpt"), "flush_memory_tier": True,
     }  # fmt: skip
 
 

@@ -113,10 +113,13 @@ def at_step_boundary(
             return collective.max_over_ranks(values, device)
 
         tier, preempt, reason = _decide(scheduler, memory, trainer, local, agree)
-    if tier == Tier.MEMORY and memory is not None and not preempt:
-        memory_snapshot(scheduler, trainer, memory)
     save = tier == Tier.DURABLE
     path = snapshot(scheduler, trainer, PREEMPTION if preempt else reason) if save or preempt else None
+    two_level = memory is not None and scheduler.takes_memory_snapshots
+    if two_level and tier in (Tier.MEMORY, Tier.DURABLE) and not preempt:
+        assert memory is not None
+        # a durable save is also that step's memory snapshot: a crash right after it restores from memory
+        memory_snapshot(scheduler, trainer, memory)
     if preempt:
         scheduler.clean_stop(trainer.is_global_zero)
         trainer.should_stop = True

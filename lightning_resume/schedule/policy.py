@@ -562,7 +562,8 @@ def _steps_until(state: ScheduleState, now: float, step: int, target: float) -> 
     if elapsed_steps <= 0 or elapsed <= 0:
         return 1  # no step time known yet: look again at the next step
     per_step = elapsed / elapsed_steps
-    return max(1, math.ceil((target - now) / per_step))
+    # a hair early rather than one step late when float rounding puts the target on a step boundary
+    return max(1, math.ceil((target - now) / per_step - 1e-6))
 
 
 def _next_check(state: ScheduleState, now: float, step: int, target: Optional[float]) -> int:
@@ -808,7 +809,8 @@ def should_snapshot(state: ScheduleState, memory: Optional[MemoryState], now: fl
     measurement, max_interval since the last durable save; or, with no two-level plan because the
     node MTBF is off, its single-level schedule), or when the memory snapshot due now is the k-th
     since the last durable save (and no async write is in flight); else a memory snapshot when T1
-    (or the memory step cap) has passed since the newest snapshot of either tier.
+    (or the memory step cap) has passed since the newest snapshot of either tier. The first memory
+    snapshot is never promoted to durable: it measures C1, which the plan's k depends on.
     """
     if memory is None or not state.config.takes_memory_snapshots:
         d = should_save(state, now, step)
@@ -819,7 +821,10 @@ def should_snapshot(state: ScheduleState, memory: Optional[MemoryState], now: fl
     reason = _memory_reason(state, memory, now, step)
     if reason is not None:
         k = durable_every(state, memory)
-        if k is not None and state.write_started_at is None and memory.since_durable + 1 >= k:
+        measuring = (
+            reason is SaveReason.MEMORY_FIRST_MEASUREMENT
+        )  # else a guessed C1 giving k = 1 would never be measured
+        if k is not None and not measuring and state.write_started_at is None and memory.since_durable + 1 >= k:
             return TierDecision(Tier.DURABLE, SaveReason.EVERY_KTH, step + 1)
         return TierDecision(Tier.MEMORY, reason, step + 1)
     idle = SaveReason.WRITE_IN_FLIGHT if state.write_started_at is not None else SaveReason.NOT_DUE

@@ -254,3 +254,76 @@ def test_a_clamped_t1_gets_the_best_k_for_that_t1():
     k = durable_every(state, memory)
     best = min(range(1, 200), key=lambda n: two_level_waste(60.0, n, 0.34, 3.4, 3600.0, 86400.0))
     assert k == best and k != plan.k
+
+
+def drive_tiers(config, step_times, c1, c2, write_s, every_step):
+    """Rank 0 alone, pure policy: async durable writes finish ``write_s`` after their save."""
+    from lightning_resume.schedule.policy import (
+        record_durable_snapshot,
+        record_memory_snapshot,
+        record_save,
+        record_write_done,
+        should_snapshot,
+        start_memory,
+        start_schedule,
+    )
+
+    now, state, memory = 0.0, start_schedule(config, 0.0, 0), start_memory(config, 0.0, 0)
+    next_check, write_end, out = 1, None, []
+    for step, dt in enumerate(step_times, start=1):
+        now += dt
+        if write_end is not None and now >= write_end:
+            state, write_end = record_write_done(state, now), None
+        if not every_step and step < next_check:
+            continue
+        d = should_snapshot(state, memory, now, step)
+        assert d.next_check_step > step
+        next_check = d.next_check_step
+        if d.tier is Tier.DURABLE:
+            assert write_end is None, f"durable save at step {step} while a write is in flight"
+            now += c2
+            state, write_end = record_save(state, now, step, c2), now + write_s
+            memory = record_durable_snapshot(memory, now, step)
+        elif d.tier is Tier.MEMORY:
+            now += c1
+            memory = record_memory_snapshot(memory, now, step, c1)
+        if d.tier is not Tier.NONE:
+            out.append((step, d.tier))
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    step_s=st.floats(min_value=0.05, max_value=3.0),
+    m1=st.floats(min_value=300.0, max_value=7200.0),
+    m2=st.floats(min_value=7200.0, max_value=86400.0),
+    c1=st.floats(min_value=0.01, max_value=2.0),
+    ratio=st.floats(min_value=1.0, max_value=100.0),
+    write_s=st.floats(min_value=0.0, max_value=60.0),
+    caps=st.tuples(st.none() | st.integers(50, 400), st.none() | st.integers(5, 60)),
+)
+def test_sparse_checks_snapshot_at_the_same_steps_as_checking_every_step(step_s, m1, m2, c1, ratio, write_s, caps):
+    cfg = ScheduleConfig(
+        mtbf_s=m2,
+        process_mtbf_s=m1,
+        min_interval_s=2.0,
+        max_interval_s=3600.0,
+        check_interval_s=30.0,
+        every_n_train_steps_max=caps[0],
+        memory_every_n_train_steps_max=caps[1],
+    )
+    steps = [step_s] * int(4000 / step_s)
+    sparse = drive_tiers(cfg, steps, c1, c1 * ratio, write_s, every_step=False)
+    dense = drive_tiers(cfg, steps, c1, c1 * ratio, write_s, every_step=True)
+    assert sparse and {t for _, t in sparse} <= {Tier.MEMORY, Tier.DURABLE}
+    # checks are planned from the mean step time: with constant steps they land on the same steps
+    assert sparse == dense
+
+
+def test_a_pessimistic_c1_guess_still_gets_measured():
+    # with the 5 s guess, k = 1 (every snapshot durable); the first memory snapshot measures the real C1
+    cfg = ScheduleConfig(mtbf_s=7200.0, process_mtbf_s=300.0, min_interval_s=2.0, check_interval_s=30.0)
+    sched, out = run(cfg, 200, step_s=0.05 * 20, c1=0.01, c2=0.05)
+    tiers = [t for _, t, _, _ in out]
+    assert tiers[:2] == [Tier.DURABLE, Tier.MEMORY] and Tier.MEMORY in tiers[2:]
+    assert sched.memory is not None and sched.memory.costs[0] == 0.01

@@ -44,23 +44,37 @@ class MemoryTier:
         self.seq = 0
         self.resumed_tier: Optional[str] = None
         self.warned_full = False
+        self.directory, self.rank, self.world_size = "", 0, 1
         self._remove_hook: Optional[Callable[[], None]] = None
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """Find this rank's slot (every rank), clean other runs' stale snapshots, and, for
-        ``fit(ckpt_path="last")``, have the resume consider the memory tier first."""
+        """Find this rank's slot (every rank) if the run has one, and, for ``fit(ckpt_path="last")``, have
+        the resume consider the memory tier first. The run id is made at the first snapshot, not here: a
+        fresh run's checkpoint directory stays empty until it saves (``ModelCheckpoint`` warns otherwise)."""
         directory = snapshots.snapshot_dir(trainer)
         if directory is None:
             raise ConfigurationError("ExactResume", [
                 "memory_tier=True needs a checkpoint directory to name the run: add a RetentionCheckpoint or"
                 " ModelCheckpoint, or pass memory_tier=False"
             ])  # fmt: skip
-        run = collective.on_rank_zero(lambda: run_id(directory, create=True), _failure("read or make the run id"))
-        self.store = MemoryStore(self.root, run_key(directory, str(run)), trainer.global_rank, trainer.world_size)
-        self.store.clean_stale()
+        self.directory, self.rank, self.world_size = directory, trainer.global_rank, trainer.world_size
+        self.store = self._slot(create=False)
         self.resumed_tier = None
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)
+
+    def _slot(self, create: bool) -> Optional[MemoryStore]:
+        """This rank's store, named by the run id rank 0 reads (or makes, ``create``) in the checkpoint
+        directory; ``None`` when the run has none yet (every rank calls it)."""
+        directory = self.directory
+
+        def read() -> Optional[str]:
+            return run_id(directory, create=create)
+
+        run = collective.on_rank_zero(read, _failure(f"read or make the run id in {directory}"))
+        if run is None:
+            return None
+        return MemoryStore(self.root, run_key(directory, run), self.rank, self.world_size)
 
     def teardown(self) -> None:
         if self._remove_hook is not None:
@@ -70,8 +84,7 @@ class MemoryTier:
     def choose(self, durable: Optional[str]) -> Optional[tuple[str, dict[str, Any]]]:
         """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank agrees to resume
         from memory; ``None`` to restore ``durable`` (Lightning's "last", possibly ``None``) instead."""
-        assert self.store is not None
-        mine = self._load_verified()
+        mine = self._load_verified() if self.store is not None else None
         record = None if mine is None else (mine.step, mine.seq, _exact_state(mine.checkpoint).get("saved_at"))
         everyone = collective.gather((record, durable_step(durable)))
         records, newest_durable = [r for r, _ in everyone], max(d for _, d in everyone)
@@ -112,7 +125,10 @@ class MemoryTier:
     def save(self, trainer: pl.Trainer) -> Optional[int]:
         """Every rank: snapshot the full checkpoint into its slot; the bytes written, or ``None`` (warned)
         when shared memory is too small or the write failed (training goes on; the durable tier still saves)."""
-        assert self.store is not None
+        if self.store is None:  # the run's first snapshot: name the run, and clean up after other runs
+            self.store = self._slot(create=True)
+            assert self.store is not None
+            self.store.clean_stale()
         checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
         self.seq += 1
         try:

@@ -7,7 +7,9 @@ small collective per check (``agree``, given by the caller), never per step.
 
 With a memory tier (``ScheduleConfig.takes_memory_snapshots``) the caller asks ``decide_tier``
 instead of ``decide`` and reports memory snapshots with ``record_memory``; durable saves are
-reported with ``record`` as before (and also count as that step's memory snapshot).
+reported with ``record`` as before. A durable save also counts as that step's memory snapshot: on
+``Tier.DURABLE`` the mechanism should refresh the memory tier with the same state, and may report
+that copy's cost with ``record_memory`` at the same step (it then only adds a C1 measurement).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import pytest
 
 from lightning_resume.io import memory_tier
 from lightning_resume.io.read import load_file
+from lightning_resume.schedule import history
+from lightning_resume.schedule.policy import Tier
 from tests.helpers import kill_resume as h
 
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
@@ -43,6 +45,12 @@ def _snapshots(shm: Path) -> list[Path]:
 
 def _memory_step(path: Path) -> int:
     return int(load_file(str(path)).checkpoint[memory_tier.MEMORY_KEY]["step"])
+
+
+def _failure_tiers(cfg: dict) -> list:
+    """The tier each failure in the run's history resumed from (memory: the machine survived)."""
+    past = history.load_history(history.history_path(cfg["ckpt_dir"]))
+    return [e.tier for e in past.events if e.kind is history.EventKind.FAILURE]
 
 
 def _kill_after_memory_snapshot(tmp_path: Path, shm: Path, devices: int) -> tuple[dict, Path]:
@@ -78,11 +86,13 @@ def test_kill_resumes_from_memory_or_disk_exactly(tmp_path: Path, shm: Path) -> 
     h.assert_exact_resume(tmp_path / "A", Path(c["out"]), resumed_after=8)  # lost: step 9 only (disk: 7..9)
     assert "resuming from the memory tier at step 8" in h._output(c)
     assert not _snapshots(shm), "freed at the clean end"
+    assert _failure_tiers(cfg) == [Tier.MEMORY]  # a process failure, for the schedule's M1
 
     c = _resume(tmp_path, cfg, backup, shm, "C_node_lost")
     shutil.rmtree(shm)  # the machine is gone: so is its shared memory
     h.run(c, tmp_path)
     h.assert_exact_resume(tmp_path / "A", Path(c["out"]), resumed_after=DURABLE_EVERY)
+    assert _failure_tiers(cfg) == [Tier.DURABLE]  # a node failure, for M2
 
     c = _resume(tmp_path, cfg, backup, shm, "C_corrupt")
     (snapshot,) = _snapshots(shm)

@@ -27,8 +27,11 @@ from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -378,6 +381,66 @@ def keep_url_scheme_for_last() -> None:
     directories behave exactly as before. Called by the plugin's and ``RetentionCheckpoint``'s constructors."""
     if ModelCheckpoint._find_last_checkpoints is _LIGHTNING_FIND_LAST:
         ModelCheckpoint._find_last_checkpoints = _find_last_keeping_scheme  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------------------ checkpoint loading
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The full checkpoint dict ``trainer.save_checkpoint`` would write, built on this rank
+    (checkpoint_connector.py:416, trainer.py:1385). Calls every callback's ``state_dict`` (collectives
+    included), so every rank calls it."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+_LIGHTNING_SELECT_CKPT_PATH = _CheckpointConnector._select_ckpt_path
+
+
+def _select_remembering_request(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, **kwargs: Any) -> Any:
+    self._lightning_resume_requested = ckpt_path  # type: ignore[attr-defined]  # read by requested_ckpt_path
+    return _LIGHTNING_SELECT_CKPT_PATH(self, state_fn, ckpt_path, **kwargs)
+
+
+def remember_ckpt_path_requests() -> None:
+    """Keep the ``ckpt_path`` a ``fit`` was called with (``"last"``), which Lightning resolves to a file
+    before any callback runs (trainer.py:624, checkpoint_connector.py:86-114). Idempotent."""
+    if _CheckpointConnector._select_ckpt_path is _LIGHTNING_SELECT_CKPT_PATH:
+        _CheckpointConnector._select_ckpt_path = _select_remembering_request  # type: ignore[method-assign,assignment]
+
+
+def requested_ckpt_path(trainer: pl.Trainer) -> Any:
+    """The ``ckpt_path`` the current ``fit`` was called with (after :func:`remember_ckpt_path_requests`)."""
+    return getattr(trainer._checkpoint_connector, "_lightning_resume_requested", None)
+
+
+Chooser = Callable[[Optional[str]], Optional[tuple[str, dict[str, Any]]]]
+"""Given the checkpoint Lightning resolved (or ``None``), a ``(path, loaded checkpoint)`` to restore instead."""
+
+
+def substitute_checkpoint(trainer: pl.Trainer, choose: Chooser) -> Callable[[], None]:
+    """Let ``choose`` replace the checkpoint the trainer restores, at ``resume_start``
+    (checkpoint_connector.py:67-84): after ``setup`` hooks (the process group exists), before any state is
+    restored (trainer.py:1046, :1066). Returns the function that removes the hook."""
+    connector = trainer._checkpoint_connector
+    original = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None, weights_only: Optional[bool] = None) -> None:
+        chosen = choose(str(checkpoint_path) if checkpoint_path else None)
+        if chosen is None:
+            return original(checkpoint_path, weights_only=weights_only)
+        path, checkpoint = chosen
+        rank_zero_info(f"Restoring states from the checkpoint at {path}")
+        connector._ckpt_path = path
+        connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, path)
+        return None
+
+    connector.resume_start = resume_start  # type: ignore[method-assign]
+
+    def remove() -> None:
+        if connector.__dict__.get("resume_start") is resume_start:
+            del connector.resume_start
+
+    return remove
 
 
 # ------------------------------------------------------------------------------------ strategies

@@ -24,9 +24,11 @@ from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, snapshots
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, INSIDE_STEP, INSIDE_VALIDATION, checkpoint_state
 from lightning_resume.exact.launchers import torchelastic_problem
+from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.restore import check_same_checkpoint, refuse_or_warn, restore
 from lightning_resume.exact.state.data import loader_problems, resumable_loader, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
+from lightning_resume.io.memory_tier import DEFAULT_ROOT
 from lightning_resume.schedule.policy import (
     DEFAULT_CHECK_INTERVAL,
     DEFAULT_INITIAL_COST,
@@ -41,6 +43,38 @@ NOT_RESTORED_WITHOUT_EXACT_RESUME = (
     "RNG streams (Python, NumPy, torch CPU/CUDA, registered generators), the data position aligned with"
     " the last trained batch, loader worker RNG, validation due at the saved step"
 )
+
+
+DEFAULT_PROCESS_MTBF_PRIOR: Duration = "1h"
+"""Prior of the process MTBF (M1) when ``memory_tier=True`` is given without ``process_mtbf``: failures that
+keep the machine (exceptions, OOM kills, timeouts, deploys) are the common kind; the history refines it."""
+
+
+def _memory_schedule(memory_tier: bool, process_mtbf: Optional[Duration], every: Optional[int]) -> dict[str, Any]:
+    """The scheduler's memory-tier arguments: none without the tier; a step cap alone stays a pure step cap."""
+    if not memory_tier:
+        return {}
+    if process_mtbf is None and every is None:
+        process_mtbf = "observed"
+    prior = DEFAULT_PROCESS_MTBF_PRIOR if process_mtbf == "observed" else None
+    return {"process_mtbf": process_mtbf, "memory_every_n_train_steps_max": every, "process_mtbf_prior": prior}
+
+
+def _check_memory_options(
+    memory_tier: bool, process_mtbf: Optional[Duration], memory_dir: Optional[str], every: Optional[int]
+) -> None:
+    problems = []
+    if not isinstance(memory_tier, bool):
+        problems.append(f"memory_tier={memory_tier!r} must be True or False")
+    if not memory_tier:
+        given = {"process_mtbf": process_mtbf, "memory_dir": memory_dir, "memory_every_n_train_steps_max": every}
+        problems += [f"{k}={v!r} configures the memory tier; pass memory_tier=True" for k, v in given.items() if v]
+    if memory_dir is not None and "://" in str(memory_dir) and not str(memory_dir).startswith("file://"):
+        problems.append(f"memory_dir={memory_dir!r} must be a local (tmpfs) directory such as /dev/shm/...")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        problems.append(f"memory_every_n_train_steps_max={every!r} must be an integer >= 1")
+    if problems:
+        raise ConfigurationError("ExactResume", problems)
 
 
 class ExactResume(Callback):
@@ -74,6 +108,20 @@ class ExactResume(Callback):
         preemption_signals: signals that request a snapshot and a clean stop at the next step
             boundary (the handler only sets a flag). ``None`` or ``[]`` leaves signals alone.
         clock: monotonic clock in seconds (tests pass a fake one).
+        memory_tier: also keep the newest full snapshot of each rank in shared memory (``memory_dir``),
+            which outlives a crashed or killed process while the machine lives: ``fit(ckpt_path="last")``
+            resumes from it when it is newer than the newest verified durable checkpoint and every rank
+            holds the same step (else from disk, on every rank). Snapshots are taken on the two-level
+            schedule (README, "Memory tier"); the memory is given back at a clean end of training.
+            Single-device and DDP runs.
+        process_mtbf: mean time between failures that keep the machine (a crash, an OOM kill, a
+            deploy): ``"1h"``, seconds, ``timedelta``, or ``"observed"`` (learnt from the failure history,
+            where a resume from memory counts as one); with ``mtbf`` (the failures that lose it), it sets
+            the interval of each tier. ``None`` (default): ``"observed"`` with a 1 h prior
+            (``DEFAULT_PROCESS_MTBF_PRIOR``), unless ``memory_every_n_train_steps_max`` alone paces the tier.
+        memory_dir: the shared-memory directory for ``memory_tier`` (default ``/dev/shm/lightning-resume``);
+            a local tmpfs path.
+        memory_every_n_train_steps_max: take a memory snapshot at least every this many optimizer steps.
     """
 
     def __init__(
@@ -92,9 +140,17 @@ class ExactResume(Callback):
         check_interval: Duration = DEFAULT_CHECK_INTERVAL,
         preemption_signals: Optional[Sequence[str]] = DEFAULT_SIGNALS,
         clock: Optional[Callable[[], float]] = None,
+        memory_tier: bool = False,
+        process_mtbf: Optional[Duration] = None,
+        memory_dir: Optional[str] = None,
+        memory_every_n_train_steps_max: Optional[int] = None,
     ) -> None:
         check_versions()
         lc.keep_url_scheme_for_last()  # fit(ckpt_path="last") finds a stock ModelCheckpoint's s3:// files too
+        _check_memory_options(memory_tier, process_mtbf, memory_dir, memory_every_n_train_steps_max)
+        self.memory = MemoryTier(memory_dir or DEFAULT_ROOT) if memory_tier else None
+        if memory_tier:
+            lc.remember_ckpt_path_requests()  # fit(ckpt_path="last") considers the memory tier first
         self.generators: dict[str, torch.Generator] = dict(generators or {})
         self.strict = strict
         self.fingerprint = fingerprint
@@ -102,6 +158,7 @@ class ExactResume(Callback):
         self.scheduler = driver.make_scheduler(
             mtbf, num_nodes, formula, min_interval, max_interval, every_n_train_steps_max,
             mtbf_prior, initial_cost, check_interval, clock, checks_needed=self.preemption is not None,
+            **_memory_schedule(memory_tier, process_mtbf, memory_every_n_train_steps_max),
         )  # fmt: skip
         self._num_nodes = num_nodes
         self.preempted = False
@@ -144,6 +201,11 @@ class ExactResume(Callback):
                     category=ExactResumeWarning,
                 )
                 self.preemption = None
+        if self.memory is not None and stage == "fit":
+            if warn_sharded(trainer):
+                self.memory = None
+            else:
+                self.memory.setup(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -158,11 +220,21 @@ class ExactResume(Callback):
         check_same_checkpoint(trainer, pending)
         if pending is not None:
             self.resume_report = restore(trainer, pending, self.generators, self.strict, self.fingerprint)
+        tier = self._resumed_tier(trainer)
+        if pending is not None:
+            self.resume_report["tier"] = tier
         if self.scheduler is not None:
-            driver.start(self.scheduler, trainer, self._num_nodes, pending or {})
+            driver.start(self.scheduler, trainer, self._num_nodes, pending or {}, tier)
         if self.preemption is not None:
             self._take_over_slurm_requeue(trainer)
             self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it
+
+    def _resumed_tier(self, trainer: pl.Trainer) -> Optional[str]:
+        """``"memory"`` or ``"durable"``: where this run resumed from (``None``: a fresh start)."""
+        if self.memory is None:
+            return DURABLE if trainer.ckpt_path else None
+        self.memory.forget_other_lines()  # a snapshot that is not the resume source is from a line left behind
+        return self.memory.resumed_tier or (DURABLE if trainer.ckpt_path else None)
 
     def _what_cannot_be_exact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list) -> list[str]:
         """One line per loader configuration, unsaved random stream or launcher setting that defeats exactness."""
@@ -192,12 +264,16 @@ class ExactResume(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.scheduler is not None:
             self.scheduler.clean_stop(trainer.is_global_zero)
+        if self.memory is not None:
+            self.memory.free()  # a clean end: the durable tier holds the final state
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._give_back_hooks()
 
     def _give_back_hooks(self) -> None:
+        if self.memory is not None:
+            self.memory.teardown()  # the snapshots stay after an exception: the next process resumes from them
         if self.preemption is not None:
             self.preemption.uninstall()
         if self._stop_replacing_loaders is not None:
@@ -217,7 +293,7 @@ class ExactResume(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._after_batch = True
         if self.scheduler is not None and lc.at_optimizer_step(trainer):
-            stop = driver.at_step_boundary(self.scheduler, self.preemption, trainer, self._requeue_signal)
+            stop = driver.at_step_boundary(self.scheduler, self.preemption, trainer, self._requeue_signal, self.memory)
             self.preempted = stop or self.preempted
 
     @override

@@ -22,8 +22,9 @@ from lightning_resume.durations import Duration
 from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
+from lightning_resume.exact.memory import MemoryTier
 from lightning_resume.io import remote
-from lightning_resume.schedule.policy import ScheduleConfig
+from lightning_resume.schedule.policy import ScheduleConfig, Tier
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
 
@@ -42,23 +43,35 @@ def make_scheduler(
     check_interval: Duration,
     clock: Optional[Callable[[], float]],
     checks_needed: bool,
+    process_mtbf: Optional[Duration] = None,
+    memory_every_n_train_steps_max: Optional[int] = None,
+    process_mtbf_prior: Optional[Duration] = None,
 ) -> Optional[SnapshotScheduler]:
     """The scheduler, also without snapshots (``mtbf=None``, no step cap) when preemption signals need
-    its cadence of rank-agreed checks; ``None`` when there is nothing to decide."""
-    if mtbf is None and every_n_train_steps_max is None and not checks_needed:
+    its cadence of rank-agreed checks; ``None`` when there is nothing to decide. ``process_mtbf`` or
+    ``memory_every_n_train_steps_max`` make it two-level (memory snapshots between durable ones)."""
+    memory = process_mtbf is not None or memory_every_n_train_steps_max is not None
+    if mtbf is None and every_n_train_steps_max is None and not checks_needed and not memory:
         return None
     config = ScheduleConfig.from_user(
         mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
         max_interval=max_interval, every_n_train_steps_max=every_n_train_steps_max,
         initial_cost=initial_cost, mtbf_prior=mtbf_prior, check_interval=check_interval,
+        process_mtbf=process_mtbf, memory_every_n_train_steps_max=memory_every_n_train_steps_max,
+        process_mtbf_prior=process_mtbf_prior,
     )  # fmt: skip
     return SnapshotScheduler(config, clock or time.monotonic)
 
 
 def start(
-    scheduler: SnapshotScheduler, trainer: pl.Trainer, num_nodes: Optional[int], pending: Mapping[str, Any]
+    scheduler: SnapshotScheduler,
+    trainer: pl.Trainer,
+    num_nodes: Optional[int],
+    pending: Mapping[str, Any],
+    resumed_tier: Optional[str] = None,
 ) -> None:
-    """Begin timing; a resumed run keeps the measured costs of ``pending`` (the restored state)."""
+    """Begin timing; a resumed run keeps the measured costs of ``pending`` (the restored state) and records
+    whether it resumed from the memory tier (a process failure) or from disk."""
     scheduler.start(
         step=trainer.global_step,
         num_nodes=num_nodes or trainer.num_nodes,
@@ -66,6 +79,7 @@ def start(
         restored=pending.get("schedule"),
         checkpoint_wall_time=pending.get("saved_at"),
         is_rank_zero=trainer.is_global_zero,
+        resumed_tier=resumed_tier,
     )
 
 
@@ -78,27 +92,34 @@ def at_step_boundary(
     preemption: Optional[PreemptionFlag],
     trainer: pl.Trainer,
     requeue_signal: Optional[signal.Signals] = None,
+    memory: Optional[MemoryTier] = None,
 ) -> bool:
     """Save if the schedule or a preemption signal says so; ``True`` when the run must stop (preempted).
 
     One process acts on its own flag at once; ranks agree at check steps only (rank 0's decision,
     any rank's signal), so no collective runs between checks. When any rank received
     ``requeue_signal`` (SLURM's, with ``auto_requeue``), rank 0 requeues the job once the snapshot is
-    durable, as Lightning would have.
+    durable, as Lightning would have. With a ``memory`` tier, the schedule picks the tier of each snapshot.
     """
     local = 0
     if preemption is not None and preemption.requested:
         local = REQUEUE if requeue_signal is not None and preemption.received == requeue_signal else STOP
     if local and trainer.world_size == 1:
-        save, preempt, reason = False, local, PREEMPTION
+        tier, preempt, reason = Tier.NONE, local, PREEMPTION
     else:
         device = trainer.strategy.root_device
 
         def agree(values: Any) -> list[int]:
             return collective.max_over_ranks(values, device)
 
-        save, preempt, reason = scheduler.decide(trainer.global_step, local, agree, trainer.is_global_zero)
+        tier, preempt, reason = _decide(scheduler, memory, trainer, local, agree)
+    save = tier == Tier.DURABLE
     path = snapshot(scheduler, trainer, PREEMPTION if preempt else reason) if save or preempt else None
+    two_level = memory is not None and scheduler.takes_memory_snapshots
+    if two_level and tier in (Tier.MEMORY, Tier.DURABLE) and not preempt:
+        assert memory is not None
+        # a durable save is also that step's memory snapshot: a crash right after it restores from memory
+        memory_snapshot(scheduler, trainer, memory)
     if preempt:
         scheduler.clean_stop(trainer.is_global_zero)
         trainer.should_stop = True
@@ -108,6 +129,33 @@ def at_step_boundary(
     if preempt == REQUEUE and path is not None:
         _requeue(trainer, path)
     return bool(preempt)
+
+
+def _decide(
+    scheduler: SnapshotScheduler,
+    memory: Optional[MemoryTier],
+    trainer: pl.Trainer,
+    local: int,
+    agree: Callable[[Any], list[int]],
+) -> tuple[Tier, int, str]:
+    """(the tier to snapshot into now, the agreed preemption level, the reason): two-level with a memory tier."""
+    if memory is not None and scheduler.takes_memory_snapshots:
+        return scheduler.decide_tier(trainer.global_step, local, agree, trainer.is_global_zero)
+    save, preempt, reason = scheduler.decide(trainer.global_step, local, agree, trainer.is_global_zero)
+    return (Tier.DURABLE if save else Tier.NONE), preempt, reason
+
+
+def memory_snapshot(scheduler: SnapshotScheduler, trainer: pl.Trainer, memory: MemoryTier) -> None:
+    """Snapshot into the memory tier now (every rank); its blocking time is the schedule's C1."""
+    started = scheduler.clock()
+    nbytes = memory.save(trainer)
+    blocked = scheduler.clock() - started
+    if scheduler.state is None or nbytes is None:
+        return
+    metrics = scheduler.record_memory(trainer.global_step, blocked, nbytes)
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
 
 def _requeue(trainer: pl.Trainer, path: str) -> None:

@@ -236,6 +236,17 @@ class PauseBefore(Callback):
         self.seen += 1
 
 
+class FlushMemoryTier(Callback):
+    """Waits at each batch start until ExactResume's memory-tier write is committed, so that a kill at a
+    known point finds the memory snapshot taken before it (its write is otherwise on a worker thread)."""
+
+    def on_train_batch_start(self, trainer, *args):
+        for cb in trainer.callbacks:
+            store = getattr(getattr(cb, "memory", None), "store", None)
+            if isinstance(cb, ExactResume) and store is not None:
+                store.wait()
+
+
 class EpochStartCounter(Callback):
     """A user callback with state set in ``on_train_epoch_start`` that no checkpoint holds."""
 
@@ -298,6 +309,8 @@ def main(cfg: dict) -> None:
         callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **exact_args))
     if cfg.get("debug_rng"):
         callbacks.append(DebugRng())
+    if cfg.get("flush_memory_tier"):
+        callbacks.append(FlushMemoryTier())
     if cfg.get("pause_before") is not None:
         callbacks.append(PauseBefore(out, cfg["pause_before"]))
     devices = cfg.get("devices", 1)

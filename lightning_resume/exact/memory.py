@@ -1,0 +1,185 @@
+"""ExactResume's memory tier in a Lightning run: where its snapshots live, taking them, resuming from them.
+
+The store (``io.memory_tier``) keeps one verified file per rank in shared memory. Here: the run's slot is
+found from the durable checkpoint directory (rank 0 reads or makes the run id stored there, every rank
+learns it); a snapshot is the trainer's full checkpoint dict, built on every rank; and on
+``fit(ckpt_path="last")`` the memory tier replaces the durable checkpoint Lightning resolved when every
+rank holds a verified snapshot of the same step and save sequence, newer (by global step) than that
+checkpoint. Otherwise every rank falls back to disk together, and the snapshots that are not the resume
+source are dropped, so a later resume never goes back to another line of training.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Mapping, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_resume import collective
+from lightning_resume._compat import lightning as lc
+from lightning_resume.errors import CheckpointCorruptError, ConfigurationError, ExactResumeWarning
+from lightning_resume.exact import snapshots
+from lightning_resume.io.memory_tier import (
+    MemorySnapshot,
+    MemoryStore,
+    NotEnoughSharedMemory,
+    durable_step,
+    run_id,
+    run_key,
+)
+from lightning_resume.schedule.policy import Tier
+
+MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
+"""The tiers a run can resume from (``ExactResume.resume_report["tier"]``)."""
+
+
+class MemoryTier:
+    """One run's memory tier: set up per ``fit``, saves at step boundaries, chooses the resume source."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.store: Optional[MemoryStore] = None
+        self.seq = 0
+        self.resumed_tier: Optional[str] = None
+        self.warned_full = False
+        self.directory, self.rank, self.world_size = "", 0, 1
+        self._remove_hook: Optional[Callable[[], None]] = None
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Find this rank's slot (every rank) if the run has one, and, for ``fit(ckpt_path="last")``, have
+        the resume consider the memory tier first. The run id is made at the first snapshot, not here: a
+        fresh run's checkpoint directory stays empty until it saves (``ModelCheckpoint`` warns otherwise)."""
+        directory = snapshots.snapshot_dir(trainer)
+        if directory is None:
+            raise ConfigurationError("ExactResume", [
+                "memory_tier=True needs a checkpoint directory to name the run: add a RetentionCheckpoint or"
+                " ModelCheckpoint, or pass memory_tier=False"
+            ])  # fmt: skip
+        self.directory, self.rank, self.world_size = directory, trainer.global_rank, trainer.world_size
+        self.store = self._slot(create=False)
+        self.resumed_tier = None
+        if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
+            self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)
+
+    def _slot(self, create: bool) -> Optional[MemoryStore]:
+        """This rank's store, named by the run id rank 0 reads (or makes, ``create``) in the checkpoint
+        directory; ``None`` when the run has none yet (every rank calls it)."""
+        directory = self.directory
+
+        def read() -> Optional[str]:
+            return run_id(directory, create=create)
+
+        run = collective.on_rank_zero(read, _failure(f"read or make the run id in {directory}"))
+        if run is None:
+            return None
+        return MemoryStore(self.root, run_key(directory, run), self.rank, self.world_size)
+
+    def teardown(self) -> None:
+        if self._remove_hook is not None:
+            self._remove_hook()
+            self._remove_hook = None
+
+    def choose(self, durable: Optional[str]) -> Optional[tuple[str, dict[str, Any]]]:
+        """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank agrees to resume
+        from memory; ``None`` to restore ``durable`` (Lightning's "last", possibly ``None``) instead."""
+        mine = self._load_verified() if self.store is not None else None
+        record = None if mine is None else (mine.step, mine.seq, _exact_state(mine.checkpoint).get("saved_at"))
+        everyone = collective.gather((record, durable_step(durable)))
+        records, newest_durable = [r for r, _ in everyone], max(d for _, d in everyone)
+        reason = _why_not_memory(records, newest_durable)
+        if reason is not None:
+            if any(r is not None for r in records):
+                rank_zero_info(f"ExactResume: not resuming from the memory tier: {reason}; using {durable}")
+            self.resumed_tier = DURABLE if durable else None
+            return None
+        assert mine is not None and records[0] is not None
+        # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
+        _exact_state(mine.checkpoint)["saved_at"] = records[0][2]
+        self.seq, self.resumed_tier = mine.seq, MEMORY
+        rank_zero_info(
+            f"ExactResume: resuming from the memory tier at step {mine.step} (durable: step {newest_durable})"
+        )
+        return mine.path, mine.checkpoint
+
+    def _load_verified(self) -> Optional[MemorySnapshot]:
+        assert self.store is not None
+        try:
+            return self.store.load()
+        except (CheckpointCorruptError, OSError, ValueError) as err:
+            warnings.warn(
+                f"ExactResume: skipping the memory-tier snapshot {self.store.path} on rank {self.store.rank}: {err}",
+                ExactResumeWarning,
+                stacklevel=2,
+            )
+            return None
+
+    def forget_other_lines(self) -> None:
+        """At the start of training: a snapshot that is not the resume source belongs to a line of training
+        this run left (older than the durable checkpoint it resumed from, or a fresh start); drop it."""
+        if self.store is not None and self.resumed_tier != MEMORY:
+            self.store.free()
+            self.seq = 0
+
+    def save(self, trainer: pl.Trainer) -> Optional[int]:
+        """Every rank: snapshot the full checkpoint into its slot; the bytes written, or ``None`` (warned)
+        when shared memory is too small or the write failed (training goes on; the durable tier still saves)."""
+        if self.store is None:  # the run's first snapshot: name the run, and clean up after other runs
+            self.store = self._slot(create=True)
+            assert self.store is not None
+            self.store.clean_stale()
+        checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
+        self.seq += 1
+        try:
+            return self.store.save(checkpoint, trainer.global_step, self.seq)
+        except NotEnoughSharedMemory as err:
+            if not self.warned_full:
+                warnings.warn(f"ExactResume: {err}", ExactResumeWarning, stacklevel=2)
+                self.warned_full = True
+        except OSError as err:
+            warnings.warn(f"ExactResume: memory-tier snapshot failed ({err})", ExactResumeWarning, stacklevel=2)
+        return None
+
+    def free(self) -> None:
+        """A clean end of training: the durable tier has the final state; give the memory back."""
+        if self.store is not None:
+            self.store.free()
+
+
+def _exact_state(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    state = checkpoint.get("callbacks", {}).get("ExactResume")
+    return state if isinstance(state, dict) else {}
+
+
+def _why_not_memory(records: list[Any], newest_durable: int) -> Optional[str]:
+    """``None`` when every rank holds the same (step, sequence) newer than the durable checkpoint; else why not."""
+    missing = [rank for rank, r in enumerate(records) if r is None]
+    if missing:
+        return f"no verified snapshot on rank(s) {missing}"
+    if len({(step, seq) for step, seq, _ in records}) > 1:
+        return "ranks hold snapshots of different steps: " + ", ".join(
+            f"rank {rank} step {step} (save {seq})" for rank, (step, seq, _) in enumerate(records)
+        )
+    if records[0][0] <= newest_durable:
+        return f"its step {records[0][0]} is not newer than the durable checkpoint's step {newest_durable}"
+    return None
+
+
+def _failure(what: str) -> collective.Failure:
+    def failure(problems: Mapping[int, str]) -> BaseException:
+        return ConfigurationError("ExactResume(memory_tier=True)", [f"could not {what}: {problems}"])
+
+    return failure
+
+
+def warn_sharded(trainer: pl.Trainer) -> bool:
+    """The memory tier keeps one full checkpoint per rank: not for strategies whose ranks hold shards."""
+    if trainer.world_size > 1 and not type(trainer.strategy).__name__.startswith("DDP"):
+        rank_zero_warn(
+            f"ExactResume(memory_tier=True) supports single-device and DDP runs, not {type(trainer.strategy).__name__};"
+            " the memory tier is off for this run",
+            category=ExactResumeWarning,
+        )
+        return True
+    return False

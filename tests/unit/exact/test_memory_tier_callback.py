@@ -1,0 +1,88 @@
+"""ExactResume(memory_tier=True) in one process: a failed fit keeps its memory snapshot and the next
+``fit(ckpt_path="last")`` resumes from it and says so; a clean end frees it; ``ckpt_path=None`` drops it."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import lightning
+import pytest
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_resume import ExactResume, SafetensorsCheckpointIO
+from tests.helpers.models import TinyData, TinyModel, tiny_trainer
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    root = Path("/dev/shm") / f"lightning-resume-unit-{uuid.uuid4().hex[:8]}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+class Crash(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def _fit(tmp_path: Path, shm: Path, ckpt_path, crash_at=None) -> ExactResume:
+    lightning.seed_everything(0, verbose=False)
+    exact = ExactResume(
+        mtbf=None, every_n_train_steps_max=6, memory_tier=True, memory_dir=str(shm), memory_every_n_train_steps_max=2
+    )
+    callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
+    callbacks += [Crash(crash_at)] if crash_at is not None else []
+    trainer = tiny_trainer(callbacks, max_steps=12, limit_train_batches=4, plugins=[SafetensorsCheckpointIO()])
+    trainer.fit(TinyModel(), datamodule=TinyData(), ckpt_path=ckpt_path)
+    return exact
+
+
+def test_defaults_pick_the_two_level_schedule() -> None:
+    default = ExactResume(memory_tier=True).scheduler
+    assert default is not None and default.takes_memory_snapshots
+    assert default.config.process_mtbf_s is not None  # "observed" with the 1 h prior
+    capped = ExactResume(mtbf=None, memory_tier=True, memory_every_n_train_steps_max=3).scheduler
+    assert capped is not None and capped.takes_memory_snapshots and capped.config.process_mtbf_s is None
+    assert ExactResume(mtbf=None).memory is None
+
+
+def test_crash_keeps_the_snapshot_and_last_resumes_from_memory(tmp_path: Path, shm: Path) -> None:
+    with pytest.raises(RuntimeError, match="crash"):
+        _fit(tmp_path, shm, ckpt_path="last", crash_at=9)
+    assert len(list(shm.glob("*/rank-0-of-1.safetensors"))) == 1  # kept after the exception
+    resumed = _fit(tmp_path, shm, ckpt_path="last")
+    assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8
+    assert resumed.resume_report["exact"] and resumed.resume_report["fingerprint_ok"]
+    assert not list(shm.glob("*/rank-*")), "a clean end frees the memory tier"
+
+
+def test_a_fresh_start_drops_the_snapshot_of_another_line(tmp_path: Path, shm: Path) -> None:
+    with pytest.raises(RuntimeError, match="crash"):
+        _fit(tmp_path, shm, ckpt_path="last", crash_at=9)
+    with pytest.raises(RuntimeError, match="crash"):
+        _fit(tmp_path, shm, ckpt_path=None, crash_at=1)  # starts over: step 8's snapshot is not its own
+    assert not list(shm.glob("*/rank-*.safetensors"))
+    resumed = _fit(tmp_path, shm, ckpt_path="last")
+    assert resumed.resume_report.get("tier") != "memory"
+
+
+def test_memory_options_come_from_lightning_cli_yaml() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(ExactResume, "exact")
+    init_args = {"mtbf": None, "memory_tier": True, "process_mtbf": "1h", "memory_dir": "/dev/shm/x"}
+    config = parser.parse_object({"exact": dict(init_args, memory_every_n_train_steps_max=5)})
+    exact = parser.instantiate(config).exact if hasattr(parser, "instantiate") else None
+    exact = exact or parser.instantiate_classes(config).exact
+    assert exact.memory is not None and exact.memory.root == "/dev/shm/x"
+    assert (
+        exact.scheduler.config.process_mtbf_s == 3600.0 and exact.scheduler.config.memory_every_n_train_steps_max == 5
+    )

@@ -1,0 +1,161 @@
+"""The memory tier's store: atomic replace, verified load, size check, clean-end free, stale cleanup by
+ownership; and the rule that decides whether ranks resume from memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_resume import ConfigurationError, ExactResume, ExactResumeWarning
+from lightning_resume.errors import CheckpointCorruptError
+from lightning_resume.exact.memory import MemoryTier, _why_not_memory
+from lightning_resume.io import memory_tier
+from lightning_resume.io.atomic import owner_token
+from lightning_resume.io.memory_tier import MemoryStore, NotEnoughSharedMemory, durable_step, run_id, run_key
+from lightning_resume.io.write import save_file
+
+
+def _state(step: int) -> dict:
+    return {"global_step": step, "w": torch.arange(6, dtype=torch.float32) + step, "loops": {"x": step}}
+
+
+def test_save_load_roundtrip_and_replace(tmp_path: Path) -> None:
+    store = MemoryStore(str(tmp_path), "k", rank=0, world_size=1)
+    state = _state(5)
+    store.save(_state(3), step=3, seq=1)
+    store.save(state, step=5, seq=2)
+    state["w"].add_(100)  # the snapshot was copied when save returned: later changes are not in it
+    store.wait()
+    snap = MemoryStore(str(tmp_path), "k", rank=0, world_size=1).load()  # what a new process finds
+    assert snap is not None and (snap.step, snap.seq) == (5, 2)
+    assert torch.equal(snap.checkpoint["w"], _state(5)["w"]) and memory_tier.MEMORY_KEY not in snap.checkpoint
+    assert sorted(os.listdir(tmp_path / "k")) == ["rank-0-of-1.owner", "rank-0-of-1.safetensors"]  # one snapshot
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_failed_save_leaves_the_previous_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    store = MemoryStore(str(tmp_path), "k", rank=0, world_size=1, asynchronous=asynchronous)
+    store.save(_state(3), step=3, seq=1)
+    store.wait()
+
+    def crash(src: str, dst: str) -> None:
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr("lightning_resume.io.atomic.os.replace", crash)
+    with pytest.raises(OSError, match="before the rename"):
+        store.save(_state(9), step=9, seq=2)
+        store.wait()  # asynchronous: the worker's failure is reported here
+    monkeypatch.undo()
+    snap = store.load()
+    assert snap is not None and snap.step == 3  # the new one never replaced the old one
+    assert sorted(os.listdir(tmp_path / "k")) == ["rank-0-of-1.owner", "rank-0-of-1.safetensors"]  # no temporary
+
+
+def test_a_damaged_or_foreign_snapshot_is_refused(tmp_path: Path) -> None:
+    store = MemoryStore(str(tmp_path), "k", rank=0, world_size=2)
+    store.save(_state(3), step=3, seq=1)
+    store.wait()
+    other = MemoryStore(str(tmp_path), "k", rank=1, world_size=2)
+    Path(other.path).write_bytes(Path(store.path).read_bytes())  # rank 0's file in rank 1's slot
+    with pytest.raises(CheckpointCorruptError, match="not this slot's"):
+        other.load()
+    data = bytearray(Path(store.path).read_bytes())
+    data[-3] ^= 0xFF  # one flipped bit in the tensor bytes
+    Path(store.path).write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="rank-0-of-2.safetensors"):
+        store.load()
+    tier = MemoryTier(str(tmp_path))
+    tier.store = store
+    with pytest.warns(ExactResumeWarning, match=f"skipping the memory-tier snapshot {store.path} on rank 0"):
+        assert tier._load_verified() is None
+
+
+def test_size_check_names_needed_free_and_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory_tier, "free_bytes", lambda directory: 1000)
+    store = MemoryStore(str(tmp_path), "k", rank=0, world_size=1)
+    big = {"global_step": 1, "w": torch.zeros(1 << 20)}
+    with pytest.raises(NotEnoughSharedMemory) as err:
+        store.save(big, step=1, seq=1)
+    message = str(err.value)
+    assert "needs 5.0 MiB" in message and "0.0 MiB free" in message
+    assert "/dev/shm" in message and "memory_tier=False" in message
+    assert not store.exists()
+
+
+def test_clean_end_frees_everything(tmp_path: Path) -> None:
+    stores = [MemoryStore(str(tmp_path), "k", rank=r, world_size=2) for r in range(2)]
+    for s in stores:
+        s.save(_state(1), step=1, seq=1)
+        s.wait()
+    stores[0].free()
+    assert not stores[0].exists() and stores[1].exists()
+    stores[1].free()
+    assert os.listdir(tmp_path) == []
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _other_run(root: Path, name: str, owner: str, age_s: float) -> Path:
+    directory = root / name
+    directory.mkdir()
+    (directory / "rank-0-of-1.safetensors").write_bytes(b"x")
+    (directory / "rank-0-of-1.owner").write_text(owner)
+    old = time.time() - age_s
+    for p in directory.iterdir():
+        os.utime(p, (old, old))
+    return directory
+
+
+def test_stale_cleanup_removes_only_unowned_old_runs(tmp_path: Path) -> None:
+    day = memory_tier.STALE_AFTER_S
+    dead = _other_run(tmp_path, "dead-old", f"{owner_token()} {_dead_pid()}", 2 * day)
+    alive = _other_run(tmp_path, "alive-old", f"{owner_token()} {os.getpid()}", 2 * day)
+    recent = _other_run(tmp_path, "dead-recent", f"{owner_token()} {_dead_pid()}", 60)  # a crashed run's relaunch
+    foreign = _other_run(tmp_path, "foreign-old", f"{'0' * 12} 1", 2 * day)  # another host: age decides
+    mine = _other_run(tmp_path, "k", f"{owner_token()} {_dead_pid()}", 2 * day)
+    removed = MemoryStore(str(tmp_path), "k", rank=0, world_size=1).clean_stale()
+    assert sorted(removed) == sorted([str(dead), str(foreign)])
+    assert alive.exists() and recent.exists() and mine.exists()
+
+
+def test_run_id_is_stored_in_the_durable_directory(tmp_path: Path) -> None:
+    assert run_id(str(tmp_path), create=False) is None
+    made = run_id(str(tmp_path), create=True)
+    assert made and run_id(str(tmp_path), create=False) == made
+    assert run_key(str(tmp_path), made) != run_key(str(tmp_path), "another run")
+
+
+def test_durable_step_reads_the_header(tmp_path: Path) -> None:
+    save_file(_state(42), str(tmp_path / "a.ckpt"))
+    torch.save({"global_step": 3}, tmp_path / "legacy.ckpt")
+    assert durable_step(str(tmp_path / "a.ckpt")) == 42
+    assert durable_step(str(tmp_path / "legacy.ckpt")) == -1 and durable_step(None) == -1
+
+
+def test_ranks_resume_from_memory_only_together() -> None:
+    assert _why_not_memory([(7, 3, 1.0), (7, 3, 2.0)], newest_durable=4) is None
+    assert "rank(s) [1]" in str(_why_not_memory([(7, 3, 1.0), None], newest_durable=4))
+    assert "different steps" in str(_why_not_memory([(7, 3, 1.0), (5, 2, 1.0)], newest_durable=4))
+    assert "not newer" in str(_why_not_memory([(7, 3, 1.0)], newest_durable=7))
+
+
+def test_memory_options_are_checked_at_construction() -> None:
+    with pytest.raises(ConfigurationError) as err:
+        ExactResume(mtbf=None, memory_dir="/dev/shm/x", memory_every_n_train_steps_max=0)
+    text = str(err.value)
+    assert "memory_dir='/dev/shm/x' configures the memory tier; pass memory_tier=True" in text
+    assert "memory_every_n_train_steps_max=0 must be an integer >= 1" in text
+    with pytest.raises(ConfigurationError, match="local"):
+        ExactResume(mtbf=None, memory_tier=True, memory_dir="s3://bucket/shm")

@@ -3,7 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # In-process tests run on both cores; tests that spawn processes (DDP, SIGKILL, torchrun) run one at a
-# time after them, so their timing-sensitive children are not starved.
+# time after them, so their timing-sensitive children are not starved. `make test` (CI) runs a covering
+# subset of the kill-and-resume matrices; `make test-all` adds the rest (the `extended` marker).
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 
 $(BIN)/.installed: requirements-dev.txt pyproject.toml
@@ -13,7 +14,7 @@ $(BIN)/.installed: requirements-dev.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: demo test lint unit integration venv
+.PHONY: demo test test-all lint unit integration integration-all venv
 venv: $(BIN)/.installed
 
 demo: $(BIN)/.installed
@@ -28,6 +29,11 @@ unit: $(BIN)/.installed
 	$(PYTEST) -n 2 -m "not multiprocess" tests
 
 integration: $(BIN)/.installed
+	$(PYTEST) -m "multiprocess and not extended" tests
+
+integration-all: $(BIN)/.installed
 	$(PYTEST) -m multiprocess tests
 
 test: lint unit integration
+
+test-all: lint unit integration-all

@@ -13,6 +13,9 @@ import torch
 
 from tests.helpers import kill_resume as h
 
+# Outside `make test` (see tests/integration/conftest.py): `make demo` runs the demo itself.
+EXTENDED = frozenset({"test_demo_proves_its_claims"})
+
 BASE = {
     "n": 40,
     "batch_size": 4,

@@ -36,6 +36,7 @@ from lightning_resume.schedule.policy import (
     DEFAULT_MIN_INTERVAL,
     DEFAULT_MTBF,
     DEFAULT_MTBF_PRIOR,
+    DEFAULT_PROCESS_MTBF_PRIOR,
 )
 from lightning_resume.schedule.preemption import DEFAULT_SIGNALS, PreemptionFlag
 
@@ -43,11 +44,6 @@ NOT_RESTORED_WITHOUT_EXACT_RESUME = (
     "RNG streams (Python, NumPy, torch CPU/CUDA, registered generators), the data position aligned with"
     " the last trained batch, loader worker RNG, validation due at the saved step"
 )
-
-
-DEFAULT_PROCESS_MTBF_PRIOR: Duration = "1h"
-"""Prior of the process MTBF (M1) when ``memory_tier=True`` is given without ``process_mtbf``: failures that
-keep the machine (exceptions, OOM kills, timeouts, deploys) are the common kind; the history refines it."""
 
 
 def _memory_schedule(memory_tier: bool, process_mtbf: Optional[Duration], every: Optional[int]) -> dict[str, Any]:

@@ -32,13 +32,16 @@ DEFAULT_CHECK_INTERVAL: Duration = "10s"
 DEFAULT_MEMORY_INITIAL_COST: Duration = "5s"
 DEFAULT_MTBF: Duration = "observed"
 DEFAULT_MTBF_PRIOR: Duration = "30d"
+DEFAULT_PROCESS_MTBF_PRIOR: Duration = "1h"
 """The schedule's defaults, written once: ``ScheduleConfig`` and ``ExactResume``'s arguments use these.
 
 The MTBF prior is per node. Meta's Llama 3 405B run (Llama 3 paper, 2024) saw 419 unexpected
 interruptions in 54 days on 2,048 nodes of 8 H100s: about 6,300 h (260 days) per node. The prior is
 about 9x shorter, for clusters less tended than that one, preemptible capacity and software failures;
 if the truth is k times longer the waste is (sqrt(k) + 1/sqrt(k)) / 2 of the optimum (1.7x at k = 9),
-and the observed history replaces the prior as failures (or failure-free time) accumulate."""
+and the observed history replaces the prior as failures (or failure-free time) accumulate. The process
+MTBF prior (M1, the memory tier's failures: exceptions, OOM kills, timeouts, deploys, which keep the
+machine) is the common kind of failure, so it is much shorter; the history refines it the same way."""
 
 COST_WINDOW = 5
 """How many recent blocking costs the C estimate is the median of (robust to one slow first save)."""

@@ -14,16 +14,18 @@ from tests.helpers import kill_resume as h
 
 # Outside `make test` (see tests/integration/conftest.py); DDP resume stays covered there by
 # test_exact_stock_data, the controls by test_exact_stock_loops.
-EXTENDED = frozenset({
-    "test_killed_run_resumes_bit_for_bit[mid_epoch]",
-    "test_killed_run_resumes_bit_for_bit[last_batch_of_epoch]",
-    "test_killed_run_resumes_bit_for_bit[validation_due_at_save]",
-    "test_killed_run_resumes_bit_for_bit[validation_due_at_epoch_end_save]",
-    "test_killed_run_resumes_bit_for_bit[safetensors_io_iterable]",
-    "test_killed_run_resumes_bit_for_bit[workers2_accumulate_validation_epoch_end]",
-    "test_ddp_two_processes_resume_bit_for_bit",
-    "test_plain_lightning_resume_differs",
-})
+EXTENDED = frozenset(
+    {
+        "test_killed_run_resumes_bit_for_bit[mid_epoch]",
+        "test_killed_run_resumes_bit_for_bit[last_batch_of_epoch]",
+        "test_killed_run_resumes_bit_for_bit[validation_due_at_save]",
+        "test_killed_run_resumes_bit_for_bit[validation_due_at_epoch_end_save]",
+        "test_killed_run_resumes_bit_for_bit[safetensors_io_iterable]",
+        "test_killed_run_resumes_bit_for_bit[workers2_accumulate_validation_epoch_end]",
+        "test_ddp_two_processes_resume_bit_for_bit",
+        "test_plain_lightning_resume_differs",
+    }
+)
 
 EVERY_3 = {"every_n_train_steps": 3, "save_top_k": -1, "save_last": True, "filename": "{step}"}
 EVERY_5 = {"every_n_train_steps": 5, "save_top_k": -1, "save_last": True, "filename": "{step}"}

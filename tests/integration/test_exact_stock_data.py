@@ -20,22 +20,24 @@ from tests.helpers import kill_resume as h
 # Outside `make test` (see tests/integration/conftest.py). The subset keeps: a dataset with its own state,
 # an iterable without state, a plain DataLoader in epoch 1 (all with 2 workers), DDP with a plain
 # DataLoader and Lightning's sampler replacement, and one control.
-EXTENDED = frozenset({
-    "test_stock_pipeline_resumes_bit_for_bit[map_workers2]",
-    "test_stock_pipeline_resumes_bit_for_bit[map_workers2_second_epoch]",
-    "test_stock_pipeline_resumes_bit_for_bit[map_own_state_workers0]",
-    "test_stock_pipeline_resumes_bit_for_bit[iterable_stateful_iterator_workers2]",
-    "test_stock_pipeline_resumes_bit_for_bit[iterable_own_state_workers2]",
-    "test_stock_pipeline_resumes_bit_for_bit[torch_dataloader]",
-    "test_stock_pipeline_resumes_bit_for_bit[torch_dataloader_iterable_workers2]",
-    "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[shuffle_seeded_workers0]",
-    "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[no_shuffle_drop_last_unseeded_workers2]",
-    "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[shuffle_drop_last_unseeded]",
-    "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[recipe_sampler_workers2_second_epoch]",
-    "test_control_without_exact_resume_differs[map_workers2]",
-    "test_control_without_exact_resume_differs[map_own_state_workers2]",
-    "test_ddp_control_without_exact_resume_differs",
-})
+EXTENDED = frozenset(
+    {
+        "test_stock_pipeline_resumes_bit_for_bit[map_workers2]",
+        "test_stock_pipeline_resumes_bit_for_bit[map_workers2_second_epoch]",
+        "test_stock_pipeline_resumes_bit_for_bit[map_own_state_workers0]",
+        "test_stock_pipeline_resumes_bit_for_bit[iterable_stateful_iterator_workers2]",
+        "test_stock_pipeline_resumes_bit_for_bit[iterable_own_state_workers2]",
+        "test_stock_pipeline_resumes_bit_for_bit[torch_dataloader]",
+        "test_stock_pipeline_resumes_bit_for_bit[torch_dataloader_iterable_workers2]",
+        "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[shuffle_seeded_workers0]",
+        "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[no_shuffle_drop_last_unseeded_workers2]",
+        "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[shuffle_drop_last_unseeded]",
+        "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[recipe_sampler_workers2_second_epoch]",
+        "test_control_without_exact_resume_differs[map_workers2]",
+        "test_control_without_exact_resume_differs[map_own_state_workers2]",
+        "test_ddp_control_without_exact_resume_differs",
+    }
+)
 
 EVERY_3 = {"every_n_train_steps": 3, "save_top_k": -1, "save_last": True, "filename": "{step}"}
 STOCK = {

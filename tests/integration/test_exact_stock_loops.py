@@ -22,21 +22,23 @@ from tests.helpers import kill_resume as h
 # Outside `make test` (see tests/integration/conftest.py). The subset keeps both stops, both checkpoint
 # kinds and validation once each, the default ModelCheckpoint, RetentionCheckpoint with mtbf, the
 # validation epoch, SWA starting mid-epoch, the epoch-interval scheduler, the named hook and one control.
-EXTENDED = frozenset({
-    "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-no_validation-max_steps]",
-    "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-no_validation-max_epochs]",
-    "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-validation_at_epoch_end-max_epochs]",
-    "test_stock_checkpoint_resumes_bit_for_bit[mid_epoch_checkpoint-no_validation-max_steps]",
-    "test_stock_checkpoint_resumes_bit_for_bit[mid_epoch_checkpoint-validation_at_epoch_end-max_steps]",
-    "test_stock_checkpoint_resumes_bit_for_bit[mid_epoch_checkpoint-validation_at_epoch_end-max_epochs]",
-    "test_epoch_interval_scheduler[epoch_end_checkpoint-max_steps]",
-    "test_epoch_interval_scheduler[epoch_end_checkpoint-max_epochs]",
-    "test_epoch_interval_scheduler[mid_epoch_checkpoint-max_epochs]",
-    "test_validation_due_after_last_batch_save_sees_the_same_epoch[max_epochs]",
-    "test_stochastic_weight_averaging[mid_epoch_swa_active]",
-    "test_stochastic_weight_averaging[last_batch_before_swa_starts]",
-    "test_plain_lightning_differs[validation_after_last_batch_save]",
-})
+EXTENDED = frozenset(
+    {
+        "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-no_validation-max_steps]",
+        "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-no_validation-max_epochs]",
+        "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-validation_at_epoch_end-max_epochs]",
+        "test_stock_checkpoint_resumes_bit_for_bit[mid_epoch_checkpoint-no_validation-max_steps]",
+        "test_stock_checkpoint_resumes_bit_for_bit[mid_epoch_checkpoint-validation_at_epoch_end-max_steps]",
+        "test_stock_checkpoint_resumes_bit_for_bit[mid_epoch_checkpoint-validation_at_epoch_end-max_epochs]",
+        "test_epoch_interval_scheduler[epoch_end_checkpoint-max_steps]",
+        "test_epoch_interval_scheduler[epoch_end_checkpoint-max_epochs]",
+        "test_epoch_interval_scheduler[mid_epoch_checkpoint-max_epochs]",
+        "test_validation_due_after_last_batch_save_sees_the_same_epoch[max_epochs]",
+        "test_stochastic_weight_averaging[mid_epoch_swa_active]",
+        "test_stochastic_weight_averaging[last_batch_before_swa_starts]",
+        "test_plain_lightning_differs[validation_after_last_batch_save]",
+    }
+)
 
 EPOCH = 12
 """Training batches per epoch (48 samples, batch size 4)."""

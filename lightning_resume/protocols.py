@@ -54,3 +54,11 @@ class AsyncCheckpointWriter(Protocol):
 
     def wait(self, path: Optional[str] = None, timeout: Optional[float] = None) -> bool:
         """Block until ``path`` (or every pending write) is durable; raise its failure; ``False`` on timeout."""
+
+
+@runtime_checkable
+class StagingCheckpointIO(Protocol):
+    """A ``CheckpointIO`` that can prepare its host staging memory ahead of the first save."""
+
+    def reserve(self, nbytes: int, pinned: bool = False) -> None:
+        """Allocate and touch staging memory for a checkpoint of about ``nbytes``, in the background."""

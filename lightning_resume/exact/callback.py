@@ -161,6 +161,7 @@ class ExactResume(Callback):
         self._trainer: Optional[pl.Trainer] = None
         self._pending: Optional[dict[str, Any]] = None
         self._after_batch = False
+        self._staging_reserved = False
         self._in_validation = False
         self._requeue_signal: Optional[signal.Signals] = None
         self._stop_replacing_loaders: Optional[Callable[[], None]] = None
@@ -288,6 +289,9 @@ class ExactResume(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._after_batch = True
+        if not self._staging_reserved and lc.at_optimizer_step(trainer):
+            self._staging_reserved = True  # the optimizer state exists now: size the first save's staging
+            snapshots.reserve_staging(trainer)
         if self.scheduler is not None and lc.at_optimizer_step(trainer):
             stop = driver.at_step_boundary(self.scheduler, self.preemption, trainer, self._requeue_signal, self.memory)
             self.preempted = stop or self.preempted

@@ -14,6 +14,7 @@ from typing import Optional
 
 import fsspec
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -27,7 +28,7 @@ from lightning_resume.io.atomic import (
     local_path,
     temp_name,
 )
-from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget
+from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget, StagingCheckpointIO
 
 SNAPSHOT_PREFIX = "last-snapshot-step="
 
@@ -87,6 +88,30 @@ def older_snapshots(dirpath: str, step: int) -> list[str]:
 def async_writer(trainer: pl.Trainer) -> Optional[AsyncCheckpointWriter]:
     io = trainer.strategy.checkpoint_io
     return io if isinstance(io, AsyncCheckpointWriter) else None
+
+
+RESERVE_SLACK = 1.01, 16 << 20
+"""Staging reserved ahead: the model's and optimizers' tensors times 1.01, plus 16 MiB for the rest of the
+checkpoint (loop and callback state, RNG streams, fingerprints)."""
+
+
+def reserve_staging(trainer: pl.Trainer) -> Optional[int]:
+    """Have an async ``CheckpointIO`` prepare its staging memory for this run's checkpoints now (called once
+    the optimizer state exists, after the first step), so the first save does not pay the page faults of
+    fresh memory on the training thread. Only the rank that writes the trainer's checkpoints, and only when
+    a checkpoint callback will write one; returns the bytes reserved, or ``None``."""
+    io = trainer.strategy.checkpoint_io
+    writes = trainer.is_global_zero and (snapshot_target(trainer) or first_model_checkpoint(trainer))
+    if not writes or not isinstance(io, StagingCheckpointIO):
+        return None
+    module = trainer.lightning_module
+    tensors = [t for t in module.state_dict().values() if isinstance(t, torch.Tensor)]
+    for optimizer in trainer.optimizers:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    factor, extra = RESERVE_SLACK
+    nbytes = int(sum(t.numel() * t.element_size() for t in tensors) * factor) + extra
+    io.reserve(nbytes, pinned=any(t.is_cuda for t in tensors))
+    return nbytes
 
 
 def wait_durable(writer: AsyncCheckpointWriter, path: str) -> None:

@@ -183,6 +183,13 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     # ---- async status (``lightning_resume.protocols.AsyncCheckpointWriter``) ----------------------
 
+    def reserve(self, nbytes: int, pinned: bool = False) -> None:
+        """With ``async_save``, allocate and touch the staging memory for a checkpoint of about ``nbytes`` now,
+        in the background, so the first save blocks for one copy instead of the page faults of fresh memory
+        (``ExactResume`` calls this after the first optimizer step). A no-op for synchronous saves."""
+        if self._saver is not None:
+            self._saver.reserve(nbytes, pinned)
+
     def write_in_flight(self, path: Optional[str] = None) -> bool:
         """Whether a write (of ``path``, if given) is queued or running."""
         return self._saver is not None and self._saver.in_flight(None if path is None else str(path))

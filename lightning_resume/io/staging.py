@@ -258,6 +258,20 @@ class HostBuffers:
     def release(self) -> None:
         self._pool, self._layout, self._last = None, None, None
 
+    def reserve(self, nbytes: int, pinned: bool = False) -> None:
+        """Allocate the pool for a data section of about ``nbytes`` and touch every page of it now.
+
+        Fresh memory costs a page fault per page at first touch; done here, ahead of time and off the
+        training thread, the first snapshot blocks for a copy only (a snapshot that needs more than was
+        reserved reallocates, as without a reservation)."""
+        size = _blocks(nbytes)
+        if self._pool is not None and self.capacity >= size and (self.pinned or not pinned):
+            return
+        self._layout = None
+        self._ensure(size, pinned)
+        assert self._pool is not None
+        self._pool.zero_()
+
     def _ensure(self, nbytes: int, pinned: bool) -> None:
         if self._pool is not None and self.capacity >= nbytes and (self.pinned or not pinned):
             return
@@ -602,6 +616,19 @@ class AsyncSaver:
             self.writer.wait([job])  # the write stops at the first byte not copied and leaves no file
             self.writer.discard(job)  # the caller gets the copy's own error, now; not a second one later
             raise
+
+    def reserve(self, nbytes: int, pinned: bool = False) -> None:
+        """Prepare the pool for snapshots of about ``nbytes`` on the worker (at its lowered priority), so the
+        first save blocks for a copy, not for page faults; returns at once (a save waits for it). A
+        reservation that fails (no memory) is logged and leaves the first save to allocate, as before."""
+
+        def run() -> None:
+            try:
+                self.buffers.reserve(nbytes, pinned)
+            except (MemoryError, RuntimeError) as err:  # torch reports a failed allocation as RuntimeError
+                log.warning("lightning-resume: could not reserve %d bytes of staging memory ahead: %s", nbytes, err)
+
+        self.writer.submit(Job("reserve", "", run))
 
     def remove(self, path: str, remove: Callable[[], None]) -> None:
         """Queue a deletion after everything submitted so far (skipped if the write before it failed)."""

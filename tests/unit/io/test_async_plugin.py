@@ -11,18 +11,18 @@ import os
 import threading
 import time
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
 from lightning_resume.io import read, write
 from lightning_resume.io.staging import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.protocols import AsyncCheckpointWriter
 from tests.helpers.compare import assert_same
+from tests.helpers.tiny_fit import Tiny
+from tests.helpers.tiny_fit import tiny_trainer as _trainer
 
 
 def _slow(io, seconds=0.3, gate=None):
@@ -215,32 +215,6 @@ def test_read_only_directory_raises_naming_the_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ Lightning fits
-
-
-class Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def training_step(self, batch, _):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
-
-
-def _trainer(root, max_steps, callbacks, io):
-    return L.Trainer(
-        default_root_dir=str(root), max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", devices=1, callbacks=callbacks, plugins=[io],
-    )  # fmt: skip
 
 
 def test_a_failed_write_stops_the_fit_with_the_file_named(tmp_path, monkeypatch):

@@ -524,9 +524,21 @@ def fit_steps_per_second(plugin, root: str, every: int, steps: int, width: int) 
     return steps / elapsed
 
 
+class NullCheckpointIO(TorchCheckpointIO):
+    """Writes nothing: what Lightning's own checkpoint path costs (``dump_checkpoint``, ModelCheckpoint's
+    bookkeeping) before any CheckpointIO runs, the floor of every row below it."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+    def remove_checkpoint(self, path) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+
 def measure_fits(root: str, every: int, steps: int, width: int, repeats: int) -> Dict[str, float]:
     kinds = {
         "no checkpoints": lambda: "none",
+        "Lightning's checkpoint path, null CheckpointIO (floor)": lambda: NullCheckpointIO(),
         "Lightning default (TorchCheckpointIO)": lambda: "lightning",
         "Lightning AsyncCheckpointIO": lambda: AsyncCheckpointIO(TorchCheckpointIO()),
         "SafetensorsCheckpointIO() sync": lambda: SafetensorsCheckpointIO(),

@@ -31,6 +31,7 @@ import torch
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io import framing, read, remote, write
 from lightning_resume.io.atomic import STALE_AFTER_S, _pid_alive, atomic_write, owner_token
+from lightning_resume.io.integrity import DEFAULT_ALGORITHM
 from lightning_resume.io.staging import AsyncSaver, StagedTensors
 
 DEFAULT_ROOT = "/dev/shm/lightning-resume"
@@ -103,14 +104,14 @@ class MemoryStore:
         key: the run key (:func:`run_key`).
         rank, world_size: this process's place; a snapshot is only read back by the same rank of
             the same world size.
-        checksum: digest written into the file (``"crc32"``, as ``SafetensorsCheckpointIO``).
+        checksum: digest written into the file (default ``DEFAULT_ALGORITHM``, as ``SafetensorsCheckpointIO``).
         asynchronous: block only to copy the tensors into reusable host buffers (``staging.AsyncSaver``,
             as async saves do) and write the file on a worker; a process killed meanwhile keeps the
             previous snapshot. ``False``: the snapshot is committed when :meth:`save` returns.
     """
 
     def __init__(
-        self, root: str, key: str, rank: int, world_size: int, checksum: str = "crc32", asynchronous: bool = True
+        self, root: str, key: str, rank: int, world_size: int, checksum: str = DEFAULT_ALGORITHM, asynchronous: bool = True
     ) -> None:
         self.root, self.key, self.rank, self.world_size, self.checksum = str(root), key, rank, world_size, checksum
         self.directory = os.path.join(self.root, key)

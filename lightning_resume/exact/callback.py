@@ -281,6 +281,8 @@ class ExactResume(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning does not call ``teardown`` on callbacks after an exception: give the signals back now.
         self._give_back_hooks()
+        if self.memory is not None:
+            self.memory.flush()  # the newest memory snapshot is what the relaunch after this failure resumes from
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
-from lightning_resume.errors import CheckpointCorruptError, ConfigurationError, ExactResumeWarning
+from lightning_resume.errors import AsyncWriteError, CheckpointCorruptError, ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.io.memory_tier import (
     MemorySnapshot,
@@ -33,6 +33,10 @@ from lightning_resume.schedule.policy import Tier
 
 MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
 """The tiers a run can resume from (``ExactResume.resume_report["tier"]``)."""
+
+
+FLUSH_TIMEOUT_S = 60.0
+"""How long an exception waits for the memory-tier snapshot being written (one tmpfs write of the state)."""
 
 
 class MemoryTier:
@@ -140,6 +144,22 @@ class MemoryTier:
         except OSError as err:
             warnings.warn(f"ExactResume: memory-tier snapshot failed ({err})", ExactResumeWarning, stacklevel=2)
         return None
+
+    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """After an exception, before the process exits: let the snapshot being written commit (its worker is a
+        daemon thread that exit would cut short, losing the newest snapshot to the failure it is for)."""
+        if self.store is None:
+            return
+        try:
+            if not self.store.wait(timeout):
+                warnings.warn(
+                    f"ExactResume: the memory-tier snapshot {self.store.path} was not committed within {timeout:.0f}s"
+                    " of the exception; a relaunch resumes from the one before it",
+                    ExactResumeWarning,
+                    stacklevel=2,
+                )
+        except (AsyncWriteError, OSError) as err:  # the training error is the one raised; this one is reported
+            warnings.warn(f"ExactResume: memory-tier snapshot failed ({err})", ExactResumeWarning, stacklevel=2)
 
     def free(self) -> None:
         """A clean end of training: the durable tier has the final state; give the memory back."""

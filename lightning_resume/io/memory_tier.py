@@ -111,7 +111,13 @@ class MemoryStore:
     """
 
     def __init__(
-        self, root: str, key: str, rank: int, world_size: int, checksum: str = DEFAULT_ALGORITHM, asynchronous: bool = True
+        self,
+        root: str,
+        key: str,
+        rank: int,
+        world_size: int,
+        checksum: str = DEFAULT_ALGORITHM,
+        asynchronous: bool = True,
     ) -> None:
         self.root, self.key, self.rank, self.world_size, self.checksum = str(root), key, rank, world_size, checksum
         self.directory = os.path.join(self.root, key)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -86,3 +87,22 @@ def test_memory_options_come_from_lightning_cli_yaml() -> None:
     assert (
         exact.scheduler.config.process_mtbf_s == 3600.0 and exact.scheduler.config.memory_every_n_train_steps_max == 5
     )
+
+
+def test_an_exception_lets_the_snapshot_being_written_commit(tmp_path: Path, shm: Path, monkeypatch) -> None:
+    """A slow memory-tier write (step 8) still in flight when training raises at step 9 is committed before
+    the exception leaves ``fit``: the relaunch resumes from step 8, not from the snapshot before it."""
+    from lightning_resume.io.memory_tier import MemoryStore
+
+    commit = MemoryStore._commit
+
+    def slow_commit(self, path, tree_json, staged):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        commit(self, path, tree_json, staged)
+
+    monkeypatch.setattr(MemoryStore, "_commit", slow_commit)
+    with pytest.raises(RuntimeError, match="crash"):
+        _fit(tmp_path, shm, ckpt_path="last", crash_at=9)
+    monkeypatch.setattr(MemoryStore, "_commit", commit)
+    resumed = _fit(tmp_path, shm, ckpt_path="last")
+    assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8

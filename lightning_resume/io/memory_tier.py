@@ -30,7 +30,14 @@ import torch
 
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io import framing, read, remote, write
-from lightning_resume.io.atomic import STALE_AFTER_S, _pid_alive, atomic_write, owner_token
+from lightning_resume.io.atomic import (
+    STALE_AFTER_S,
+    _pid_alive,
+    _read_quietly,
+    _remove_quietly,
+    atomic_write,
+    owner_token,
+)
 from lightning_resume.io.integrity import DEFAULT_ALGORITHM
 from lightning_resume.io.staging import AsyncSaver, StagedTensors
 
@@ -165,7 +172,7 @@ class MemoryStore:
     def _claim(self) -> None:
         """Record this process as the slot's writer, so no other run's cleanup removes it while it lives."""
         owner = f"{owner_token()} {os.getpid()}"
-        if _read_text(self.owner_path) != owner:
+        if _read_quietly(self.owner_path) != owner:
             atomic_write(self.owner_path, lambda f: f.write(owner.encode()))
 
     def exists(self) -> bool:
@@ -232,23 +239,10 @@ def _stale(directory: str, now: float) -> bool:
     mine = owner_token()
     for name in names:
         if name.endswith(".owner"):
-            token, _, pid = _read_text(os.path.join(directory, name)).partition(" ")
+            token, _, pid = _read_quietly(os.path.join(directory, name)).partition(" ")
             if token == mine and pid.isdigit() and _pid_alive(int(pid)):
                 return False
     return True
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
 
 
 def describe(snapshot: Optional[MemorySnapshot]) -> Optional[dict[str, Any]]:

@@ -1,13 +1,13 @@
 """Structural interfaces between the parts, checked with ``isinstance`` (``runtime_checkable``).
 
 They let a hook use a mechanism without importing it: ``RetentionCheckpoint`` verifies files with
-whatever ``CheckpointIO`` the trainer has, if that IO can verify; ``ExactResume`` triggers saves
+whatever ``CheckpointIO`` the trainer has, if that IO can verify, and lets it resolve "last" if it can; ``ExactResume`` triggers saves
 through whatever checkpoint callback can take a snapshot on demand.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -19,6 +19,22 @@ class VerifyingCheckpointIO(Protocol):
 
     def verify_checkpoint(self, path: str) -> None:
         """Return if ``path`` verifies; raise ``CheckpointCorruptError`` naming what is wrong otherwise."""
+
+
+@runtime_checkable
+class ResolvingCheckpointIO(Protocol):
+    """A ``CheckpointIO`` that resolves "last" itself, so that a resume reads the checkpoint once.
+
+    It checks each candidate only as far as its own load will not check it again (a load that hashes
+    every byte needs only the header checked here), and if the load of the one it chose fails, it falls
+    back along the other candidates, newest first, before any state is applied.
+    """
+
+    def resolve_newest(self, paths: Sequence[str], skipped: Callable[[str], None]) -> Optional[str]:
+        """The newest of ``paths`` (by training progress) to resume from; each one passed over told to ``skipped``."""
+
+    def loaded_path(self, path: str) -> str:
+        """The file a load of ``path`` actually read: ``path``, or the candidate it fell back to."""
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_resume.io import remote
+from lightning_resume import storage
 
 
 def train_loaders(trainer: pl.Trainer) -> list[Any]:
@@ -348,8 +348,8 @@ def checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
         logger = trainer.loggers[0]
         save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
         version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-        return remote.join(remote.join(remote.join(str(save_dir), str(logger.name)), version), "checkpoints")
-    return remote.join(str(trainer.default_root_dir), "checkpoints")
+        return storage.join(storage.join(storage.join(str(save_dir), str(logger.name)), version), "checkpoints")
+    return storage.join(str(trainer.default_root_dir), "checkpoints")
 
 
 _LIGHTNING_FIND_LAST = ModelCheckpoint._find_last_checkpoints
@@ -365,12 +365,12 @@ def _find_last_keeping_scheme(self: ModelCheckpoint, trainer: pl.Trainer) -> set
     Local directories go to Lightning's own code unchanged.
     """
     directory = checkpoint_dir(self, trainer)
-    if not remote.is_remote(directory):
+    if not storage.is_remote(directory):
         return _LIGHTNING_FIND_LAST(self, trainer)
     pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?")
     return {
         e.path
-        for e in remote.list_dir(directory)
+        for e in storage.list_dir(directory)
         if not e.is_dir and e.name.endswith(self.FILE_EXTENSION) and pattern.match(e.name[: -len(self.FILE_EXTENSION)])
     }
 

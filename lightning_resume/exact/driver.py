@@ -16,14 +16,13 @@ from typing import Any, Callable, Mapping, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_resume import collective
+from lightning_resume import collective, storage
 from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration
 from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
 from lightning_resume.exact.memory import MemoryTier
-from lightning_resume.io import remote
 from lightning_resume.schedule.policy import ScheduleConfig, Tier
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
@@ -189,7 +188,7 @@ def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason
         snapshots.wait_durable(writer, path)
     if scheduler is None or scheduler.state is None:
         return path
-    nbytes = remote.file_size(path) if trainer.is_global_zero else None  # a sharded directory: None
+    nbytes = storage.size(path) if trainer.is_global_zero else None  # a sharded directory: None
     metrics = scheduler.record(trainer.global_step, blocked, nbytes, writer)
     if trainer.is_global_zero:
         for logger in trainer.loggers:

@@ -18,14 +18,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_resume import storage
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
-from lightning_resume.io import remote
 from lightning_resume.io.atomic import (
     atomic_write,
     fsync_directory,
     fsync_file_and_dir,
-    is_local,
-    local_path,
     temp_name,
 )
 from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget, StagingCheckpointIO
@@ -65,7 +63,7 @@ def save_snapshot(trainer: pl.Trainer, reason: str) -> str:
             "ExactResume",
             ["scheduled snapshots need a checkpoint directory; add a RetentionCheckpoint or ModelCheckpoint"],
         )
-    path = remote.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
+    path = storage.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
     trainer.save_checkpoint(path)
     if trainer.is_global_zero:
         fsync_file_and_dir(path)  # durable before the older snapshot goes (a no-op for remote paths)
@@ -77,7 +75,7 @@ def save_snapshot(trainer: pl.Trainer, reason: str) -> str:
 def older_snapshots(dirpath: str, step: int) -> list[str]:
     """This directory's ``last-snapshot-step=N.ckpt`` with N < ``step``: superseded by the new one."""
     found = []
-    for entry in remote.list_dir(dirpath):  # URLs keep their scheme (s3fs lists scheme-less keys)
+    for entry in storage.list_dir(dirpath):  # URLs keep their scheme (s3fs lists scheme-less keys)
         name = entry.name
         digits = name[len(SNAPSHOT_PREFIX) : -len(".ckpt")]
         if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and digits.isdigit() and int(digits) < step:
@@ -128,12 +126,12 @@ def publish_as_hpc(path: str, hpc_path: str) -> None:
     SLURM job resumes from it whether its script passes ``ckpt_path="last"`` or ``None`` (Lightning's hpc
     resolution). Hard links where it can (instant whatever the size: this runs inside the preemption
     notice), else copies; committed by one rename. Rank 0 only, before the job is requeued."""
-    if not (is_local(str(path)) and is_local(hpc_path)):
+    if not (storage.is_local(str(path)) and storage.is_local(hpc_path)):
         fs, fs_path = fsspec.core.url_to_fs(str(path))
         with fs.open(fs_path, "rb") as source:
             atomic_write(hpc_path, lambda target: shutil.copyfileobj(source, target, 16 << 20))
         return
-    source, target = local_path(str(path)), local_path(hpc_path)
+    source, target = storage.local_path(str(path)), storage.local_path(hpc_path)
     parent = os.path.dirname(os.path.abspath(target))
     staging = os.path.join(parent, temp_name(os.path.basename(target)))
     if os.path.isdir(source):  # a sharded checkpoint directory

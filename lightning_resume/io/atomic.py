@@ -14,7 +14,7 @@ completion of a multi-part upload), whole; on any failure ``discard()`` aborts t
 so no partial object ever appears under a final name and "last" can never resolve one. A killed
 writer leaves at worst an incomplete multi-part upload, invisible to readers. A filesystem that
 cannot defer its commit gets a temporary sibling and ``fs.mv``. The whole transfer is retried with
-backoff on transient errors (``io.remote.with_retries``); permanent ones fail at once, naming the URL.
+backoff on transient errors (``storage.with_retries``); permanent ones fail at once, naming the URL.
 Stale temporaries and incomplete uploads are cleaned remotely too, by owner and age.
 This module knows files, not tensors or Lightning.
 """
@@ -31,9 +31,9 @@ import time
 from typing import Any, BinaryIO, Callable, List, Optional, Tuple
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
-from lightning_resume.io import remote
+from lightning_resume import storage
+from lightning_resume.storage import is_local, local_path
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<owner>[0-9a-f]{12})-)?(?P<pid>\d+)-[0-9a-f]{8}$")
 
@@ -71,11 +71,6 @@ def _read_quietly(path: str) -> str:
         return ""
 
 
-def is_local(path: str) -> bool:
-    fs, _ = fsspec.core.url_to_fs(str(path))
-    return isinstance(fs, LocalFileSystem)
-
-
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Run ``write(fileobj)`` into a temporary sibling and commit it as ``path``."""
     path = str(path)
@@ -83,11 +78,6 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
         _local_atomic_write(local_path(path), write)
     else:
         _remote_write_then_move(path, write)
-
-
-def local_path(path: str) -> str:
-    """The filesystem path of a local ``file://`` URL (or the path itself)."""
-    return fsspec.core.url_to_fs(path)[1] if "://" in path else path
 
 
 def _local_atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
@@ -109,7 +99,7 @@ def _local_atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
 def _remote_write_then_move(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Upload then commit, the whole transfer retried on transient errors (``write`` may run again)."""
     fs, fs_path = fsspec.core.url_to_fs(path)
-    remote.with_retries(lambda: _upload_then_commit(fs, fs_path, write), path, "write")
+    storage.with_retries(lambda: _upload_then_commit(fs, fs_path, write), path, "write")
 
 
 def _upload_then_commit(fs: fsspec.AbstractFileSystem, fs_path: str, write: Callable[[BinaryIO], object]) -> None:
@@ -188,7 +178,7 @@ def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List
     than ``STALE_AFTER_S`` are aborted too (they have no owner to ask).
     """
     now = time.time() if now is None else now
-    if remote.is_remote(directory):
+    if storage.is_remote(directory):
         return _clean_remote(str(directory), now)
     try:
         names = os.listdir(directory)
@@ -208,7 +198,7 @@ def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List
 def _clean_remote(directory: str, now: float) -> List[str]:
     mine = owner_token()
     removed = []
-    for entry in remote.list_dir(directory):
+    for entry in storage.list_dir(directory):
         match = _TEMP.match(entry.name)
         if match is None or entry.is_dir:
             continue

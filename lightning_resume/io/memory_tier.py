@@ -28,8 +28,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import fsspec
 import torch
 
+from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import framing, read, remote, write
+from lightning_resume.io import framing, read, write
 from lightning_resume.io.atomic import (
     STALE_AFTER_S,
     _pid_alive,
@@ -82,7 +83,7 @@ def run_id(checkpoint_dir: str, create: bool) -> Optional[str]:
 
     A durable directory deleted and started over gets a new id, so the memory tier of the old run is
     never resumed into the new one."""
-    path = remote.join(str(checkpoint_dir), RUN_ID_FILE)
+    path = storage.join(str(checkpoint_dir), RUN_ID_FILE)
     fs, fs_path = fsspec.core.url_to_fs(path)
     try:
         with fs.open(fs_path, "r") as f:

@@ -20,12 +20,12 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Dict, Literal, Optional, Set
+from typing import Any, Dict, List, Literal, Optional, Sequence, Set
 
-import fsspec
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
+from lightning_resume import storage
 from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import keep_url_scheme_for_last
 from lightning_resume.durations import Duration, parse_duration
@@ -35,12 +35,14 @@ from lightning_resume.errors import (
     ConfigurationError,
     SkippedCheckpointWarning,
 )
-from lightning_resume.io import read, remote, write
-from lightning_resume.io.atomic import clean_stale_temporaries, is_local
+from lightning_resume.io import read, write
+from lightning_resume.io.atomic import clean_stale_temporaries
 from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
-from lightning_resume.io.resolve import is_last_name, newest_verified, sibling_checkpoints
+from lightning_resume.io.resolve import Skipped, is_last_name, newest_first, newest_verified, siblings, warn_skipped
 from lightning_resume.io.staging import AsyncSaver, StagedTensors
+from lightning_resume.io.verify import precheck, problem
 from lightning_resume.io.verify import verify as verify_file
+from lightning_resume.storage import is_local
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self.mmap = mmap
         self.on_error = on_error
         self._cleaned: Set[str] = set()
+        self._resolved: Dict[str, List[str]] = {}  # a "last" choice -> the candidates ranked below it
+        self._loaded: Dict[str, str] = {}  # a path asked for -> the file its load read
         self._saver: Optional[AsyncSaver] = None
         if async_save:
             self._saver = AsyncSaver(write.encode_tree, self._commit, on_error, overlap=overlap_write)
@@ -145,37 +149,74 @@ class SafetensorsCheckpointIO(CheckpointIO):
         path = str(path)
         if self._saver is not None and self._saver.in_flight(path):
             self.wait(path)
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        fs.invalidate_cache(fs_path)  # a remote listing cached earlier may predate another process's upload
-        if not fs.exists(fs_path):
+        if not storage.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        self._loaded[path] = path
         try:
-            return read.load_file(path, verify=self.verify, map_location=map_location, mmap=self.mmap).checkpoint
+            return self._load(path, map_location)
         except CheckpointCorruptError as err:
-            fallback = self._fallback_for(path, err)
+            if not (self.fallback_to_verified and (path in self._resolved or is_last_name(path))):
+                raise
+            fallback = self._load_fallback(path, err, map_location)
             if fallback is None:
                 raise
-            return read.load_file(fallback, verify=False, map_location=map_location, mmap=self.mmap).checkpoint
+            return fallback
 
-    def _fallback_for(self, path: str, err: CheckpointCorruptError) -> Optional[str]:
-        if not (self.fallback_to_verified and is_last_name(path)):
-            return None
-        choice = newest_verified(sibling_checkpoints(path), self.verify_checkpoint)
+    def _load(self, path: str, map_location: Any) -> Dict[str, Any]:
+        return read.load_file(path, verify=self.verify, map_location=map_location, mmap=self.mmap).checkpoint
+
+    def _load_fallback(self, path: str, err: CheckpointCorruptError, map_location: Any) -> Optional[Dict[str, Any]]:
+        """The newest other candidate that passes its check and its load: the ones "last" resolution ranked
+        below ``path``, else the checkpoints next to a ``last`` file. Nothing of ``path`` was applied yet."""
+        others = self._resolved.get(path)
+        for candidate in newest_first(siblings(path)) if others is None else others:
+            why = problem(candidate, check=self._check)
+            if why is None:
+                try:
+                    checkpoint = self._load(candidate, map_location)
+                except CheckpointCorruptError as again:
+                    why = str(again)
+                else:
+                    warnings.warn(
+                        f"{path} failed verification ({err}); resuming from the newest checkpoint that verifies:"
+                        f" {candidate}",
+                        SkippedCheckpointWarning,
+                        stacklevel=4,
+                    )
+                    self._loaded[path] = candidate
+                    return checkpoint
+            warn_skipped(f"skipping checkpoint {candidate}: {why}")
+        return None
+
+    def resolve_newest(self, paths: Sequence[str], skipped: Skipped = warn_skipped) -> Optional[str]:
+        """``ckpt_path="last"`` among ``paths``: the newest (by training progress) that passes the check a load
+        does not repeat. With ``verify`` and ``fallback_to_verified`` (the defaults) that is the header alone
+        (``io.verify.precheck``): the load hashes every byte as it reads, and if that fails it falls back to
+        the next of ``paths``, so the checkpoint is read once. Otherwise every candidate is verified in full."""
+        ordered = newest_first(paths)
+        choice = newest_verified(ordered, self._check, key=None, skipped=skipped)
         if choice is not None:
-            warnings.warn(
-                f"{path} failed verification ({err}); resuming from the newest checkpoint that verifies: {choice}",
-                SkippedCheckpointWarning,
-                stacklevel=3,
-            )
+            self._resolved[choice] = ordered[ordered.index(choice) + 1 :]
         return choice
+
+    def loaded_path(self, path: str) -> str:
+        """The file the latest load of ``path`` read: ``path`` itself, or the checkpoint it fell back to."""
+        return self._loaded.get(str(path), str(path))
+
+    def _check(self, path: str) -> None:
+        """What a candidate must pass before it is loaded: the header, where the load hashes the rest."""
+        if self.verify and self.fallback_to_verified:
+            precheck(path)
+        else:
+            verify_file(path)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path``; in async mode, queued after every write submitted before it."""
         if self._saver is not None:
-            self._saver.remove(str(path), lambda: _remove(str(path)))
+            self._saver.remove(str(path), lambda: storage.remove(str(path)))
         else:
-            _remove(str(path))
+            storage.remove(str(path))
 
     def verify_checkpoint(self, path: str) -> None:
         """Return if ``path`` verifies; raise ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) if not."""
@@ -247,28 +288,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     def _clean_once(self, path: str) -> None:
         if is_local(path):
-            directory = os.path.dirname(os.path.abspath(fsspec.core.url_to_fs(path)[1]))
+            directory = os.path.dirname(os.path.abspath(storage.local_path(path)))
         else:
-            directory = remote.split(path)[0]  # the URL, scheme kept
+            directory = storage.split(path)[0]  # the URL, scheme kept
         if directory in self._cleaned:
             return
         self._cleaned.add(directory)
         for removed in clean_stale_temporaries(directory):
             log.info("removed stale temporary %s left by an interrupted save", removed)
-
-
-def _remove(path: str) -> None:
-    fs, fs_path = fsspec.core.url_to_fs(path)
-
-    def remove() -> None:
-        if fs.exists(fs_path):
-            fs.rm(fs_path, recursive=True)
-            log.debug("Removed checkpoint: %s", path)
-
-    if is_local(path):
-        remove()
-    else:
-        remote.with_retries(remove, path, "delete")  # transient errors retried, as for uploads
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:

@@ -17,16 +17,16 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-import fsspec
 import torch
 
+from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io import framing, integrity
-from lightning_resume.io.atomic import is_local, local_path
 from lightning_resume.io.codec import decode, parse_tree
 from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.legacy import load_legacy
 from lightning_resume.io.worker import Background
+from lightning_resume.storage import is_local, local_path
 
 
 @dataclass
@@ -95,17 +95,53 @@ def _is_safetensors_head(path: str, head: bytes) -> bool:
 
 
 def is_safetensors(path: str) -> bool:
-    with fsspec.open(str(path), "rb") as f:
-        head = f.read(9)
+    head = storage.read_range(str(path), 0, 9)
     return len(head) == 9 and head[8:9] == b"{"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the header of a checkpoint of our format says, once the checks that need no tensor bytes passed."""
+
+    header: framing.Header
+    record: Dict[str, Any]
+    tree_json: str
+    size: int
+
+
+def read_summary(path: str) -> Summary:
+    """The header of a safetensors checkpoint, checked without reading its data: the header is well formed
+    and every tensor lies inside the file, the integrity record matches the index, and the non-tensor
+    tree matches its digest. Reads only the header (two ranged reads remotely). The tensors' checksums
+    are left to the load that reads them (``load_file`` hashes every byte as it arrives) or to
+    ``io.verify``. ``CheckpointCorruptError`` for any problem, also for a ``torch.save`` file."""
+    path = str(path)
+    check_regular_file(path)
+    size = storage.size(path)
+    if size is None:
+        raise FileNotFoundError(f"{path}: no such file")
+    head = storage.read_range(path, 0, 9)
+    if not _is_safetensors_head(path, head):
+        raise CheckpointCorruptError(path, "not a safetensors checkpoint", "safetensors", "torch.save")
+    n = framing.header_length(path, head, size)
+    header = framing.parse_header(path, head + storage.read_range(path, 9, 8 + n), size)
+    record, tree_json = _checked_metadata(path, header)
+    return Summary(header, record, tree_json, size)
+
+
+def global_step(summary: Summary) -> Optional[int]:
+    """The ``global_step`` Lightning saved at the top of the tree, read from the header alone (``None`` if absent)."""
+    try:
+        step = parse_tree(summary.tree_json)["v"]["global_step"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return step if type(step) is int else None
 
 
 def _map(path: str) -> Tuple[Any, int]:
     """The whole file as a buffer: a private (copy-on-write) memory map locally, bytes remotely."""
     if not is_local(path):
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        with fs.open(fs_path, "rb") as f:
-            data = bytearray(f.read())
+        data = bytearray(storage.read_bytes(path))  # one GET; writable, so tensors can be views of it
         return memoryview(data), len(data)
     with open(local_path(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size

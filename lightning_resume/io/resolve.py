@@ -1,41 +1,93 @@
-"""Which checkpoint to resume from: the newest candidate that verifies (the one resolver).
+"""Which entries of a directory are checkpoints, in what order, and which one to resume from.
+
+:func:`candidates` is the one rule for "the checkpoints in this directory", used by
+``RetentionCheckpoint`` (its files, "last"), the plugin (the siblings of a ``last`` file that failed),
+sharded runs (their committed directories) and the CLI (``verify DIR``, ``prune``). :func:`progress`
+is the one order: training progress (the step), never wall time alone, so a node whose clock stepped
+back cannot make an old checkpoint look new. :func:`newest_verified` walks candidates newest first
+and returns the first that passes a check, reporting each one skipped with the reason.
 
 Lightning resolves ``ckpt_path="last"`` to the newest ``last*.ckpt`` by modification time and loads it
-blindly. :func:`newest_verified` walks candidates newest first and returns the first that passes
-``io.verify.verify``, reporting each one skipped with the reason. It is the only such search in the
-package: the plugin offers the siblings of a ``last`` file that failed, ``RetentionCheckpoint`` the
-files of its ``dirpath``, sharded runs their committed directories, the CLI the checkpoints of a
-directory. Which candidates to offer, and how to order them, is the caller's choice; the search is here.
+blindly; the callers above resolve through here instead. Knows files (through ``storage``), not
+Lightning's loops.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
-import fsspec
-
-from lightning_resume.errors import LightningResumeError, SkippedCheckpointWarning
+from lightning_resume import storage
+from lightning_resume.errors import SkippedCheckpointWarning
+from lightning_resume.io.marker import commit_order, is_sharded_checkpoint
+from lightning_resume.io.read import global_step, read_summary
+from lightning_resume.io.verify import problem
 from lightning_resume.io.verify import verify as verify_checkpoint
 
 CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors")
 _LAST_STEM = re.compile(r"^last(-v\d+)?$")
+_STEP_IN_NAME = re.compile(r"step=([0-9]+)")
 
 Verify = Callable[[str], object]
 """Returns (any value, ignored) if a path verifies, raises naming the problem otherwise (any exception skips the path)."""
 Skipped = Callable[[str], None]
 """Told one line per candidate passed over."""
+Progress = Tuple[int, float]
+"""(step, modification time): how far training was when a checkpoint was written."""
 
 
-def modified_time(path: str) -> Any:
-    """Default order: the modification time (``None`` if the path is gone)."""
-    try:
-        fs, fs_path = fsspec.core.url_to_fs(str(path))
-        return fs.modified(fs_path).timestamp()
-    except (OSError, NotImplementedError):
+def candidates(directory: str, suffixes: Sequence[str] = CHECKPOINT_SUFFIXES) -> List[storage.Entry]:
+    """The checkpoints directly in ``directory``, by name: every entry that is not hidden (temporaries,
+    staging and replaced directories and our own bookkeeping files start with a dot) and is a file whose
+    name ends in one of ``suffixes``, or a sharded checkpoint directory (whatever its name). ``[]`` if
+    ``directory`` does not exist."""
+    ends = tuple(suffixes)
+    out = []
+    for entry in storage.list_dir(directory):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir and is_sharded_checkpoint(entry.path) or not entry.is_dir and entry.name.endswith(ends):
+            out.append(entry)
+    return out
+
+
+def progress(path: str) -> Optional[Progress]:
+    """How far training was at ``path``: its step and modification time; ``None`` if it is gone.
+
+    The step comes from the name (``step=N``, as Lightning's and our rolling names carry it), else from a
+    sharded directory's commit marker, else from the ``global_step`` in the header of a file of our format
+    (``last.ckpt``); ``-1`` when none says (such a file ranks below every one that does, then by time). An
+    uncommitted sharded directory is not a checkpoint yet: ``None``.
+    """
+    path = str(path)
+    if storage.is_dir(path):
+        return commit_order(path)
+    mtime = storage.mtime(path)
+    if mtime is None:
         return None
+    step = step_in_name(path)
+    return (step if step is not None else _header_step(path), mtime)
+
+
+def step_in_name(path: str) -> Optional[int]:
+    """The ``N`` of ``step=N`` (ASCII digits) in the name of ``path``, as Lightning's and our rolling names carry it."""
+    match = _STEP_IN_NAME.search(storage.basename(str(path)))
+    return int(match.group(1)) if match else None
+
+
+def _header_step(path: str) -> int:
+    try:
+        step = global_step(read_summary(path))
+    except Exception:  # noqa: BLE001 - any file may sit in a checkpoint directory; its step is just unknown
+        return -1
+    return -1 if step is None else step
+
+
+def newest_first(paths: Iterable[str], key: Callable[[str], Any] = progress) -> List[str]:
+    """``paths`` ordered newest first by ``key`` (ties: the greater path); those whose key is ``None`` dropped."""
+    keyed = [(k, str(p)) for p in paths if (k := key(str(p))) is not None]
+    return [p for _, p in sorted(keyed, reverse=True)]
 
 
 def warn_skipped(line: str) -> None:
@@ -45,44 +97,28 @@ def warn_skipped(line: str) -> None:
 def newest_verified(
     paths: Iterable[str],
     verify: Optional[Verify] = None,
-    key: Callable[[str], Any] = modified_time,
+    key: Optional[Callable[[str], Any]] = progress,
     skipped: Skipped = warn_skipped,
 ) -> Optional[str]:
-    """The newest of ``paths`` (greatest ``key``, ties: the greater path) that verifies; ``None`` if none.
-
-    ``verify`` defaults to ``io.verify.verify``. Paths whose ``key`` is ``None`` (gone) are ignored;
-    each one that does not verify is reported through ``skipped``, naming it and why.
-    """
+    """The newest of ``paths`` (greatest ``key``; ``key=None``: already ordered newest first) that verifies;
+    ``None`` if none. ``verify`` defaults to ``io.verify.verify``; each path that fails it is reported
+    through ``skipped``, naming it and why."""
     check = verify if verify is not None else verify_checkpoint
-    keyed = [(k, str(p)) for p in paths if (k := key(str(p))) is not None]
-    for _, path in sorted(keyed, reverse=True):
-        try:
-            check(path)
-        except Exception as err:  # noqa: BLE001 - one odd sibling (any reader error) must not stop the search
-            reason = str(err) if isinstance(err, (LightningResumeError, OSError)) else f"{type(err).__name__}: {err}"
-            skipped(f"skipping checkpoint {path}: {reason}")
-            continue
-        return path
+    for path in newest_first(paths, key) if key is not None else [str(p) for p in paths]:
+        why = problem(path, check=check)
+        if why is None:
+            return path
+        skipped(f"skipping checkpoint {path}: {why}")
     return None
 
 
 def is_last_name(path: str) -> bool:
     """Whether ``path`` is named like ModelCheckpoint's "last" file (``last.ckpt``, ``last-v1.ckpt``)."""
-    stem, _ = os.path.splitext(os.path.basename(str(path)))
+    stem = storage.basename(str(path)).rsplit(".", 1)[0]
     return bool(_LAST_STEM.match(stem))
 
 
-def sibling_checkpoints(path: str) -> list[str]:
-    """Checkpoint-looking files next to ``path`` (not ``path`` itself, not hidden temporaries)."""
-    fs, fs_path = fsspec.core.url_to_fs(str(path))
-    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
-    try:
-        names = fs.ls(parent, detail=False)
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        base = os.path.basename(name)
-        if name != fs_path and not base.startswith(".") and base.endswith(CHECKPOINT_SUFFIXES):
-            out.append(fs.unstrip_protocol(name) if "://" in str(path) else name)
-    return out
+def siblings(path: str) -> List[str]:
+    """The other checkpoints in the directory of ``path`` (:func:`candidates`, ``path`` left out)."""
+    parent = storage.split(str(path))[0]
+    return [e.path for e in candidates(parent) if storage.basename(e.path) != storage.basename(str(path))]

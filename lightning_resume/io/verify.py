@@ -19,16 +19,15 @@ module; nothing else decides whether a checkpoint is good. Knows files, not Ligh
 from __future__ import annotations
 
 import zipfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-import fsspec
-
+from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
-from lightning_resume.io.atomic import is_local, local_path
 from lightning_resume.io.legacy import is_zip
-from lightning_resume.io.read import check_regular_file, is_safetensors, load_file, verify_local
+from lightning_resume.io.marker import DCP_METADATA, CommitRecord, verify_committed
+from lightning_resume.io.read import check_regular_file, is_safetensors, load_file, read_summary, verify_local
 from lightning_resume.protocols import VerifyingCheckpointIO
-from lightning_resume.sharded.commit import DCP_METADATA, CommitRecord, verify_committed
+from lightning_resume.storage import is_local, local_path
 
 
 def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
@@ -38,8 +37,7 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
     """
     path = str(path)
     check_regular_file(path)  # a FIFO named *.ckpt must not hang "last" or ``verify DIR``
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    if fs.isdir(fs_path):
+    if storage.is_dir(path):
         verify_directory(path, digests)
     elif is_safetensors(path):
         if is_local(path):
@@ -56,7 +54,7 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
 
 def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
     """A sharded checkpoint directory: committed, and every file its marker lists intact."""
-    from lightning_resume.sharded.safe_pickle import load_checked_metadata  # DCP only where directories are
+    from lightning_resume.io.safe_pickle import load_checked_metadata  # DCP only where directories are
 
     record = verify_committed(directory, digests)
     if DCP_METADATA not in record.files:
@@ -65,12 +63,29 @@ def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
     return record
 
 
-def problem(path: str, checkpoint_io: Any = None) -> Optional[str]:
-    """``None`` if ``path`` verifies, else what is wrong with it, in words. Any error a hostile file
-    raises becomes the reason, never an exception: one bad file must not stop a search for a good one."""
+def precheck(path: str) -> None:
+    """The part of :func:`verify` a load that hashes every byte does not repeat: for a file of our format, its
+    header, integrity record and tree digest, from the header alone (``read.read_summary``); anything else
+    (a ``torch.save`` file, a sharded directory) is verified in full. "Last" resolution checks candidates
+    this way when the plugin loading the winner verifies as it reads, so a resume reads each byte once."""
+    path = str(path)
+    check_regular_file(path)
+    if not storage.is_dir(path) and is_safetensors(path):
+        read_summary(path)
+    else:
+        verify(path)
+
+
+def problem(path: str, checkpoint_io: Any = None, check: Optional[Callable[[str], object]] = None) -> Optional[str]:
+    """``None`` if ``path`` verifies (with ``check``, default :func:`verify`), else what is wrong with it, in
+    words. Any error a hostile file raises becomes the reason, never an exception: one bad file must not
+    stop a search for a good one."""
     try:
-        verify(path, checkpoint_io)
-    except LightningResumeError as err:
+        if check is not None:
+            check(path)
+        else:
+            verify(path, checkpoint_io)
+    except (LightningResumeError, OSError) as err:
         return str(err)
     except Exception as err:  # noqa: BLE001 - a crafted file can make any reader fail
         return f"unreadable ({type(err).__name__}: {err})"

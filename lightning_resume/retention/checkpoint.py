@@ -16,7 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Literal, Optional, Union, cast
 
-import fsspec
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -24,6 +23,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_resume import storage
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration, parse_duration
@@ -34,14 +34,13 @@ from lightning_resume.errors import (
     SkippedCheckpointWarning,
     TreeFormatError,
 )
-from lightning_resume.io import remote
 from lightning_resume.io.atomic import fsync_file_and_dir
-from lightning_resume.io.resolve import newest_verified
+from lightning_resume.io.resolve import candidates, newest_verified
 from lightning_resume.io.verify import problem, verify
-from lightning_resume.protocols import AsyncCheckpointWriter
+from lightning_resume.protocols import AsyncCheckpointWriter, ResolvingCheckpointIO
 from lightning_resume.retention.naming import parse_rolling_name, rolling_name
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
-from lightning_resume.retention.records import list_checkpoint_files, owned_record, read_checkpoint_callback_state
+from lightning_resume.retention.records import owned_record, read_checkpoint_callback_state
 
 _STATE = "retention"
 
@@ -201,7 +200,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         settled: dict[str, bool] = {}  # rank 0's is broadcast to every rank
         if trainer.is_global_zero:
             pending = [p for p, r in self._records.items() if r.in_flight]
-            settled = {p: _exists(p) for p in pending if not writer.write_in_flight(p)}
+            settled = {p: storage.exists(p) for p in pending if not writer.write_in_flight(p)}
         for path, durable in trainer.strategy.broadcast(settled).items():
             if durable:
                 self._records[path] = replace(self._records[path], verified=True, in_flight=False)
@@ -209,7 +208,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
                 del self._records[path]
 
     def _rolling_path(self, step: int) -> str:
-        return remote.join(str(self.dirpath), rolling_name(step, self.FILE_EXTENSION))
+        return storage.join(str(self.dirpath), rolling_name(step, self.FILE_EXTENSION))
 
     def _metric_of(self, monitor_candidates: dict) -> Optional[float]:
         value = monitor_candidates.get(self.monitor) if self.monitor else None
@@ -270,7 +269,9 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         super().on_train_start(trainer, pl_module)
         if not self.policy.active:
             return
-        resume = trainer.ckpt_path
+        resume, io = trainer.ckpt_path, trainer.strategy.checkpoint_io
+        if resume and isinstance(io, ResolvingCheckpointIO):
+            resume = io.loaded_path(str(resume))  # a fallback when the newest failed its hash while loading
         self._resume_source = _canonical(str(resume)) if resume else None
         self._run_id = trainer.strategy.broadcast(self._run_id)  # one run, one id on every rank
         records = self._reconciled_records(trainer) if trainer.is_global_zero else []  # rank 0's is broadcast
@@ -281,7 +282,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         """Records from the state, checked against the files now in ``dirpath`` (rank 0 reads disk)."""
         io = trainer.strategy.checkpoint_io
         records = []
-        for path in (e.path for e in list_checkpoint_files(str(self.dirpath), self.FILE_EXTENSION)):
+        for path in (e.path for e in candidates(str(self.dirpath), (self.FILE_EXTENSION,))):
             if parse_rolling_name(path, self.FILE_EXTENSION) is None:
                 continue  # not our naming: never ours to delete, not ours to track
             known = self._records.get(path) or self._record_from_file(path)
@@ -312,21 +313,24 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
 
     @override
     def last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        """``ckpt_path="last"``: the newest file in ``dirpath`` that verifies; corrupt newer ones are skipped.
+        """``ckpt_path="last"``: the newest checkpoint in ``dirpath`` (by training progress) that verifies;
+        corrupt newer ones are skipped, each named in a warning.
 
-        Lightning asks before ``setup`` and before any process group exists, so no collective runs: every
-        rank reads the same files and reaches the same answer (rank 0 reports what it skipped).
+        When the trainer's ``CheckpointIO`` hashes every byte as it loads (``ResolvingCheckpointIO``), it
+        checks the candidates itself, each only by its header, and falls back along them if the load's
+        hash fails: the checkpoint is read once. Lightning asks before ``setup`` and before any process
+        group exists, so no collective runs: every rank reads the same files and reaches the same answer.
         """
         if not self.policy.active:
             return super().last_checkpoints(trainer)
         directory = lc.checkpoint_dir(self, trainer)
-        entries = list_checkpoint_files(directory, self.FILE_EXTENSION)
-        progress = {e.path: (_step_or_minus_one(e.path, self.FILE_EXTENSION), e.mtime) for e in entries}
+        paths = [e.path for e in candidates(directory, (self.FILE_EXTENSION,))]
         io = trainer.strategy.checkpoint_io
         skipped: list[str] = []
-        newest = newest_verified(
-            list(progress), lambda path: verify(path, io), key=progress.get, skipped=skipped.append
-        )
+        if isinstance(io, ResolvingCheckpointIO):
+            newest = io.resolve_newest(paths, skipped=skipped.append)
+        else:
+            newest = newest_verified(paths, lambda path: verify(path, io), skipped=skipped.append)
         for line in skipped:
             rank_zero_warn(f"ckpt_path='last': {line}", category=SkippedCheckpointWarning)
         if newest is None and skipped:
@@ -366,18 +370,6 @@ def _records_from_state(state: object) -> list:
                 f"RetentionCheckpoint: ignoring a saved record it cannot read ({err})", category=RetentionWarning
             )
     return records
-
-
-def _step_or_minus_one(path: str, extension: str) -> int:
-    """Training progress from the rolling name (the clock may have stepped back); other names go last."""
-    step = parse_rolling_name(path, extension)
-    return -1 if step is None else step
-
-
-def _exists(path: str) -> bool:
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    fs.invalidate_cache()  # an object store's listing cache may predate the commit
-    return bool(fs.exists(fs_path))
 
 
 def _canonical(path: str) -> str:

@@ -26,8 +26,8 @@ from typing import Any, Mapping, Optional
 
 import fsspec
 
+from lightning_resume import storage
 from lightning_resume.errors import HistoryWarning
-from lightning_resume.io import remote
 from lightning_resume.io.atomic import atomic_write
 from lightning_resume.schedule.policy import Tier
 
@@ -96,7 +96,7 @@ class FailureHistory:
 
 def history_path(dirpath: str) -> str:
     """``dirpath/resume_history.json``; a URL (``s3://...``) keeps its scheme."""
-    return remote.join(os.fspath(dirpath), HISTORY_FILENAME)
+    return storage.join(os.fspath(dirpath), HISTORY_FILENAME)
 
 
 # --------------------------------------------------------------------------------------------

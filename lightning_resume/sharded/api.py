@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
-from lightning_resume import collective
+from lightning_resume import collective, storage
 from lightning_resume._compat import dcp as dcp_compat
 from lightning_resume.errors import (
     CheckpointCorruptError,
@@ -31,15 +31,15 @@ from lightning_resume.errors import (
     UnencodableValueError,
     UnsafeCheckpointError,
 )
-from lightning_resume.io import remote
+from lightning_resume.io import marker
 from lightning_resume.io.codec import encode
+from lightning_resume.io.marker import DCP_METADATA, META_FILE
 from lightning_resume.io.read import load_file
-from lightning_resume.io.resolve import newest_verified
+from lightning_resume.io.resolve import candidates, newest_verified
+from lightning_resume.io.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
 from lightning_resume.io.verify import verify_directory
 from lightning_resume.io.write import save_file
 from lightning_resume.sharded import commit as commits
-from lightning_resume.sharded.commit import DCP_METADATA, META_FILE
-from lightning_resume.sharded.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
 
 
 class RecordingWriter(FileSystemWriter):
@@ -106,7 +106,7 @@ def save_sharded(state: Dict[str, Any], directory: str, step: int, meta: Optiona
     untouched. When this returns on any rank, ``directory`` is committed; when it raises (the same
     ``ShardedSaveError`` on every rank), the previous ``directory`` is still there.
     """
-    remote.require_local(directory, "save_sharded")
+    storage.require_local(directory, "save_sharded")
     directory = os.path.abspath(directory)
     rank, world = collective.rank_and_world()
     collective.on_every_rank(lambda: _check_meta(meta), failure(directory, "encode the non-sharded state"))
@@ -117,10 +117,10 @@ def save_sharded(state: Dict[str, Any], directory: str, step: int, meta: Optiona
         writer = _write_shards(state, staging, directory)
         own = writer.written + (rank_zero_files(meta is not None) if rank == 0 else [])
         parts = collective.on_every_rank(
-            lambda: commits.digest_files(staging, own), failure(directory, "digest its files")
+            lambda: marker.digest_files(staging, own), failure(directory, "digest its files")
         )
         files = {name: digest for part in parts for name, digest in part.items()}
-        record = commits.CommitRecord(staging, int(step), world, files)
+        record = marker.CommitRecord(staging, int(step), world, files)
         collective.on_rank_zero(lambda: commit_and_publish(record, directory), failure(directory, "commit"))
     except BaseException:
         if rank == 0:
@@ -145,7 +145,7 @@ def _write_shards(state: Dict[str, Any], staging: str, directory: str) -> Record
     return writer
 
 
-def commit_and_publish(record: commits.CommitRecord, directory: str) -> None:
+def commit_and_publish(record: marker.CommitRecord, directory: str) -> None:
     commits.commit(record)
     commits.publish(record.path, directory)
 
@@ -155,7 +155,7 @@ def discard_quietly(staging: str) -> None:
         commits.discard(staging)
 
 
-def verify_sharded(directory: str, digests: bool = True) -> commits.CommitRecord:
+def verify_sharded(directory: str, digests: bool = True) -> marker.CommitRecord:
     """The directory is committed and every file it lists is intact; ``CheckpointCorruptError`` otherwise.
 
     The same check as ``lightning-resume verify`` and "last" resolution (``io.verify.verify_directory``).
@@ -163,7 +163,7 @@ def verify_sharded(directory: str, digests: bool = True) -> commits.CommitRecord
     return verify_directory(directory, digests)
 
 
-def _verified_everywhere(directory: str, digests: bool) -> commits.CommitRecord:
+def _verified_everywhere(directory: str, digests: bool) -> marker.CommitRecord:
     """Rank 0 verifies (one read of every file), every rank gets the verdict."""
     problem: Optional[str] = None
     unsafe = False
@@ -182,13 +182,13 @@ def _verified_everywhere(directory: str, digests: bool) -> commits.CommitRecord:
     return record
 
 
-def load_sharded(state_template: Dict[str, Any], directory: str, digests: bool = True) -> commits.CommitRecord:
+def load_sharded(state_template: Dict[str, Any], directory: str, digests: bool = True) -> marker.CommitRecord:
     """Load ``directory`` in place into ``state_template`` (resharding to its layout). Collective.
 
     The template's tensors/DTensors give the layout wanted now; the world size may differ from the
     one that saved. Returns the commit record (step, world size at save).
     """
-    remote.require_local(directory, "load_sharded")
+    storage.require_local(directory, "load_sharded")
     directory = os.path.abspath(directory)
     record = _verified_everywhere(directory, digests)
     with _domain_errors():
@@ -206,7 +206,7 @@ def load_meta(directory: str) -> Optional[Dict[str, Any]]:
 
     Verify the directory first (:func:`verify_sharded`); this reads only the marker and the meta file.
     """
-    if META_FILE not in commits.read_marker(directory).files:
+    if META_FILE not in marker.read_marker(directory).files:
         return None
     return load_file(os.path.join(directory, META_FILE)).checkpoint
 
@@ -227,9 +227,8 @@ def newest_committed(root: str, digests: bool = True) -> Optional[str]:
     Newest = highest step, then latest commit; each one that does not verify is skipped with a
     ``SkippedCheckpointWarning`` naming it.
     """
-    return newest_verified(
-        commits.checkpoint_dirs(root), lambda path: verify_directory(path, digests), key=commits.commit_order
-    )
+    directories = [e.path for e in candidates(root) if e.is_dir]
+    return newest_verified(directories, lambda path: verify_directory(path, digests))
 
 
 def clean_uncommitted(root: str, keep: Mapping[str, Any] | Sequence[str] = ()) -> List[str]:

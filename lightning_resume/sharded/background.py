@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor
 from lightning_resume import collective
 from lightning_resume._compat.dcp import host_dtensor
 from lightning_resume.errors import ShardedCheckpointWarning, ShardedSaveError, UnencodableValueError
-from lightning_resume.io import write
+from lightning_resume.io import marker, write
+from lightning_resume.io.marker import META_FILE
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import (
     RecordingWriter,
@@ -52,7 +53,6 @@ from lightning_resume.sharded.api import (
     failure,
     rank_zero_files,
 )
-from lightning_resume.sharded.commit import META_FILE
 
 Path = Tuple[Any, ...]
 
@@ -123,7 +123,7 @@ class _Write:
     ) -> None:
         self.directory, self.staging, self.step = directory, staging, step
         self.problems: Dict[int, str] = {}
-        self.files: Dict[str, commits.FileDigest] = {}
+        self.files: Dict[str, marker.FileDigest] = {}
         self.seconds: Optional[float] = None
         self.committed = False
         self._args: Tuple[Any, ...] = (staged, meta, group)  # _write_local's arguments; emptied once written
@@ -155,7 +155,7 @@ class _Write:
 
 def _write_local(
     staging: str, staged: Dict[str, Any], meta: Optional[Tuple[str, Dict[str, torch.Tensor]]], group: Any
-) -> Dict[str, commits.FileDigest]:
+) -> Dict[str, marker.FileDigest]:
     """The background part: DCP's collective write first (on ``group``, so no rank skips it), then rank 0's
     non-sharded file, then the digests of this rank's files."""
     writer = RecordingWriter(staging)
@@ -165,7 +165,7 @@ def _write_local(
         if meta is not None:
             write.commit(os.path.join(staging, META_FILE), *meta)
         own += rank_zero_files(meta is not None)
-    return commits.digest_files(staging, own)
+    return marker.digest_files(staging, own)
 
 
 class ShardedSaveHandle:
@@ -288,7 +288,7 @@ class AsyncShardedSaver:
             self._discard(write)
             raise ShardedSaveError(write.directory, "write its shards in the background", problems)
         files = {name: digest for _, _, part, _ in outcomes for name, digest in part.items()}
-        record = commits.CommitRecord(write.staging, write.step, len(outcomes), files)
+        record = marker.CommitRecord(write.staging, write.step, len(outcomes), files)
         try:
             collective.on_rank_zero(
                 lambda: commit_and_publish(record, write.directory), failure(write.directory, "commit")

@@ -1,8 +1,9 @@
-"""The commit protocol of a sharded checkpoint directory: staging, commit marker, swap, verification, discovery.
+"""The commit protocol of a sharded checkpoint directory: staging, writing the commit marker, swap, cleanup.
 
-A directory is a checkpoint only once its ``COMMITTED`` marker exists. The marker is JSON (step,
-world size, and the size and SHA-256 of every file the save wrote) and is written last, by rank 0,
-after every rank has finished and digested its own files. A save never touches the directory it
+A directory is a checkpoint only once its ``COMMITTED`` marker exists (its format, reading and
+verification: ``io.marker``). The marker is JSON (step, world size, and the size and SHA-256 of every
+file the save wrote) and is written last, by rank 0, after every rank has finished and digested its
+own files. A save never touches the directory it
 replaces: every rank writes into a staging sibling (``.<name>.partial-<hex>``), the marker is
 committed inside it, and only then is it swapped under the final name (one atomic
 ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it; else old aside, new in place, with
@@ -16,61 +17,29 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import json
 import os
-import re
 import secrets
 import shutil
-import stat
 import warnings
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from lightning_resume.errors import CheckpointCorruptError, ShardedCheckpointWarning
 from lightning_resume.io.atomic import atomic_write, fsync_directory
-from lightning_resume.io.framing import unique_keys
-
-DCP_METADATA = ".metadata"
-"""DCP's metadata file: a sharded checkpoint's index of every shard."""
-META_FILE = "meta.safetensors"
-"""The non-sharded part (loop counters, callback state, RNG...): one file of ``lightning_resume.io``'s format."""
-MARKER = "COMMITTED"
-IN_PROGRESS = "IN_PROGRESS"  # written by the first release's in-place saves; still recognised by cleanup
-FORMAT = "lightning-resume/sharded/2"
-STAGING, REPLACED, DELETED = "partial", "replaced", "deleted"
-_HIDDEN = re.compile(rf"^\.(?P<name>.+)\.(?P<kind>{STAGING}|{REPLACED}|{DELETED})-[0-9a-f]{{8}}$")
-_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class FileDigest:
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class CommitRecord:
-    """What ``COMMITTED`` says about a sharded checkpoint directory."""
-
-    path: str
-    step: int
-    world_size: int
-    files: Dict[str, FileDigest] = field(default_factory=dict)
-
-
-def digest_file(path: str) -> FileDigest:
-    sha = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
-    return FileDigest(size, sha.hexdigest())
-
-
-def digest_files(directory: str, names: Iterable[str]) -> Dict[str, FileDigest]:
-    return {name: digest_file(os.path.join(directory, name)) for name in sorted(set(names))}
+from lightning_resume.io.marker import (
+    DCP_METADATA,
+    DELETED,
+    FORMAT,
+    HIDDEN,
+    IN_PROGRESS,
+    MARKER,
+    META_FILE,
+    REPLACED,
+    STAGING,
+    CommitRecord,
+    pick_newest,
+    verify_committed,
+)
 
 
 def hidden_sibling(final: str, kind: str) -> str:
@@ -160,7 +129,7 @@ def discard(path: str) -> None:
     """
     if not os.path.lexists(path):
         return
-    match = _HIDDEN.match(os.path.basename(path))
+    match = HIDDEN.match(os.path.basename(path))
     target = path if match and match["kind"] == DELETED else hidden_sibling(path, DELETED)
     if target != path:
         os.rename(path, target)
@@ -171,88 +140,20 @@ def discard(path: str) -> None:
         os.remove(target)
 
 
-def read_marker(directory: str) -> CommitRecord:
-    """Parse ``COMMITTED``; ``CheckpointCorruptError`` if it is absent or malformed."""
-    marker = os.path.join(directory, MARKER)
-    if not os.path.isfile(marker):
-        raise CheckpointCorruptError(directory, f"no {MARKER} marker: the save never finished; use an older checkpoint")
-    try:
-        with open(marker, encoding="utf-8") as handle:
-            body = json.load(handle, object_pairs_hook=unique_keys)  # a key twice is malformed
-        files = {str(n): FileDigest(int(d["size"]), str(d["sha256"])) for n, d in body["files"].items()}
-        record = CommitRecord(str(directory), int(body["step"]), int(body["world_size"]), files)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-        raise CheckpointCorruptError(marker, f"malformed commit marker: {err}") from err
-    if body.get("format") != FORMAT:
-        raise CheckpointCorruptError(marker, "unknown commit marker format", FORMAT, body.get("format"))
-    return record
 
 
-def verify_committed(directory: str, digests: bool = True) -> CommitRecord:
-    """The marker is there and every file it lists is present with its size (and SHA-256 if ``digests``)."""
-    record = read_marker(directory)
-    for name, expected in record.files.items():
-        path = os.path.join(directory, name)
-        if os.path.basename(name) != name or name in (MARKER, IN_PROGRESS):
-            raise CheckpointCorruptError(os.path.join(directory, MARKER), f"marker lists an invalid file name {name!r}")
-        size = _regular_file_size(path)
-        if size != expected.size:
-            raise CheckpointCorruptError(path, "size differs from the commit marker", expected.size, size)
-        if digests and digest_file(path).sha256 != expected.sha256:
-            raise CheckpointCorruptError(path, "SHA-256 differs from the commit marker", expected.sha256, "other")
-    return record
 
 
-def _regular_file_size(path: str) -> int:
-    """The size of ``path`` if it is a regular file itself: never a symlink (it could lead outside the
-    directory), a FIFO (a read blocks for ever) or a device (``/dev/zero`` never ends)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError as err:
-        raise CheckpointCorruptError(path, "file listed in the commit marker is missing") from err
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointCorruptError(
-            path, "file listed in the commit marker is not a regular file (a link, FIFO or device?)"
-        )
-    return st.st_size
 
 
-def pick_newest(records: Iterable[CommitRecord], mtimes: Mapping[str, float]) -> Optional[CommitRecord]:
-    """Policy: the highest step wins; equal steps go to the later commit."""
-    ranked = sorted(records, key=lambda r: (r.step, mtimes.get(r.path, 0.0), r.path))
-    return ranked[-1] if ranked else None
 
 
-def is_sharded_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a sharded checkpoint directory (committed or not): it holds our marker, an
-    in-progress file, DCP's metadata or a shard. Such a directory is one checkpoint, never a folder of them."""
-    if not os.path.isdir(path):
-        return False
-    names = set(os.listdir(path))
-    return bool(names & {MARKER, IN_PROGRESS, DCP_METADATA}) or any(n.endswith(".distcp") for n in names)
 
 
-def commit_order(directory: str) -> Optional[Tuple[int, float]]:
-    """How far training was when ``directory`` was committed: ``(step, commit time)``, for ordering
-    candidates newest first. ``None`` when it is not a committed checkpoint of ours (no marker, a hidden
-    staging or replaced directory, an unreadable marker)."""
-    if _HIDDEN.match(os.path.basename(os.path.normpath(directory))):
-        return None
-    try:
-        record = read_marker(directory)
-        return record.step, os.path.getmtime(os.path.join(directory, MARKER))
-    except (CheckpointCorruptError, OSError):
-        return None
 
 
-def checkpoint_dirs(root: str) -> List[str]:
-    """Directories directly under ``root`` that a save of ours wrote (marker or in-progress file), hidden ones excluded."""
-    return [
-        path
-        for path in _subdirs(root)
-        if not _HIDDEN.match(os.path.basename(path))
-        and (os.path.exists(os.path.join(path, MARKER)) or os.path.exists(os.path.join(path, IN_PROGRESS)))
-    ]
+
+
 
 
 def _newest(records: List[CommitRecord]) -> Optional[CommitRecord]:
@@ -271,7 +172,7 @@ def clean_uncommitted(root: str, keep: Iterable[str] = ()) -> List[str]:
     kept = {os.path.abspath(p) for p in keep}
     removed = []
     for path in _subdirs(root, links=False):
-        hidden = _HIDDEN.match(os.path.basename(path)) is not None
+        hidden = HIDDEN.match(os.path.basename(path)) is not None
         if (hidden or _unfinished_save(path)) and os.path.abspath(path) not in kept:
             try:
                 shutil.rmtree(path)
@@ -320,7 +221,7 @@ def _hidden_dirs(root: str) -> List[Tuple[str, str, str]]:
     """(hidden directory, the final name it belongs to, its kind) under ``root``."""
     out = []
     for path in _subdirs(root, links=False):
-        match = _HIDDEN.match(os.path.basename(path))
+        match = HIDDEN.match(os.path.basename(path))
         if match:
             out.append((path, os.path.join(root, match["name"]), match["kind"]))
     return out

@@ -21,10 +21,10 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_resume import storage
 from lightning_resume._compat import check_versions
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
-from lightning_resume.io import remote
 from lightning_resume.io.verify import verify_directory
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded
@@ -132,7 +132,7 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        remote.require_local(str(filepath), type(self).__name__)
+        storage.require_local(str(filepath), type(self).__name__)
         path = os.path.abspath(str(self.broadcast(str(filepath))))
         self._clean_once(os.path.dirname(path))
         state = {"state_dict": checkpoint.pop("state_dict")}

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any, Dict
 
+from lightning_resume import storage
 from lightning_resume.cli.render import diff
-from lightning_resume.io import remote
 from lightning_resume.io.read import load_file
 
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
 def require(path: str) -> str:
     """``path`` if it exists; else ``FileNotFoundError`` naming it whole (s3fs names only the bucket key)."""
-    if not remote.exists(path):
+    if not storage.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
     return path
 

@@ -12,10 +12,8 @@ import json
 import os
 from typing import Any
 
-import fsspec
-
+from lightning_resume import storage
 from lightning_resume.durations import parse_duration
-from lightning_resume.io import remote
 from lightning_resume.retention.policy import KeepDecision, RetentionPolicy
 from lightning_resume.retention.records import records_in
 from lightning_resume.sharded.commit import discard
@@ -37,7 +35,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     policy = _policy(args)
-    if not remote.is_dir(args.dir):
+    if not storage.is_dir(args.dir):
         raise NotADirectoryError(f"{args.dir} is not a directory; pass a RetentionCheckpoint dirpath")
     decisions = policy.decide(records_in(args.dir, args.monitor))
     _print(decisions, args.json)
@@ -49,17 +47,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _remove(path: str) -> None:
-    """A file, or a sharded checkpoint directory (its commit marker first, so it is never half "last")."""
-    try:
-        if remote.is_remote(path):
-            fs, fs_path = fsspec.core.url_to_fs(path)
-            fs.rm(fs_path)  # one object: deleted whole or not at all
-        elif os.path.isdir(path):
-            discard(path)
-        else:
-            os.remove(path)
-    except FileNotFoundError:
-        pass  # already deleted (another prune of the same directory): the decision is carried out
+    """A file, or a sharded checkpoint directory (its commit marker first, so it is never half "last");
+    one already deleted (another prune of the same directory) is not an error: the decision is carried out."""
+    if storage.is_local(path) and storage.is_dir(path):
+        discard(storage.local_path(path))
+    else:
+        storage.remove(path)  # one object: deleted whole or not at all
 
 
 def _policy(args: argparse.Namespace) -> RetentionPolicy:

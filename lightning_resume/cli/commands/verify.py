@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
-from lightning_resume.io import remote
-from lightning_resume.io.resolve import CHECKPOINT_SUFFIXES, newest_verified
+from lightning_resume import storage
+from lightning_resume.io.marker import is_sharded_checkpoint
+from lightning_resume.io.resolve import candidates, newest_verified
 from lightning_resume.io.verify import problem
-from lightning_resume.sharded.commit import is_sharded_checkpoint
 
 
 def register(subparsers: Any) -> None:
@@ -28,26 +27,18 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def candidates(target: str) -> list[str]:
-    """The checkpoints ``target`` names: itself, or the checkpoints directly inside a directory of them."""
-    if remote.is_remote(target):  # a URL: listed through fsspec, scheme kept (sharded directories are local-only)
-        if not remote.is_dir(target):
-            if not remote.exists(target):
-                raise FileNotFoundError(f"{target}: no such file or directory")
-            return [target]
-        entries = sorted(remote.list_dir(target), key=lambda e: e.name)
-        return [e.path for e in entries if not e.name.startswith(".") and e.name.endswith(CHECKPOINT_SUFFIXES)]
-    if not os.path.exists(target):
+def targets(target: str) -> list[str]:
+    """The checkpoints ``target`` names: itself (a file or a sharded directory), or the checkpoints of a
+    directory of them (``io.resolve.candidates``, the rule "last" resolution and retention use)."""
+    if not storage.exists(target) and not storage.is_dir(target):  # an object-store prefix is no object
         raise FileNotFoundError(f"{target}: no such file or directory")
-    if not os.path.isdir(target) or is_sharded_checkpoint(target):
+    if not storage.is_dir(target) or is_sharded_checkpoint(target):
         return [target]
-    names = sorted(n for n in os.listdir(target) if not n.startswith("."))
-    paths = [os.path.join(target, n) for n in names]
-    return [p for p in paths if p.endswith(CHECKPOINT_SUFFIXES) or is_sharded_checkpoint(p)]
+    return [e.path for e in candidates(target)]
 
 
 def run(args: argparse.Namespace) -> int:
-    paths = candidates(args.target)
+    paths = targets(args.target)
     if not paths:
         raise FileNotFoundError(
             f"{args.target}: no checkpoints in this directory (*.ckpt, *.safetensors files or sharded directories)"
@@ -55,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     checked = [(p, problem(p)) for p in paths]
     results = [{"path": p, "ok": why is None, "error": why} for p, why in checked]
     good = {p for p, why in checked if why is None}
-    newest = newest_verified(good, verify=lambda path: None) if len(paths) > 1 else None
+    newest = newest_verified(good, verify=lambda path: None) if len(paths) > 1 else None  # by training progress
     ok = all(r["ok"] for r in results)
     if args.json:
         print(json.dumps({"results": results, "ok": ok, "newest_verified": newest}, indent=2))

@@ -53,6 +53,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_resume import load_sharded, newest_committed, save_sharded
 from lightning_resume.sharded import background
+from lightning_resume.io import marker
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import clean_uncommitted, load_meta
 from tests.helpers.paths import free_port
@@ -115,7 +116,7 @@ def save(args, model, optim, step: int) -> None:
 
 def patch_background_write(args) -> None:
     """Test hooks around the background write: a delay, a pause after DCP wrote the shards."""
-    write, digest = background._write_local, commits.digest_files
+    write, digest = background._write_local, marker.digest_files
 
     def slow_write(staging, *rest):
         time.sleep(args.slow_write)
@@ -127,7 +128,7 @@ def patch_background_write(args) -> None:
         return digest(directory, names)
 
     background._write_local = slow_write
-    commits.digest_files = stalling_digest
+    marker.digest_files = stalling_digest
 
 
 def train(rank: int, args) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from lightning_resume import SafetensorsCheckpointIO, SkippedCheckpointWarning, newest_verified
 from lightning_resume.io.read import load_file
-from lightning_resume.io.resolve import is_last_name, sibling_checkpoints
+from lightning_resume.io.resolve import is_last_name, siblings
 
 
 def _write(io, path, step, mtime):
@@ -41,7 +41,7 @@ def test_last_names_and_siblings(tmp_path):
     assert is_last_name("/a/last.ckpt") and is_last_name("last-v3.ckpt") and not is_last_name("epoch=1.ckpt")
     for name in ("last.ckpt", "a.ckpt", "b.safetensors", ".last.ckpt.tmp-1-0123abcd", "notes.txt"):
         (tmp_path / name).write_bytes(b"x")
-    assert sorted(os.path.basename(p) for p in sibling_checkpoints(str(tmp_path / "last.ckpt"))) == [
+    assert sorted(os.path.basename(p) for p in siblings(str(tmp_path / "last.ckpt"))) == [
         "a.ckpt",
         "b.safetensors",
     ]

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO
 from lightning_resume._compat import lightning as lc
-from lightning_resume.retention.records import list_checkpoint_files
+from lightning_resume.io.resolve import candidates
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,9 +24,9 @@ def test_listing_an_s3_dirpath_gives_urls_and_skips_temporaries(s3_bucket: str) 
     base = s3_bucket[len("s3://") :]
     for name in ("step=000000003.ckpt", "step=000000006.ckpt", ".step=000000009.ckpt.tmp-0123456789ab-1-0badf00d"):
         fs.pipe_file(f"{base}/run/{name}", b"x")
-    paths = sorted(e.path for e in list_checkpoint_files(f"{s3_bucket}/run"))
+    paths = sorted(e.path for e in candidates(f"{s3_bucket}/run", (".ckpt",)))
     assert paths == [f"{s3_bucket}/run/step=000000003.ckpt", f"{s3_bucket}/run/step=000000006.ckpt"]
-    assert list_checkpoint_files(f"{s3_bucket}/nothing-here") == []
+    assert candidates(f"{s3_bucket}/nothing-here") == []
 
 
 def test_stock_model_checkpoint_finds_last_on_s3_with_its_scheme(s3_bucket: str) -> None:
@@ -57,10 +57,10 @@ def test_a_fit_on_s3_rides_out_server_errors_and_prunes_and_resumes_last(
     s3_bucket: str, s3_server, monkeypatch
 ) -> None:
     """HTTP 500s during the run: every save retries and lands; keep_last=2 prunes on S3; "last" resolves there."""
-    from lightning_resume.io import remote
+    from lightning_resume import storage
     from tests.helpers.models import tiny_fit
 
-    monkeypatch.setattr(remote, "RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(storage, "RETRY_BASE_S", 0.01)
     dirpath = f"{s3_bucket}/fit"
     s3_server.faults.fail(8)  # the first uploads fail, past the client's own retries
     callback = RetentionCheckpoint(dirpath=dirpath, keep_last=2, every_n_train_steps=2)

@@ -17,6 +17,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from lightning_resume import ShardedSaveError, load_full, load_sharded, newest_committed, save_sharded, verify_sharded
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io.verify import verify as verify_file
+from lightning_resume.io import marker
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import META_FILE, clean_uncommitted, load_meta
 
@@ -34,9 +35,9 @@ def _save(root, name: str, step: int) -> str:
 def test_round_trip_and_marker_lists_every_file_with_digest(tmp_path):
     directory = _save(tmp_path, "step-3", 3)
     record = verify_sharded(directory)
-    on_disk = set(os.listdir(directory)) - {commits.MARKER}
+    on_disk = set(os.listdir(directory)) - {marker.MARKER}
     assert record.step == 3 and record.world_size == 1 and set(record.files) == on_disk
-    assert commits.IN_PROGRESS not in on_disk
+    assert marker.IN_PROGRESS not in on_disk
     template = _state(0.0)
     load_sharded(template, directory)
     assert torch.equal(template["model"]["w"], torch.full((3, 2), 3.0)) and template["step"] == 3
@@ -48,7 +49,7 @@ def test_damaged_directory_is_refused_naming_the_file(tmp_path, damage):
     directory = _save(tmp_path, "step-1", 1)
     shard = os.path.join(directory, META_FILE if damage == "meta" else "__0_0.distcp")
     if damage == "marker":
-        os.remove(os.path.join(directory, commits.MARKER))
+        os.remove(os.path.join(directory, marker.MARKER))
     elif damage == "missing":
         os.remove(shard)
     elif damage == "truncated":
@@ -72,10 +73,10 @@ def test_newest_committed_skips_uncommitted_corrupt_and_staging_and_cleanup_remo
     broken = _save(tmp_path, "step-6", 6)
     os.truncate(os.path.join(broken, "__0_0.distcp"), 10)
     staging = commits.stage(str(tmp_path / "step-8"))  # a save that died before its commit
-    committed_staging = commits.hidden_sibling(str(tmp_path / "step-9"), commits.STAGING)
+    committed_staging = commits.hidden_sibling(str(tmp_path / "step-9"), marker.STAGING)
     os.rename(_save(tmp_path, "x", 9), committed_staging)  # a save that died after its commit, before its swap
     os.makedirs(tmp_path / "step-7")
-    (tmp_path / "step-7" / commits.IN_PROGRESS).touch()  # what the first release's in-place saves left
+    (tmp_path / "step-7" / marker.IN_PROGRESS).touch()  # what the first release's in-place saves left
     (tmp_path / "user-dir").mkdir()  # not ours: never touched
     (tmp_path / ".user-hidden").mkdir()
     assert newest_committed(str(tmp_path)) == newest
@@ -132,9 +133,9 @@ _records = st.lists(st.tuples(st.integers(0, 5), st.floats(0, 10)), min_size=1, 
 
 @given(_records)
 def test_pick_newest_is_the_highest_step_then_latest_commit(rows):
-    records = [commits.CommitRecord(f"d{i}", step, 1) for i, (step, _) in enumerate(rows)]
+    records = [marker.CommitRecord(f"d{i}", step, 1) for i, (step, _) in enumerate(rows)]
     mtimes = {f"d{i}": t for i, (_, t) in enumerate(rows)}
-    best = commits.pick_newest(records, mtimes)
+    best = marker.pick_newest(records, mtimes)
     assert all((r.step, mtimes[r.path]) <= (best.step, mtimes[best.path]) for r in records)
 
 

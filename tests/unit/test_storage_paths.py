@@ -1,4 +1,4 @@
-"""URL handling and error classification of ``io.remote`` (pure: no server)."""
+"""URL handling and error classification of ``storage`` (pure: no server)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lightning_resume.io import remote
+from lightning_resume import storage
 
 
 @pytest.mark.parametrize(
@@ -21,12 +21,12 @@ from lightning_resume.io import remote
     ],
 )
 def test_join_keeps_the_scheme_and_normalises_local_paths(dirpath: str, name: str, joined: str) -> None:
-    assert remote.join(dirpath, name) == joined
+    assert storage.join(dirpath, name) == joined
 
 
 def test_split_keeps_the_scheme() -> None:
-    assert remote.split("s3://bucket/run/a.ckpt") == ("s3://bucket/run", "a.ckpt")
-    assert remote.split("run/a.ckpt") == ("run", "a.ckpt")
+    assert storage.split("s3://bucket/run/a.ckpt") == ("s3://bucket/run", "a.ckpt")
+    assert storage.split("run/a.ckpt") == ("run", "a.ckpt")
 
 
 class _ClientError(Exception):
@@ -50,7 +50,7 @@ class _ClientError(Exception):
     ],
 )
 def test_transient_errors_are_told_from_permanent_ones(err: BaseException, transient: bool) -> None:
-    assert remote.is_transient(err) is transient
+    assert storage.is_transient(err) is transient
 
 
 def test_retries_are_bounded_and_back_off_and_name_the_url() -> None:
@@ -62,10 +62,10 @@ def test_retries_are_bounded_and_back_off_and_name_the_url() -> None:
         raise OSError(errno.EREMOTEIO, "server error")
 
     with pytest.raises(OSError, match=r"could not write s3://b/k after 4 tries"):
-        remote.with_retries(always_500, "s3://b/k", "write", sleep=slept.append, attempts=4)
+        storage.with_retries(always_500, "s3://b/k", "write", sleep=slept.append, attempts=4)
     assert len(calls) == 4 and slept == [0.25, 0.5, 1.0]
 
 
 def test_a_callers_own_error_passes_through_unchanged() -> None:
     with pytest.raises(ValueError, match="unencodable"):
-        remote.with_retries(lambda: (_ for _ in ()).throw(ValueError("unencodable")), "s3://b/k", "write")
+        storage.with_retries(lambda: (_ for _ in ()).throw(ValueError("unencodable")), "s3://b/k", "write")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import atomic, remote
+from lightning_resume import storage
+from lightning_resume.io import atomic
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.io.verify import verify
 
@@ -58,12 +59,12 @@ def test_a_failed_upload_leaves_no_object_and_the_previous_one_intact(s3_bucket:
     fs, key = fsspec.core.url_to_fs(url)
     fs.invalidate_cache()
     assert fs.cat_file(key) == b"old"
-    assert [e.name for e in remote.list_dir(f"{s3_bucket}/run")] == ["model.ckpt"]
+    assert [e.name for e in storage.list_dir(f"{s3_bucket}/run")] == ["model.ckpt"]
     assert fs.list_multipart_uploads(key.split("/")[0]) == []
 
 
 def test_transient_server_errors_are_retried_until_the_save_succeeds(s3_bucket: str, s3_server, monkeypatch) -> None:
-    monkeypatch.setattr(remote, "RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(storage, "RETRY_BASE_S", 0.01)
     url = f"{s3_bucket}/run/step=3.ckpt"
     s3_server.faults.fail(12)  # more than botocore's and s3fs's own retries absorb
     SafetensorsCheckpointIO().save_checkpoint(_state(3), url)
@@ -74,8 +75,8 @@ def test_transient_server_errors_are_retried_until_the_save_succeeds(s3_bucket: 
 def test_persistent_server_errors_fail_the_save_naming_the_url_and_keep_the_previous(
     s3_bucket: str, s3_server, monkeypatch
 ) -> None:
-    monkeypatch.setattr(remote, "RETRY_BASE_S", 0.01)
-    monkeypatch.setattr(remote, "RETRY_ATTEMPTS", 2)
+    monkeypatch.setattr(storage, "RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(storage, "RETRY_ATTEMPTS", 2)
     url = f"{s3_bucket}/run/last.ckpt"
     SafetensorsCheckpointIO().save_checkpoint(_state(4), url)
     s3_server.faults.fail(10_000)
@@ -87,7 +88,7 @@ def test_persistent_server_errors_fail_the_save_naming_the_url_and_keep_the_prev
 
 def test_a_missing_bucket_fails_at_once_naming_the_url(s3_server, monkeypatch) -> None:
     slept: list = []
-    monkeypatch.setattr(remote.time, "sleep", slept.append)
+    monkeypatch.setattr(storage.time, "sleep", slept.append)
     with pytest.raises(FileNotFoundError, match="s3://no-such-bucket-here/run/a.ckpt"):
         SafetensorsCheckpointIO().save_checkpoint(_state(6), "s3://no-such-bucket-here/run/a.ckpt")
     assert slept == []
@@ -107,7 +108,7 @@ def test_stale_temporaries_of_dead_writers_are_removed_live_and_foreign_kept(s3_
     later = atomic.clean_stale_temporaries(f"{s3_bucket}/run", now=__import__("time").time() + 2 * atomic.STALE_AFTER_S)
     assert later == [f"{s3_bucket}/run/{foreign}"]
     fs.invalidate_cache()
-    assert sorted(e.name for e in remote.list_dir(f"{s3_bucket}/run")) == sorted([live, "keep.ckpt"])
+    assert sorted(e.name for e in storage.list_dir(f"{s3_bucket}/run")) == sorted([live, "keep.ckpt"])
 
 
 def test_sharded_checkpoints_to_a_url_are_refused_clearly_before_anything_is_written(tmp_path, monkeypatch) -> None:
@@ -130,7 +131,7 @@ def test_async_save_to_s3_uploads_in_the_background_in_order(s3_bucket: str) -> 
         io.save_checkpoint(_state(2), second)  # reuses the host buffer once the first upload is done
         io.remove_checkpoint(first)  # queued behind both writes
         assert io.wait()
-        names = sorted(e.name for e in remote.list_dir(f"{s3_bucket}/run"))
+        names = sorted(e.name for e in storage.list_dir(f"{s3_bucket}/run"))
         assert names == ["step=2.ckpt"]
         assert torch.equal(io.load_checkpoint(second)["state_dict"]["w"], _state(2)["state_dict"]["w"])
     finally:

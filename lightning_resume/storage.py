@@ -1,0 +1,340 @@
+"""The one storage layer: local paths and every fsspec URL (``s3://``, ``gs://``, ``memory://``) behind one interface.
+
+Every module that lists, tests, opens, removes or renames a file goes through these functions, so a
+URL keeps its scheme everywhere (never ``os.path.normpath``, which turns ``s3://b/k`` into ``s3:/b/k``)
+and tests run on ``memory://`` or a local temporary directory instead of patching ``os``. Local paths
+take the direct ``os`` route (plain reads, no fsspec buffering, tolerant of a file deleted between a
+listing and a stat); URLs go through ``fsspec.core.url_to_fs``, with listings uncached (another process,
+or a background upload, may have changed the store a moment ago). Transfers to remote stores are
+retried with bounded exponential backoff when the error is transient (5xx, throttling, connection
+reset, timeout) and fail at once, naming the URL, when it is permanent (no bucket, no permission).
+
+Which entries of a directory are checkpoints is not decided here (``io.resolve.candidates``), nor how
+a file is committed atomically (``io.atomic``). This module knows paths and errors, not checkpoints,
+tensors or Lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import time
+from typing import IO, Callable, List, NamedTuple, Optional, Tuple, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+T = TypeVar("T")
+
+RETRY_ATTEMPTS = 6
+"""Tries of one remote transfer (the first included) before a transient error is final."""
+RETRY_BASE_S = 0.25
+"""First backoff; each retry doubles it, up to ``RETRY_MAX_S``."""
+RETRY_MAX_S = 8.0
+
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.EREMOTEIO, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EAGAIN, errno.EBUSY, errno.EPIPE}
+)
+
+
+class Entry(NamedTuple):
+    """One entry directly in a directory: ``path`` is the full URL (scheme kept) or the joined local path."""
+
+    path: str
+    name: str
+    mtime: float
+    is_dir: bool
+
+
+# ------------------------------------------------------------------------------------------ naming
+
+
+def is_local(path: str) -> bool:
+    """Whether ``path`` is on the local filesystem (a plain path or a ``file://`` URL)."""
+    fs, _ = fsspec.core.url_to_fs(str(path))
+    return isinstance(fs, LocalFileSystem)
+
+
+def is_remote(path: str) -> bool:
+    return not is_local(path)
+
+
+def local_path(path: str) -> str:
+    """The filesystem path of a local ``file://`` URL (or the path itself)."""
+    path = str(path)
+    return fsspec.core.url_to_fs(path)[1] if "://" in path else path
+
+
+def join(dirpath: str, name: str) -> str:
+    """``dirpath/name``: a URL keeps its scheme; a local path is normalised as ``os.path`` does."""
+    dirpath = str(dirpath)
+    if "://" in dirpath:  # any URL, file:// included: normpath would turn "s3://" into "s3:/"
+        return dirpath.rstrip("/") + "/" + name
+    return os.path.normpath(os.path.join(dirpath, name))
+
+
+def split(path: str) -> Tuple[str, str]:
+    """(parent, name) of ``path``; a URL's parent keeps its scheme."""
+    path = str(path)
+    if "://" in path:
+        parent, _, name = path.rstrip("/").rpartition("/")
+        return parent, name
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def basename(path: str) -> str:
+    return split(path)[1]
+
+
+# ----------------------------------------------------------------------------------------- queries
+
+
+def list_dir(dirpath: str) -> List[Entry]:
+    """The entries directly in ``dirpath`` (files and sub-directories), by name; ``[]`` if it does not exist.
+
+    An entry deleted between the listing and its stat (a concurrent prune) is left out. A remote
+    sub-directory without a modification time (an object-store prefix) gets 0.
+    """
+    dirpath = str(dirpath)
+    if not is_local(dirpath):
+        return sorted(_list_remote(dirpath), key=lambda e: e.name)
+    out = []
+    try:
+        with os.scandir(local_path(dirpath)) as it:
+            for item in it:
+                try:
+                    out.append(Entry(join(dirpath, item.name), item.name, item.stat().st_mtime, item.is_dir()))
+                except FileNotFoundError:
+                    continue  # gone since the listing: not an entry any more
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(out, key=lambda e: e.name)
+
+
+def _list_remote(dirpath: str) -> List[Entry]:
+    fs, fs_path = fsspec.core.url_to_fs(dirpath)
+    fs.invalidate_cache(fs_path)  # another process (or a background upload) may have changed it
+    try:
+        infos = fs.ls(fs_path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for info in infos:
+        name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+        if not name or str(info["name"]).rstrip("/") == fs_path.rstrip("/"):
+            continue  # some stores list the directory itself
+        out.append(Entry(join(dirpath, name), name, _mtime(fs, info), info.get("type") == "directory"))
+    return out
+
+
+def _mtime(fs: fsspec.AbstractFileSystem, info: dict) -> float:
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    if info.get("type") == "directory":
+        return 0.0
+    try:
+        return float(fs.modified(info["name"]).timestamp())
+    except (OSError, NotImplementedError, KeyError):
+        return 0.0
+
+
+def exists(path: str) -> bool:
+    if is_local(path):
+        return os.path.lexists(local_path(path))
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    fs.invalidate_cache()  # a listing cached earlier may predate another process's upload
+    return bool(fs.exists(fs_path))
+
+
+def is_dir(path: str) -> bool:
+    if is_local(path):
+        return os.path.isdir(local_path(path))
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    try:
+        return bool(fs.isdir(fs_path))
+    except OSError:
+        return False
+
+
+def size(path: str) -> Optional[int]:
+    """The size in bytes of the file at ``path``, ``None`` if it is not a file (missing, or a directory)."""
+    if is_local(path):
+        try:
+            return os.path.getsize(local_path(path)) if os.path.isfile(local_path(path)) else None
+        except OSError:
+            return None
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    try:
+        return int(fs.size(fs_path)) if fs.isfile(fs_path) else None
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def mtime(path: str) -> Optional[float]:
+    """The modification time of ``path`` (seconds since the epoch), ``None`` if it is gone or has none."""
+    if is_local(path):
+        try:
+            return os.path.getmtime(local_path(path))
+        except OSError:
+            return None
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    try:
+        return float(fs.modified(fs_path).timestamp())
+    except (OSError, NotImplementedError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------- reading, writing
+
+
+def open_read(path: str) -> IO[bytes]:
+    """``path`` opened for binary reading: locally unbuffered (every byte read once, into the caller's
+    buffer), remotely through fsspec (ranged reads, only what is asked for is fetched)."""
+    if is_local(path):
+        return open(local_path(path), "rb", buffering=0)
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    return fs.open(fs_path, "rb")
+
+
+def read_bytes(path: str) -> bytes:
+    """The whole file at ``path`` in one read (one GET on an object store). ``FileNotFoundError`` if missing."""
+    if is_local(path):
+        with open_read(path) as f:
+            return f.read()
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    return bytes(with_retries(lambda: fs.cat_file(fs_path), str(path), "read"))
+
+
+def read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes ``start`` to ``end`` (exclusive) of ``path``, and no more: a ranged GET on an object store (an
+    fsspec file object would read ahead a whole block), ``pread`` locally. Shorter only at the end of the file."""
+    if is_local(path):
+        with open_read(path) as f:
+            return os.pread(f.fileno(), max(end - start, 0), start)
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    return bytes(with_retries(lambda: fs.cat_file(fs_path, start=start, end=end), str(path), "read"))
+
+
+def remove(path: str) -> None:
+    """Delete the file or directory tree at ``path``; a path already gone is not an error (a concurrent
+    prune carried out the same decision). Remote deletions are retried like uploads."""
+    path = str(path)
+    if is_local(path):
+        target = local_path(path)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            else:
+                os.remove(target)
+        return
+    fs, fs_path = fsspec.core.url_to_fs(path)
+
+    def rm() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(fs_path, recursive=True)
+
+    with_retries(rm, path, "delete")
+
+
+def rename(source: str, target: str) -> None:
+    """Move ``source`` to ``target`` (atomic locally, ``os.replace``; a copy and delete on object stores)."""
+    if is_local(source) and is_local(target):
+        os.replace(local_path(source), local_path(target))
+        return
+    fs, fs_source = fsspec.core.url_to_fs(str(source))
+    with_retries(lambda: fs.mv(fs_source, fsspec.core.url_to_fs(str(target))[1]), str(target), "rename")
+
+
+def require_local(path: str, owner: str) -> None:
+    """Refuse a remote ``path`` where only local directories are supported (sharded checkpoints for now:
+    their commit marker protocol renames directories, which object stores cannot do atomically)."""
+    if is_remote(str(path)):
+        from lightning_resume.errors import ConfigurationError
+
+        raise ConfigurationError(
+            owner,
+            [
+                f"{path} is a remote URL; sharded checkpoints are written to local (or mounted shared)"
+                " directories only for now: use a local dirpath, or a single-file checkpoint"
+                " (SafetensorsCheckpointIO) for remote storage"
+            ],
+        )
+
+
+# ------------------------------------------------------------------------------------------ retries
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether trying again may succeed: server errors, throttling, resets and timeouts; not a missing
+    bucket or key, a refused permission, or a bad request."""
+    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return False
+    if isinstance(err, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(err, OSError):
+        return err.errno in _TRANSIENT_ERRNOS or err.errno is None and _is_botocore_transient(err)
+    return _is_botocore_transient(err)
+
+
+def _is_botocore_transient(err: BaseException) -> bool:
+    """botocore errors that s3fs passes through untranslated: by class and status code, not message text."""
+    response = getattr(err, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = response.get("Error", {}).get("Code")
+        return (isinstance(status, int) and status >= 500) or code in ("SlowDown", "Throttling", "RequestTimeout")
+    return type(err).__name__ in ("EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError")
+
+
+def with_retries(
+    action: Callable[[], T],
+    url: str,
+    what: str,
+    sleep: Callable[[float], None] = time.sleep,
+    attempts: Optional[int] = None,
+) -> T:
+    """Run ``action`` (one whole transfer, safe to repeat); retry transient errors with backoff.
+
+    A permanent error, or a transient one still there after ``RETRY_ATTEMPTS`` tries, is raised as an
+    ``OSError`` naming ``url`` and chained to the original.
+    """
+    tries = RETRY_ATTEMPTS if attempts is None else attempts
+    for attempt in range(1, tries + 1):
+        try:
+            return action()
+        except Exception as err:
+            if not _is_storage_error(err):
+                raise  # the caller's own error (encoding, a staging abort): not a transfer's
+            transient = is_transient(err)
+            if transient and attempt < tries:
+                sleep(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempt - 1)))
+                continue
+            raise _named(err, url, what, attempt if transient else None) from err
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _is_storage_error(err: BaseException) -> bool:
+    module = type(err).__module__.split(".")[0]
+    return isinstance(err, OSError) or module in ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs")
+
+
+def _named(err: Exception, url: str, what: str, attempts: Optional[int]) -> OSError:
+    detail = f"{type(err).__name__}: {err}"
+    if attempts is None:
+        message = f"could not {what} {url}: {detail} (not retried: the error is permanent)"
+    else:
+        message = f"could not {what} {url} after {attempts} tries: {detail}"
+    cls = type(err) if isinstance(err, (FileNotFoundError, PermissionError)) else OSError
+    errno_ = err.errno if isinstance(err, OSError) else None
+    return cls(message) if errno_ is None else cls(errno_, message)
+

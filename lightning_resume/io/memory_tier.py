@@ -23,13 +23,13 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import fsspec
-import torch
 
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io import framing, read, remote, write
+from lightning_resume.io.async_save import AsyncSaver, commit_staged
 from lightning_resume.io.atomic import (
     STALE_AFTER_S,
     _pid_alive,
@@ -38,8 +38,8 @@ from lightning_resume.io.atomic import (
     atomic_write,
     owner_token,
 )
+from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import DEFAULT_ALGORITHM
-from lightning_resume.io.staging import AsyncSaver, StagedTensors
 
 DEFAULT_ROOT = "/dev/shm/lightning-resume"
 """Where snapshots live unless ``ExactResume(memory_dir=...)`` says otherwise."""
@@ -112,7 +112,7 @@ class MemoryStore:
         rank, world_size: this process's place; a snapshot is only read back by the same rank of
             the same world size.
         checksum: digest written into the file (default ``DEFAULT_ALGORITHM``, as ``SafetensorsCheckpointIO``).
-        asynchronous: block only to copy the tensors into reusable host buffers (``staging.AsyncSaver``,
+        asynchronous: block only to copy the tensors into reusable host buffers (``async_save.AsyncSaver``,
             as async saves do) and write the file on a worker; a process killed meanwhile keeps the
             previous snapshot. ``False``: the snapshot is committed when :meth:`save` returns.
     """
@@ -131,9 +131,7 @@ class MemoryStore:
         stem = f"rank-{rank}-of-{world_size}"
         self.path = os.path.join(self.directory, f"{stem}.safetensors")
         self.owner_path = os.path.join(self.directory, f"{stem}.owner")
-        self._encoded: Optional[Tuple[str, Dict[str, torch.Tensor]]] = None
-        # the tree is encoded once, in ``save`` (the size check needs it), and handed to the saver as is
-        self._saver = AsyncSaver(self._take_encoded, self._commit, on_error="raise") if asynchronous else None
+        self._saver = AsyncSaver(self._commit, on_error="raise") if asynchronous else None
 
     def save(self, checkpoint: Dict[str, Any], step: int, seq: int, now: Optional[float] = None) -> int:
         """Snapshot ``checkpoint`` as this rank's (the previous one is replaced once the new one is complete);
@@ -153,17 +151,12 @@ class MemoryStore:
         if self._saver is None:
             write.commit(self.path, tree_json, tensors, self.checksum)
         else:
-            self._encoded = (tree_json, tensors)
-            self._saver.save(checkpoint, self.path)
+            self._saver.save_encoded(tree_json, tensors, self.path)  # encoded once: the size check needed it
         return nbytes
 
-    def _take_encoded(self, checkpoint: Dict[str, Any]) -> Tuple[str, Dict[str, torch.Tensor]]:
-        encoded, self._encoded = self._encoded, None
-        assert encoded is not None, "MemoryStore.save encodes before the saver snapshots"
-        return encoded
-
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
-        write.commit(path, tree_json, staged, self.checksum, ready=staged.wait, image=staged.image)
+        """The background write of an asynchronous snapshot (on the saver's worker thread)."""
+        commit_staged(path, tree_json, staged, self.checksum)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Until the snapshot being written is committed (``False`` if ``timeout`` passed first)."""
@@ -194,8 +187,7 @@ class MemoryStore:
     def free(self) -> None:
         """Remove this rank's snapshot (a clean end of training), and the run directory once empty."""
         if self._saver is not None:
-            self._saver.wait()  # a write still in flight would otherwise commit after the removal
-            self._saver.buffers.release()
+            self._saver.close()  # a write still in flight would otherwise commit after the removal
         for path in (self.path, self.owner_path):
             _remove_quietly(path)
         with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
@@ -243,13 +235,6 @@ def _stale(directory: str, now: float) -> bool:
             if token == mine and pid.isdigit() and _pid_alive(int(pid)):
                 return False
     return True
-
-
-def describe(snapshot: Optional[MemorySnapshot]) -> Optional[dict[str, Any]]:
-    """The snapshot's record as plain values (for a gather between ranks), ``None`` for no snapshot."""
-    if snapshot is None:
-        return None
-    return {"step": snapshot.step, "seq": snapshot.seq, "saved_at": snapshot.saved_at}
 
 
 def durable_step(path: Optional[str]) -> int:

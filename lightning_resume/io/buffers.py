@@ -82,10 +82,6 @@ class StagedTensors(Dict[str, torch.Tensor]):
             if self._copied <= i:
                 raise StagingAborted(f"the snapshot copy failed before tensor '{name}' was copied") from self._error
 
-    def wait_all(self) -> None:
-        for name in self:
-            self.wait(name)
-
     def _copied_up_to(self, count: int, notify: bool) -> None:
         self._copied = count
         if notify:

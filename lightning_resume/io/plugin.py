@@ -8,8 +8,8 @@ fails verification, the plugin loads the newest sibling checkpoint that verifies
 naming both. A file asked for by any other name is never substituted.
 
 With ``async_save=True`` a save blocks only for the snapshot (``async_save.AsyncSaver``): the write,
-and every deletion after it, run in order on one worker; :meth:`SafetensorsCheckpointIO._commit` is
-that write, the hook a subclass extends to act around each background commit. Failures reach the training thread at the
+and every deletion after it, run in order on one worker; ``_commit`` is that write, the hook a
+subclass extends to act around each background commit. Failures reach the training thread at the
 next save, ``wait`` or ``teardown``. ``teardown`` runs inside Lightning's exception handler too
 (``lightning/pytorch/trainer/call.py`` ``_call_and_handle_interrupt``); there it flushes for at most
 ``flush_timeout`` and warns instead of raising, so the original exception is the one that propagates.

@@ -298,7 +298,8 @@ def test_overlap_starts_the_write_before_the_copy_ends_and_save_still_returns_af
     def write(path, tree_json, tensors):
         copied_when_started.append(tensors._copied)
         started.set()
-        tensors.wait_all()
+        for name in tensors:
+            tensors.wait(name)
 
     def copy(dst, src, non_blocking=False):
         if torch.equal(src, state["b"]):  # the last tensor in file order

@@ -22,7 +22,7 @@ synchronous save, ``torch.save`` (+fsync), Lightning ``TorchCheckpointIO`` (no f
 Then, blocked time alone over ``--saves`` interleaved saves (median and spread of each save's
 ratio to the memcpy measured just before it), for this state and for one of ``--many-tensors``
 small tensors (per-tensor overhead), with peers; where the blocked time goes (tree encoding, layout,
-copy, and the copy with hashing in it); the first save of a fresh process (pool not yet allocated)
+copy); the first save of a fresh process (pool not yet allocated)
 with its peak extra RSS, and a later one; the slowdown of a CPU training step while a background
 write runs (blocks of steps with and without a write in flight, interleaved, medians), with the
 writer at lowered priority (the default) and at training's; and steps/s of a real Lightning fit
@@ -61,9 +61,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from benchmarks.bench_io import make_state, raw_write  # noqa: E402
 from lightning_resume import SafetensorsCheckpointIO  # noqa: E402
-from lightning_resume.io import integrity, write  # noqa: E402
+from lightning_resume.io import write  # noqa: E402
+from lightning_resume.io.buffers import HostBuffers  # noqa: E402
 from lightning_resume.io.framing import host_bytes  # noqa: E402
-from lightning_resume.io.staging import HostBuffers  # noqa: E402
 
 Timing = Tuple[float, float]  # (blocked, total) seconds
 
@@ -325,12 +325,9 @@ def blocked_breakdown(state: Dict, repeats: int) -> List[str]:
         t3 = time.perf_counter()
         pool.fill(staged, encoded)
         t4 = time.perf_counter()
-        pool.fill(pool.prepare(encoded), encoded, integrity.DEFAULT_ALGORITHM)
-        t5 = time.perf_counter()
         if r:  # the first round allocates and lays out the pool
             for key, t in [("memcpy", t1 - t0), ("encode", t2 - t1), ("prepare", t3 - t2), ("fill", t4 - t3)]:
                 parts.setdefault(key, []).append(t)
-            parts.setdefault(f"fill + {integrity.DEFAULT_ALGORITHM} during the copy", []).append(t5 - t4)
     memcpy = statistics.median(parts["memcpy"])
     return [f"- {key}: {statistics.median(v) / memcpy:.3f}x memcpy" for key, v in parts.items() if key != "memcpy"]
 

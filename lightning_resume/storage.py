@@ -337,4 +337,3 @@ def _named(err: Exception, url: str, what: str, attempts: Optional[int]) -> OSEr
     cls = type(err) if isinstance(err, (FileNotFoundError, PermissionError)) else OSError
     errno_ = err.errno if isinstance(err, OSError) else None
     return cls(message) if errno_ is None else cls(errno_, message)
-

@@ -28,8 +28,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning
 
-PACKAGE = __name__.split(".")[0] + "."
-
 REPLAYED = (StochasticWeightAveraging, GradientAccumulationScheduler)
 """Callbacks whose epoch-start hook only rebuilds, from restored state, what the checkpoint does not hold."""
 

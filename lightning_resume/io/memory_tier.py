@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
-
-import fsspec
-import torch
+from typing import Any, Dict, List, Optional
 
 from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import framing, read, write
+from lightning_resume.io import read, write
+from lightning_resume.io.async_save import AsyncSaver, commit_staged
 from lightning_resume.io.atomic import (
     STALE_AFTER_S,
     _pid_alive,
@@ -39,8 +36,8 @@ from lightning_resume.io.atomic import (
     atomic_write,
     owner_token,
 )
+from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import DEFAULT_ALGORITHM
-from lightning_resume.io.staging import AsyncSaver, StagedTensors
 
 DEFAULT_ROOT = "/dev/shm/lightning-resume"
 """Where snapshots live unless ``ExactResume(memory_dir=...)`` says otherwise."""
@@ -84,13 +81,11 @@ def run_id(checkpoint_dir: str, create: bool) -> Optional[str]:
     A durable directory deleted and started over gets a new id, so the memory tier of the old run is
     never resumed into the new one."""
     path = storage.join(str(checkpoint_dir), RUN_ID_FILE)
-    fs, fs_path = fsspec.core.url_to_fs(path)
     try:
-        with fs.open(fs_path, "r") as f:
-            found = f.read().strip()
+        found = storage.read_bytes(path).decode("ascii", "replace").strip()
         if found:
-            return str(found)
-    except (FileNotFoundError, OSError):
+            return found
+    except OSError:
         pass
     if not create:
         return None
@@ -113,7 +108,7 @@ class MemoryStore:
         rank, world_size: this process's place; a snapshot is only read back by the same rank of
             the same world size.
         checksum: digest written into the file (default ``DEFAULT_ALGORITHM``, as ``SafetensorsCheckpointIO``).
-        asynchronous: block only to copy the tensors into reusable host buffers (``staging.AsyncSaver``,
+        asynchronous: block only to copy the tensors into reusable host buffers (``async_save.AsyncSaver``,
             as async saves do) and write the file on a worker; a process killed meanwhile keeps the
             previous snapshot. ``False``: the snapshot is committed when :meth:`save` returns.
     """
@@ -132,9 +127,7 @@ class MemoryStore:
         stem = f"rank-{rank}-of-{world_size}"
         self.path = os.path.join(self.directory, f"{stem}.safetensors")
         self.owner_path = os.path.join(self.directory, f"{stem}.owner")
-        self._encoded: Optional[Tuple[str, Dict[str, torch.Tensor]]] = None
-        # the tree is encoded once, in ``save`` (the size check needs it), and handed to the saver as is
-        self._saver = AsyncSaver(self._take_encoded, self._commit, on_error="raise") if asynchronous else None
+        self._saver = AsyncSaver(self._commit, on_error="raise") if asynchronous else None
 
     def save(self, checkpoint: Dict[str, Any], step: int, seq: int, now: Optional[float] = None) -> int:
         """Snapshot ``checkpoint`` as this rank's (the previous one is replaced once the new one is complete);
@@ -154,17 +147,12 @@ class MemoryStore:
         if self._saver is None:
             write.commit(self.path, tree_json, tensors, self.checksum)
         else:
-            self._encoded = (tree_json, tensors)
-            self._saver.save(checkpoint, self.path)
+            self._saver.save_encoded(tree_json, tensors, self.path)  # encoded once: the size check needed it
         return nbytes
 
-    def _take_encoded(self, checkpoint: Dict[str, Any]) -> Tuple[str, Dict[str, torch.Tensor]]:
-        encoded, self._encoded = self._encoded, None
-        assert encoded is not None, "MemoryStore.save encodes before the saver snapshots"
-        return encoded
-
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
-        write.commit(path, tree_json, staged, self.checksum, ready=staged.wait, image=staged.image)
+        """The background write of an asynchronous snapshot (on the saver's worker thread)."""
+        commit_staged(path, tree_json, staged, self.checksum)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Until the snapshot being written is committed (``False`` if ``timeout`` passed first)."""
@@ -195,8 +183,7 @@ class MemoryStore:
     def free(self) -> None:
         """Remove this rank's snapshot (a clean end of training), and the run directory once empty."""
         if self._saver is not None:
-            self._saver.wait()  # a write still in flight would otherwise commit after the removal
-            self._saver.buffers.release()
+            self._saver.close()  # a write still in flight would otherwise commit after the removal
         for path in (self.path, self.owner_path):
             _remove_quietly(path)
         with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
@@ -246,27 +233,13 @@ def _stale(directory: str, now: float) -> bool:
     return True
 
 
-def describe(snapshot: Optional[MemorySnapshot]) -> Optional[dict[str, Any]]:
-    """The snapshot's record as plain values (for a gather between ranks), ``None`` for no snapshot."""
-    if snapshot is None:
-        return None
-    return {"step": snapshot.step, "seq": snapshot.seq, "saved_at": snapshot.saved_at}
-
-
 def durable_step(path: Optional[str]) -> int:
     """The global step of a durable checkpoint of our format, from its header alone; ``-1`` when there is no
     checkpoint or its step cannot be read (a legacy ``torch.save`` file, a sharded directory, damage)."""
     if not path:
         return -1
     try:
-        fs, fs_path = fsspec.core.url_to_fs(str(path))
-        with fs.open(fs_path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little")
-            if len(head) < 8 or n > 1 << 30:
-                return -1
-            header = json.loads(f.read(n))
-        tree = json.loads(header["__metadata__"][framing.TREE_KEY])
-        return int(tree["v"]["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        step = read.global_step(read.read_summary(str(path)))
+    except Exception:  # noqa: BLE001 - damage of any kind: the step is unknown, the memory snapshot decides
         return -1
+    return -1 if step is None else step

@@ -7,8 +7,9 @@ newest ``last*.ckpt`` by mtime and hands that path to ``load_checkpoint``
 fails verification, the plugin loads the newest sibling checkpoint that verifies instead and warns
 naming both. A file asked for by any other name is never substituted.
 
-With ``async_save=True`` a save blocks only for the snapshot (``staging.AsyncSaver``): the write,
-and every deletion after it, run in order on one worker. Failures reach the training thread at the
+With ``async_save=True`` a save blocks only for the snapshot (``async_save.AsyncSaver``): the write,
+and every deletion after it, run in order on one worker; ``_commit`` is that write, the hook a
+subclass extends to act around each background commit. Failures reach the training thread at the
 next save, ``wait`` or ``teardown``. ``teardown`` runs inside Lightning's exception handler too
 (``lightning/pytorch/trainer/call.py`` ``_call_and_handle_interrupt``); there it flushes for at most
 ``flush_timeout`` and warns instead of raising, so the original exception is the one that propagates.
@@ -36,10 +37,11 @@ from lightning_resume.errors import (
     SkippedCheckpointWarning,
 )
 from lightning_resume.io import read, write
+from lightning_resume.io.async_save import AsyncSaver, commit_staged
 from lightning_resume.io.atomic import clean_stale_temporaries
+from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from lightning_resume.io.resolve import Skipped, is_last_name, newest_first, newest_verified, siblings, warn_skipped
-from lightning_resume.io.staging import AsyncSaver, StagedTensors
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.io.verify import verify as verify_file
 from lightning_resume.storage import is_local
@@ -115,7 +117,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._loaded: Dict[str, str] = {}  # a path asked for -> the file its load read
         self._saver: Optional[AsyncSaver] = None
         if async_save:
-            self._saver = AsyncSaver(write.encode_tree, self._commit, on_error, overlap=overlap_write)
+            self._saver = AsyncSaver(self._commit, on_error, overlap=overlap_write)
             atexit.register(_flush_at_exit, weakref.ref(self))
 
     @property
@@ -135,7 +137,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
             write.save_file(checkpoint, str(path), algorithm=self.checksum)
 
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
-        write.commit(path, tree_json, staged, self.checksum, ready=staged.wait, image=staged.image)
+        """The background write of an async save (on the worker thread): atomic, checksummed, at ``path``."""
+        commit_staged(path, tree_json, staged, self.checksum)
 
     @override
     def load_checkpoint(
@@ -267,16 +270,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if sys.exc_info()[1] is not None:
             self.flush(self.flush_timeout)
             return
-        self._saver.wait()
-        self._saver.buffers.release()
+        self._saver.close()
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait at most ``timeout`` for pending writes and warn (never raise) about failures or a timeout."""
         if self._saver is None:
             return True
-        pending = [j.path for j in self._saver.writer.outstanding(kind="write")]
-        done = self._saver.writer.wait(self._saver.writer.outstanding(), timeout)
-        self._saver.report(on_error="warn")
+        pending = self._saver.pending()
+        done = self._saver.wait(timeout=timeout, on_error="warn")
         if not done:
             warnings.warn(
                 f"checkpoint write of {', '.join(pending)} did not finish within flush_timeout={timeout}s; the file will"

@@ -21,7 +21,7 @@ import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -52,7 +52,6 @@ def commit(
     algorithm: str = integrity.DEFAULT_ALGORITHM,
     ready: Optional[Callable[[str], None]] = None,
     image: Optional[memoryview] = None,
-    digests: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Write an encoded checkpoint (from :func:`encode_tree`) atomically at ``path``, hashing while writing.
 
@@ -60,10 +59,7 @@ def commit(
     being copied, in file order): each tensor is written and hashed as soon as it is ready.
     ``image``, when given, is the data section as one buffer (the tensors are views of it, back to
     back in file order; start and length multiples of ``BLOCK``): a local file is then written from it
-    with direct I/O, no page-cache copy, where the filesystem allows.
-    ``digests``, when given, are the tensors' ``algorithm`` digests already computed (an async snapshot
-    hashed during its copy, complete once every tensor is ready): the write then reads no byte twice.
-    The file is the same either way.
+    with direct I/O, no page-cache copy, where the filesystem allows. The file is the same either way.
     """
     wait = ready if ready is not None else _always_ready
     entries = framing.layout(tensors)
@@ -75,9 +71,9 @@ def commit(
         return framing.header_bytes(entries, meta, align)
 
     def write(f: BinaryIO) -> None:
-        data = _Data(entries, views, wait, digests)
+        data = _Data(entries, views, wait)
         if not _is_local_file(f):
-            f.write(header(_hashing(algorithm, data).result()))
+            f.write(header(Background(_digests, algorithm, data).result()))
             for view in views:
                 f.write(view)
         elif image is None or not _write_direct(f, header, data, image, algorithm):
@@ -97,28 +93,6 @@ class _Data:
     entries: List[framing.Entry]
     views: List[memoryview]
     wait: Callable[[str], None]
-    digests: Optional[Mapping[str, str]] = None  # computed during the snapshot copy, if it was hashed
-
-
-class _Known:
-    """Digests computed before the write (during the snapshot copy): ready once every tensor is."""
-
-    def __init__(self, data: _Data) -> None:
-        self._data = data
-
-    def join(self) -> None:
-        return None
-
-    def result(self) -> Dict[str, str]:
-        assert self._data.digests is not None
-        if self._data.entries:
-            self._data.wait(self._data.entries[-1].name)
-        return dict(self._data.digests)
-
-
-def _hashing(algorithm: str, data: _Data) -> Any:
-    """What gives the digests: the ones known already, or a thread hashing the bytes (``join``/``result``)."""
-    return _Known(data) if data.digests is not None else Background(_digests, algorithm, data)
 
 
 def _digests(algorithm: str, data: _Data) -> Dict[str, str]:
@@ -142,7 +116,7 @@ def _write_hashing_during_flush(
     only for the tail. Digests are fixed-length hex, so the real header, written last at offset 0,
     has exactly the placeholder's size; nothing is durable or visible before that fsync and the rename.
     """
-    hasher = _hashing(algorithm, data)
+    hasher = Background(_digests, algorithm, data)
     blank = "0" * len(integrity.digest(algorithm, b""))
     placeholder = header(defaultdict(lambda: blank))
     fd = f.fileno()
@@ -180,7 +154,7 @@ def _write_direct(f: Any, header: Callable[..., bytes], data: _Data, image: memo
     try:
         if not _pwrite_direct(fd, placeholder, 0, probe=True):
             return False
-        hasher = _hashing(algorithm, data)
+        hasher = Background(_digests, algorithm, data)
         try:
             size = _write_image(fd, len(placeholder), data, image)
         finally:

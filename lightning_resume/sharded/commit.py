@@ -140,22 +140,6 @@ def discard(path: str) -> None:
         os.remove(target)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _newest(records: List[CommitRecord]) -> Optional[CommitRecord]:
     return pick_newest(records, {r.path: os.path.getmtime(os.path.join(r.path, MARKER)) for r in records})
 

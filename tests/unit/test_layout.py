@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import lightning_resume
 from lightning_resume._compat import torchdata as torchdata_compat
 

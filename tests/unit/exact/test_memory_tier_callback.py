@@ -92,17 +92,18 @@ def test_memory_options_come_from_lightning_cli_yaml() -> None:
 def test_an_exception_lets_the_snapshot_being_written_commit(tmp_path: Path, shm: Path, monkeypatch) -> None:
     """A slow memory-tier write (step 8) still in flight when training raises at step 9 is committed before
     the exception leaves ``fit``: the relaunch resumes from step 8, not from the snapshot before it."""
-    from lightning_resume.io.memory_tier import MemoryStore
+    from lightning_resume.io import write
 
-    commit = MemoryStore._commit
+    commit = write.commit
 
-    def slow_commit(self, path, tree_json, staged):  # type: ignore[no-untyped-def]
-        time.sleep(0.5)
-        commit(self, path, tree_json, staged)
+    def slow_commit(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if path.startswith(str(shm)):  # the memory tier's writes only
+            time.sleep(0.5)
+        commit(path, *args, **kwargs)
 
-    monkeypatch.setattr(MemoryStore, "_commit", slow_commit)
+    monkeypatch.setattr(write, "commit", slow_commit)
     with pytest.raises(RuntimeError, match="crash"):
         _fit(tmp_path, shm, ckpt_path="last", crash_at=9)
-    monkeypatch.setattr(MemoryStore, "_commit", commit)
+    monkeypatch.undo()
     resumed = _fit(tmp_path, shm, ckpt_path="last")
     assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8

@@ -17,23 +17,25 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
+from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.io import read, write
-from lightning_resume.io.staging import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.protocols import AsyncCheckpointWriter
 from tests.helpers.compare import assert_same
 from tests.helpers.tiny_fit import Tiny
 from tests.helpers.tiny_fit import tiny_trainer as _trainer
 
 
-def _slow(io, seconds=0.3, gate=None):
-    """Make every background commit start late (or wait for ``gate``), so the caller runs meanwhile."""
-    commit = io._commit
+class SlowIO(SafetensorsCheckpointIO):
+    """Every background commit starts late: after ``delay`` seconds, or once the ``delay`` event is set, so the
+    caller runs meanwhile (``_commit`` is the plugin's hook around each background write)."""
 
-    def slow(*args):
-        gate.wait(10) if gate is not None else time.sleep(seconds)
-        commit(*args)
+    def __init__(self, delay=0.3, **kwargs):
+        super().__init__(async_save=True, **kwargs)
+        self.delay = delay
 
-    io._saver._write = slow
+    def _commit(self, path, tree_json, staged):
+        self.delay.wait(10) if isinstance(self.delay, threading.Event) else time.sleep(self.delay)
+        super()._commit(path, tree_json, staged)
 
 
 def _disk_full(monkeypatch, after_bytes=100):
@@ -84,9 +86,8 @@ def _clone(tree):
 @pytest.mark.parametrize("overlap", [False, True], ids=["copy-then-write", "overlap_write"])
 def test_an_optimizer_step_right_after_save_does_not_leak_into_the_file(tmp_path, overlap):
     model, opt = _model_and_optimizer()
-    io = SafetensorsCheckpointIO(async_save=True, overlap_write=overlap)
+    io = SlowIO(overlap_write=overlap)
     assert isinstance(io, AsyncCheckpointWriter)
-    _slow(io)
     checkpoint = _checkpoint(model, opt, 1)
     expected = _clone(checkpoint)
     io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
@@ -104,8 +105,7 @@ def test_an_optimizer_step_right_after_save_does_not_leak_into_the_file(tmp_path
 
 def test_status_and_timings_are_exposed(tmp_path):
     model, opt = _model_and_optimizer()
-    io = SafetensorsCheckpointIO(async_save=True)
-    _slow(io, 0.2)
+    io = SlowIO(0.2)
     io.save_checkpoint(_checkpoint(model, opt, 1), tmp_path / "a.ckpt")
     assert io.last_blocked_seconds < 0.2 and io.last_write_seconds is None
     io.save_checkpoint(_checkpoint(model, opt, 2), tmp_path / "b.ckpt")  # waits for a.ckpt
@@ -116,11 +116,10 @@ def test_status_and_timings_are_exposed(tmp_path):
 
 
 def test_deletions_never_overtake_the_write_they_follow(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SlowIO(0)
     io.save_checkpoint({"w": torch.zeros(4)}, tmp_path / "old.ckpt")
     io.wait()
-    gate = threading.Event()
-    _slow(io, gate=gate)
+    gate = io.delay = threading.Event()
     io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "new.ckpt")
     io.remove_checkpoint(tmp_path / "old.ckpt")  # the prune of a retention policy right after a save
     io.remove_checkpoint(tmp_path / "new.ckpt")  # removing a file whose write is still queued
@@ -169,9 +168,8 @@ def test_on_error_warn_keeps_training_and_reports_at_teardown(tmp_path, monkeypa
 
 
 def test_teardown_during_an_exception_flushes_within_flush_timeout_and_never_masks_it(tmp_path, monkeypatch):
-    io = SafetensorsCheckpointIO(async_save=True, flush_timeout=0.2)
     gate = threading.Event()
-    _slow(io, gate=gate)
+    io = SlowIO(gate, flush_timeout=0.2)
     io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt")
     started = time.monotonic()
     with pytest.warns(AsyncWriteWarning, match=r"a\.ckpt did not finish within flush_timeout=0.2s"):
@@ -187,8 +185,7 @@ def test_teardown_during_an_exception_flushes_within_flush_timeout_and_never_mas
 
 def test_a_pending_write_is_flushed_before_a_crashing_fit_exits(tmp_path):
     """An exception in training: Lightning tears down, which lets the pending write finish."""
-    io = SafetensorsCheckpointIO(async_save=True)
-    _slow(io, 0.3)
+    io = SlowIO(0.3)
 
     class Boom(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -242,8 +239,7 @@ class Watch(Callback):
 
 
 def test_retention_prunes_in_order_and_marks_files_verified_only_once_durable(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True)
-    _slow(io, 0.05)
+    io = SlowIO(0.05)
     ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2, every_n_train_steps=1)
     watch = Watch(str(tmp_path))
     _trainer(tmp_path, 8, [ret, watch], io).fit(Tiny())
@@ -256,8 +252,7 @@ def test_retention_prunes_in_order_and_marks_files_verified_only_once_durable(tm
 
 
 def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True)
-    _slow(io, 0.15)
+    io = SlowIO(0.15)
     exact = ExactResume(mtbf=None, every_n_train_steps_max=3, preemption_signals=None)
     ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
     writes_seen = []
@@ -277,8 +272,7 @@ def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(t
 
 
 def test_preemption_waits_until_the_snapshot_is_durable_before_stopping(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True)
-    _slow(io, 0.3)
+    io = SlowIO(0.3)
     exact = ExactResume(preemption_signals=["SIGUSR1"])
     ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
 

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resume import ExactResume, SafetensorsCheckpointIO
 from lightning_resume.io import read
-from lightning_resume.io.staging import HostBuffers
+from lightning_resume.io.buffers import HostBuffers
 from tests.helpers.compare import assert_same
 from tests.helpers.tiny_fit import Tiny
 from tests.helpers.tiny_fit import tiny_trainer as _trainer
@@ -50,53 +50,63 @@ def test_a_reservation_too_small_only_means_the_first_fill_allocates() -> None:
         assert torch.equal(staged[name], t)
 
 
+class ReservingIO(SafetensorsCheckpointIO):
+    """An async IO that records each reservation asked of it and how many pools were allocated by then."""
+
+    def __init__(self) -> None:
+        super().__init__(async_save=True)
+        self.reserved: list[int] = []
+        self.allocations_before: list[int] = []
+
+    @property
+    def allocations(self) -> int:
+        assert self._saver is not None
+        return self._saver.buffers.allocations
+
+    def reserve(self, nbytes: int, pinned: bool = False) -> None:
+        self.reserved.append(nbytes)
+        self.allocations_before.append(self.allocations)
+        super().reserve(nbytes, pinned)
+
+
+class ImpossibleReservationIO(SafetensorsCheckpointIO):
+    """An async IO whose every reservation asks for more memory than any machine has: the allocation fails."""
+
+    def __init__(self) -> None:
+        super().__init__(async_save=True)
+
+    def reserve(self, nbytes: int, pinned: bool = False) -> None:
+        super().reserve(1 << 62, pinned)
+
+
 def test_exact_resume_reserves_once_before_the_first_async_save(tmp_path) -> None:
-    io = SafetensorsCheckpointIO(async_save=True)
-    calls: list[int] = []
-    reserve = io.reserve
-    saves_before: list[int] = []
-
-    def spy(nbytes: int, pinned: bool = False) -> None:
-        calls.append(nbytes)
-        saves_before.append(saver.buffers.allocations)
-        reserve(nbytes, pinned)
-
-    saver = io._saver
-    assert saver is not None
-    io.reserve = spy  # type: ignore[method-assign]
+    io = ReservingIO()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     model = Tiny()
     _trainer(tmp_path, 6, [ExactResume(mtbf=None, preemption_signals=None), ckpt], io).fit(model)
-    assert len(calls) == 1 and saves_before == [0]  # once, after step 1, before any save allocated
+    assert len(io.reserved) == 1 and io.allocations_before == [0]  # once, after step 1, before any save allocated
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert calls[0] >= 3 * params  # weights plus Adam's two moments
-    assert saver.buffers.allocations == 1  # every save used the reserved pool
+    assert io.reserved[0] >= 3 * params  # weights plus Adam's two moments
+    assert io.allocations == 1  # every save used the reserved pool
     loaded = read.load_file(str(tmp_path / "epoch=0-step=6.ckpt")).checkpoint
     assert_same(loaded["state_dict"], model.state_dict())
 
 
-def test_a_failed_reservation_is_logged_and_saves_still_work(tmp_path, monkeypatch, caplog) -> None:
-    io = SafetensorsCheckpointIO(async_save=True)
-    assert io._saver is not None
-
-    def refuse(nbytes: int, pinned: bool = False) -> None:
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
-
-    monkeypatch.setattr(io._saver.buffers, "reserve", refuse)
+def test_a_failed_reservation_is_logged_and_saves_still_work(tmp_path, caplog) -> None:
+    io = ImpossibleReservationIO()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    with caplog.at_level(logging.WARNING, logger="lightning_resume.io.staging"):
+    with caplog.at_level(logging.WARNING, logger="lightning_resume.io.async_save"):
         _trainer(tmp_path, 4, [ExactResume(mtbf=None, preemption_signals=None), ckpt], io).fit(Tiny())
     assert "could not reserve" in caplog.text
     read.load_file(str(tmp_path / "epoch=0-step=3.ckpt"))
 
 
 def test_no_checkpoint_callback_no_reservation(tmp_path) -> None:
-    io = SafetensorsCheckpointIO(async_save=True)
-    assert io._saver is not None
+    io = ReservingIO()
     trainer = Trainer(
         default_root_dir=str(tmp_path), max_steps=3, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
         callbacks=[ExactResume(mtbf=None, preemption_signals=None)], plugins=[io],
     )  # fmt: skip
     trainer.fit(Tiny())
-    assert io._saver.buffers.allocations == 0  # nothing will be saved: no memory held for it
+    assert io.reserved == [] and io.allocations == 0  # nothing will be saved: no memory held for it

@@ -12,17 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
+from lightning_resume.io import buffers as pool
 from lightning_resume.io import framing as container
-from lightning_resume.io import staging
-from lightning_resume.io.staging import (
-    BLOCK,
-    AsyncSaver,
-    AsyncWriteError,
-    AsyncWriteWarning,
-    HostBuffers,
-    Job,
-    OrderedWriter,
-)
+from lightning_resume.io.async_save import AsyncSaver
+from lightning_resume.io.buffers import Devices, HostBuffers
+from lightning_resume.io.framing import BLOCK
+from lightning_resume.io.worker import Job, OrderedWriter
 from tests.helpers.compare import tensor_bits
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]
@@ -87,14 +83,26 @@ def test_noncontiguous_conjugate_and_negative_views_are_materialised():
         assert not staged[name].is_conj() and not staged[name].is_neg()
 
 
+class FakeCuda(Devices):
+    """No GPU needed: CPU tensors stand in for CUDA ones (while ``cuda``); allocations and syncs are recorded."""
+
+    def __init__(self, cuda=True):
+        self.cuda, self.allocated, self.synced = cuda, [], []
+
+    def is_cuda(self, t):
+        return self.cuda
+
+    def allocate(self, nbytes, pinned):
+        self.allocated.append(pinned)
+        return torch.empty(nbytes, dtype=torch.uint8)  # pinning needs a real accelerator
+
+    def synchronize(self, device):
+        self.synced.append(device)
+
+
 def test_cuda_sources_use_a_pinned_pool_non_blocking_copies_and_one_sync_per_device(monkeypatch):
-    """No GPU here: CPU tensors stand in for CUDA ones; allocation, copy and sync are recorded."""
-    calls = {"alloc": [], "sync": [], "non_blocking": []}
-    monkeypatch.setattr(staging, "_is_cuda", lambda t: True)
-    monkeypatch.setattr(
-        staging, "_allocate", lambda n, pinned: calls["alloc"].append(pinned) or torch.empty(n, dtype=torch.uint8)
-    )
-    monkeypatch.setattr(staging, "_synchronize", lambda device: calls["sync"].append(device))
+    calls = {"non_blocking": []}
+    devices = FakeCuda()
     real_copy = torch.Tensor.copy_
 
     def spy(self, src, non_blocking=False):
@@ -103,23 +111,21 @@ def test_cuda_sources_use_a_pinned_pool_non_blocking_copies_and_one_sync_per_dev
 
     monkeypatch.setattr(torch.Tensor, "copy_", spy)
     state = {"a": torch.randn(10), "b": torch.randn(3, 3), "c": torch.arange(4)}
-    staged = HostBuffers().stage(state)
-    assert calls["alloc"] == [True]
+    staged = HostBuffers(devices).stage(state)
+    assert devices.allocated == [True]
     assert calls["non_blocking"] == [True, True, True]
-    assert calls["sync"] == [torch.device("cpu")]  # one per source device, after all copies were queued
+    assert devices.synced == [torch.device("cpu")]  # one per source device, after all copies were queued
     assert all(torch.equal(staged[k], v) for k, v in state.items())
 
 
-def test_a_pool_first_sized_for_cpu_is_replaced_by_a_pinned_one_for_cuda(monkeypatch):
-    pinned = []
-    monkeypatch.setattr(staging, "_allocate", lambda n, p: pinned.append(p) or torch.empty(n, dtype=torch.uint8))
-    monkeypatch.setattr(staging, "_synchronize", lambda device: None)
-    buffers = HostBuffers()
+def test_a_pool_first_sized_for_cpu_is_replaced_by_a_pinned_one_for_cuda():
+    devices = FakeCuda(cuda=False)
+    buffers = HostBuffers(devices)
     buffers.stage({"a": torch.randn(10)})
-    monkeypatch.setattr(staging, "_is_cuda", lambda t: True)
+    devices.cuda = True
     buffers.stage({"a": torch.randn(10)})
     buffers.stage({"a": torch.randn(10)})
-    assert pinned == [False, True] and buffers.pinned
+    assert devices.allocated == [False, True] and buffers.pinned
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -164,7 +170,11 @@ def test_wait_times_out_and_reports_false():
 
 
 def _saver(write, on_error="raise"):
-    return AsyncSaver(lambda ckpt: ("{}", dict(ckpt)), write, on_error)
+    return AsyncSaver(write, on_error)
+
+
+def _save(saver, tensors, path):
+    saver.save_encoded("{}", tensors, path)  # the tree's encoding is not what these tests are about
 
 
 def test_saver_raises_a_failed_write_once_at_the_next_save_naming_the_file():
@@ -173,19 +183,19 @@ def test_saver_raises_a_failed_write_once_at_the_next_save_naming_the_file():
             raise PermissionError(13, "Permission denied")
 
     saver = _saver(write)
-    saver.save({"w": torch.zeros(3)}, "bad.ckpt")
+    _save(saver, {"w": torch.zeros(3)}, "bad.ckpt")
     with pytest.raises(AsyncWriteError, match="bad.ckpt.*Permission denied") as info:
-        saver.save({"w": torch.zeros(3)}, "good.ckpt")
+        _save(saver, {"w": torch.zeros(3)}, "good.ckpt")
     assert isinstance(info.value.__cause__, PermissionError) and info.value.path == "bad.ckpt"
-    saver.save({"w": torch.zeros(3)}, "good.ckpt")  # reported once; the next save goes through
+    _save(saver, {"w": torch.zeros(3)}, "good.ckpt")  # reported once; the next save goes through
     assert saver.wait() is True
 
 
 def test_saver_in_warn_mode_warns_and_goes_on():
     saver = _saver(lambda path, *_: (_ for _ in ()).throw(OSError(5, "Input/output error")), on_error="warn")
-    saver.save({"w": torch.zeros(3)}, "a.ckpt")
+    _save(saver, {"w": torch.zeros(3)}, "a.ckpt")
     with pytest.warns(AsyncWriteWarning, match="a.ckpt.*Input/output error"):
-        saver.save({"w": torch.zeros(3)}, "b.ckpt")
+        _save(saver, {"w": torch.zeros(3)}, "b.ckpt")
     with pytest.warns(AsyncWriteWarning, match="b.ckpt"):
         saver.wait()
 
@@ -199,9 +209,9 @@ def test_next_save_waits_for_the_previous_write_and_measures_the_wait():
         seen.append((path, tensors["w"].clone()))
 
     saver = _saver(write)
-    saver.save({"w": torch.zeros(3)}, "a")
+    _save(saver, {"w": torch.zeros(3)}, "a")
     threading.Timer(0.2, gate.set).start()
-    saver.save({"w": torch.ones(3)}, "b")  # must not overwrite the pool while "a" is being written
+    _save(saver, {"w": torch.ones(3)}, "b")  # must not overwrite the pool while "a" is being written
     assert saver.last_wait_seconds >= 0.15
     saver.wait()
     assert [p for p, _ in seen] == ["a", "b"]
@@ -214,7 +224,7 @@ def test_next_save_waits_for_the_previous_write_and_measures_the_wait():
 
 def test_a_reader_gets_each_tensor_as_soon_as_it_is_copied_and_never_before(monkeypatch):
     """The copy of 'b' is held until the reader has read 'a': only a pipelined release lets it through."""
-    monkeypatch.setattr(staging, "NOTIFY_BYTES", 0)
+    monkeypatch.setattr(pool, "NOTIFY_BYTES", 0)
     buffers, tensors = (
         HostBuffers(),
         {"a": torch.full((1000,), 1.0), "b": torch.full((1000,), 2.0), "c": torch.full((10,), 3.0)},
@@ -251,7 +261,7 @@ def test_a_copy_that_fails_mid_snapshot_raises_its_own_error_once_and_leaves_no_
     io = SafetensorsCheckpointIO(async_save=True, overlap_write=overlap)
     state = {"a": torch.randn(1000), "b": torch.randn(1000), "c": torch.randn(1000)}
     real_copy, calls = torch.Tensor.copy_, []
-    monkeypatch.setattr(staging, "NOTIFY_BYTES", 0)  # one copy_ per tensor (else they are batched in one call)
+    monkeypatch.setattr(pool, "NOTIFY_BYTES", 0)  # one copy_ per tensor (else they are batched in one call)
 
     def failing(dst, src, non_blocking=False):
         calls.append(1)
@@ -283,21 +293,22 @@ def test_the_snapshot_is_copied_in_file_order():
 def test_overlap_starts_the_write_before_the_copy_ends_and_save_still_returns_after_it(monkeypatch, overlap):
     started, copied_when_started, real_copy = threading.Event(), [], torch.Tensor.copy_
     state = {"a": torch.ones(10), "b": torch.full((10,), 2.0)}
-    monkeypatch.setattr(staging, "NOTIFY_BYTES", 0)  # one copy_ per tensor (else they are batched in one call)
+    monkeypatch.setattr(pool, "NOTIFY_BYTES", 0)  # one copy_ per tensor (else they are batched in one call)
 
     def write(path, tree_json, tensors):
         copied_when_started.append(tensors._copied)
         started.set()
-        tensors.wait_all()
+        for name in tensors:
+            tensors.wait(name)
 
     def copy(dst, src, non_blocking=False):
         if torch.equal(src, state["b"]):  # the last tensor in file order
             copy.write_began_first = started.wait(0.5 if not overlap else 5)
         return real_copy(dst, src, non_blocking=non_blocking)
 
-    saver = AsyncSaver(lambda ckpt: ("{}", dict(ckpt)), write, overlap=overlap)
+    saver = AsyncSaver(write, overlap=overlap)
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
-    saver.save(state, "x")
+    _save(saver, state, "x")
     monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
     assert saver.wait() is True
     assert copy.write_began_first is overlap

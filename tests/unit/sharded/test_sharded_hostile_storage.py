@@ -22,8 +22,8 @@ from lightning_resume import load_full, load_sharded, save_sharded, verify_shard
 from lightning_resume.cli.main import main
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io.marker import CommitRecord, digest_files
-from lightning_resume.sharded.commit import commit
 from lightning_resume.io.safe_pickle import load_metadata
+from lightning_resume.sharded.commit import commit
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -1,0 +1,162 @@
+"""The async save protocol: snapshot on the caller's thread, commit on one ordered worker.
+
+Two phases, in order. On the caller's (training) thread, :class:`AsyncSaver` encodes the checkpoint
+(an unencodable value fails there, before any file is touched) and copies its tensors into the
+reusable host pool of ``buffers.HostBuffers``; once :meth:`AsyncSaver.save` returns nothing the next
+optimizer step mutates is referenced. On the worker (``worker.OrderedWriter``) the staged bytes are
+committed (:func:`commit_staged`: ``write.commit``, atomic and checksummed, with direct I/O from the
+pool where the filesystem allows), then the deletions asked for after it run, in order. At most one
+save is in flight (the next waits for it, and that wait is measured); a worker's error is handed to the
+caller's thread at the next save, at :meth:`AsyncSaver.wait` or at :meth:`AsyncSaver.close`, never
+lost. This module knows tensors, threads and files, not Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
+from lightning_resume.io import write
+from lightning_resume.io.buffers import HostBuffers, StagedTensors
+from lightning_resume.io.worker import Job, OrderedWriter
+
+log = logging.getLogger(__name__)
+
+Encoded = Tuple[str, Dict[str, torch.Tensor]]
+"""A checkpoint as ``write.encode_tree`` gives it: the tree's JSON text and its tensors by name."""
+
+WriteFn = Callable[[str, str, StagedTensors], None]
+"""``commit(path, tree_json, staged)``: the durable commit (:func:`commit_staged` with a digest), reading
+each tensor only after ``staged.wait(name)``: it may start while the snapshot is still being copied."""
+
+
+def commit_staged(path: str, tree_json: str, staged: StagedTensors, algorithm: str) -> None:
+    """Commit a snapshot at ``path``: each tensor once copied, from the pool's image with direct I/O where allowed."""
+    write.commit(path, tree_json, staged, algorithm, ready=staged.wait, image=staged.image)
+
+
+class AsyncSaver:
+    """Snapshot on the caller's thread, commit on the worker; at most one save in flight.
+
+    ``commit`` runs on the worker (a :data:`WriteFn`). ``overlap=True`` starts it while the snapshot is
+    still being copied (each chunk once it is copied): the file is durable sooner by about the copy time,
+    but the write then competes with the copy for CPU and memory bandwidth, so the caller is blocked
+    longer. Off by default: blocking is what training pays. A failed job is reported on the caller's
+    thread by the next :meth:`save`, :meth:`wait`, :meth:`report` or :meth:`close`: raised as
+    ``AsyncWriteError`` (``on_error="raise"``) or warned (``"warn"``).
+    """
+
+    def __init__(self, commit: WriteFn, on_error: str = "raise", overlap: bool = False) -> None:
+        self._commit = commit
+        self.on_error = on_error
+        self.overlap = overlap
+        self.buffers = HostBuffers()
+        self.writer = OrderedWriter()
+        self._last_write: Optional[Job] = None
+        self.last_wait_seconds = 0.0
+        self.last_blocked_seconds = 0.0
+        self._write_seconds: Optional[float] = None
+
+    @property
+    def last_write_seconds(self) -> Optional[float]:
+        """Worker time of the newest write that completed (``None`` before the first)."""
+        job = self._last_write
+        if job is not None and job.done.is_set() and job.error is None:
+            self._write_seconds = job.seconds
+        return self._write_seconds
+
+    def save(self, checkpoint: dict, path: str) -> None:
+        """Wait for the previous save (measured), report its failure, snapshot ``checkpoint``, queue its commit.
+
+        Returns once every tensor is copied, so the caller may then change its state freely. With
+        ``overlap`` the commit is queued before the copy starts and follows it chunk by chunk.
+        """
+        self._save(path, lambda: write.encode_tree(checkpoint))
+
+    def save_encoded(self, tree_json: str, tensors: Dict[str, torch.Tensor], path: str) -> None:
+        """:meth:`save` of a checkpoint the caller has encoded already (``write.encode_tree``), e.g. to size it
+        first: the same wait, snapshot and commit, without encoding it a second time."""
+        self._save(path, lambda: (tree_json, tensors))
+
+    def _save(self, path: str, encode: Callable[[], Encoded]) -> None:
+        started = time.monotonic()
+        self.writer.wait(self.writer.outstanding())  # the pool is reused: the previous write must be done
+        snapshot_start = time.monotonic()
+        self.last_wait_seconds = snapshot_start - started
+        self.report()
+        recopy = None if self.overlap else self.buffers.recopy_last()  # the same tensors, copied meanwhile
+        try:
+            tree_json, tensors = encode()  # unencodable values fail here, before any file
+        finally:
+            if recopy is not None:
+                recopy.join()  # nothing touches the pool while it is being copied into
+        staged = self.buffers.prepare(tensors)
+        job = Job("write", path, lambda: self._commit(path, tree_json, staged))
+        if self.overlap:
+            self._fill_while_writing(staged, tensors, job)
+        else:
+            if not self.buffers.adopt(recopy, staged, tensors):
+                self.buffers.fill(staged, tensors)
+            self.writer.submit(job)
+        self.last_blocked_seconds = time.monotonic() - snapshot_start
+        self._last_write = job
+
+    def _fill_while_writing(self, staged: StagedTensors, tensors: Mapping[str, torch.Tensor], job: Job) -> None:
+        self.writer.submit(job)
+        try:
+            self.buffers.fill(staged, tensors)
+        except BaseException:
+            self.writer.wait([job])  # the write stops at the first byte not copied and leaves no file
+            self.writer.discard(job)  # the caller gets the copy's own error, now; not a second one later
+            raise
+
+    def reserve(self, nbytes: int, pinned: bool = False) -> None:
+        """Prepare the pool for snapshots of about ``nbytes`` on the worker (at its lowered priority), so the
+        first save blocks for a copy, not for page faults; returns at once (a save waits for it). A
+        reservation that fails (no memory) is logged and leaves the first save to allocate, as before."""
+
+        def run() -> None:
+            try:
+                self.buffers.reserve(nbytes, pinned)
+            except (MemoryError, RuntimeError) as err:  # torch reports a failed allocation as RuntimeError
+                log.warning("lightning-resume: could not reserve %d bytes of staging memory ahead: %s", nbytes, err)
+
+        self.writer.submit(Job("reserve", "", run))
+
+    def remove(self, path: str, remove: Callable[[], None]) -> None:
+        """Queue a deletion after everything submitted so far (skipped if the write before it failed)."""
+        self.writer.submit(Job("remove", path, remove, after=self._last_write))
+
+    def in_flight(self, path: Optional[str] = None) -> bool:
+        return bool(self.writer.outstanding(path, kind="write"))
+
+    def pending(self) -> List[str]:
+        """The paths of the writes queued or running, oldest first."""
+        return [j.path for j in self.writer.outstanding(kind="write")]
+
+    def wait(self, path: Optional[str] = None, timeout: Optional[float] = None, on_error: Optional[str] = None) -> bool:
+        """Until ``path``'s writes (or every job) are done, then :meth:`report` (per ``on_error`` when given);
+        ``False`` on timeout."""
+        jobs = self.writer.outstanding(path, kind="write") if path is not None else self.writer.outstanding()
+        done = self.writer.wait(jobs, timeout)
+        self.report(on_error)
+        return done
+
+    def close(self) -> None:
+        """Wait for every job, report a failure, and give the pool's memory back (the next save allocates again)."""
+        self.wait()
+        self.buffers.release()
+
+    def report(self, on_error: Optional[str] = None) -> None:
+        """Hand every failure since the last report to this thread: raise the first, warn the others."""
+        errors = [AsyncWriteError(j.path, j.error, j.kind) for j in self.writer.take_failed() if j.error is not None]
+        raising = (on_error or self.on_error) == "raise" and errors
+        for err in errors[1:] if raising else errors:
+            warnings.warn(str(err), AsyncWriteWarning, stacklevel=3)
+        if raising:
+            raise errors[0] from errors[0].cause

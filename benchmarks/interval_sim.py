@@ -14,7 +14,7 @@ the Poisson model is always below M). Waste = fraction of
 wall time not spent on useful computation. C defaults to a measured blocking cost of this machine:
 copying a ~100 MB state into preallocated buffers (the snapshot half of an async save).
 
-    python benchmarks/interval_sim.py                 # the README table
+    python benchmarks/interval_sim.py                 # the table in RESULTS.md, "Checkpoint interval"
     python benchmarks/interval_sim.py --seeds 50 --c 0.05 --mtbf 15min   # quick look
 
 Two failure classes (``--two-level``): process failures (exponential, mean ``--m1``) roll back to
@@ -27,7 +27,7 @@ pair (T1, k). ``--measure`` first measures C1 (copying a ``--state-mb`` state in
 buffer backed by a ``/dev/shm`` file) and C2 (a synchronous ``SafetensorsCheckpointIO`` save of
 the same state to ``--durable-dir``, fsync included) and uses them:
 
-    python benchmarks/interval_sim.py --two-level --measure --m1 1h --m2 24h   # the README two-level table
+    python benchmarks/interval_sim.py --two-level --measure --m1 1h --m2 24h   # RESULTS.md, "Two-level schedule"
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the whole data section. The data-section digest is taken over the per-tensor dig
 order or set of tensors, changes it. Structural checks of the header live in ``framing``; this
 module compares content. It must not import Lightning.
 
-``xxh3-128`` (the default: ~13 GB/s on one core here, near memory speed; see README "Safe
-checkpoint files") and ``crc32`` (the default before it, ~3 GB/s) detect accidental damage (truncation,
+``xxh3-128`` (the default: ~13 GB/s on one core here, near memory speed; see benchmarks/RESULTS.md
+"Checksum speed") and ``crc32`` (the default before it, ~3 GB/s) detect accidental damage (truncation,
 flipped bits, torn writes); ``sha256`` is collision-resistant, for files that pass through hands you do
 not control (no checksum without a key stops deliberate tampering); ``blake2b`` likewise. The algorithm
 is recorded per file, so files written with any of them load and verify whatever the current default.

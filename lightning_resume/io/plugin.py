@@ -69,7 +69,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
             written with direct I/O from those buffers (no page-cache copy) where the filesystem allows.
         overlap_write: with ``async_save``, start writing each chunk as soon as it is copied instead of
             after the whole snapshot: durable sooner by about the copy time, but the write competes with
-            the copy, so training is blocked longer (README, "Async saving", has the figures). Worth it
+            the copy, so training is blocked longer (benchmarks/RESULTS.md, "Async saving", has the figures). Worth it
             where saves are back to back and cores are spare.
         on_error: what a failed background write does at the next save, ``wait`` or teardown:
             ``"raise"`` an ``AsyncWriteError`` naming the file (default), or ``"warn"`` and go on.

@@ -3,7 +3,8 @@
 ``s3_server`` (session) starts it once; ``s3_bucket`` (function) creates a fresh bucket and returns
 ``s3://<bucket>``. The endpoint reaches s3fs through ``AWS_ENDPOINT_URL_S3`` (botocore.s
 own configuration mechanism), so code under test and child processes open plain ``s3://`` URLs.
-``fault`` makes the server answer a number of requests with HTTP 500 (fault injection).
+``faults`` makes the server answer a number of requests with HTTP 500 (fault injection); ``traffic``
+counts the bytes it sends for GET requests (what a client read).
 """
 
 from __future__ import annotations
@@ -55,11 +56,35 @@ class Faults:
         return middleware
 
 
+class Traffic:
+    """Bytes the server sent in answer to GET requests (object reads and listings), counted as they leave."""
+
+    def __init__(self) -> None:
+        self.get_bytes = 0
+
+    def wrap(self, app):
+        def middleware(environ, start_response):
+            body = app(environ, start_response)
+            return self._counted(body) if environ.get("REQUEST_METHOD") == "GET" else body
+
+        return middleware
+
+    def _counted(self, body):
+        try:
+            for chunk in body:
+                self.get_bytes += len(chunk)
+                yield chunk
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+
+
 class S3Server:
     def __init__(self) -> None:
         self.port = _free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.faults = Faults()
+        self.traffic = Traffic()
         moto_server = pytest.importorskip("moto.server")
         pytest.importorskip("s3fs")
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
@@ -68,7 +93,7 @@ class S3Server:
     def start(self) -> None:
         self._server.start()
         wsgi = self._server._server  # werkzeug server: wrap its app for fault injection
-        wsgi.app = self.faults.wrap(wsgi.app)
+        wsgi.app = self.traffic.wrap(self.faults.wrap(wsgi.app))
 
     def stop(self) -> None:
         self._server.stop()

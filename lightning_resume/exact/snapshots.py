@@ -12,7 +12,6 @@ import os
 import shutil
 from typing import Optional
 
-import fsspec
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -127,9 +126,8 @@ def publish_as_hpc(path: str, hpc_path: str) -> None:
     resolution). Hard links where it can (instant whatever the size: this runs inside the preemption
     notice), else copies; committed by one rename. Rank 0 only, before the job is requeued."""
     if not (storage.is_local(str(path)) and storage.is_local(hpc_path)):
-        fs, fs_path = fsspec.core.url_to_fs(str(path))
-        with fs.open(fs_path, "rb") as source:
-            atomic_write(hpc_path, lambda target: shutil.copyfileobj(source, target, 16 << 20))
+        with storage.open_read(str(path)) as reader:
+            atomic_write(hpc_path, lambda target: shutil.copyfileobj(reader, target, 16 << 20))
         return
     source, target = storage.local_path(str(path)), storage.local_path(hpc_path)
     parent = os.path.dirname(os.path.abspath(target))

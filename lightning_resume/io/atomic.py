@@ -54,8 +54,8 @@ def owner_token() -> str:
 
 def _host_identity() -> Tuple[str, str, str]:
     """(machine id and host name, boot id, PID namespace): what must match for a pid to mean the same."""
-    machine = _read_quietly("/etc/machine-id")
-    boot = _read_quietly("/proc/sys/kernel/random/boot_id")
+    machine = read_quietly("/etc/machine-id")
+    boot = read_quietly("/proc/sys/kernel/random/boot_id")
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
@@ -63,7 +63,8 @@ def _host_identity() -> Tuple[str, str, str]:
     return f"{machine}/{socket.gethostname()}", boot, namespace
 
 
-def _read_quietly(path: str) -> str:
+def read_quietly(path: str) -> str:
+    """The stripped text of a small local file, ``""`` if it cannot be read."""
     try:
         with open(path) as f:
             return f.read().strip()
@@ -91,7 +92,7 @@ def _local_atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        _remove_quietly(tmp)
+        remove_quietly(tmp)
         raise
     fsync_directory(directory)
 
@@ -178,24 +179,6 @@ def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List
     than ``STALE_AFTER_S`` are aborted too (they have no owner to ask).
     """
     now = time.time() if now is None else now
-    if storage.is_remote(directory):
-        return _clean_remote(str(directory), now)
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    mine = owner_token()
-    removed = []
-    for name in names:
-        match = _TEMP.match(name)
-        full = os.path.join(directory, name)
-        stale = match is not None and _is_stale(full, match["owner"] == mine, int(match["pid"]), now)
-        if stale and _remove_quietly(full):
-            removed.append(full)
-    return removed
-
-
-def _clean_remote(directory: str, now: float) -> List[str]:
     mine = owner_token()
     removed = []
     for entry in storage.list_dir(directory):
@@ -203,21 +186,12 @@ def _clean_remote(directory: str, now: float) -> List[str]:
         if match is None or entry.is_dir:
             continue
         if match["owner"] == mine:
-            stale = not _pid_alive(int(match["pid"]))
+            stale = not pid_alive(int(match["pid"]))
         else:
             stale = now - entry.mtime > STALE_AFTER_S
-        if stale and _remove_remote_quietly(entry.path):
+        if stale and remove_quietly(entry.path):
             removed.append(entry.path)
-    return removed + _abort_stale_uploads(directory, now)
-
-
-def _remove_remote_quietly(url: str) -> bool:
-    fs, fs_path = fsspec.core.url_to_fs(url)
-    try:
-        fs.rm(fs_path)
-        return True
-    except OSError:
-        return False
+    return removed + (_abort_stale_uploads(str(directory), now) if storage.is_remote(directory) else [])
 
 
 def _abort_stale_uploads(directory: str, now: float) -> List[str]:
@@ -244,16 +218,8 @@ def _abort_stale_uploads(directory: str, now: float) -> List[str]:
     return aborted
 
 
-def _is_stale(path: str, same_owner: bool, pid: int, now: float) -> bool:
-    if same_owner:
-        return not _pid_alive(pid)
-    try:
-        return now - os.stat(path).st_mtime > STALE_AFTER_S
-    except OSError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (in this PID namespace)."""
     if pid == os.getpid():
         return True
     try:
@@ -265,9 +231,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_quietly(path: str) -> bool:
+def remove_quietly(path: str) -> bool:
+    """Delete ``path`` (any storage); ``False`` instead of an error if it cannot be."""
     try:
-        os.remove(path)
+        storage.remove(path)
         return True
     except OSError:
         return False

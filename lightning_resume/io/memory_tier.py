@@ -30,11 +30,11 @@ from lightning_resume.io import read, write
 from lightning_resume.io.async_save import AsyncSaver, commit_staged
 from lightning_resume.io.atomic import (
     STALE_AFTER_S,
-    _pid_alive,
-    _read_quietly,
-    _remove_quietly,
     atomic_write,
     owner_token,
+    pid_alive,
+    read_quietly,
+    remove_quietly,
 )
 from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import DEFAULT_ALGORITHM
@@ -161,7 +161,7 @@ class MemoryStore:
     def _claim(self) -> None:
         """Record this process as the slot's writer, so no other run's cleanup removes it while it lives."""
         owner = f"{owner_token()} {os.getpid()}"
-        if _read_quietly(self.owner_path) != owner:
+        if read_quietly(self.owner_path) != owner:
             atomic_write(self.owner_path, lambda f: f.write(owner.encode()))
 
     def exists(self) -> bool:
@@ -185,7 +185,7 @@ class MemoryStore:
         if self._saver is not None:
             self._saver.close()  # a write still in flight would otherwise commit after the removal
         for path in (self.path, self.owner_path):
-            _remove_quietly(path)
+            remove_quietly(path)
         with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
             os.rmdir(self.directory)
 
@@ -227,8 +227,8 @@ def _stale(directory: str, now: float) -> bool:
     mine = owner_token()
     for name in names:
         if name.endswith(".owner"):
-            token, _, pid = _read_quietly(os.path.join(directory, name)).partition(" ")
-            if token == mine and pid.isdigit() and _pid_alive(int(pid)):
+            token, _, pid = read_quietly(os.path.join(directory, name)).partition(" ")
+            if token == mine and pid.isdigit() and pid_alive(int(pid)):
                 return False
     return True
 

@@ -12,12 +12,12 @@ plain safetensors file (any safetensors reader loads it), committed with ``io.at
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, Dict
 
 import torch
 from safetensors.torch import save as safetensors_bytes
 
+from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io.atomic import atomic_write
 from lightning_resume.io.read import load_file
@@ -28,7 +28,7 @@ MODEL_KEYS = ("state_dict", "model")
 
 def read_checkpoint(path: str) -> Dict[str, Any]:
     """The checkpoint tree of a sharded directory or of a file of either format (content decides)."""
-    if os.path.isdir(path):
+    if storage.is_dir(path):
         from lightning_resume.sharded.api import load_full  # DCP is imported only for sharded checkpoints
 
         return load_full(path)
@@ -49,7 +49,7 @@ def model_state(path: str) -> Dict[str, torch.Tensor]:
 
 def export(path: str, out: str, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     weights = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in model_state(path).items()}
-    data = safetensors_bytes(weights, metadata={"format": "pt", "source": os.path.basename(os.path.normpath(path))})
+    data = safetensors_bytes(weights, metadata={"format": "pt", "source": storage.basename(str(path).rstrip("/"))})
     atomic_write(out, lambda handle: handle.write(data))
     return weights
 

@@ -95,7 +95,7 @@ def test_in_flight_save_in_another_pid_namespace_is_not_deleted(tmp_path):
     )
     try:
         path, inner_pid = writer.stdout.readline().split()
-        if atomic._pid_alive(int(inner_pid)):
+        if atomic.pid_alive(int(inner_pid)):
             pytest.skip(f"pid {inner_pid} came alive here meanwhile; the attack needs it free")
         assert clean_stale_temporaries(str(tmp_path)) == []
         assert os.path.exists(path)

@@ -69,3 +69,52 @@ def test_retries_are_bounded_and_back_off_and_name_the_url() -> None:
 def test_a_callers_own_error_passes_through_unchanged() -> None:
     with pytest.raises(ValueError, match="unencodable"):
         storage.with_retries(lambda: (_ for _ in ()).throw(ValueError("unencodable")), "s3://b/k", "write")
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path) -> str:
+    """The same operations on a local directory and on fsspec's in-memory filesystem (a URL)."""
+    if request.param == "local":
+        return str(tmp_path)
+    import uuid
+
+    return f"memory://storage-test-{uuid.uuid4().hex[:8]}"
+
+
+def _put(path: str, data: bytes) -> None:
+    from lightning_resume.io.atomic import atomic_write
+
+    atomic_write(path, lambda f: f.write(data))
+
+
+def test_one_interface_for_local_paths_and_urls(root: str) -> None:
+    a, b = storage.join(root, "a.bin"), storage.join(root, "b.bin")
+    _put(a, b"0123456789")
+    assert storage.exists(a) and not storage.exists(b) and not storage.is_dir(a)
+    assert storage.size(a) == 10 and storage.size(b) is None
+    assert storage.read_bytes(a) == b"0123456789" and storage.read_range(a, 2, 5) == b"234"
+    assert storage.read_range(a, 8, 20) == b"89"  # shorter only at the end of the file
+    assert storage.mtime(a) is not None and storage.mtime(b) is None
+    storage.rename(a, b)
+    assert not storage.exists(a) and storage.read_bytes(b) == b"0123456789"
+    assert [(e.name, e.is_dir) for e in storage.list_dir(root)] == [("b.bin", False)]
+    assert all(e.path == storage.join(root, e.name) for e in storage.list_dir(root))
+    storage.remove(b)
+    storage.remove(b)  # already gone: carried out, not an error
+    assert storage.list_dir(root) == [] and storage.list_dir(storage.join(root, "missing")) == []
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes(b)
+
+
+def test_candidates_is_the_one_rule_for_what_a_directory_holds(root: str) -> None:
+    from lightning_resume.io.resolve import candidates, newest_first, progress
+
+    for name in ("step=000000002.ckpt", "epoch=0-step=7.ckpt", "b.safetensors", "notes.txt", ".x.ckpt.tmp-1-0badf00d"):
+        _put(storage.join(root, name), b"x")
+    found = [e.name for e in candidates(root)]
+    assert found == ["b.safetensors", "epoch=0-step=7.ckpt", "step=000000002.ckpt"]
+    assert [e.name for e in candidates(root, (".ckpt",))] == ["epoch=0-step=7.ckpt", "step=000000002.ckpt"]
+    # newest by training progress (the step in the name), whatever the clock says; no step: last
+    ordered = newest_first(e.path for e in candidates(root))
+    assert [storage.basename(p) for p in ordered] == ["epoch=0-step=7.ckpt", "step=000000002.ckpt", "b.safetensors"]
+    assert progress(storage.join(root, "gone.ckpt")) is None

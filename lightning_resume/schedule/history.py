@@ -29,7 +29,7 @@ import fsspec
 from lightning_resume.errors import HistoryWarning
 from lightning_resume.io import remote
 from lightning_resume.io.atomic import atomic_write
-from lightning_resume.schedule.policy import Tier
+from lightning_resume.schedule.state import Tier
 
 HISTORY_FILENAME = "resume_history.json"
 FORMAT_VERSION = 1

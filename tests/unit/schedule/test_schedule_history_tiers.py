@@ -7,6 +7,7 @@ import json
 import pytest
 
 from lightning_resume.schedule import history
+from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.history import (
     EventKind,
     estimate_mtbf,
@@ -18,8 +19,8 @@ from lightning_resume.schedule.history import (
     record_start,
     save_history,
 )
-from lightning_resume.schedule.policy import ScheduleConfig, Tier
 from lightning_resume.schedule.scheduler import SnapshotScheduler
+from lightning_resume.schedule.state import Tier
 
 HOUR = 3600.0
 

@@ -52,6 +52,23 @@ def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
+def _mtbf_problems(name: str, mtbf_s: Optional[float], mode: MtbfMode, examples: tuple, off: str) -> list:
+    """An MTBF's problems; ``examples``: a value and a prior to suggest, ``off``: what ``None`` means."""
+    p = []
+    if mtbf_s is not None and not _positive(mtbf_s):
+        p.append(f"{name}={mtbf_s!r}s must be > 0; use a duration like {examples[0]!r}, or None {off}")
+    if mode is MtbfMode.OBSERVED and mtbf_s is None:
+        p.append(f"{name}='observed' needs a prior; give {name}_prior, e.g. {examples[1]!r}")
+    return p
+
+
+def _cap_problems(name: str, cap: Optional[int], off: str) -> list:
+    """A step cap's problem, if any; ``off`` says what ``None`` means."""
+    if cap is None or _positive_int(cap):
+        return []
+    return [f"{name}={cap!r} must be an integer >= 1, or None for {off}"]
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """Validated schedule options; every duration is in seconds.
@@ -98,22 +115,14 @@ class ScheduleConfig:
             raise ConfigurationError("ScheduleConfig", problems)
 
     def _problems(self) -> list:
-        p = []
-        if self.mtbf_s is not None and not _positive(self.mtbf_s):
-            p.append(
-                f"mtbf={self.mtbf_s!r}s must be > 0; use a duration like '24h', or None to turn scheduled snapshots off"
-            )
-        if self.mtbf_mode is MtbfMode.OBSERVED and self.mtbf_s is None:
-            p.append("mtbf='observed' needs a prior; give mtbf_prior, e.g. '24h'")
+        p = _mtbf_problems("mtbf", self.mtbf_s, self.mtbf_mode, ("24h", "24h"), "to turn scheduled snapshots off")
         if not _positive_int(self.num_nodes):
             p.append(f"num_nodes={self.num_nodes!r} must be an integer >= 1")
         if not (math.isfinite(self.min_interval_s) and self.min_interval_s >= 0):
             p.append(f"min_interval={self.min_interval_s!r}s must be >= 0")
         if not _positive(self.max_interval_s) or self.max_interval_s < self.min_interval_s:
             p.append(f"max_interval={self.max_interval_s!r}s must be > 0 and >= min_interval={self.min_interval_s!r}s")
-        cap = self.every_n_train_steps_max
-        if cap is not None and not _positive_int(cap):
-            p.append(f"every_n_train_steps_max={cap!r} must be an integer >= 1, or None for no step cap")
+        p += _cap_problems("every_n_train_steps_max", self.every_n_train_steps_max, "no step cap")
         if not _positive(self.initial_cost_s):
             p.append(
                 f"initial_cost={self.initial_cost_s!r}s must be > 0 (a conservative guess of the save's blocking time)"
@@ -125,17 +134,9 @@ class ScheduleConfig:
         return p + self._memory_problems()
 
     def _memory_problems(self) -> list:
-        p = []
-        if self.process_mtbf_s is not None and not _positive(self.process_mtbf_s):
-            p.append(
-                f"process_mtbf={self.process_mtbf_s!r}s must be > 0; use a duration like '1h', "
-                "or None for no memory tier"
-            )
-        if self.process_mtbf_mode is MtbfMode.OBSERVED and self.process_mtbf_s is None:
-            p.append("process_mtbf='observed' needs a prior; give process_mtbf_prior, e.g. '6h'")
-        cap = self.memory_every_n_train_steps_max
-        if cap is not None and not _positive_int(cap):
-            p.append(f"memory_every_n_train_steps_max={cap!r} must be an integer >= 1, or None for no memory step cap")
+        mode, off = self.process_mtbf_mode, "for no memory tier"
+        p = _mtbf_problems("process_mtbf", self.process_mtbf_s, mode, ("1h", "6h"), off)
+        p += _cap_problems("memory_every_n_train_steps_max", self.memory_every_n_train_steps_max, "no memory step cap")
         if not _positive(self.memory_initial_cost_s):
             p.append(
                 f"memory_initial_cost={self.memory_initial_cost_s!r}s must be > 0 "

@@ -120,6 +120,14 @@ def test_from_user_collects_every_memory_tier_problem():
         ScheduleConfig.from_user(process_mtbf="observed")
 
 
+def test_a_run_without_the_memory_tier_keeps_the_durable_options_on_a_single_level_schedule():
+    cfg = ScheduleConfig.from_user(mtbf="observed", mtbf_prior="24h", process_mtbf="observed", process_mtbf_prior="1h")
+    single = cfg.single_level()
+    assert not single.takes_memory_snapshots and single.process_mtbf_mode.value == "configured"
+    assert single.with_nodes(1) == ScheduleConfig.from_user(mtbf="observed", mtbf_prior="24h")
+    assert start(single, 0.0, 0)[1] is None
+
+
 # --------------------------------------------------------------------------------------------
 # SnapshotScheduler.decide on a fake clock
 # --------------------------------------------------------------------------------------------

@@ -94,9 +94,10 @@ def test_the_default_is_the_observed_schedule_with_the_documented_prior(tmp_path
 
 def test_schedule_arguments_are_validated_together() -> None:
     with pytest.raises(ConfigurationError) as err:
-        ExactResume(mtbf="soon", min_interval="-1s", every_n_train_steps_max=0)
+        ExactResume(mtbf="soon", min_interval="-1s", every_n_train_steps_max=0, memory_dir="/dev/shm/x")
     text = str(err.value)
     assert "mtbf='soon'" in text and "every_n_train_steps_max=0" in text
+    assert "memory_dir='/dev/shm/x' configures the memory tier" in text  # the memory tier's, in the same error
 
 
 def test_fallback_snapshots_are_found_by_last(tmp_path: Path) -> None:

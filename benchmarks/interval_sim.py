@@ -20,7 +20,7 @@ copying a ~100 MB state into preallocated buffers (the snapshot half of an async
 Two failure classes (``--two-level``): process failures (exponential, mean ``--m1``) roll back to
 the newest memory snapshot, node failures (mean ``--m2``) to the newest durable save. A memory
 snapshot every ``T1`` of computation blocks ``C1``; every ``k``-th one is also durable and blocks
-``C1 + C2`` (the cost model of ``schedule.policy.two_level_waste``). Compared: the two-level plan
+``C1 + C2`` (the cost model of ``schedule.formulas.two_level_waste``). Compared: the two-level plan
 (``two_level_plan``), the single-level optimum that sends every failure to disk (Young and Daly
 with ``C = C2`` and ``M = 1/(1/M1 + 1/M2)``), the best swept single interval and the best swept
 pair (T1, k). ``--measure`` first measures C1 (copying a ``--state-mb`` state into a preallocated
@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_resume.durations import parse_duration
-from lightning_resume.schedule.policy import daly_interval, single_level_waste, two_level_plan, young_interval
+from lightning_resume.schedule.formulas import daly_interval, single_level_waste, two_level_plan, young_interval
 
 
 def measure_copy_cost(megabytes: int = 100, repeats: int = 7) -> float:

@@ -26,7 +26,7 @@ _SOURCES: dict[str, str] = {
     "ConfigurationError": "lightning_resume.errors",
     "ExactResume": "lightning_resume.exact.callback",
     "ExactResumeWarning": "lightning_resume.errors",
-    "Formula": "lightning_resume.schedule.policy",
+    "Formula": "lightning_resume.schedule.formulas",
     "HistoryWarning": "lightning_resume.errors",
     "KeepDecision": "lightning_resume.retention.policy",
     "LightningResumeError": "lightning_resume.errors",
@@ -42,7 +42,7 @@ _SOURCES: dict[str, str] = {
     "RetentionPolicy": "lightning_resume.retention.policy",
     "RetentionWarning": "lightning_resume.errors",
     "SafetensorsCheckpointIO": "lightning_resume.io.plugin",
-    "ScheduleConfig": "lightning_resume.schedule.policy",
+    "ScheduleConfig": "lightning_resume.schedule.config",
     "ShardedCheckpointIO": "lightning_resume.sharded.strategy",
     "ShardedCheckpointWarning": "lightning_resume.errors",
     "ShardedModelParallelStrategy": "lightning_resume.sharded.strategy",
@@ -53,8 +53,8 @@ _SOURCES: dict[str, str] = {
     "UnknownTypeError": "lightning_resume.errors",
     "UnsafeCheckpointError": "lightning_resume.errors",
     "VersionWarning": "lightning_resume.errors",
-    "daly_interval": "lightning_resume.schedule.policy",
-    "expected_waste": "lightning_resume.schedule.policy",
+    "daly_interval": "lightning_resume.schedule.formulas",
+    "expected_waste": "lightning_resume.schedule.formulas",
     "load_full": "lightning_resume.sharded.api",
     "load_sharded": "lightning_resume.sharded.api",
     "measure_saved_bytes": "lightning_resume.activation.measure",
@@ -66,7 +66,7 @@ _SOURCES: dict[str, str] = {
     "save_sharded_async": "lightning_resume.sharded.background",
     "verify": "lightning_resume.io.verify",
     "verify_sharded": "lightning_resume.sharded.api",
-    "young_interval": "lightning_resume.schedule.policy",
+    "young_interval": "lightning_resume.schedule.formulas",
 }
 
 __all__ = sorted(_SOURCES)
@@ -123,7 +123,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_resume.io.verify import verify
     from lightning_resume.retention.checkpoint import RetentionCheckpoint
     from lightning_resume.retention.policy import CheckpointRecord, KeepDecision, RetentionPolicy
-    from lightning_resume.schedule.policy import Formula, ScheduleConfig, daly_interval, expected_waste, young_interval
+    from lightning_resume.schedule.config import ScheduleConfig
+    from lightning_resume.schedule.formulas import Formula, daly_interval, expected_waste, young_interval
     from lightning_resume.schedule.preemption import PreemptionFlag
     from lightning_resume.sharded.api import load_full, load_sharded, newest_committed, save_sharded, verify_sharded
     from lightning_resume.sharded.background import AsyncShardedSaver, ShardedSaveHandle, save_sharded_async

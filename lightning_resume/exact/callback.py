@@ -9,6 +9,7 @@ Lightning internals are in ``lightning_resume._compat.lightning``.
 
 import os
 import signal
+import time
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import lightning.pytorch as pl
@@ -29,7 +30,7 @@ from lightning_resume.exact.restore import check_same_checkpoint, refuse_or_warn
 from lightning_resume.exact.state.data import loader_problems, resumable_loader, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.io.memory_tier import DEFAULT_ROOT
-from lightning_resume.schedule.policy import (
+from lightning_resume.schedule.config import (
     DEFAULT_CHECK_INTERVAL,
     DEFAULT_INITIAL_COST,
     DEFAULT_MAX_INTERVAL,
@@ -37,6 +38,8 @@ from lightning_resume.schedule.policy import (
     DEFAULT_MTBF,
     DEFAULT_MTBF_PRIOR,
     DEFAULT_PROCESS_MTBF_PRIOR,
+    MtbfMode,
+    ScheduleConfig,
 )
 from lightning_resume.schedule.preemption import DEFAULT_SIGNALS, PreemptionFlag
 
@@ -47,18 +50,20 @@ NOT_RESTORED_WITHOUT_EXACT_RESUME = (
 
 
 def _memory_schedule(memory_tier: bool, process_mtbf: Optional[Duration], every: Optional[int]) -> dict[str, Any]:
-    """The scheduler's memory-tier arguments: none without the tier; a step cap alone stays a pure step cap."""
-    if not memory_tier:
-        return {}
-    if process_mtbf is None and every is None:
-        process_mtbf = "observed"
-    prior = DEFAULT_PROCESS_MTBF_PRIOR if process_mtbf == "observed" else None
+    """The schedule's memory-tier options: the tier on with neither option set is paced by an observed
+    process MTBF (1 h prior); a step cap alone stays a pure step cap. Without the tier the options are
+    passed as given, so that a bad value is reported with the rest (and one given at all, by
+    ``_memory_tier_problems``)."""
+    if memory_tier and process_mtbf is None and every is None:
+        process_mtbf = MtbfMode.OBSERVED.value
+    prior = DEFAULT_PROCESS_MTBF_PRIOR if process_mtbf == MtbfMode.OBSERVED.value else None
     return {"process_mtbf": process_mtbf, "memory_every_n_train_steps_max": every, "process_mtbf_prior": prior}
 
 
-def _check_memory_options(
+def _memory_tier_problems(
     memory_tier: bool, process_mtbf: Optional[Duration], memory_dir: Optional[str], every: Optional[int]
-) -> None:
+) -> list[str]:
+    """What is wrong with the memory tier's own options (the schedule's are ``ScheduleConfig``'s to check)."""
     problems = []
     if not isinstance(memory_tier, bool):
         problems.append(f"memory_tier={memory_tier!r} must be True or False")
@@ -67,10 +72,7 @@ def _check_memory_options(
         problems += [f"{k}={v!r} configures the memory tier; pass memory_tier=True" for k, v in given.items() if v]
     if memory_dir is not None and "://" in str(memory_dir) and not str(memory_dir).startswith("file://"):
         problems.append(f"memory_dir={memory_dir!r} must be a local (tmpfs) directory such as /dev/shm/...")
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        problems.append(f"memory_every_n_train_steps_max={every!r} must be an integer >= 1")
-    if problems:
-        raise ConfigurationError("ExactResume", problems)
+    return problems
 
 
 class ExactResume(Callback):
@@ -104,6 +106,8 @@ class ExactResume(Callback):
         preemption_signals: signals that request a snapshot and a clean stop at the next step
             boundary (the handler only sets a flag). ``None`` or ``[]`` leaves signals alone.
         clock: monotonic clock in seconds (tests pass a fake one).
+        wall_clock: wall clock in seconds since the epoch (default ``time.time``; tests pass a fake one):
+            it dates each checkpoint and the failure history, which span processes.
         memory_tier: also keep the newest full snapshot of each rank in shared memory (``memory_dir``),
             which outlives a crashed or killed process while the machine lives: ``fit(ckpt_path="last")``
             resumes from it when it is newer than the newest verified durable checkpoint and every rank
@@ -140,10 +144,22 @@ class ExactResume(Callback):
         process_mtbf: Optional[Duration] = None,
         memory_dir: Optional[str] = None,
         memory_every_n_train_steps_max: Optional[int] = None,
+        wall_clock: Optional[Callable[[], float]] = None,
     ) -> None:
         check_versions()
         lc.keep_url_scheme_for_last()  # fit(ckpt_path="last") finds a stock ModelCheckpoint's s3:// files too
-        _check_memory_options(memory_tier, process_mtbf, memory_dir, memory_every_n_train_steps_max)
+        problems = _memory_tier_problems(memory_tier, process_mtbf, memory_dir, memory_every_n_train_steps_max)
+        try:  # the schedule's options, validated once (every problem with the memory tier's); passed on whole
+            schedule = ScheduleConfig.from_user(
+                mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
+                max_interval=max_interval, every_n_train_steps_max=every_n_train_steps_max, mtbf_prior=mtbf_prior,
+                initial_cost=initial_cost, check_interval=check_interval,
+                **_memory_schedule(memory_tier, process_mtbf, memory_every_n_train_steps_max),
+            )  # fmt: skip
+        except ConfigurationError as err:
+            raise ConfigurationError("ExactResume", problems + err.problems) from None
+        if problems:
+            raise ConfigurationError("ExactResume", problems)
         self.memory = MemoryTier(memory_dir or DEFAULT_ROOT) if memory_tier else None
         if memory_tier:
             lc.remember_ckpt_path_requests()  # fit(ckpt_path="last") considers the memory tier first
@@ -151,11 +167,8 @@ class ExactResume(Callback):
         self.strict = strict
         self.fingerprint = fingerprint
         self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
-        self.scheduler = driver.make_scheduler(
-            mtbf, num_nodes, formula, min_interval, max_interval, every_n_train_steps_max,
-            mtbf_prior, initial_cost, check_interval, clock, checks_needed=self.preemption is not None,
-            **_memory_schedule(memory_tier, process_mtbf, memory_every_n_train_steps_max),
-        )  # fmt: skip
+        self._wall_clock = wall_clock or time.time
+        self.scheduler = driver.make_scheduler(schedule, clock, self._wall_clock, self.preemption is not None)
         self._num_nodes = num_nodes
         self.preempted = False
         self._trainer: Optional[pl.Trainer] = None
@@ -179,7 +192,7 @@ class ExactResume(Callback):
             # The loaders users already have, made resumable as Lightning sets them up (no change to their code).
             self._stop_replacing_loaders = lc.on_train_loader_processed(trainer, resumable_loader)
         if snapshots.snapshot_target(trainer) is None and snapshots.first_model_checkpoint(trainer) is None:
-            if self.scheduler is not None and self.scheduler.asked_for_snapshots:
+            if self.scheduler is not None and self.scheduler.config.asked_for_snapshots:
                 raise ConfigurationError("ExactResume", [
                     "scheduled snapshots need a checkpoint directory: add a RetentionCheckpoint or"
                     " ModelCheckpoint, or pass mtbf=None and leave every_n_train_steps_max unset"
@@ -200,9 +213,16 @@ class ExactResume(Callback):
                 self.preemption = None
         if self.memory is not None and stage == "fit":
             if warn_sharded(trainer):
-                self.memory = None
+                self._drop_memory_tier()
             else:
                 self.memory.setup(trainer)
+
+    def _drop_memory_tier(self) -> None:
+        """No memory tier after all (a sharded run): the schedule becomes single-level, as it decides alone."""
+        self.memory, old = None, self.scheduler
+        if old is not None:
+            checks = self.preemption is not None
+            self.scheduler = driver.make_scheduler(old.config.single_level(), old.clock, old.wall_clock, checks)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -319,7 +339,8 @@ class ExactResume(Callback):
         schedule = self.scheduler.state_dict() if self.scheduler is not None else {}
         where = INSIDE_STEP if lc.inside_training_step(trainer) else AT_STEP_BOUNDARY
         where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where
-        return checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where)
+        now = self._wall_clock()  # the failure history's clock: a resume's lost time is measured on it
+        return checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

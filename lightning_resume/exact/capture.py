@@ -9,7 +9,7 @@ rank 0 writes the file). Reads the trainer through ``_compat.lightning``; decide
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -39,17 +39,19 @@ def checkpoint_state(
     with_fingerprint: bool,
     schedule: dict[str, Any],
     captured_at: str = AT_STEP_BOUNDARY,
+    saved_at: Optional[float] = None,
 ) -> dict[str, Any]:
     """The ``ExactResume`` entry of a checkpoint: every rank's state (a collective) and the run's signature.
 
     ``after_batch``: the save happens right after a training batch (so validation may be due next).
     ``captured_at``: where in the loop (``AT_STEP_BOUNDARY``, ``INSIDE_STEP``, ``INSIDE_VALIDATION``).
+    ``saved_at``: the wall time of the save (default ``time.time()``), on the clock of the failure history.
     """
     local = capture_rank(trainer, generators, after_batch, with_fingerprint)
     return {
         "format": FORMAT_VERSION,
         "captured_at": captured_at,
-        "saved_at": time.time(),
+        "saved_at": time.time() if saved_at is None else saved_at,
         "schedule": schedule,
         "world_size": trainer.world_size,
         "signature": signature(trainer),

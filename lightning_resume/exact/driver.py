@@ -18,48 +18,30 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_resume import collective, storage
 from lightning_resume._compat import lightning as lc
-from lightning_resume.durations import Duration
 from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
 from lightning_resume.exact.memory import MemoryTier
-from lightning_resume.schedule.policy import ScheduleConfig, Tier
+from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
+from lightning_resume.schedule.state import Tier
 
 PREEMPTION = "preemption"
 
 
 def make_scheduler(
-    mtbf: Optional[Duration],
-    num_nodes: Optional[int],
-    formula: str,
-    min_interval: Duration,
-    max_interval: Duration,
-    every_n_train_steps_max: Optional[int],
-    mtbf_prior: Optional[Duration],
-    initial_cost: Duration,
-    check_interval: Duration,
-    clock: Optional[Callable[[], float]],
-    checks_needed: bool,
-    process_mtbf: Optional[Duration] = None,
-    memory_every_n_train_steps_max: Optional[int] = None,
-    process_mtbf_prior: Optional[Duration] = None,
+    config: ScheduleConfig,
+    clock: Optional[Callable[[], float]] = None,
+    wall_clock: Optional[Callable[[], float]] = None,
+    checks_needed: bool = False,
 ) -> Optional[SnapshotScheduler]:
-    """The scheduler, also without snapshots (``mtbf=None``, no step cap) when preemption signals need
-    its cadence of rank-agreed checks; ``None`` when there is nothing to decide. ``process_mtbf`` or
-    ``memory_every_n_train_steps_max`` make it two-level (memory snapshots between durable ones)."""
-    memory = process_mtbf is not None or memory_every_n_train_steps_max is not None
-    if mtbf is None and every_n_train_steps_max is None and not checks_needed and not memory:
+    """The scheduler for ``config``, also without snapshots (``mtbf=None``, no step cap) when preemption
+    signals need its cadence of rank-agreed checks (``checks_needed``); ``None`` when there is nothing to
+    decide. ``clock`` (monotonic) and ``wall_clock`` (seconds since the epoch) default to ``time``'s."""
+    if not (config.takes_snapshots or config.takes_memory_snapshots or checks_needed):
         return None
-    config = ScheduleConfig.from_user(
-        mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
-        max_interval=max_interval, every_n_train_steps_max=every_n_train_steps_max,
-        initial_cost=initial_cost, mtbf_prior=mtbf_prior, check_interval=check_interval,
-        process_mtbf=process_mtbf, memory_every_n_train_steps_max=memory_every_n_train_steps_max,
-        process_mtbf_prior=process_mtbf_prior,
-    )  # fmt: skip
-    return SnapshotScheduler(config, clock or time.monotonic)
+    return SnapshotScheduler(config, clock or time.monotonic, wall_clock or time.time)
 
 
 def start(
@@ -111,12 +93,10 @@ def at_step_boundary(
         def agree(values: Any) -> list[int]:
             return collective.max_over_ranks(values, device)
 
-        tier, preempt, reason = _decide(scheduler, memory, trainer, local, agree)
-    save = tier == Tier.DURABLE
+        tier, preempt, reason = scheduler.decide(trainer.global_step, local, agree, trainer.is_global_zero)
+    save = tier is Tier.DURABLE
     path = snapshot(scheduler, trainer, PREEMPTION if preempt else reason) if save or preempt else None
-    two_level = memory is not None and scheduler.takes_memory_snapshots
-    if two_level and tier in (Tier.MEMORY, Tier.DURABLE) and not preempt:
-        assert memory is not None
+    if memory is not None and tier is not Tier.NONE and not preempt:
         # a durable save is also that step's memory snapshot: a crash right after it restores from memory
         memory_snapshot(scheduler, trainer, memory)
     if preempt:
@@ -128,20 +108,6 @@ def at_step_boundary(
     if preempt == REQUEUE and path is not None:
         _requeue(trainer, path)
     return bool(preempt)
-
-
-def _decide(
-    scheduler: SnapshotScheduler,
-    memory: Optional[MemoryTier],
-    trainer: pl.Trainer,
-    local: int,
-    agree: Callable[[Any], list[int]],
-) -> tuple[Tier, int, str]:
-    """(the tier to snapshot into now, the agreed preemption level, the reason): two-level with a memory tier."""
-    if memory is not None and scheduler.takes_memory_snapshots:
-        return scheduler.decide_tier(trainer.global_step, local, agree, trainer.is_global_zero)
-    save, preempt, reason = scheduler.decide(trainer.global_step, local, agree, trainer.is_global_zero)
-    return (Tier.DURABLE if save else Tier.NONE), preempt, reason
 
 
 def memory_snapshot(scheduler: SnapshotScheduler, trainer: pl.Trainer, memory: MemoryTier) -> None:

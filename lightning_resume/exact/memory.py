@@ -29,7 +29,7 @@ from lightning_resume.io.memory_tier import (
     run_id,
     run_key,
 )
-from lightning_resume.schedule.policy import Tier
+from lightning_resume.schedule.state import Tier
 
 MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
 """The tiers a run can resume from (``ExactResume.resume_report["tier"]``)."""

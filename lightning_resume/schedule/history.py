@@ -24,12 +24,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping, Optional
 
-import fsspec
-
 from lightning_resume import storage
 from lightning_resume.errors import HistoryWarning
 from lightning_resume.io.atomic import atomic_write
-from lightning_resume.schedule.policy import Tier
+from lightning_resume.schedule.state import Tier
 
 HISTORY_FILENAME = "resume_history.json"
 FORMAT_VERSION = 1
@@ -236,10 +234,7 @@ def history_from_json(data: Any) -> FailureHistory:
 def load_history(path: str) -> FailureHistory:
     """The history stored at ``path``; a fresh one if it is missing, or (with a warning) unreadable."""
     try:
-        fs, fs_path = fsspec.core.url_to_fs(str(path))
-        fs.invalidate_cache()  # an earlier life of this run may have rewritten it a moment ago
-        with fs.open(fs_path, "rb") as f:
-            return history_from_json(json.loads(f.read().decode("utf-8")))
+        return history_from_json(json.loads(storage.read_bytes(str(path)).decode("utf-8")))
     except FileNotFoundError:
         return FailureHistory()
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from lightning_resume.schedule.policy import (
+from lightning_resume.schedule.state import (
     MemoryState,
     ScheduleState,
     cost_estimate,

@@ -1,14 +1,16 @@
-"""Drive the snapshot schedule from a run: the clock, the failure history, the preemption flag and
+"""Drive the snapshot schedule from a run: the clocks, the failure history, the preemption flag and
 the rank-0 decision that every rank follows.
 
-The decision itself is ``schedule.policy`` (pure); this module feeds it measurements and
-keeps the run-time state (schedule state, next check step, history file). Ranks agree through one
-small collective per check (``agree``, given by the caller), never per step.
+The decision itself is ``schedule.state.decide`` (pure); this module feeds it the clocks and the
+measurements and keeps the run-time state (schedule state, next check step, history file). Both
+clocks are injected: the monotonic one (``clock``) times intervals and costs, the wall clock
+(``wall_clock``, seconds since the epoch) dates the failure history, which spans processes. Ranks
+agree through one small collective per check (``agree``, given by the caller), never per step.
 
-With a memory tier (``ScheduleConfig.takes_memory_snapshots``) the caller asks ``decide_tier``
-instead of ``decide`` and reports memory snapshots with ``record_memory``; durable saves are
-reported with ``record`` as before. A durable save also counts as that step's memory snapshot: on
-``Tier.DURABLE`` the mechanism should refresh the memory tier with the same state, and may report
+``decide`` answers the tier of the snapshot due now (``Tier.MEMORY`` only with a memory tier,
+``ScheduleConfig.takes_memory_snapshots``); the caller reports durable saves with ``record`` and
+memory snapshots with ``record_memory``. A durable save also counts as that step's memory snapshot:
+on ``Tier.DURABLE`` the mechanism should refresh the memory tier with the same state, and may report
 that copy's cost with ``record_memory`` at the same step (it then only adds a C1 measurement).
 """
 
@@ -20,27 +22,10 @@ from typing import Callable, Optional, Sequence
 
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.schedule import history
+from lightning_resume.schedule import state as machine
+from lightning_resume.schedule.config import MtbfMode, ScheduleConfig
 from lightning_resume.schedule.metrics import memory_metrics, save_metrics
-from lightning_resume.schedule.policy import (
-    MemoryState,
-    MtbfMode,
-    SaveDecision,
-    SaveReason,
-    ScheduleConfig,
-    ScheduleState,
-    Tier,
-    TierDecision,
-    memory_state_dict,
-    record_durable_snapshot,
-    record_memory_snapshot,
-    record_save,
-    record_write_done,
-    schedule_state_dict,
-    should_save,
-    should_snapshot,
-    start_memory,
-    start_schedule,
-)
+from lightning_resume.schedule.state import Decision, MemoryState, SaveReason, ScheduleState, Tier
 
 _TIER_CODES = (Tier.NONE, Tier.MEMORY, Tier.DURABLE)
 """Tiers as the integers ranks agree on (element-wise max: durable beats memory beats none)."""
@@ -52,9 +37,15 @@ Agree = Callable[[Sequence[int]], Sequence[int]]
 class SnapshotScheduler:
     """When to take the next snapshot, for one process of a run."""
 
-    def __init__(self, config: ScheduleConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: ScheduleConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self.clock = clock
+        self.wall_clock = wall_clock
         self.state: Optional[ScheduleState] = None
         self.memory: Optional[MemoryState] = None
         self.next_check_step = 0
@@ -65,19 +56,12 @@ class SnapshotScheduler:
     @property
     def takes_snapshots(self) -> bool:
         """Whether this schedule ever saves on its own (else it only paces preemption checks)."""
-        return self.config.mtbf_s is not None or self.config.every_n_train_steps_max is not None
+        return self.config.takes_snapshots
 
     @property
     def takes_memory_snapshots(self) -> bool:
         """Whether this schedule ever takes memory-tier snapshots (a process MTBF or a memory step cap)."""
         return self.config.takes_memory_snapshots
-
-    @property
-    def asked_for_snapshots(self) -> bool:
-        """Whether the user configured snapshots explicitly (a fixed MTBF or a step cap), rather than
-        leaving the default observed schedule on."""
-        fixed = self.config.mtbf_mode is MtbfMode.CONFIGURED and self.config.mtbf_s is not None
-        return fixed or self.config.every_n_train_steps_max is not None
 
     def start(
         self,
@@ -98,58 +82,26 @@ class SnapshotScheduler:
         if history_dir is not None:
             self.history_file = history.history_path(history_dir)
             tier = None if resumed_tier is None else Tier(resumed_tier)
-            past = history.record_start(
-                history.load_history(self.history_file), time.time(), checkpoint_wall_time, tier=tier
-            )
+            now = self.wall_clock()
+            past = history.record_start(history.load_history(self.history_file), now, checkpoint_wall_time, tier=tier)
             if is_rank_zero:
                 history.save_history(self.history_file, past)
-            mtbf, process_mtbf = self._observed(config, past)
-        self.state = start_schedule(config, self.clock(), step, mtbf_s=mtbf, restored=restored)
-        if config.takes_memory_snapshots:
-            self.memory = start_memory(config, self.clock(), step, process_mtbf_s=process_mtbf, restored=restored)
+            mtbf, process_mtbf = _observed(config, past, now)
+        self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, restored)
         self.next_check_step = step + 1
 
-    @staticmethod
-    def _observed(config: ScheduleConfig, past: history.FailureHistory) -> tuple[Optional[float], Optional[float]]:
-        """(M, M1) estimated from the history where the config asks for observed values, else ``None``.
+    def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[Tier, int, str]:
+        """(tier, preempt, reason) at a step boundary: rank 0's ``state.decide``, which every rank follows.
 
-        With a memory tier, M (the node MTBF) counts node failures only; without one, every failure."""
-        now, w = time.time(), config.prior_weight
-        mtbf = process_mtbf = None
-        if config.mtbf_mode is MtbfMode.OBSERVED and config.job_mtbf_s is not None:
-            estimate = history.estimate_node_mtbf if config.takes_memory_snapshots else history.estimate_mtbf
-            mtbf = estimate(past, config.job_mtbf_s, w, now)
-        if config.process_mtbf_mode is MtbfMode.OBSERVED and config.job_process_mtbf_s is not None:
-            process_mtbf = history.estimate_process_mtbf(past, config.job_process_mtbf_s, w, now)
-        return mtbf, process_mtbf
-
-    def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[bool, int, str]:
-        """(save, preempt, reason) at a step boundary; a collective only at check steps.
-
-        ``preempt_local`` is this rank's preemption level (0: none; the caller's codes above 0); the
-        answer is the highest level over all ranks."""
-        if self.state is None or step < self.next_check_step:
-            return False, 0, SaveReason.NOT_DUE.value
-        self.poll_write()
-        decision = (
-            should_save(self.state, self.clock(), step) if is_rank_zero else SaveDecision(False, SaveReason.NOT_DUE, 0)
-        )
-        save, next_check, preempt = agree([int(decision.save), decision.next_check_step, int(preempt_local)])
-        self.next_check_step = max(int(next_check), step + 1)
-        return bool(save), int(preempt), decision.reason.value
-
-    def decide_tier(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[Tier, int, str]:
-        """(tier, preempt, reason) at a step boundary, as ``decide`` but for both tiers.
-
-        ``Tier.MEMORY`` only when the memory tier is on; without it this is ``decide`` with
-        ``save`` as ``Tier.DURABLE``. One collective at check steps, none in between."""
+        One collective at check steps, none in between. ``preempt_local`` is this rank's preemption
+        level (0: none; the caller's codes above 0); the answer is the highest level over all ranks."""
         if self.state is None or step < self.next_check_step:
             return Tier.NONE, 0, SaveReason.NOT_DUE.value
         self.poll_write()
         decision = (
-            should_snapshot(self.state, self.memory, self.clock(), step)
+            machine.decide(self.state, self.memory, self.clock(), step)
             if is_rank_zero
-            else TierDecision(Tier.NONE, SaveReason.NOT_DUE, 0)
+            else Decision(Tier.NONE, SaveReason.NOT_DUE, 0)
         )
         code, next_check, preempt = agree(
             [_TIER_CODES.index(decision.tier), decision.next_check_step, int(preempt_local)]
@@ -163,18 +115,18 @@ class SnapshotScheduler:
         """Account a save whose blocking part ended now and took ``blocked_s``; return its metrics.
 
         With ``writer`` still writing it (async save), the write is timed by the writer and recorded
-        by :meth:`poll_write` once durable; until then ``should_save`` starts no new save.
+        by :meth:`poll_write` once durable; until then ``decide`` starts no new durable save.
         """
         assert self.state is not None
         now = self.clock()
         in_flight = writer is not None and writer.write_in_flight()
         write_s = None if in_flight else blocked_s
-        self.state = record_save(self.state, now, step, blocked_s, write_s=write_s)
+        self.state = machine.record_save(self.state, now, step, blocked_s, write_s=write_s)
         self._writer = writer if in_flight else None
         self.last_durable = self.last_durable if in_flight else now
         self.next_check_step = step + 1
         if self.memory is not None:
-            self.memory = record_durable_snapshot(self.memory, now, step)
+            self.memory = machine.record_durable_snapshot(self.memory, now, step)
         metrics = save_metrics(self.state, now, blocked_s, write_s, nbytes, self.last_durable, memory=self.memory)
         return _finite(metrics)
 
@@ -183,7 +135,7 @@ class SnapshotScheduler:
         its metrics. At the step of a durable save just recorded it only adds the cost measurement."""
         assert self.state is not None and self.memory is not None, "record_memory needs a started memory tier"
         now = self.clock()
-        self.memory = record_memory_snapshot(self.memory, now, step, blocked_s)
+        self.memory = machine.record_memory_snapshot(self.memory, now, step, blocked_s)
         self.next_check_step = max(self.next_check_step, step + 1)
         return _finite(memory_metrics(self.state, self.memory, blocked_s, nbytes))
 
@@ -192,21 +144,34 @@ class SnapshotScheduler:
         if self._writer is None or self.state is None or self._writer.write_in_flight():
             return False
         now = self.clock()
-        self.state = record_write_done(self.state, now, self._writer.last_write_seconds)
+        self.state = machine.record_write_done(self.state, now, self._writer.last_write_seconds)
         self.last_durable, self._writer = now, None
         return True
 
     def clean_stop(self, is_rank_zero: bool) -> None:
         """Tell the next process of this run that this one stopped on purpose (not a failure)."""
         if self.history_file is not None and is_rank_zero:
-            stopped = history.record_clean_stop(history.load_history(self.history_file), time.time())
+            stopped = history.record_clean_stop(history.load_history(self.history_file), self.wall_clock())
             history.save_history(self.history_file, stopped)
 
     def state_dict(self) -> dict:
-        if self.state is None:
-            return {}
-        memory = memory_state_dict(self.memory) if self.memory is not None else {}
-        return {**schedule_state_dict(self.state), **memory}
+        return {} if self.state is None else machine.state_dict(self.state, self.memory)
+
+
+def _observed(
+    config: ScheduleConfig, past: history.FailureHistory, now: float
+) -> tuple[Optional[float], Optional[float]]:
+    """(M, M1) estimated from the history at wall time ``now`` where the config asks for observed
+    values, else ``None``. With a memory tier, M (the node MTBF) counts node failures only; without
+    one, every failure."""
+    w = config.prior_weight
+    mtbf = process_mtbf = None
+    if config.mtbf_mode is MtbfMode.OBSERVED and config.job_mtbf_s is not None:
+        estimate = history.estimate_node_mtbf if config.takes_memory_snapshots else history.estimate_mtbf
+        mtbf = estimate(past, config.job_mtbf_s, w, now)
+    if config.process_mtbf_mode is MtbfMode.OBSERVED and config.job_process_mtbf_s is not None:
+        process_mtbf = history.estimate_process_mtbf(past, config.job_process_mtbf_s, w, now)
+    return mtbf, process_mtbf
 
 
 def _finite(metrics: dict) -> dict[str, float]:

@@ -15,7 +15,7 @@ import pytest
 from lightning_resume.io import memory_tier
 from lightning_resume.io.read import load_file
 from lightning_resume.schedule import history
-from lightning_resume.schedule.policy import Tier
+from lightning_resume.schedule.state import Tier
 from tests.helpers import kill_resume as h
 
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9

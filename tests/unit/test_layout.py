@@ -140,7 +140,7 @@ def _heavy_modules_after(statement: str) -> list[str]:
 
 
 def test_pure_modules_import_without_lightning_or_dcp():
-    pure = "lightning_resume.schedule.policy, lightning_resume.retention.policy, lightning_resume.schedule.history"
+    pure = "lightning_resume.schedule.state, lightning_resume.retention.policy, lightning_resume.schedule.history"
     assert _heavy_modules_after(f"import {pure}") == []
     assert _heavy_modules_after("import lightning_resume") == []
 

@@ -5,7 +5,7 @@ C (the blocking cost of one save) is state bytes / write bandwidth, i.e. a *sync
 counted in the ZeRO paper, 2 B bf16/fp16 weights + 2 B gradients + 12 B fp32 master weights,
 momentum and variance; a plain fp32 + Adam checkpoint is 12). With async saves only the host copy
 blocks: pass that bandwidth instead, or give ``--cost`` directly. M = per-node MTBF / nodes. The
-numbers come from ``lightning_resume.schedule.policy``; this module only parses, formats and plots.
+numbers come from ``lightning_resume.schedule.formulas``; this module only parses, formats and plots.
 
 With ``--process-mtbf`` (M1: failures that keep the node, so a memory-tier snapshot survives them)
 it also prints the two-level plan: a memory snapshot every T1 at cost C1 (``--memory-cost``, or the
@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, TypedDict
 
 from lightning_resume.durations import parse_duration
 from lightning_resume.errors import ConfigurationError
-from lightning_resume.schedule.policy import (
+from lightning_resume.schedule.formulas import (
     daly_interval,
     expected_waste,
     first_order_waste,

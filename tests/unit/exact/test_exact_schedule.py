@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_resume import ConfigurationError, ExactResume, young_interval
 from tests.helpers.callbacks import SpyTarget
 from tests.helpers.jobs.trainee import Model
+from tests.helpers.models import tiny_trainer
 
 
 class StepClock(Callback):
@@ -36,25 +37,26 @@ class StepClock(Callback):
         self.now += 10.0
 
 
-def _fit(tmp_path: Path, exact: ExactResume, clock: StepClock, target: ModelCheckpoint, steps: int = 20) -> None:
-    cfg = {"out": str(tmp_path), "n": 200, "batch_size": 4}
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock, exact, target],
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(Model(cfg))
+def _fit(
+    tmp_path: Path,
+    callbacks: list,
+    steps: int = 20,
+    model: type = Model,
+    ckpt_path=None,
+    n: int = 200,
+    **trainer_kwargs,
+) -> None:
+    """Fit the trainee's ``model`` for ``steps`` steps of batch 4 over ``n`` samples, without validation unless
+    ``val_check_interval`` is given (the model then has a validation loader)."""
+    trainer = tiny_trainer(callbacks, max_steps=steps, **{"limit_val_batches": 0, **trainer_kwargs})
+    val = trainer_kwargs.get("val_check_interval")
+    trainer.fit(model({"out": str(tmp_path), "n": n, "batch_size": 4, "val_check_interval": val}), ckpt_path=ckpt_path)
 
 
 def test_snapshots_follow_the_clamped_interval(tmp_path: Path) -> None:
     clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
     exact = ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock)
-    _fit(tmp_path, exact, clock, target)
+    _fit(tmp_path, [clock, exact, target])
     # 10 s per step, T* clamped to 30 s: the first save measures C at min_interval, then every 30 s.
     assert [s for s, _ in target.saves] == [3, 6, 9, 12, 15, 18]
     assert target.saves[0][1] == "first_measurement" and {r for _, r in target.saves[1:]} == {"interval"}
@@ -63,7 +65,7 @@ def test_snapshots_follow_the_clamped_interval(tmp_path: Path) -> None:
 def test_interval_is_young_of_measured_cost(tmp_path: Path) -> None:
     clock, target = StepClock(save_cost=2.0), SpyTarget(str(tmp_path / "ckpt"))
     exact = ExactResume(mtbf="2h", min_interval="10s", max_interval="1h", clock=clock)
-    _fit(tmp_path, exact, clock, target, steps=40)
+    _fit(tmp_path, [clock, exact, target], steps=40)
     assert exact.scheduler.state.costs and set(exact.scheduler.state.costs) == {2.0}  # measured on the run's clock
     t_star = young_interval(2.0, 7200.0)  # 169.7 s: 17 steps of 10 s
     steps = [s for s, _ in target.saves]
@@ -73,7 +75,7 @@ def test_interval_is_young_of_measured_cost(tmp_path: Path) -> None:
 
 def test_step_cap_and_off(tmp_path: Path) -> None:
     clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
-    _fit(tmp_path, ExactResume(mtbf=None, every_n_train_steps_max=7, clock=clock), clock, target)
+    _fit(tmp_path, [clock, ExactResume(mtbf=None, every_n_train_steps_max=7, clock=clock), target])
     assert [s for s, _ in target.saves] == [7, 14]
     assert not ExactResume(mtbf=None).scheduler.takes_snapshots  # no scheduled snapshots, only preemption checks
     assert ExactResume(mtbf=None, preemption_signals=None).scheduler is None
@@ -83,7 +85,7 @@ def test_the_default_is_the_observed_schedule_with_the_documented_prior(tmp_path
     clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
     exact = ExactResume(clock=clock)
     assert exact.scheduler.config.mtbf_mode.value == "observed" and exact.scheduler.config.mtbf_s == 30 * 86400
-    _fit(tmp_path, exact, clock, target)
+    _fit(tmp_path, [clock, exact, target])
     # 10 s per step: the first save measures C at min_interval (1 min); a save costs nothing on this
     # clock, so T* = sqrt(2 C M) clamps to min_interval: every 6 steps.
     assert target.saves == [(6, "first_measurement"), (12, "interval"), (18, "interval")]
@@ -92,15 +94,16 @@ def test_the_default_is_the_observed_schedule_with_the_documented_prior(tmp_path
 
 def test_schedule_arguments_are_validated_together() -> None:
     with pytest.raises(ConfigurationError) as err:
-        ExactResume(mtbf="soon", min_interval="-1s", every_n_train_steps_max=0)
+        ExactResume(mtbf="soon", min_interval="-1s", every_n_train_steps_max=0, memory_dir="/dev/shm/x")
     text = str(err.value)
     assert "mtbf='soon'" in text and "every_n_train_steps_max=0" in text
+    assert "memory_dir='/dev/shm/x' configures the memory tier" in text  # the memory tier's, in the same error
 
 
 def test_fallback_snapshots_are_found_by_last(tmp_path: Path) -> None:
     clock = StepClock()
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=0)
-    _fit(tmp_path, ExactResume(mtbf=None, every_n_train_steps_max=5, clock=clock), clock, ckpt, steps=12)
+    _fit(tmp_path, [clock, ExactResume(mtbf=None, every_n_train_steps_max=5, clock=clock), ckpt], steps=12)
     snaps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("last-snapshot"))
     assert snaps == ["last-snapshot-step=000000010.ckpt"]  # the older one removed after the newer was written
     assert ckpt._find_last_checkpoints(pl.Trainer(logger=False)) == {str(tmp_path / "ckpt" / snaps[0])}
@@ -131,17 +134,8 @@ class Recorder(pl.loggers.Logger):
 def test_each_snapshot_logs_its_health_metrics(tmp_path: Path) -> None:
     clock, recorder = StepClock(save_cost=0.5), Recorder()
     target = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=0)
-    trainer = pl.Trainer(
-        max_steps=9,
-        accelerator="cpu",
-        logger=recorder,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock, ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock), target],
-        limit_val_batches=0,
-        log_every_n_steps=1000,
-    )
-    trainer.fit(Model({"out": str(tmp_path), "n": 200, "batch_size": 4}))
+    exact = ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock)
+    _fit(tmp_path, [clock, exact, target], steps=9, logger=recorder, log_every_n_steps=1000)
     rows = [(s, m) for s, m in recorder.rows if "ckpt/blocked_s" in m]
     assert [s for s, _ in rows] == [3, 6, 9]
     metrics = rows[-1][1]
@@ -151,29 +145,28 @@ def test_each_snapshot_logs_its_health_metrics(tmp_path: Path) -> None:
     assert metrics["ckpt/cost_s"] > 0 and metrics["ckpt/write_MBps"] > 0
 
 
-def test_observed_mtbf_learns_from_restarts(tmp_path: Path) -> None:
-    """Each resume appends to resume_history.json; mtbf="observed" turns failures into a shorter M."""
+def test_observed_mtbf_learns_from_restarts_dated_by_the_wall_clock(tmp_path: Path) -> None:
+    """Each resume appends to resume_history.json, dated by ExactResume's wall clock (the checkpoints too);
+    mtbf="observed" turns failures into a shorter M."""
     from lightning_resume.schedule.history import history_path, load_history
 
-    ckpt = tmp_path / "ckpt"
+    ckpt, wall = tmp_path / "ckpt", StepClock()  # one wall clock for every "process", 10 s per batch
+    wall.now = 1e6
     for run, steps in enumerate((6, 12, 18)):
         clock = StepClock()
-        exact = ExactResume(mtbf="observed", mtbf_prior="1000h", every_n_train_steps_max=3, clock=clock)
-        trainer = pl.Trainer(
-            max_steps=steps,
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            callbacks=[clock, exact, ModelCheckpoint(dirpath=str(ckpt), save_top_k=0)],
+        exact = ExactResume(
+            mtbf="observed", mtbf_prior="1000h", every_n_train_steps_max=3, clock=clock, wall_clock=wall
         )
-        if run:  # the previous "process" died: its clean stop is not in the history
+        if run:  # the previous "process" died: its clean stop is not in the history; 100 s of downtime
             path = Path(history_path(str(ckpt)))
             path.write_text(json.dumps(dict(json.loads(path.read_text()), clean_stop_time=None)))
-        trainer.fit(Model({"out": str(tmp_path), "n": 200, "batch_size": 4}), ckpt_path="last" if run else None)
+            wall.now += 100.0
+        callbacks = [clock, wall, exact, ModelCheckpoint(dirpath=str(ckpt), save_top_k=0)]
+        _fit(tmp_path, callbacks, steps=steps, ckpt_path="last" if run else None)
     history = load_history(history_path(str(ckpt)))
     assert len(history.events) == 2 and len(history.failures) == 2
+    assert history.run_start == 1e6 and [e.restart_time for e in history.events] == [1e6 + 160.0, 1e6 + 320.0]
+    assert [e.lost_s for e in history.events] == [100.0, 100.0]  # the snapshot resumed from was taken just before
     assert exact.scheduler.state.mtbf_s < 1000 * 3600 / 2  # two failures in seconds of uptime: M far below the prior
 
 
@@ -183,18 +176,8 @@ def test_default_retention_checkpoint_keeps_its_topk_untouched(tmp_path: Path) -
 
     clock = StepClock()
     topk = RetentionCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss", save_top_k=2)
-    trainer = pl.Trainer(
-        max_steps=20,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock, ExactResume(mtbf=None, every_n_train_steps_max=3, clock=clock), topk],
-        val_check_interval=10,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(Model({"out": str(tmp_path), "n": 80, "batch_size": 4, "val_check_interval": 10}))
+    exact = ExactResume(mtbf=None, every_n_train_steps_max=3, clock=clock)
+    _fit(tmp_path, [clock, exact, topk], n=80, val_check_interval=10, limit_val_batches=2)
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".ckpt")
     assert len(topk.best_k_models) == 2 and all("last-snapshot" not in p for p in topk.best_k_models)
     assert [n for n in names if n.startswith("last-snapshot")] == ["last-snapshot-step=000000018.ckpt"]
@@ -210,15 +193,6 @@ def test_signal_handlers_are_given_back_when_fit_fails(tmp_path: Path) -> None:
                 raise RuntimeError("boom")
             return super().training_step(batch, batch_idx)
 
-    trainer = pl.Trainer(
-        max_steps=5,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ExactResume(), ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))],
-        limit_val_batches=0,
-    )
     with pytest.raises(RuntimeError, match="boom"):
-        trainer.fit(Boom({"out": str(tmp_path), "n": 40, "batch_size": 4}))
+        _fit(tmp_path, [ExactResume(), ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))], steps=5, model=Boom, n=40)
     assert signal.getsignal(signal.SIGTERM) is before

@@ -8,10 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_resume.errors import ConfigurationError
-from lightning_resume.schedule.policy import (
+from lightning_resume.schedule.config import MtbfMode, ScheduleConfig
+from lightning_resume.schedule.formulas import (
     Formula,
-    MtbfMode,
-    ScheduleConfig,
     daly_interval,
     expected_waste,
     first_order_waste,

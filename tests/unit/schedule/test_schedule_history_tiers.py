@@ -7,19 +7,9 @@ import json
 import pytest
 
 from lightning_resume.schedule import history
-from lightning_resume.schedule.history import (
-    EventKind,
-    estimate_mtbf,
-    estimate_node_mtbf,
-    estimate_process_mtbf,
-    history_path,
-    load_history,
-    record_clean_stop,
-    record_start,
-    save_history,
-)
-from lightning_resume.schedule.policy import ScheduleConfig, Tier
+from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.scheduler import SnapshotScheduler
+from lightning_resume.schedule.state import Tier
 
 HOUR = 3600.0
 
@@ -41,35 +31,39 @@ OLD_FILE = {  # written by lightning-resume before tiers were recorded (version 
 
 
 def test_memory_resume_after_a_crash_is_a_process_failure_and_a_disk_resume_a_node_failure(tmp_path):
-    path = history_path(tmp_path)
-    h = record_start(load_history(path), now=0.0, checkpoint_time=None)
-    h = record_start(h, now=1000.0, checkpoint_time=990.0, tier=Tier.MEMORY)  # crash, memory survived
-    h = record_start(h, now=5000.0, checkpoint_time=3000.0, tier=Tier.DURABLE)  # crash, node lost
-    h = record_clean_stop(h, now=6000.0)
-    h = record_start(h, now=7000.0, checkpoint_time=6000.0, tier=Tier.MEMORY)  # clean stop: no failure at all
-    assert save_history(path, h)
-    loaded = load_history(path)
+    path = history.history_path(tmp_path)
+    h = history.record_start(history.load_history(path), now=0.0, checkpoint_time=None)
+    h = history.record_start(h, now=1000.0, checkpoint_time=990.0, tier=Tier.MEMORY)  # crash, memory survived
+    h = history.record_start(h, now=5000.0, checkpoint_time=3000.0, tier=Tier.DURABLE)  # crash, node lost
+    h = history.record_clean_stop(h, now=6000.0)
+    h = history.record_start(h, now=7000.0, checkpoint_time=6000.0, tier=Tier.MEMORY)  # clean stop: no failure at all
+    assert history.save_history(path, h)
+    loaded = history.load_history(path)
     assert loaded == h
     assert [e.tier for e in loaded.events] == [Tier.MEMORY, Tier.DURABLE, Tier.MEMORY]
-    assert [e.kind for e in loaded.events] == [EventKind.FAILURE, EventKind.FAILURE, EventKind.CLEAN_STOP]
+    assert [e.kind for e in loaded.events] == [
+        history.EventKind.FAILURE,
+        history.EventKind.FAILURE,
+        history.EventKind.CLEAN_STOP,
+    ]
     assert [e.restart_time for e in loaded.process_failures] == [1000.0]
     assert [e.restart_time for e in loaded.node_failures] == [5000.0]
     assert len(loaded.failures) == 2
 
 
 def test_old_history_files_load_and_count_their_failures_as_node_failures(tmp_path):
-    path = history_path(tmp_path)
+    path = history.history_path(tmp_path)
     with open(path, "w") as f:
         json.dump(OLD_FILE, f)
-    loaded = load_history(path)  # no HistoryWarning: pytest's filterwarnings=error would fail it
-    assert loaded.events[0].tier is None and loaded.events[0].kind is EventKind.FAILURE
+    loaded = history.load_history(path)  # no HistoryWarning: pytest's filterwarnings=error would fail it
+    assert loaded.events[0].tier is None and loaded.events[0].kind is history.EventKind.FAILURE
     assert loaded.node_failures == loaded.failures and loaded.process_failures == ()
 
 
 def test_new_files_keep_the_version_1_layout_for_older_readers(tmp_path):
-    path = history_path(tmp_path)
-    h = record_start(record_start(history.FailureHistory(), 0.0, None), 100.0, 90.0, tier=Tier.MEMORY)
-    save_history(path, h)
+    path = history.history_path(tmp_path)
+    h = history.record_start(history.record_start(history.FailureHistory(), 0.0, None), 100.0, 90.0, tier=Tier.MEMORY)
+    history.save_history(path, h)
     raw = json.loads(open(path).read())
     assert raw["version"] == 1 and raw["events"][0]["tier"] == "memory"
     assert set(raw["events"][0]) - set(OLD_FILE["events"][0]) == {"tier"}  # only an added key
@@ -78,29 +72,28 @@ def test_new_files_keep_the_version_1_layout_for_older_readers(tmp_path):
 def test_estimates_count_each_class_of_failure():
     h = history.FailureHistory(run_start=0.0)
     for i in range(1, 9):  # eight process failures, one per hour of uptime
-        h = record_start(h, now=i * HOUR, checkpoint_time=i * HOUR, tier=Tier.MEMORY)
-    h = record_start(h, now=10 * HOUR, checkpoint_time=10 * HOUR, tier=Tier.DURABLE)  # one node failure
+        h = history.record_start(h, now=i * HOUR, checkpoint_time=i * HOUR, tier=Tier.MEMORY)
+    h = history.record_start(h, now=10 * HOUR, checkpoint_time=10 * HOUR, tier=Tier.DURABLE)  # one node failure
     now = 10 * HOUR
     exposure = 10 * HOUR
-    assert estimate_process_mtbf(h, 2 * HOUR, 1.0, now) == pytest.approx((2 * HOUR + exposure) / 9)
-    assert estimate_node_mtbf(h, 24 * HOUR, 1.0, now) == pytest.approx((24 * HOUR + exposure) / 2)
-    assert estimate_mtbf(h, 2 * HOUR, 1.0, now) == pytest.approx((2 * HOUR + exposure) / 10)
+    assert history.estimate_process_mtbf(h, 2 * HOUR, 1.0, now) == pytest.approx((2 * HOUR + exposure) / 9)
+    assert history.estimate_node_mtbf(h, 24 * HOUR, 1.0, now) == pytest.approx((24 * HOUR + exposure) / 2)
+    assert history.estimate_mtbf(h, 2 * HOUR, 1.0, now) == pytest.approx((2 * HOUR + exposure) / 10)
 
 
 def test_scheduler_records_the_resumed_tier_and_uses_observed_m1_and_m2(tmp_path):
     cfg = ScheduleConfig.from_user(
         mtbf="observed", mtbf_prior="24h", process_mtbf="observed", process_mtbf_prior="1h", min_interval=1
     )
-    first = SnapshotScheduler(cfg)
+    first = SnapshotScheduler(cfg, wall_clock=lambda: 1000.0)
     first.start(0, 1, str(tmp_path), None, None, True)
-    for _ in range(3):  # three crashes resumed from the memory tier
-        sched = SnapshotScheduler(cfg)
-        sched.start(10, 1, str(tmp_path), None, checkpoint_wall_time=0.0, is_rank_zero=True, resumed_tier="memory")
-    events = load_history(history_path(tmp_path)).events
-    assert [e.tier for e in events] == [Tier.MEMORY] * 3 and len(
-        load_history(history_path(tmp_path)).process_failures
-    ) == 3
+    for restart in (2000.0, 3000.0, 4000.0):  # three crashes, each resumed from a memory snapshot 10 s old
+        sched = SnapshotScheduler(cfg, wall_clock=lambda: restart)
+        sched.start(10, 1, str(tmp_path), None, restart - 10.0, is_rank_zero=True, resumed_tier="memory")
+    past = history.load_history(history.history_path(tmp_path))
+    assert [e.tier for e in past.events] == [Tier.MEMORY] * 3 and len(past.process_failures) == 3
+    assert [e.restart_time for e in past.events] == [2000.0, 3000.0, 4000.0]  # on the injected wall clock
     assert sched.memory is not None and sched.state is not None
-    # M1 from three process failures in ~no exposure: about the prior / 4; M2 untouched by them
-    assert sched.memory.process_mtbf_s == pytest.approx(HOUR / 4, rel=0.01)
-    assert sched.state.mtbf_s == pytest.approx(24 * HOUR, rel=0.01)
+    # three lives of 990 s each up to their snapshot: M1 = (prior + exposure) / (1 + 3); M2 sees no node failure
+    assert sched.memory.process_mtbf_s == pytest.approx((HOUR + 3 * 990.0) / 4)
+    assert sched.state.mtbf_s == pytest.approx(24 * HOUR + 3 * 990.0)

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_resume.cli.commands.plan import fmt_duration, parse_bandwidth, parse_count
 from lightning_resume.cli.main import main
-from lightning_resume.schedule.policy import (
+from lightning_resume.schedule.formulas import (
     daly_interval,
     expected_waste,
     single_level_waste,

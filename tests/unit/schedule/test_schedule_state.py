@@ -9,19 +9,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_resume.schedule.config import ScheduleConfig
+from lightning_resume.schedule.formulas import young_interval
 from lightning_resume.schedule.metrics import save_metrics
-from lightning_resume.schedule.policy import (
+from lightning_resume.schedule.state import (
     SaveReason,
-    ScheduleConfig,
+    ScheduleState,
+    Tier,
     cost_estimate,
     current_interval,
+    decide,
     record_save,
     record_write_done,
-    schedule_state_dict,
-    should_save,
-    start_schedule,
-    young_interval,
+    start,
+    state_dict,
 )
+
+
+def single_level_start(config: ScheduleConfig, now: float, step: int, **kwargs) -> ScheduleState:
+    """The durable tier's state alone (these configs have no memory tier)."""
+    state, memory = start(config, now, step, **kwargs)
+    assert memory is None
+    return state
 
 
 @dataclass
@@ -34,7 +43,7 @@ class Trace:
 
 def drive(config, step_times, blocked, write_s, async_write=True, every_step=False, mtbf_s=None):
     """Run a fake training loop; ``blocked``/``write_s`` are per-save cycles (repeated)."""
-    now, state, trace = 0.0, start_schedule(config, 0.0, 0, mtbf_s=mtbf_s), Trace()
+    now, state, trace = 0.0, single_level_start(config, 0.0, 0, mtbf_s=mtbf_s), Trace()
     next_check, write_end = 1, None
     for step, dt in enumerate(step_times, start=1):
         now += dt
@@ -43,11 +52,11 @@ def drive(config, step_times, blocked, write_s, async_write=True, every_step=Fal
         if not every_step and step < next_check:
             continue
         trace.checks += 1
-        decision = should_save(state, now, step)
+        decision = decide(state, None, now, step)
         if decision.next_check_step <= step:
             trace.violations.append(f"next_check_step {decision.next_check_step} <= step {step}")
         next_check = decision.next_check_step
-        if not decision.save:
+        if decision.tier is Tier.NONE:
             continue
         if write_end is not None:
             trace.violations.append(f"save at step {step} while a write is in flight")
@@ -101,24 +110,24 @@ def test_step_cap_and_mtbf_none():
     _, trace = drive(cfg, [1.0] * 500, blocked=[0.1], write_s=[0.1], async_write=False)
     assert [s for s, _, _ in trace.saves] == list(range(50, 501, 50))
     assert all(r is SaveReason.STEP_CAP for _, _, r in trace.saves)
-    off = start_schedule(ScheduleConfig(mtbf_s=None), 0.0, 0)
-    decision = should_save(off, 1e9, 10**6)
-    assert not decision.save and decision.reason is SaveReason.OFF
+    off = single_level_start(ScheduleConfig(mtbf_s=None), 0.0, 0)
+    decision = decide(off, None, 1e9, 10**6)
+    assert decision.tier is Tier.NONE and decision.reason is SaveReason.OFF
     assert current_interval(off) is None and save_metrics(off, 1.0)["ckpt/cost_s"] == 60.0
 
 
 def test_restored_state_skips_the_measuring_save_and_keeps_costs():
     cfg = ScheduleConfig(mtbf_s=3600.0, min_interval_s=5.0)
-    state = record_save(start_schedule(cfg, 0.0, 0), 10.0, 10, blocked_s=3.0, write_s=1.0)
-    resumed = start_schedule(cfg, 1e6, 10, restored=schedule_state_dict(state))
+    state = record_save(single_level_start(cfg, 0.0, 0), 10.0, 10, blocked_s=3.0, write_s=1.0)
+    resumed = single_level_start(cfg, 1e6, 10, restored=state_dict(state))
     assert resumed.costs == (3.0,) and resumed.anchor_time == 1e6 and resumed.saves == 1
-    assert not should_save(resumed, 1e6 + 6.0, 16).save  # 6 s > min_interval but < T*
-    assert should_save(resumed, 1e6 + young_interval(3.0, 3600.0), 100).reason is SaveReason.INTERVAL
+    assert decide(resumed, None, 1e6 + 6.0, 16).tier is Tier.NONE  # 6 s > min_interval but < T*
+    assert decide(resumed, None, 1e6 + young_interval(3.0, 3600.0), 100).reason is SaveReason.INTERVAL
 
 
 def test_metrics_after_a_save():
     cfg = ScheduleConfig(mtbf_s=86400.0, num_nodes=4)
-    state = record_save(start_schedule(cfg, 0.0, 0), 100.0, 100, blocked_s=2.0, write_s=4.0)
+    state = record_save(single_level_start(cfg, 0.0, 0), 100.0, 100, blocked_s=2.0, write_s=4.0)
     m = save_metrics(state, 110.0, blocked_s=2.0, write_s=4.0, nbytes=400_000_000, newest_durable_time=104.0)
     assert m["ckpt/write_MBps"] == pytest.approx(100.0) and m["ckpt/bytes"] == 4e8
     assert m["ckpt/mtbf_s"] == 21600.0 and m["ckpt/cost_s"] == 2.0 and m["ckpt/durable_age_s"] == 6.0
@@ -166,7 +175,7 @@ def test_schedule_invariants(cfg, step_times, blocked, write_s, async_write):
 
 
 def test_record_save_rejects_nonsense():
-    state = start_schedule(ScheduleConfig(mtbf_s=100.0), 0.0, 0)
+    state = single_level_start(ScheduleConfig(mtbf_s=100.0), 0.0, 0)
     with pytest.raises(ValueError, match="blocked_s"):
         record_save(state, 1.0, 1, blocked_s=-1.0)
     with pytest.raises(ValueError, match="write_s"):

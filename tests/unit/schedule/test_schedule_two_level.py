@@ -1,5 +1,5 @@
 """The two-level schedule: the closed-form plan against brute force, its k = 1 limit, and the
-memory/durable sequence ``SnapshotScheduler.decide_tier`` produces on a fake clock."""
+memory/durable sequence ``SnapshotScheduler.decide`` produces on a fake clock."""
 
 import math
 from datetime import timedelta
@@ -9,10 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_resume.errors import ConfigurationError
-from lightning_resume.schedule.policy import (
-    SaveReason,
-    ScheduleConfig,
-    Tier,
+from lightning_resume.schedule.config import ScheduleConfig
+from lightning_resume.schedule.formulas import (
     TwoLevelPlan,
     first_order_waste,
     single_level_waste,
@@ -22,6 +20,18 @@ from lightning_resume.schedule.policy import (
     young_interval,
 )
 from lightning_resume.schedule.scheduler import SnapshotScheduler
+from lightning_resume.schedule.state import (
+    SaveReason,
+    Tier,
+    decide,
+    durable_every,
+    memory_interval,
+    record_durable_snapshot,
+    record_memory_snapshot,
+    record_save,
+    record_write_done,
+    start,
+)
 
 costs = st.floats(min_value=1e-3, max_value=600.0)
 mtbfs = st.floats(min_value=600.0, max_value=30 * 86400.0)
@@ -110,8 +120,16 @@ def test_from_user_collects_every_memory_tier_problem():
         ScheduleConfig.from_user(process_mtbf="observed")
 
 
+def test_a_run_without_the_memory_tier_keeps_the_durable_options_on_a_single_level_schedule():
+    cfg = ScheduleConfig.from_user(mtbf="observed", mtbf_prior="24h", process_mtbf="observed", process_mtbf_prior="1h")
+    single = cfg.single_level()
+    assert not single.takes_memory_snapshots and single.process_mtbf_mode.value == "configured"
+    assert single.with_nodes(1) == ScheduleConfig.from_user(mtbf="observed", mtbf_prior="24h")
+    assert start(single, 0.0, 0)[1] is None
+
+
 # --------------------------------------------------------------------------------------------
-# decide_tier on a fake clock
+# SnapshotScheduler.decide on a fake clock
 # --------------------------------------------------------------------------------------------
 
 
@@ -128,14 +146,14 @@ def identity(values):
 
 
 def run(config, steps, step_s=1.0, c1=0.5, c2=10.0, restored=None):
-    """Drive decide_tier like the callback does; return [(step, tier, reason, time)]."""
+    """Drive ``SnapshotScheduler.decide`` like the callback does; return [(step, tier, reason, time)]."""
     clock = Clock()
     sched = SnapshotScheduler(config, clock)
     sched.start(0, 1, None, restored, None, True)
     out = []
     for step in range(1, steps + 1):
         clock.now += step_s
-        tier, preempt, reason = sched.decide_tier(step, 0, identity, True)
+        tier, preempt, reason = sched.decide(step, 0, identity, True)
         assert preempt == 0 and sched.next_check_step > step
         if tier is Tier.MEMORY:
             clock.now += c1
@@ -188,23 +206,15 @@ def test_step_caps_pace_both_tiers_without_mtbfs():
     assert {r for _, t, r, _ in out if t is Tier.MEMORY} == {SaveReason.MEMORY_STEP_CAP.value}
 
 
-def test_without_a_memory_tier_decide_tier_is_decide():
+def test_without_a_memory_tier_every_snapshot_is_durable_on_the_single_level_schedule():
     cfg = ScheduleConfig(mtbf_s=3600.0, min_interval_s=5.0, initial_cost_s=100.0)
     sched, out = run(cfg, 500, c2=2.0)
-    assert out and all(t is Tier.DURABLE for _, t, _, _ in out)
     assert not sched.takes_memory_snapshots and sched.memory is None
-    clock = Clock()
-    plain = SnapshotScheduler(cfg, clock)
-    plain.start(0, 1, None, None, None, True)
-    saves = []
-    for step in range(1, 501):
-        clock.now += 1.0
-        save, _, reason = plain.decide(step, 0, identity, True)
-        if save:
-            clock.now += 2.0
-            plain.record(step, 2.0, None)
-            saves.append((step, reason))
-    assert saves == [(s, r) for s, _, r, _ in out]
+    assert {t for _, t, _, _ in out} == {Tier.DURABLE}
+    assert out[0][:3] == (5, Tier.DURABLE, SaveReason.FIRST_MEASUREMENT.value)  # after min_interval, to measure C
+    assert {r for _, _, r, _ in out[1:]} == {SaveReason.INTERVAL.value}
+    for (_, _, _, t0), (_, _, _, t1) in zip(out, out[1:]):  # then one T* = sqrt(2 C M) of training apart
+        assert t1 - 2.0 - t0 == pytest.approx(young_interval(2.0, 3600.0), abs=1.0)
 
 
 def test_first_memory_snapshot_measures_c1_early_and_the_first_durable_measures_c2():
@@ -237,18 +247,17 @@ def test_ranks_agree_on_the_highest_tier():
     tiers = []
     for step in range(1, 5):
         clock.now += 1.0
-        tiers.append(follower.decide_tier(step, 1 if step == 3 else 0, agree, False)[:2])
+        tiers.append(follower.decide(step, 1 if step == 3 else 0, agree, False)[:2])
     assert tiers == [(Tier.NONE, 0), (Tier.MEMORY, 0), (Tier.NONE, 1), (Tier.DURABLE, 0)]
     assert all(v[0] == 0 for v in seen)  # a follower proposes nothing
 
 
 def test_a_clamped_t1_gets_the_best_k_for_that_t1():
-    from lightning_resume.schedule.policy import durable_every, memory_interval, start_memory, start_schedule
-
     # measured C1 = 0.34 s, C2 = 3.4 s: the plan's T1 is ~50 s, below min_interval = 60 s
     cfg = ScheduleConfig(mtbf_s=86400.0, process_mtbf_s=3600.0, min_interval_s=60.0)
     restored = {"costs": [3.4], "memory_costs": [0.34]}
-    state, memory = start_schedule(cfg, 0.0, 0, restored=restored), start_memory(cfg, 0.0, 0, restored=restored)
+    state, memory = start(cfg, 0.0, 0, restored=restored)
+    assert memory is not None
     plan = two_level_plan(0.34, 3.4, 3600.0, 86400.0)
     assert plan.t1 < 60.0 and memory_interval(state, memory) == 60.0
     k = durable_every(state, memory)
@@ -258,17 +267,8 @@ def test_a_clamped_t1_gets_the_best_k_for_that_t1():
 
 def drive_tiers(config, step_times, c1, c2, write_s, every_step):
     """Rank 0 alone, pure policy: async durable writes finish ``write_s`` after their save."""
-    from lightning_resume.schedule.policy import (
-        record_durable_snapshot,
-        record_memory_snapshot,
-        record_save,
-        record_write_done,
-        should_snapshot,
-        start_memory,
-        start_schedule,
-    )
-
-    now, state, memory = 0.0, start_schedule(config, 0.0, 0), start_memory(config, 0.0, 0)
+    (state, memory), now = start(config, 0.0, 0), 0.0
+    assert memory is not None
     next_check, write_end, out = 1, None, []
     for step, dt in enumerate(step_times, start=1):
         now += dt
@@ -276,7 +276,7 @@ def drive_tiers(config, step_times, c1, c2, write_s, every_step):
             state, write_end = record_write_done(state, now), None
         if not every_step and step < next_check:
             continue
-        d = should_snapshot(state, memory, now, step)
+        d = decide(state, memory, now, step)
         assert d.next_check_step > step
         next_check = d.next_check_step
         if d.tier is Tier.DURABLE:

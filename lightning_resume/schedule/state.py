@@ -1,0 +1,455 @@
+"""The schedule state machine: when to snapshot, and to which tier.
+
+A frozen ``ScheduleState`` (the durable tier) and, with a memory tier, a frozen ``MemoryState``,
+replaced by pure functions: ``start`` at the start of a process, ``decide`` at a check (the one
+answer to "snapshot now, and to which tier?": ``Tier.NONE``, ``Tier.MEMORY`` or ``Tier.DURABLE``),
+``record_save`` / ``record_write_done`` / ``record_memory_snapshot`` / ``record_durable_snapshot``
+after. The clock is always passed in (``now``, seconds of a monotonic clock) and measurements arrive
+as arguments; the formulas are ``formulas``', the options ``config``'s. It must not import Lightning,
+read a clock, touch files or talk to other ranks: the scheduler asks ``decide`` on rank 0 and
+broadcasts its answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Mapping, Optional
+
+from lightning_resume.schedule.config import ScheduleConfig
+from lightning_resume.schedule.formulas import (
+    TwoLevelPlan,
+    expected_waste,
+    optimal_interval,
+    two_level_plan,
+    two_level_waste,
+    young_interval,
+)
+
+COST_WINDOW = 5
+"""How many recent blocking costs the C estimate is the median of (robust to one slow first save)."""
+
+
+class SaveReason(str, Enum):
+    """Why ``decide`` answered as it did (logged, and handy in tests)."""
+
+    FIRST_MEASUREMENT = "first_measurement"  # no C measured yet: save early to measure it
+    INTERVAL = "interval"  # T* has elapsed since the last save
+    STEP_CAP = "step_cap"  # every_n_train_steps_max steps have passed since the last save
+    NOT_DUE = "not_due"
+    WRITE_IN_FLIGHT = "write_in_flight"  # due (or not), but the previous async write is not durable yet
+    OFF = "off"  # mtbf=None and no step cap
+    MEMORY_FIRST_MEASUREMENT = "memory_first_measurement"  # no C1 measured yet: snapshot early to measure it
+    MEMORY_INTERVAL = "memory_interval"  # T1 has elapsed since the last snapshot of either tier
+    MEMORY_STEP_CAP = "memory_step_cap"  # memory_every_n_train_steps_max steps since the last snapshot
+    EVERY_KTH = "every_kth"  # the memory snapshot due now is the k-th since the last durable save: durable
+    MAX_INTERVAL = "max_interval"  # max_interval has passed since the last durable save
+
+
+class Tier(str, Enum):
+    """Where a snapshot goes: nowhere, the memory tier (survives a crashed process, not a lost node) or
+    the durable tier (disk or object store; survives anything)."""
+
+    NONE = "none"
+    MEMORY = "memory"
+    DURABLE = "durable"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's answer at a check: which tier to snapshot to now (``Tier.NONE``: none), why, and the
+    step of the next check.
+
+    Between checks the scheduler needs no collective; ``next_check_step`` (> the current step) is
+    broadcast together with ``tier`` so every rank checks at the same step.
+    """
+
+    tier: Tier
+    reason: SaveReason
+    next_check_step: int
+
+
+@dataclass(frozen=True)
+class ScheduleState:
+    """Everything the schedule remembers; replaced, never mutated.
+
+    ``anchor_time`` / ``anchor_step``: when the interval being timed began (the end of the last
+    save's blocking part, or the start of this process). ``costs``: recent measured blocking
+    times, newest last. ``write_started_at`` is set while an async write is in flight.
+    """
+
+    config: ScheduleConfig
+    mtbf_s: Optional[float]
+    anchor_time: float
+    anchor_step: int
+    costs: tuple = ()
+    last_write_s: Optional[float] = None
+    write_started_at: Optional[float] = None
+    saves: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    """What the memory tier's schedule remembers, next to the durable ``ScheduleState``.
+
+    ``process_mtbf_s``: the job's M1 (``None``: no process MTBF, only a step cap paces the tier).
+    ``anchor_time`` / ``anchor_step``: the end of the newest snapshot of *either* tier (a durable
+    save is also that step's memory snapshot). ``costs``: recent measured C1, newest last.
+    ``since_durable``: memory snapshots since the newest durable save; ``durable_step``: that save's
+    step (``None`` before the first one of this process).
+    """
+
+    process_mtbf_s: Optional[float]
+    anchor_time: float
+    anchor_step: int
+    costs: tuple = ()
+    since_durable: int = 0
+    durable_step: Optional[int] = None
+    snapshots: int = 0
+
+
+def start(
+    config: ScheduleConfig,
+    now: float,
+    step: int,
+    mtbf_s: Optional[float] = None,
+    process_mtbf_s: Optional[float] = None,
+    restored: Optional[Mapping[str, Any]] = None,
+) -> tuple[ScheduleState, Optional[MemoryState]]:
+    """The state at the start of a process (fresh or resumed); the memory tier's only when the config
+    has one.
+
+    ``mtbf_s`` / ``process_mtbf_s`` are the job's M and M1 (default ``config.job_mtbf_s`` /
+    ``config.job_process_mtbf_s``; pass the history estimates in observed mode). ``restored`` is a
+    ``state_dict`` from the checkpoint: it keeps the measured costs, so a resumed run does not repeat
+    the early measuring saves. Times are not restored: the clock of another process means nothing here.
+    """
+    restored = restored or {}
+    last_write = restored.get("last_write_s")
+    state = ScheduleState(
+        config=config,
+        mtbf_s=config.job_mtbf_s if mtbf_s is None else float(mtbf_s),
+        anchor_time=float(now),
+        anchor_step=int(step),
+        costs=_costs(restored.get("costs", ())),
+        last_write_s=None if last_write is None else float(last_write),
+        saves=int(restored.get("saves", 0)),
+    )
+    if not config.takes_memory_snapshots:
+        return state, None
+    memory = MemoryState(
+        process_mtbf_s=config.job_process_mtbf_s if process_mtbf_s is None else float(process_mtbf_s),
+        anchor_time=float(now),
+        anchor_step=int(step),
+        costs=_costs(restored.get("memory_costs", ())),
+        snapshots=int(restored.get("memory_snapshots", 0)),
+    )
+    return state, memory
+
+
+def state_dict(state: ScheduleState, memory: Optional[MemoryState] = None) -> dict:
+    """The part of the state worth keeping across a restart (JSON-friendly)."""
+    kept = {"costs": list(state.costs), "last_write_s": state.last_write_s, "saves": state.saves}
+    if memory is not None:
+        kept.update(memory_costs=list(memory.costs), memory_snapshots=memory.snapshots)
+    return kept
+
+
+def _costs(values: Any) -> tuple:
+    return tuple(float(c) for c in values)[-COST_WINDOW:]
+
+
+def _with_cost(costs: tuple, blocked_s: float) -> tuple:
+    if not (math.isfinite(blocked_s) and blocked_s >= 0):
+        raise ValueError(f"blocked_s={blocked_s!r} must be a finite number of seconds >= 0")
+    return (costs + (float(blocked_s),))[-COST_WINDOW:]
+
+
+# The durable tier on its own (the whole schedule without a memory tier)
+
+
+def cost_estimate(state: ScheduleState) -> float:
+    """C: the median of the recent measured blocking costs, or the conservative initial guess."""
+    return statistics.median(state.costs) if state.costs else state.config.initial_cost_s
+
+
+def current_interval(state: ScheduleState) -> Optional[float]:
+    """T* for the current C and M, clamped to [min_interval, max_interval], floored by the last write.
+
+    ``None`` when time-based snapshots are off (``mtbf=None``).
+    """
+    if state.mtbf_s is None:
+        return None
+    cfg = state.config
+    t = optimal_interval(cost_estimate(state), state.mtbf_s, cfg.formula)
+    t = min(max(t, cfg.min_interval_s), cfg.max_interval_s)
+    return max(t, state.last_write_s or 0.0)
+
+
+def due_time(state: ScheduleState) -> Optional[float]:
+    """When the next time-based save is due; early (after min_interval) while C is unmeasured."""
+    interval = current_interval(state)
+    if interval is None:
+        return None
+    if not state.costs:
+        interval = state.config.min_interval_s
+    return state.anchor_time + interval
+
+
+def _steps_until(state: ScheduleState, now: float, step: int, target: float) -> int:
+    """Steps expected before ``target`` (a time), from the mean step time since the anchor; >= 1."""
+    elapsed_steps = step - state.anchor_step
+    elapsed = now - state.anchor_time
+    if elapsed_steps <= 0 or elapsed <= 0:
+        return 1  # no step time known yet: look again at the next step
+    per_step = elapsed / elapsed_steps
+    # a hair early rather than one step late when float rounding puts the target on a step boundary
+    return max(1, math.ceil((target - now) / per_step - 1e-6))
+
+
+def _next_check(state: ScheduleState, now: float, step: int, target: Optional[float]) -> int:
+    cfg = state.config
+    horizon = now + cfg.check_interval_s
+    target = horizon if target is None else min(target, horizon)
+    nxt = step + _steps_until(state, now, step, target)
+    if cfg.every_n_train_steps_max is not None:
+        nxt = min(nxt, max(step + 1, state.anchor_step + cfg.every_n_train_steps_max))
+    return nxt
+
+
+def _write_end(state: ScheduleState, now: float) -> float:
+    """When the in-flight write should be durable: its start plus the last write's duration, or,
+    with no (or an overrun) estimate, as long again as it has already run (backing off)."""
+    started = state.write_started_at if state.write_started_at is not None else now
+    expected = started + (state.last_write_s or 0.0)
+    return expected if expected > now else now + (now - started)
+
+
+def _single_level(state: ScheduleState, now: float, step: int) -> Decision:
+    """The durable tier's own schedule: a save when the step cap ``every_n_train_steps_max`` is reached
+    (it takes precedence over ``min_interval``) or T* has passed (min_interval while C is unmeasured),
+    never while the previous write is in flight."""
+    cfg = state.config
+    if state.write_started_at is not None:
+        return Decision(Tier.NONE, SaveReason.WRITE_IN_FLIGHT, _next_check(state, now, step, _write_end(state, now)))
+    cap = cfg.every_n_train_steps_max
+    if cap is not None and step - state.anchor_step >= cap:
+        return Decision(Tier.DURABLE, SaveReason.STEP_CAP, step + 1)
+    due = due_time(state)
+    if due is not None and now >= due:
+        reason = SaveReason.INTERVAL if state.costs else SaveReason.FIRST_MEASUREMENT
+        return Decision(Tier.DURABLE, reason, step + 1)
+    reason = SaveReason.OFF if due is None and cap is None else SaveReason.NOT_DUE
+    return Decision(Tier.NONE, reason, _next_check(state, now, step, due))
+
+
+# The two-level schedule (memory tier + durable tier)
+
+
+def memory_cost_estimate(state: ScheduleState, memory: MemoryState) -> float:
+    """C1: the median of the recent measured memory-snapshot costs, or the conservative guess."""
+    return statistics.median(memory.costs) if memory.costs else state.config.memory_initial_cost_s
+
+
+def current_plan(state: ScheduleState, memory: MemoryState) -> Optional[TwoLevelPlan]:
+    """The unclamped two-level optimum for the current C1, C2, M1, M2 (``None`` unless both MTBFs are known)."""
+    if memory.process_mtbf_s is None or state.mtbf_s is None:
+        return None
+    return two_level_plan(
+        memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
+    )
+
+
+def memory_interval(state: ScheduleState, memory: MemoryState) -> Optional[float]:
+    """T1 clamped to [min_interval, max_interval]: the plan's, or Young's ``sqrt(2 C1 M1)`` when the
+    durable tier has no MTBF; ``None`` when only a memory step cap paces the tier."""
+    if memory.process_mtbf_s is None:
+        return None
+    plan = current_plan(state, memory)
+    cfg = state.config
+    t1 = plan.t1 if plan is not None else young_interval(memory_cost_estimate(state, memory), memory.process_mtbf_s)
+    return min(max(t1, cfg.min_interval_s), cfg.max_interval_s)
+
+
+def durable_every(state: ScheduleState, memory: MemoryState) -> Optional[int]:
+    """k as applied: the plan's, or, when T1 was clamped, the best k for that T1 (the integer
+    neighbours of ``sqrt(2 C2 M2) / T1``, which minimises the durable terms of the waste); then
+    lowered so that ``k * T1`` stays within max_interval.
+
+    ``None`` without a plan: the durable tier then keeps its own single-level schedule."""
+    plan, t1 = current_plan(state, memory), memory_interval(state, memory)
+    if plan is None or t1 is None or memory.process_mtbf_s is None or state.mtbf_s is None:
+        return None
+    k = plan.k
+    if not math.isclose(t1, plan.t1):
+        c1, c2, m1, m2 = memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
+        k_real = math.sqrt(2.0 * c2 * m2) / t1
+        candidates = {max(1, math.floor(k_real)), max(1, math.ceil(k_real))}
+        k = min(sorted(candidates), key=lambda n: two_level_waste(t1, n, c1, c2, m1, m2))
+    return max(1, min(k, math.floor(state.config.max_interval_s / t1)))
+
+
+def _durable_reason(state: ScheduleState, memory: MemoryState, now: float, step: int) -> Optional[SaveReason]:
+    """Why a durable save is due regardless of the memory tier (cap, first measurement, max interval)."""
+    cfg = state.config
+    if state.write_started_at is not None:
+        return None
+    cap = cfg.every_n_train_steps_max
+    if cap is not None and step - state.anchor_step >= cap:
+        return SaveReason.STEP_CAP
+    if durable_every(state, memory) is None:  # no plan: the durable tier is single-level
+        decision = _single_level(state, now, step)
+        return decision.reason if decision.tier is Tier.DURABLE else None
+    if not state.costs and now >= state.anchor_time + cfg.min_interval_s:
+        return SaveReason.FIRST_MEASUREMENT
+    if now >= state.anchor_time + cfg.max_interval_s:
+        return SaveReason.MAX_INTERVAL
+    return None
+
+
+def memory_due_time(state: ScheduleState, memory: MemoryState) -> Optional[float]:
+    """When the next memory snapshot is due (after min_interval while C1 is unmeasured)."""
+    t1 = memory_interval(state, memory)
+    if t1 is None:
+        return None
+    return memory.anchor_time + (t1 if memory.costs else state.config.min_interval_s)
+
+
+def _memory_reason(state: ScheduleState, memory: MemoryState, now: float, step: int) -> Optional[SaveReason]:
+    cap = state.config.memory_every_n_train_steps_max
+    if cap is not None and step - memory.anchor_step >= cap:
+        return SaveReason.MEMORY_STEP_CAP
+    due = memory_due_time(state, memory)
+    if due is not None and now >= due:
+        return SaveReason.MEMORY_INTERVAL if memory.costs else SaveReason.MEMORY_FIRST_MEASUREMENT
+    return None
+
+
+def _next_tier_check(state: ScheduleState, memory: MemoryState, now: float, step: int) -> int:
+    cfg = state.config
+    targets = [memory_due_time(state, memory)]
+    if durable_every(state, memory) is None:
+        targets.append(due_time(state))
+    elif not state.costs:
+        targets.append(state.anchor_time + cfg.min_interval_s)
+    else:
+        targets.append(state.anchor_time + cfg.max_interval_s)
+    if state.write_started_at is not None:
+        targets.append(_write_end(state, now))
+    known = [t for t in targets if t is not None]
+    nxt = _next_check(state, now, step, min(known) if known else None)
+    cap = cfg.memory_every_n_train_steps_max
+    if cap is not None:
+        nxt = min(nxt, max(step + 1, memory.anchor_step + cap))
+    return nxt
+
+
+def decide(state: ScheduleState, memory: Optional[MemoryState], now: float, step: int) -> Decision:
+    """Rank 0's decision at a check: snapshot now, and to which tier? (``step`` = global steps
+    completed; ``now`` = monotonic seconds.) Without a memory tier (``memory`` is ``None`` or the
+    config has none) the durable tier's own schedule decides (see ``_single_level``).
+
+    With one: a durable save when the durable tier's own triggers fire (its step cap, its first
+    measurement, max_interval since the last durable save; or, with no two-level plan because the
+    node MTBF is off, its single-level schedule), or when the memory snapshot due now is the k-th
+    since the last durable save (and no async write is in flight); else a memory snapshot when T1
+    (or the memory step cap) has passed since the newest snapshot of either tier. The first memory
+    snapshot is never promoted to durable: it measures C1, which the plan's k depends on.
+    """
+    if memory is None or not state.config.takes_memory_snapshots:
+        return _single_level(state, now, step)
+    durable = _durable_reason(state, memory, now, step)
+    if durable is not None:
+        return Decision(Tier.DURABLE, durable, step + 1)
+    reason = _memory_reason(state, memory, now, step)
+    if reason is not None:
+        k = durable_every(state, memory)
+        # never promote the measuring snapshot: a guessed C1 giving k = 1 would never be measured
+        measuring = reason is SaveReason.MEMORY_FIRST_MEASUREMENT
+        if k is not None and not measuring and state.write_started_at is None and memory.since_durable + 1 >= k:
+            return Decision(Tier.DURABLE, SaveReason.EVERY_KTH, step + 1)
+        return Decision(Tier.MEMORY, reason, step + 1)
+    idle = SaveReason.WRITE_IN_FLIGHT if state.write_started_at is not None else SaveReason.NOT_DUE
+    return Decision(Tier.NONE, idle, _next_tier_check(state, memory, now, step))
+
+
+# After a snapshot
+
+
+def record_save(
+    state: ScheduleState, now: float, step: int, blocked_s: float, write_s: Optional[float] = None
+) -> ScheduleState:
+    """The state after a save whose blocking part ended at ``now`` and took ``blocked_s``.
+
+    Pass ``write_s`` when the write is already durable (synchronous save); leave it ``None`` when
+    an async write has just started, and call ``record_write_done`` when it is durable.
+    """
+    costs = _with_cost(state.costs, blocked_s)
+    if write_s is not None and not (math.isfinite(write_s) and write_s >= 0):
+        raise ValueError(f"write_s={write_s!r} must be a finite number of seconds >= 0, or None if in flight")
+    return dataclasses.replace(
+        state,
+        anchor_time=float(now),
+        anchor_step=int(step),
+        costs=costs,
+        last_write_s=state.last_write_s if write_s is None else float(write_s),
+        write_started_at=float(now) if write_s is None else None,
+        saves=state.saves + 1,
+    )
+
+
+def record_write_done(state: ScheduleState, now: float, write_s: Optional[float] = None) -> ScheduleState:
+    """The state once the in-flight write is durable; ``write_s`` defaults to its time since start."""
+    if state.write_started_at is None:
+        return state
+    duration = max(0.0, now - state.write_started_at) if write_s is None else float(write_s)
+    return dataclasses.replace(state, last_write_s=duration, write_started_at=None)
+
+
+def record_memory_snapshot(memory: MemoryState, now: float, step: int, blocked_s: float) -> MemoryState:
+    """The memory tier's state after a memory snapshot whose blocking part ended at ``now``.
+
+    At the step of the newest durable save (the mechanism refreshing the memory copy of that save)
+    only the cost is recorded: that snapshot was already counted as the durable one."""
+    costs = _with_cost(memory.costs, blocked_s)
+    if memory.durable_step is not None and int(step) == memory.durable_step:
+        return dataclasses.replace(memory, costs=costs)
+    return dataclasses.replace(
+        memory,
+        anchor_time=float(now),
+        anchor_step=int(step),
+        costs=costs,
+        since_durable=memory.since_durable + 1,
+        snapshots=memory.snapshots + 1,
+    )
+
+
+def record_durable_snapshot(memory: MemoryState, now: float, step: int) -> MemoryState:
+    """The memory tier's state after a durable save (which is also that step's memory snapshot)."""
+    return dataclasses.replace(
+        memory, anchor_time=float(now), anchor_step=int(step), since_durable=0, durable_step=int(step)
+    )
+
+
+# Reported (metrics)
+
+
+def expected_waste_now(state: ScheduleState) -> Optional[float]:
+    """Expected waste fraction at the current T*, C and M (``None`` when time-based saves are off)."""
+    interval = current_interval(state)
+    if interval is None or interval <= 0 or state.mtbf_s is None:
+        return None
+    return expected_waste(interval, cost_estimate(state), state.mtbf_s)
+
+
+def two_level_waste_now(state: ScheduleState, memory: MemoryState) -> Optional[float]:
+    """First-order expected waste at the clamped T1 and applied k (``None`` without a plan)."""
+    t1, k = memory_interval(state, memory), durable_every(state, memory)
+    if t1 is None or k is None or memory.process_mtbf_s is None or state.mtbf_s is None:
+        return None
+    return two_level_waste(
+        t1, k, memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
+    )

@@ -1,10 +1,11 @@
 """The tests' small models and trainers, shared by test modules and by the subprocess jobs (importable by
 subprocesses and by LightningCLI YAML class paths as ``tests.helpers.models.<Name>``).
 
-One family of tiny regressors (``TinyRegressor``: ``net`` under MSE, logging ``train_loss``): ``TinyModel``
-(linear, SGD, with ``TinyData``; logs ``val/loss`` for monitor tests), ``TinyMLP`` (an MLP with its own
-data, AdamW, optionally a StepLR) and its preset ``TinyWithScheduler``; the activation-checkpointing
-``Block``/``Stack``; and ``QUIET``/``TINY_TRAINER``, the trainer options every in-process fit shares.
+One family of tiny regressors (``TinyRegressor``: MSE, ``train_loss`` logged, ``step_losses`` kept):
+``TinyModel`` (linear, SGD, with ``TinyData``; logs ``val/loss`` for monitor tests), ``TinyMLP`` (an MLP
+with its own data, AdamW, optionally a StepLR) and its preset ``TinyWithScheduler``, and ``Stack`` (residual
+``Block``s, for activation checkpointing); plus ``QUIET``/``TINY_TRAINER``, the trainer options every test
+fit shares, in process or in a job.
 
 Tests that compare results bit for bit depend on these exact definitions and seeds: change one only
 together with every test that uses it.
@@ -44,14 +45,23 @@ def sum_data(n: int, noise: float = 0.0) -> TensorDataset:
 
 
 class TinyRegressor(LightningModule):
-    """The family's base: ``net`` maps a batch's ``x`` to ``y`` under MSE; each step logs ``train_loss``."""
+    """The family's base: ``forward`` (``net`` unless overridden) predicts a batch's ``y`` from its ``x``
+    under MSE; each step's loss is logged as ``train_loss`` and kept in ``step_losses`` (for bitwise checks)."""
 
     net: nn.Module
 
-    def training_step(self, batch, batch_idx):
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self(x), y)
         self.log("train_loss", loss)
+        self.step_losses.append(loss.detach().clone())
         return loss
 
 
@@ -156,8 +166,8 @@ class Block(nn.Module):
         return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
 
 
-class Stack(LightningModule):
-    """A stack of Blocks in an ``nn.Sequential`` (``sequential=True``) or an ``nn.ModuleList``."""
+class Stack(TinyRegressor):
+    """A stack of Blocks in an ``nn.Sequential`` (``sequential=True``) or an ``nn.ModuleList``, then a linear head."""
 
     def __init__(self, n_blocks: int = 4, sequential: bool = True, lr: float = 0.05) -> None:
         super().__init__()
@@ -165,7 +175,6 @@ class Stack(LightningModule):
         self.layers = nn.Sequential(*blocks) if sequential else nn.ModuleList(blocks)
         self.head = nn.Linear(WIDTH, 1)
         self.lr = lr
-        self.step_losses: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.layers, nn.Sequential):
@@ -174,12 +183,6 @@ class Stack(LightningModule):
             for layer in self.layers:
                 x = layer(x)
         return self.head(x).squeeze(-1)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.step_losses.append(loss.detach().clone())
-        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -5,7 +5,9 @@ outside, C resuming B's checkpoint) and compare runs bit for bit. Starting and k
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -33,14 +35,19 @@ def output(cfg: dict[str, Any], tail: Optional[int] = 6000) -> str:
     return text if tail is None else text[-tail:]
 
 
-def run(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -> None:
-    """Run to completion; raise with the run's output if it fails."""
+def exit_code(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -> int:
+    """Run to its end, whether it succeeds or not: its exit code (what it printed: ``output(cfg)``)."""
     proc = start(cfg, workdir)
     try:
-        rc = proc.wait(timeout=timeout)
+        return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         processes.kill(proc)
-        raise AssertionError(f"run timed out:\n{output(cfg)}")
+        raise AssertionError(f"run timed out:\n{output(cfg)}") from None
+
+
+def run(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -> None:
+    """Run to completion; raise with the run's output if it fails."""
+    rc = exit_code(cfg, workdir, timeout)
     assert rc == 0, f"run failed with {rc}:\n{output(cfg)}"
 
 
@@ -53,6 +60,24 @@ def run_until_paused(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -
 def run_and_kill_when(cfg: dict[str, Any], workdir: Path, ready: Callable[[], bool], timeout: float = 240) -> None:
     """Start a run and SIGKILL it as soon as ``ready()`` is true (polled, so the moment is not chosen by the run)."""
     processes.kill_when(start(cfg, workdir), ready, timeout, log=lambda: output(cfg))
+
+
+def signal_after(cfg: dict[str, Any], workdir: Path, signum: int, after: int = 6, timeout: float = 120) -> int:
+    """Start a run, send the trainee ``signum`` once it logged ``after`` micro-batches (or ``timeout`` s
+    passed), and wait for it to stop: its exit code."""
+    proc = start(cfg, workdir)
+    deadline = time.monotonic() + timeout
+    while len(steps(cfg["out"])) < after and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signum)
+    return proc.wait(timeout=90)
+
+
+def snapshot_step(ckpt_dir: str) -> int:
+    """The step of the one ``last-snapshot-step=*.ckpt`` in ``ckpt_dir`` (a signal's snapshot)."""
+    snaps = list(Path(ckpt_dir).glob("last-snapshot-step=*.ckpt"))
+    assert len(snaps) == 1, snaps
+    return int(torch.load(snaps[0], weights_only=True)["global_step"])
 
 
 def uninterrupted(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:

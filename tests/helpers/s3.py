@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
 from typing import Iterator
 
 import fsspec
 import pytest
 
+from tests.helpers.paths import free_port
+
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def s3_env(endpoint: str) -> dict:
@@ -57,7 +52,7 @@ class Faults:
 
 class S3Server:
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.faults = Faults()
         moto_server = pytest.importorskip("moto.server")

@@ -38,9 +38,7 @@ def _resume(killed: Path, tmp_path: Path, **changes) -> tuple[int, str]:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(killed / "ckpt", ckpt)
     cfg = dict(BASE, out=str(tmp_path / "C"), ckpt_dir=str(ckpt), resume="last", **changes)
-    proc = h.start(cfg, tmp_path)
-    rc = proc.wait(timeout=240)
-    return rc, h.output(cfg)
+    return h.exit_code(cfg, tmp_path), h.output(cfg)
 
 
 @pytest.mark.parametrize(
@@ -90,8 +88,7 @@ def test_fingerprint_catches_state_that_was_not_restored_as_saved(killed: Path, 
     state["state_dict"][name] = state["state_dict"][name] + 1e-3
     torch.save(state, ckpt / "last.ckpt")
     cfg = dict(BASE, out=str(tmp_path / "C"), ckpt_dir=str(ckpt), resume="last")
-    proc = h.start(cfg, tmp_path)
-    assert proc.wait(timeout=240) != 0
+    assert h.exit_code(cfg, tmp_path) != 0
     out = h.output(cfg)
     assert (
         "fingerprint after restore: weights" in out

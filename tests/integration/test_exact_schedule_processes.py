@@ -3,13 +3,10 @@ and a real SIGTERM yields a durable snapshot, a clean exit and a bitwise-exact r
 
 from __future__ import annotations
 
-import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import kill_resume as h
 from tests.helpers import processes
@@ -64,15 +61,8 @@ def test_sigterm_gives_durable_snapshot_clean_exit_and_exact_resume(tmp_path: Pa
     }
     a = h.uninterrupted(cfg, tmp_path)
     b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"))
-    proc = h.start(b, tmp_path)
-    deadline = time.monotonic() + 120
-    while len(h.steps(b["out"])) < 6 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, h.output(b)
-    snaps = list(Path(b["ckpt_dir"]).glob("last-snapshot-step=*.ckpt"))
-    assert len(snaps) == 1, h.output(b)
-    saved_step = torch.load(snaps[0], weights_only=True)["global_step"]
+    assert h.signal_after(b, tmp_path, signal.SIGTERM, after=6) == 0, h.output(b)
+    saved_step = h.snapshot_step(b["ckpt_dir"])
     assert len(h.steps(b["out"])) == saved_step  # stopped right after the snapshot: no work to redo
     c = h.resumed(cfg, tmp_path, b["ckpt_dir"])
     h.assert_exact_resume(a["out"], c["out"], resumed_after=saved_step)

@@ -30,7 +30,11 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # 
 
 from lightning_resume import ExactResume, ResumableDataset, RetentionCheckpoint, SafetensorsCheckpointIO  # noqa: E402
 from lightning_resume.protocols import AsyncCheckpointWriter  # noqa: E402
-from tests.helpers.models import QUIET  # noqa: E402
+
+if __name__ == "__main__":  # run as a script (also by Lightning's DDP launcher): the repo root holds ``tests``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests.helpers.models import QUIET  # noqa: E402  (after the path is set)
 
 DIM = 8
 

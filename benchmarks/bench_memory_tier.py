@@ -13,7 +13,6 @@ Usage: ``python benchmarks/bench_memory_tier.py --size-mb 600 --repeats 5``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -25,19 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.flat_state import flat_state, memcpy_seconds, size_parser
 from lightning_resume.io.memory_tier import DEFAULT_ROOT, MemoryStore
 from lightning_resume.io.write import save_file
 
 
-def _state(size_mb: int) -> dict:
-    n = size_mb * (1 << 20) // 4 // 8
-    return {"state_dict": {f"layer{i}.weight": torch.randn(n) for i in range(8)}, "global_step": 1}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=int, default=600)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = size_parser(__doc__, size_mb=600, repeats=5)
     parser.add_argument("--shm-root", default=os.path.dirname(DEFAULT_ROOT))
     parser.add_argument("--disk-dir", default=None, help="where the durable save goes (default: a temp dir)")
     args = parser.parse_args()
@@ -52,7 +45,7 @@ def main() -> None:
 
 
 def run(size_mb: int, repeats: int, shm: str, disk: str) -> None:
-    state = _state(size_mb)
+    state = flat_state(size_mb)
     buffers = {k: torch.empty_like(v) for k, v in state["state_dict"].items()}
     stores = {
         "memory, async (C1)": MemoryStore(shm, "async", rank=0, world_size=1),
@@ -60,10 +53,7 @@ def run(size_mb: int, repeats: int, shm: str, disk: str) -> None:
     }
     times: dict[str, list[float]] = {"memcpy": [], **{name: [] for name in stores}, "durable save (C2)": []}
     for step in range(repeats):
-        started = time.perf_counter()
-        for k, v in state["state_dict"].items():
-            buffers[k].copy_(v)
-        times["memcpy"].append(time.perf_counter() - started)
+        times["memcpy"].append(memcpy_seconds(state, buffers))
         for name, store in stores.items():
             started = time.perf_counter()
             store.save(state, step=step, seq=step)

@@ -14,7 +14,6 @@ Usage: ``python benchmarks/bench_s3.py --size-mb 256 --repeats 3`` (needs ``moto
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -27,20 +26,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.flat_state import flat_state, memcpy_seconds, size_parser
 from lightning_resume import SafetensorsCheckpointIO
 from tests.helpers.s3 import S3Server, s3_env
 
 
-def _state(size_mb: int) -> dict:
-    n = size_mb * (1 << 20) // 4 // 8
-    return {"state_dict": {f"layer{i}.weight": torch.randn(n) for i in range(8)}, "global_step": 1}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = size_parser(__doc__, size_mb=64, repeats=3).parse_args()
     server = S3Server()
     os.environ.update(s3_env(server.endpoint))
     server.start()
@@ -54,7 +46,7 @@ def run(size_mb: int, repeats: int) -> None:
     fs = fsspec.filesystem("s3")
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     fs.mkdir(bucket)
-    state = _state(size_mb)
+    state = flat_state(size_mb)
     raw = b"".join(t.numpy().tobytes() for t in state["state_dict"].values())
     times: dict = {"s3fs.put": [], "sync save": [], "async blocked": [], "async total": [], "memcpy": []}
     buffers = {k: torch.empty_like(v) for k, v in state["state_dict"].items()}
@@ -74,10 +66,7 @@ def run(size_mb: int, repeats: int) -> None:
             times["async blocked"].append(time.perf_counter() - t)
             async_io.wait()
             times["async total"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            for key, tensor in state["state_dict"].items():
-                buffers[key].copy_(tensor)
-            times["memcpy"].append(time.perf_counter() - t)
+            times["memcpy"].append(memcpy_seconds(state, buffers))
     async_io.teardown()
     base = statistics.median(times["s3fs.put"])
     mb = len(raw) / (1 << 20)

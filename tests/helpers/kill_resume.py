@@ -1,67 +1,54 @@
-"""The kill/resume harness: run ``jobs/trainee.py`` in fresh processes, kill it from outside, and compare
-runs bit for bit."""
+"""The kill/resume harness: run ``jobs/trainee.py`` in fresh processes (A uninterrupted, B SIGKILLed from
+outside, C resuming B's checkpoint) and compare runs bit for bit. Starting and killing processes is
+``tests/helpers/processes.py``'s; what the trainee trains is its config's."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from tests.helpers import processes
 from tests.helpers.compare import assert_bitwise
-from tests.helpers.paths import JOBS_DIR, REPO_ROOT
+from tests.helpers.paths import JOBS_DIR
 
-ROOT = REPO_ROOT
 TRAINEE = JOBS_DIR / "trainee.py"
 
 
-def _env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
-    env = dict(os.environ, **(extra or {}))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def _start(cfg: dict[str, Any], workdir: Path) -> subprocess.Popen:
+def start(cfg: dict[str, Any], workdir: Path) -> subprocess.Popen:
+    """Start the trainee on ``cfg`` (written to ``<out>/config.json``), its output to ``<out>/stdout.txt``."""
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(cfg))
-    log = open(out / "stdout.txt", "w")
-    return subprocess.Popen(
-        [sys.executable, str(TRAINEE), str(cfg_path)],
-        cwd=workdir,
-        env=_env(cfg.get("env")),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # one process group: DDP children die with it
-    )
+    return processes.start([TRAINEE, cfg_path], env=cfg.get("env"), cwd=workdir, log=out / "stdout.txt")
 
 
-def _output(cfg: dict[str, Any]) -> str:
-    return (Path(cfg["out"]) / "stdout.txt").read_text()[-6000:]
+def output(cfg: dict[str, Any], tail: Optional[int] = 6000) -> str:
+    """The run's output so far (its last ``tail`` characters; all of it with ``tail=None``)."""
+    text = (Path(cfg["out"]) / "stdout.txt").read_text()
+    return text if tail is None else text[-tail:]
+
+
+def exit_code(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -> int:
+    """Run to its end, whether it succeeds or not: its exit code (what it printed: ``output(cfg)``)."""
+    proc = start(cfg, workdir)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        processes.kill(proc)
+        raise AssertionError(f"run timed out:\n{output(cfg)}") from None
 
 
 def run(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -> None:
     """Run to completion; raise with the run's output if it fails."""
-    proc = _start(cfg, workdir)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"run timed out:\n{_output(cfg)}")
-    assert rc == 0, f"run failed with {rc}:\n{_output(cfg)}"
-
-
-def kill(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    rc = exit_code(cfg, workdir, timeout)
+    assert rc == 0, f"run failed with {rc}:\n{output(cfg)}"
 
 
 def run_until_paused(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -> None:
@@ -70,18 +57,55 @@ def run_until_paused(cfg: dict[str, Any], workdir: Path, timeout: float = 240) -
     run_and_kill_when(cfg, workdir, marker.exists, timeout)
 
 
-def run_and_kill_when(cfg: dict[str, Any], workdir: Path, ready, timeout: float = 240) -> None:
+def run_and_kill_when(cfg: dict[str, Any], workdir: Path, ready: Callable[[], bool], timeout: float = 240) -> None:
     """Start a run and SIGKILL it as soon as ``ready()`` is true (polled, so the moment is not chosen by the run)."""
-    proc = _start(cfg, workdir)
+    processes.kill_when(start(cfg, workdir), ready, timeout, log=lambda: output(cfg))
+
+
+def signal_after(cfg: dict[str, Any], workdir: Path, signum: int, after: int = 6, timeout: float = 120) -> int:
+    """Start a run, send the trainee ``signum`` once it logged ``after`` micro-batches (or ``timeout`` s
+    passed), and wait for it to stop: its exit code."""
+    proc = start(cfg, workdir)
     deadline = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended before the kill point ({proc.returncode}):\n{_output(cfg)}")
-        if time.monotonic() > deadline:
-            kill(proc)
-            raise AssertionError(f"kill point not reached in time:\n{_output(cfg)}")
-        time.sleep(0.01)
-    kill(proc)
+    while len(steps(cfg["out"])) < after and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signum)
+    return proc.wait(timeout=90)
+
+
+def snapshot_step(ckpt_dir: str) -> int:
+    """The step of the one ``last-snapshot-step=*.ckpt`` in ``ckpt_dir`` (a signal's snapshot)."""
+    snaps = list(Path(ckpt_dir).glob("last-snapshot-step=*.ckpt"))
+    assert len(snaps) == 1, snaps
+    return int(torch.load(snaps[0], weights_only=True)["global_step"])
+
+
+def uninterrupted(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Run A: the whole fit in ``workdir/A``, checkpoints in ``A/ckpt``; its config."""
+    a = dict(cfg, out=str(workdir / "A"), ckpt_dir=str(workdir / "A" / "ckpt"))
+    run(a, workdir)
+    return a
+
+
+def killed(cfg: dict[str, Any], workdir: Path, pause: int) -> dict[str, Any]:
+    """Run B in ``workdir/B``, SIGKILLed from outside before micro-batch ``pause``; its config."""
+    b = dict(cfg, out=str(workdir / "B"), ckpt_dir=str(workdir / "B" / "ckpt"), pause_before=pause)
+    run_until_paused(b, workdir)
+    return b
+
+
+def resumed(cfg: dict[str, Any], workdir: Path, ckpt_dir: str, resume: str = "last", **extra: Any) -> dict[str, Any]:
+    """Run C in ``workdir/C``, a fresh process resuming ``fit(ckpt_path=resume)`` from ``ckpt_dir``; its config."""
+    c = dict(cfg, out=str(workdir / "C"), ckpt_dir=ckpt_dir, resume=resume, **extra)
+    run(c, workdir)
+    return c
+
+
+def three_runs(cfg: dict[str, Any], workdir: Path, pause: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A uninterrupted, B killed before micro-batch ``pause``, C resuming B's "last": A's and C's configs."""
+    a = uninterrupted(cfg, workdir)
+    b = killed(cfg, workdir, pause)
+    return a, resumed(cfg, workdir, b["ckpt_dir"])
 
 
 def steps(out: Path, rank: int = 0) -> list[dict[str, Any]]:
@@ -108,3 +132,11 @@ def assert_exact_resume(a_out: Path, c_out: Path, resumed_after: Optional[int], 
         for i, (x, y) in enumerate(zip(a[n:], c)):
             assert x == y, f"rank {rank}: micro-batch {n + i} differs:\n uninterrupted {x}\n resumed       {y}"
     assert_same_final_state(a_out, c_out)
+
+
+def assert_ranks_disjoint(out: Path, epoch: int = 0, ranks: int = 2) -> None:
+    """Each rank trained its own shard: within ``epoch`` no sample was trained on two ranks."""
+    seen = [{i for s in steps(out, r) if s["epoch"] == epoch for i in s["ids"]} for r in range(ranks)]
+    assert all(seen), f"a rank trained nothing in epoch {epoch}"
+    for r in range(1, ranks):
+        assert seen[0].isdisjoint(seen[r]), f"ranks 0 and {r} trained the same samples in epoch {epoch}"

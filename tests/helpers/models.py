@@ -1,5 +1,11 @@
-"""Small LightningModules, modules and data shared by several test modules and by the subprocess jobs
-(importable by subprocesses and by LightningCLI YAML class paths as ``tests.helpers.models.<Name>``).
+"""The tests' small models and trainers, shared by test modules and by the subprocess jobs (importable by
+subprocesses and by LightningCLI YAML class paths as ``tests.helpers.models.<Name>``).
+
+One family of tiny regressors (``TinyRegressor``: MSE, ``train_loss`` logged, ``step_losses`` kept):
+``TinyModel`` (linear, SGD, with ``TinyData``; logs ``val/loss`` for monitor tests), ``TinyMLP`` (an MLP
+with its own data, AdamW, optionally a StepLR) and its preset ``TinyWithScheduler``, and ``Stack`` (residual
+``Block``s, for activation checkpointing); plus ``QUIET``/``TINY_TRAINER``, the trainer options every test
+fit shares, in process or in a job.
 
 Tests that compare results bit for bit depend on these exact definitions and seeds: change one only
 together with every test that uses it.
@@ -7,43 +13,83 @@ together with every test that uses it.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Optional, Union
+
 import lightning
 import torch
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.plugins import CheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-# --------------------------------------------------------------------------- retention (and exact CLI)
+QUIET: dict[str, Any] = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+"""No logger, progress bar or model summary: the options of every test trainer, in process or in a job."""
+
+TINY_TRAINER: dict[str, Any] = {
+    **QUIET,
+    "accelerator": "cpu",
+    "devices": 1,
+    "limit_val_batches": 2,
+    "num_sanity_val_steps": 0,
+}
+"""``QUIET`` on one CPU process, two validation batches, no sanity check (also for LightningCLI YAML)."""
 
 
-class TinyModel(LightningModule):
-    """A linear regressor that logs ``val/loss`` (for monitor tests)."""
+def sum_data(n: int, noise: float = 0.0) -> TensorDataset:
+    """``n`` seeded samples of 4 features, the target their sum (plus ``noise`` times seeded noise)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    y = x.sum(1, keepdim=True)
+    return TensorDataset(x, y + noise * torch.randn(n, 1, generator=g) if noise else y)
+
+
+class TinyRegressor(LightningModule):
+    """The family's base: ``forward`` (``net`` unless overridden) predicts a batch's ``y`` from its ``x``
+    under MSE; each step's loss is logged as ``train_loss`` and kept in ``step_losses`` (for bitwise checks)."""
+
+    net: nn.Module
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        self.step_losses.append(loss.detach().clone())
+        return loss
+
+
+# --------------------------------------------------------------------------- retention, exact resume, CLI
+
+
+class TinyModel(TinyRegressor):
+    """A linear regressor with SGD that logs ``val/loss`` (for monitor tests); its data is ``TinyData``."""
 
     def __init__(self, lr: float = 0.05) -> None:
         super().__init__()
         self.lr = lr
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.layer(x), y)
-        self.log("train_loss", loss)
-        return loss
+        self.net = nn.Linear(4, 1)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val/loss", torch.nn.functional.mse_loss(self.layer(x), y))
+        self.log("val/loss", nn.functional.mse_loss(self.net(x), y))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 class TinyData(LightningDataModule):
+    """``sum_data(n, noise=0.1)`` for training and validation alike."""
+
     def __init__(self, n: int = 32, batch_size: int = 4) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(n, 4, generator=g)
-        self.data = TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g))
+        self.data = sum_data(n, noise=0.1)
         self.batch_size = batch_size
 
     def train_dataloader(self):
@@ -53,53 +99,52 @@ class TinyData(LightningDataModule):
         return DataLoader(self.data, batch_size=self.batch_size)
 
 
-def tiny_trainer(callbacks, **kwargs) -> Trainer:
-    options = dict(
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-    )
-    options.update(kwargs)
-    return Trainer(callbacks=callbacks, **options)
+def tiny_trainer(callbacks: list[Callback], **kwargs: Any) -> Trainer:
+    """A ``TINY_TRAINER`` with ``callbacks``; ``kwargs`` override or add options."""
+    return Trainer(callbacks=callbacks, **{**TINY_TRAINER, **kwargs})
 
 
-def tiny_fit(callback, ckpt_path=None, **trainer_kwargs) -> Trainer:
+def tiny_fit(callback: Callback, ckpt_path: Optional[str] = None, **trainer_kwargs: Any) -> Trainer:
     """Seeded fit of ``TinyModel`` on ``TinyData`` with one callback (3 epochs of 4 batches by default)."""
     lightning.seed_everything(0, verbose=False)
-    options = dict(max_epochs=3, limit_train_batches=4)
-    options.update(trainer_kwargs)
-    trainer = tiny_trainer([callback], **options)
+    trainer = tiny_trainer([callback], **{"max_epochs": 3, "limit_train_batches": 4, **trainer_kwargs})
     trainer.fit(TinyModel(), datamodule=TinyData(), ckpt_path=ckpt_path)
     return trainer
 
 
-# --------------------------------------------------------------------------- io plugin (and legacy CLI)
+# --------------------------------------------------------------------------- checkpoint io
 
 
-class TinyWithScheduler(LightningModule):
-    """MLP regressor with AdamW and a per-epoch StepLR; ``lr`` is a saved hyperparameter."""
+class TinyMLP(TinyRegressor):
+    """A Tanh MLP (4 -> ``hidden`` -> 1) on ``sum_data(n)`` in batches of 4, trained with AdamW;
+    ``scheduler=True`` adds a per-epoch StepLR halving the rate."""
 
-    def __init__(self, lr: float = 0.05) -> None:
+    def __init__(self, lr: float = 0.05, hidden: int = 16, n: int = 64, scheduler: bool = False) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch, _):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        self.lr, self.n, self.scheduler = lr, n, scheduler
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        if not self.scheduler:
+            return opt
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(32, 4, generator=g)
-        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=False)
+        return DataLoader(sum_data(self.n), batch_size=4, shuffle=False)
+
+
+class TinyWithScheduler(TinyMLP):
+    """``TinyMLP(hidden=8, n=32, scheduler=True)`` whose ``lr`` is a saved hyperparameter."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr, hidden=8, n=32, scheduler=True)
+        self.save_hyperparameters()
+
+
+def io_trainer(root: Union[str, Path], max_steps: int, callbacks: list[Callback], io: CheckpointIO) -> Trainer:
+    """A ``TINY_TRAINER`` in ``root`` that saves through ``io``, for ``max_steps`` steps."""
+    return tiny_trainer(callbacks, default_root_dir=str(root), max_steps=max_steps, plugins=[io])
 
 
 # --------------------------------------------------------------------------- activation checkpointing
@@ -121,8 +166,8 @@ class Block(nn.Module):
         return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
 
 
-class Stack(LightningModule):
-    """A stack of Blocks in an ``nn.Sequential`` (``sequential=True``) or an ``nn.ModuleList``."""
+class Stack(TinyRegressor):
+    """A stack of Blocks in an ``nn.Sequential`` (``sequential=True``) or an ``nn.ModuleList``, then a linear head."""
 
     def __init__(self, n_blocks: int = 4, sequential: bool = True, lr: float = 0.05) -> None:
         super().__init__()
@@ -130,7 +175,6 @@ class Stack(LightningModule):
         self.layers = nn.Sequential(*blocks) if sequential else nn.ModuleList(blocks)
         self.head = nn.Linear(WIDTH, 1)
         self.lr = lr
-        self.step_losses: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.layers, nn.Sequential):
@@ -139,12 +183,6 @@ class Stack(LightningModule):
             for layer in self.layers:
                 x = layer(x)
         return self.head(x).squeeze(-1)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.step_losses.append(loss.detach().clone())
-        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

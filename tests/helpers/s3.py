@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
 from typing import Iterator
 
 import fsspec
 import pytest
 
+from tests.helpers.paths import free_port
+
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def s3_env(endpoint: str) -> dict:
@@ -81,7 +76,7 @@ class Traffic:
 
 class S3Server:
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.faults = Faults()
         self.traffic = Traffic()

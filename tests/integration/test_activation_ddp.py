@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.paths import REPO_ROOT as ROOT
+from tests.helpers import processes
 from tests.helpers.paths import job_script
 
 
 def run_job(out: Path, mode: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, job_script("activation_ddp_job.py"), str(out), mode],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    processes.run([job_script("activation_ddp_job.py"), out, mode], timeout=180)
     return torch.load(out, weights_only=True)
 
 

@@ -5,13 +5,14 @@ checkpoint resumes with a warning naming what is not restored."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import kill_resume as h
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT
 
 # Outside `make test` (see tests/integration/conftest.py): `make demo` runs the demo itself.
 EXTENDED = frozenset({"test_demo_proves_its_claims"})
@@ -37,9 +38,7 @@ def _resume(killed: Path, tmp_path: Path, **changes) -> tuple[int, str]:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(killed / "ckpt", ckpt)
     cfg = dict(BASE, out=str(tmp_path / "C"), ckpt_dir=str(ckpt), resume="last", **changes)
-    proc = h._start(cfg, tmp_path)
-    rc = proc.wait(timeout=240)
-    return rc, h._output(cfg)
+    return h.exit_code(cfg, tmp_path), h.output(cfg)
 
 
 @pytest.mark.parametrize(
@@ -67,24 +66,17 @@ def test_plain_lightning_checkpoint_resumes_with_a_warning(tmp_path: Path) -> No
     h.run_until_paused(b, tmp_path)
     c = dict(BASE, out=str(tmp_path / "C"), ckpt_dir=str(tmp_path / "ckpt"), resume="last")
     h.run(c, tmp_path)
-    out = h._output(c)
+    out = h.output(c)
     assert "written without ExactResume" in out and "RNG streams" in out
     assert out.count("written without ExactResume") == 1
 
 
 @pytest.mark.slow
 def test_demo_proves_its_claims() -> None:
-    proc = subprocess.run(
-        [h.sys.executable, str(h.ROOT / "examples" / "resume_proof.py")],
-        env=h._env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ExactResume : 20/20 steps after the resume identical" in proc.stdout
-    assert "weights only: 0/20 steps identical" in proc.stdout
-    assert "PROOF HOLDS" in proc.stdout
+    out = processes.run([REPO_ROOT / "examples" / "resume_proof.py"], timeout=300)
+    assert "ExactResume : 20/20 steps after the resume identical" in out
+    assert "weights only: 0/20 steps identical" in out
+    assert "PROOF HOLDS" in out
 
 
 def test_fingerprint_catches_state_that_was_not_restored_as_saved(killed: Path, tmp_path: Path) -> None:
@@ -96,9 +88,8 @@ def test_fingerprint_catches_state_that_was_not_restored_as_saved(killed: Path, 
     state["state_dict"][name] = state["state_dict"][name] + 1e-3
     torch.save(state, ckpt / "last.ckpt")
     cfg = dict(BASE, out=str(tmp_path / "C"), ckpt_dir=str(ckpt), resume="last")
-    proc = h._start(cfg, tmp_path)
-    assert proc.wait(timeout=240) != 0
-    out = h._output(cfg)
+    assert h.exit_code(cfg, tmp_path) != 0
+    out = h.output(cfg)
     assert (
         "fingerprint after restore: weights" in out
         and "optimizer" not in out.split("fingerprint after restore")[1][:200]

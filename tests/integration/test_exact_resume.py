@@ -65,36 +65,25 @@ CASES = {
 }
 
 
-def _three_runs(tmp_path: Path, cfg: dict, pause: int) -> tuple[dict, dict]:
-    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    h.run(a, tmp_path)
-    b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"), pause_before=pause)
-    h.run_until_paused(b, tmp_path)
-    c = dict(cfg, out=str(tmp_path / "C"), ckpt_dir=str(tmp_path / "B" / "ckpt"), resume="last")
-    h.run(c, tmp_path)
-    return a, c
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_killed_run_resumes_bit_for_bit(tmp_path: Path, case: str) -> None:
     overrides, pause, resumed_after = CASES[case]
-    a, c = _three_runs(tmp_path, {**BASE, **overrides}, pause)
+    a, c = h.three_runs({**BASE, **overrides}, tmp_path, pause)
     h.assert_exact_resume(a["out"], c["out"], resumed_after)
 
 
 @pytest.mark.slow
 def test_ddp_two_processes_resume_bit_for_bit(tmp_path: Path) -> None:
     cfg = {**BASE, "devices": 2, "n": 48}
-    a, c = _three_runs(tmp_path, cfg, pause=5)
+    a, c = h.three_runs(cfg, tmp_path, 5)
     h.assert_exact_resume(a["out"], c["out"], resumed_after=3, ranks=2)
     # Each rank keeps its own data shard and RNG: within an epoch the ranks train disjoint samples.
-    epoch0 = [{i for s in h.steps(a["out"], r) if s["epoch"] == 0 for i in s["ids"]} for r in range(2)]
-    assert epoch0[0] and epoch0[1] and epoch0[0].isdisjoint(epoch0[1])
+    h.assert_ranks_disjoint(a["out"], epoch=0)
 
 
 def test_plain_lightning_resume_differs(tmp_path: Path) -> None:
     """The control: without ExactResume the same kill and resume does not reproduce the losses."""
-    a, c = _three_runs(tmp_path, {**BASE, "exact": False}, 7)
+    a, c = h.three_runs({**BASE, "exact": False}, tmp_path, 7)
     with pytest.raises(AssertionError, match="differs"):
         h.assert_exact_resume(a["out"], c["out"], 6)
 
@@ -102,13 +91,11 @@ def test_plain_lightning_resume_differs(tmp_path: Path) -> None:
 def test_sigkill_at_a_random_moment(tmp_path: Path) -> None:
     """Test recovery before you need it: kill at a random step once a checkpoint exists, resume, compare."""
     cfg = {**BASE, "ckpt": {**EVERY_3, "every_n_train_steps": 2}, "max_epochs": 3}
-    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    h.run(a, tmp_path)
+    a = h.uninterrupted(cfg, tmp_path)
     b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"))
     target = random.Random().randint(3, 25)
     last = Path(b["ckpt_dir"]) / "last.ckpt"
     h.run_and_kill_when(b, tmp_path, lambda: last.exists() and len(h.steps(b["out"])) >= target)
     saved_step = torch.load(last, weights_only=True)["global_step"]
-    c = dict(cfg, out=str(tmp_path / "C"), ckpt_dir=b["ckpt_dir"], resume="last")
-    h.run(c, tmp_path)
+    c = h.resumed(cfg, tmp_path, b["ckpt_dir"])
     h.assert_exact_resume(a["out"], c["out"], resumed_after=saved_step)

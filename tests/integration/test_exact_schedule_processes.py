@@ -3,31 +3,25 @@ and a real SIGTERM yields a durable snapshot, a clean exit and a bitwise-exact r
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import kill_resume as h
+from tests.helpers import processes
 
 
 def test_ddp_ranks_agree_on_rank0_clock(tmp_path: Path) -> None:
     script = tmp_path / "ddp_schedule.py"
-    script.write_text(DDP_SCRIPT.format(root=str(h.ROOT), out=str(tmp_path)))
-    proc = subprocess.run([sys.executable, str(script)], env=h._env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    script.write_text(DDP_SCRIPT.format(out=str(tmp_path)))
+    processes.run([script], timeout=240)
     lines = sorted((tmp_path / f"saves-{r}.txt").read_text() for r in range(2))
     assert lines[0] == lines[1] == "3,6,9,12\n"
 
 
 DDP_SCRIPT = """
-import os, sys
-sys.path.insert(0, {root!r})
+import os
 import torch
 torch.set_num_threads(1)
 import lightning.pytorch as pl
@@ -65,19 +59,10 @@ def test_sigterm_gives_durable_snapshot_clean_exit_and_exact_resume(tmp_path: Pa
         "ckpt": {"save_top_k": 0},
         "slow": 0.15,
     }
-    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    h.run(a, tmp_path)
+    a = h.uninterrupted(cfg, tmp_path)
     b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"))
-    proc = h._start(b, tmp_path)
-    deadline = time.monotonic() + 120
-    while len(h.steps(b["out"])) < 6 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, h._output(b)
-    snaps = list(Path(b["ckpt_dir"]).glob("last-snapshot-step=*.ckpt"))
-    assert len(snaps) == 1, h._output(b)
-    saved_step = torch.load(snaps[0], weights_only=True)["global_step"]
+    assert h.signal_after(b, tmp_path, signal.SIGTERM, after=6) == 0, h.output(b)
+    saved_step = h.snapshot_step(b["ckpt_dir"])
     assert len(h.steps(b["out"])) == saved_step  # stopped right after the snapshot: no work to redo
-    c = dict(cfg, out=str(tmp_path / "C"), ckpt_dir=b["ckpt_dir"], resume="last")
-    h.run(c, tmp_path)
+    c = h.resumed(cfg, tmp_path, b["ckpt_dir"])
     h.assert_exact_resume(a["out"], c["out"], resumed_after=saved_step)

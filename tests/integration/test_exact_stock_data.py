@@ -79,24 +79,14 @@ DDP_CASES = {
 }
 
 
-def _three_runs(tmp_path: Path, cfg: dict, pause: int) -> tuple[dict, dict]:
-    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    h.run(a, tmp_path)
-    b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"), pause_before=pause)
-    h.run_until_paused(b, tmp_path)
-    c = dict(cfg, out=str(tmp_path / "C"), ckpt_dir=str(tmp_path / "B" / "ckpt"), resume="last")
-    h.run(c, tmp_path)
-    return a, c
-
-
 def _warnings(cfg: dict) -> str:
-    return (Path(cfg["out"]) / "stdout.txt").read_text()
+    return h.output(cfg, tail=None)
 
 
 @pytest.mark.parametrize("case", list(SINGLE))
 def test_stock_pipeline_resumes_bit_for_bit(tmp_path: Path, case: str) -> None:
     overrides, pause, resumed_after = SINGLE[case]
-    a, c = _three_runs(tmp_path, {**STOCK, **overrides}, pause)
+    a, c = h.three_runs({**STOCK, **overrides}, tmp_path, pause)
     h.assert_exact_resume(a["out"], c["out"], resumed_after)
     assert NOT_EXACT not in _warnings(a) + _warnings(c)
 
@@ -105,12 +95,11 @@ def test_stock_pipeline_resumes_bit_for_bit(tmp_path: Path, case: str) -> None:
 @pytest.mark.parametrize("case", list(DDP_CASES))
 def test_ddp_with_lightnings_sampler_resumes_bit_for_bit(tmp_path: Path, case: str) -> None:
     overrides, pause, resumed_after = DDP_CASES[case]
-    a, c = _three_runs(tmp_path, {**STOCK, **DDP, **overrides}, pause)
+    a, c = h.three_runs({**STOCK, **DDP, **overrides}, tmp_path, pause)
     h.assert_exact_resume(a["out"], c["out"], resumed_after, ranks=2)
     assert NOT_EXACT not in _warnings(a) + _warnings(c)
     # Lightning's sampler deals each rank its own shard: within an epoch the ranks train disjoint samples.
-    epoch0 = [{i for s in h.steps(a["out"], r) if s["epoch"] == 0 for i in s["ids"]} for r in range(2)]
-    assert epoch0[0] and epoch0[1] and epoch0[0].isdisjoint(epoch0[1])
+    h.assert_ranks_disjoint(a["out"], epoch=0)
 
 
 @pytest.mark.parametrize(
@@ -119,13 +108,13 @@ def test_ddp_with_lightnings_sampler_resumes_bit_for_bit(tmp_path: Path, case: s
     ids=["map_workers2", "map_own_state_workers2", "torch_dataloader"],
 )
 def test_control_without_exact_resume_differs(tmp_path: Path, overrides: dict) -> None:
-    a, c = _three_runs(tmp_path, {**STOCK, **overrides, "exact": False}, 7)
+    a, c = h.three_runs({**STOCK, **overrides, "exact": False}, tmp_path, 7)
     with pytest.raises(AssertionError, match="differs"):
         h.assert_exact_resume(a["out"], c["out"], 6)
 
 
 @pytest.mark.slow
 def test_ddp_control_without_exact_resume_differs(tmp_path: Path) -> None:
-    a, c = _three_runs(tmp_path, {**STOCK, **DDP, "exact": False, "augment": False, "dropout": 0.0}, 7)
+    a, c = h.three_runs({**STOCK, **DDP, "exact": False, "augment": False, "dropout": 0.0}, tmp_path, 7)
     with pytest.raises(AssertionError, match="differs"):
         h.assert_exact_resume(a["out"], c["out"], 6, ranks=2)

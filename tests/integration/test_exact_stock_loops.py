@@ -62,15 +62,11 @@ CHECKPOINTS = {"epoch_end_checkpoint": (AT_EPOCH_END, EPOCH + 3), "mid_epoch_che
 
 def _three_runs(tmp_path: Path, cfg: dict[str, Any], pause: int, resume: str = "last") -> tuple[dict, dict]:
     """A, B killed before micro-batch ``pause``, C resuming; C's config records the step it resumed from."""
-    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    h.run(a, tmp_path)
-    b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"), pause_before=pause)
-    h.run_until_paused(b, tmp_path)
+    a = h.uninterrupted(cfg, tmp_path)
+    b = h.killed(cfg, tmp_path, pause)
     newest = _newest_checkpoint(Path(b["ckpt_dir"]))
     source = resume if resume == "last" else str(newest)
-    c = dict(cfg, out=str(tmp_path / "C"), ckpt_dir=b["ckpt_dir"], resume=source)
-    c.update(resumed_step=_step_of(newest), resumed_file=newest.name)
-    h.run(c, tmp_path)
+    c = h.resumed(cfg, tmp_path, b["ckpt_dir"], source, resumed_step=_step_of(newest), resumed_file=newest.name)
     return a, c
 
 

@@ -35,9 +35,8 @@ def test_changed_world_size_is_refused_in_exact_mode(two_rank_checkpoint: Path, 
         ckpt_dir=str(two_rank_checkpoint / "ckpt"),
         resume=str(two_rank_checkpoint / "ckpt" / "step=3.ckpt"),
     )
-    proc = h._start(c, tmp_path)
-    assert proc.wait(timeout=240) != 0
-    out = h._output(c)
+    assert h.exit_code(c, tmp_path) != 0
+    out = h.output(c)
     assert "ResumeMismatchError" in out and "checkpoint written by 2 processes, this run has 1" in out
 
 
@@ -45,7 +44,7 @@ def test_changed_world_size_remaps_the_data_position(two_rank_checkpoint: Path, 
     ckpt = two_rank_checkpoint / "ckpt" / "step=3.ckpt"
     c = dict(CFG, strict=False, out=str(tmp_path / "C"), ckpt_dir=str(tmp_path / "ckpt"), resume=str(ckpt))
     h.run(c, tmp_path)
-    out = h._output(c)
+    out = h.output(c)
     assert "data position remapped from 2 to 1 ranks: 24 samples of this epoch were trained" in out
     before = [i for r in range(2) for s in h.steps(two_rank_checkpoint / "B", r) if s["step"] < 3 for i in s["ids"]]
     after = [i for s in h.steps(c["out"]) for i in s["ids"]]

@@ -23,9 +23,8 @@ def test_per_node_directories_make_every_rank_raise_the_same_named_error(tmp_pat
     assert (tmp_path / "ckpt-rank0" / "last.ckpt").exists() and not (tmp_path / "ckpt-rank1").exists()
     again = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "ckpt"), resume="last", max_steps=8)
     started = time.monotonic()
-    proc = h._start(again, tmp_path)
-    code = proc.wait(timeout=120)
-    output = h._output(again)
+    code = h.exit_code(again, tmp_path, timeout=120)
+    output = h.output(again)
     assert code != 0 and time.monotonic() - started < 60, output
     for rank in (0, 1):  # the same error raised on both ranks (torch prefixes each rank's lines)
         assert f"[rank{rank}]: lightning_resume.errors.ResumeMismatchError" in output, output

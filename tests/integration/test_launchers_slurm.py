@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import time
 from pathlib import Path
 
 import pytest
@@ -44,32 +43,14 @@ def _slurm(tmp_path: Path, job_id: str = "4242") -> tuple[dict[str, str], Path]:
     return env, calls
 
 
-def _signal_after(cfg: dict, tmp_path: Path, signum: int, steps: int = 6) -> int:
-    proc = h._start(cfg, tmp_path)
-    deadline = time.monotonic() + 120
-    while len(h.steps(cfg["out"])) < steps and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signum)
-    return proc.wait(timeout=90)
-
-
-def _saved_step(ckpt_dir: str) -> int:
-    import torch
-
-    snaps = list(Path(ckpt_dir).glob("last-snapshot-step=*.ckpt"))
-    assert len(snaps) == 1, snaps
-    return int(torch.load(snaps[0], weights_only=True)["global_step"])
-
-
 def test_sigusr1_snapshots_requeues_once_and_the_requeued_job_resumes_exactly(tmp_path: Path) -> None:
     env, calls = _slurm(tmp_path)
     base = dict(CFG, ckpt={"save_top_k": 0})
-    a = dict(base, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    h.run(a, tmp_path)
+    a = h.uninterrupted(base, tmp_path)
     b = dict(base, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"), env=env)
-    assert _signal_after(b, tmp_path, signal.SIGUSR1) == 0, h._output(b)
-    assert calls.read_text().splitlines() == ["requeue 4242"], h._output(b)
-    saved = _saved_step(b["ckpt_dir"])
+    assert h.signal_after(b, tmp_path, signal.SIGUSR1) == 0, h.output(b)
+    assert calls.read_text().splitlines() == ["requeue 4242"], h.output(b)
+    saved = h.snapshot_step(b["ckpt_dir"])
     assert len(h.steps(b["out"])) == saved  # stopped at the snapshot's step boundary
     [hpc] = tmp_path.glob("hpc_ckpt_*.ckpt")  # Lightning's in-handler save did not happen: only ours
     snapshot = next(Path(b["ckpt_dir"]).glob("last-snapshot-step=*.ckpt"))
@@ -88,7 +69,7 @@ def test_without_auto_requeue_the_signal_snapshots_and_stops_without_requeue(tmp
     env, calls = _slurm(tmp_path)
     b = dict(CFG, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"), env=env,
              ckpt={"save_top_k": 0}, slurm_auto_requeue=False)  # fmt: skip
-    assert _signal_after(b, tmp_path, signal.SIGUSR1) == 0, h._output(b)
+    assert h.signal_after(b, tmp_path, signal.SIGUSR1) == 0, h.output(b)
     assert not calls.exists()
-    assert _saved_step(b["ckpt_dir"]) == len(h.steps(b["out"]))
+    assert h.snapshot_step(b["ckpt_dir"]) == len(h.steps(b["out"]))
     assert not list(tmp_path.glob("hpc_ckpt_*.ckpt"))

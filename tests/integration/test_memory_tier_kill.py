@@ -56,8 +56,7 @@ def _failure_tiers(cfg: dict) -> list:
 def _kill_after_memory_snapshot(tmp_path: Path, shm: Path, devices: int) -> tuple[dict, Path]:
     """Run A uninterrupted and B until it is killed at step ``KILL_AT``; back B's state up."""
     cfg = _cfg(tmp_path, shm, devices)
-    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    h.run(a, tmp_path)
+    h.uninterrupted(cfg, tmp_path)
     assert not list(shm.glob("*/rank-*")), "a clean end of training frees the memory tier"
     h.run_until_paused(dict(cfg, out=str(tmp_path / "B"), pause_before=KILL_AT), tmp_path)
     assert [_memory_step(p) for p in _snapshots(shm)] == [8] * devices
@@ -84,7 +83,7 @@ def test_kill_resumes_from_memory_or_disk_exactly(tmp_path: Path, shm: Path) -> 
     c = _resume(tmp_path, cfg, backup, shm, "C_memory")
     h.run(c, tmp_path)
     h.assert_exact_resume(tmp_path / "A", Path(c["out"]), resumed_after=8)  # lost: step 9 only (disk: 7..9)
-    assert "resuming from the memory tier at step 8" in h._output(c)
+    assert "resuming from the memory tier at step 8" in h.output(c)
     assert not _snapshots(shm), "freed at the clean end"
     assert _failure_tiers(cfg) == [Tier.MEMORY]  # a process failure, for the schedule's M1
 
@@ -101,7 +100,7 @@ def test_kill_resumes_from_memory_or_disk_exactly(tmp_path: Path, shm: Path) -> 
     snapshot.write_bytes(bytes(data))
     h.run(c, tmp_path)
     h.assert_exact_resume(tmp_path / "A", Path(c["out"]), resumed_after=DURABLE_EVERY)
-    out = h._output(c)
+    out = h.output(c)
     assert f"skipping the memory-tier snapshot {snapshot} on rank 0" in out and "checksum mismatch" in out
     assert steps_a == 20
 
@@ -118,4 +117,4 @@ def test_ddp_ranks_resume_from_memory_together_or_from_disk_together(tmp_path: P
     next(shm.glob("*/rank-1-of-2.safetensors")).unlink()
     h.run(c, tmp_path)
     h.assert_exact_resume(tmp_path / "A", Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=2)
-    assert "no verified snapshot on rank(s) [1]" in h._output(c)
+    assert "no verified snapshot on rank(s) [1]" in h.output(c)

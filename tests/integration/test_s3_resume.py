@@ -16,16 +16,14 @@ BASE = {"n": 40, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "augment": Tr
 
 
 def _three_runs(tmp_path: Path, cfg: dict, remote_dir: str, env: dict, pause: int) -> dict:
-    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    h.run(a, tmp_path)
+    a = h.uninterrupted(cfg, tmp_path)
     b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=remote_dir, pause_before=pause, env=env)
     h.run_until_paused(b, tmp_path)
     fs = fsspec.filesystem("s3")
     fs.invalidate_cache()
     left = [p for p in fs.ls(remote_dir[len("s3://") :]) if ".tmp-" in p]
     assert left == [], left  # uploads commit whole or not at all: a SIGKILL leaves no temporary object
-    c = dict(cfg, out=str(tmp_path / "C"), ckpt_dir=remote_dir, resume="last", env=env)
-    h.run(c, tmp_path)
+    c = h.resumed(cfg, tmp_path, remote_dir, env=env)
     return a | {"c_out": c["out"]}
 
 

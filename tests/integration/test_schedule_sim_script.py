@@ -5,44 +5,28 @@ import sys
 
 from tests.helpers.paths import REPO_ROOT
 
-ROOT = str(REPO_ROOT)
+
+def _simulate(*args: str) -> tuple[list[str], str]:
+    """Run the simulation with ``args``: its table's lines (stdout) and its stderr."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/interval_sim.py", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines(), proc.stderr
 
 
 def test_simulation_script_runs_and_prints_a_markdown_table():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/interval_sim.py",
-            "--seeds",
-            "20",
-            "--work-mtbfs",
-            "10",
-            "--mtbf",
-            "15min",
-            "--c",
-            "30s",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
+    lines, stderr = _simulate("--seeds", "20", "--work-mtbfs", "10", "--mtbf", "15min", "--c", "30s")
     assert lines[0].startswith("| M | C | T* Young") and len(lines) == 3 and lines[2].startswith("| 15 min | 30 s |")
-    assert "measured blocking cost" in proc.stderr
+    assert "measured blocking cost" in stderr
 
 
 def test_two_level_simulation_script_prints_its_table():
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/interval_sim.py", "--two-level", "--seeds", "20", "--work-mtbfs", "10"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
+    lines, _ = _simulate("--two-level", "--seeds", "20", "--work-mtbfs", "10")
     assert lines[0].startswith("| M1 | M2 | C1 | C2 | two-level T1, k (T2)") and len(lines) == 3
     assert lines[2].startswith("| 60 min | 24 h | 0.2 s | 10 s |")
     ratio = float(lines[2].split("|")[-3].strip().rstrip("x"))  # single-level Young waste / two-level waste

@@ -10,51 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_resume import load_full, newest_committed, verify_sharded
 from lightning_resume.sharded.api import load_meta
+from tests.helpers import sharded_runs
 from tests.helpers.compare import assert_bitwise
-from tests.helpers.paths import REPO_ROOT as ROOT
-from tests.helpers.paths import job_script
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 STEPS = ("step-0002", "step-0004", "step-0006")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def start(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, script, *args],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float = 120) -> None:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, output[-3000:]
-
-
-def job(out: Path, *flags: str) -> dict:
-    finish(start(job_script("sharded_job.py"), str(out), *flags))
-    return torch.load(out / "final.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +29,7 @@ def async_run(tmp_path_factory) -> tuple:
     background write delayed 0.3 s so the next optimizer steps run while it is in flight; then the
     injected background failures of ``--async-faults``."""
     out = tmp_path_factory.mktemp("async")
-    return out, job(out, "--async", "--twin-sync", "--slow-write", "0.3", "--async-faults")
+    return out, sharded_runs.raw(out, "--async", "--twin-sync", "--slow-write", "0.3", "--async-faults")
 
 
 def test_async_save_commits_the_same_files_and_contents_as_the_sync_save(async_run):
@@ -112,40 +78,30 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint_newest_
     tmp_path, async_run
 ):
     _, expected = async_run
-    proc = start(job_script("sharded_job.py"), str(tmp_path), "--async", "--stall-async-at", "4")
-    deadline = time.monotonic() + 120
-    try:
-        while not (tmp_path / "paused").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "job ended before the stall"
-            time.sleep(0.1)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # rank 0 mid-write of step 4, rank 1 waiting to commit it
-        proc.communicate(timeout=30)
+    proc = sharded_runs.start_raw(tmp_path, "--async", "--stall-async-at", "4")
+    sharded_runs.kill_when_paused(proc, tmp_path)  # rank 0 mid-write of step 4, rank 1 waiting to commit it
     root = tmp_path / "ckpt"
     (staging,) = [n for n in os.listdir(root) if n.startswith(".step-0004.partial-")]
     assert (root / staging / "__0_0.distcp").exists() and not (root / staging / "COMMITTED").exists()
     assert newest_committed(str(root)) == str(root / "step-0002")
     assert load_meta(str(root / "step-0002"))["step"] == 2 and "optim" in load_full(str(root / "step-0002"))
 
-    resumed = job(tmp_path, "--async", "--resume")
+    resumed = sharded_runs.raw(tmp_path, "--async", "--resume")
     assert_bitwise(expected["model"], resumed["model"])
     assert_bitwise(expected["losses"][2:], resumed["losses"])
     assert not (root / staging).exists() and sorted(os.listdir(root)) == list(STEPS)
 
 
-def fit(out: Path, *args: str) -> dict:
-    finish(start(job_script("sharded_lightning_job.py"), str(out), *args), timeout=150)
-    return torch.load(out / "final.pt", weights_only=True)
-
-
 def test_lightning_async_fit_resumes_bitwise_and_a_failed_last_write_raises_at_teardown_on_both_ranks(tmp_path):
-    full = fit(tmp_path / "full", "--async", "--retention", "--snapshot-every", "3")
+    full = sharded_runs.fit(tmp_path / "full", None, "--async", "--retention", "--snapshot-every", "3")
     root = tmp_path / "full" / "ckpt"
     assert sorted(n for n in os.listdir(root) if n.endswith(".ckpt")) == ["step=000000004.ckpt", "step=000000006.ckpt"]
     assert newest_committed(str(root)) == str(root / "step=000000006.ckpt")  # committed by the end of fit
     assert not [n for n in os.listdir(root) if n.startswith(".")]
 
-    resumed = fit(tmp_path / "resumed", str(root / "step=000000004.ckpt"), "--async", "--fail-write-at", "6")
+    resumed = sharded_runs.fit(
+        tmp_path / "resumed", str(root / "step=000000004.ckpt"), "--async", "--fail-write-at", "6"
+    )
     assert_bitwise(full["losses"][4:], resumed["losses"])
     assert_bitwise(full["model"], resumed["model"])
     for rank in (0, 1):

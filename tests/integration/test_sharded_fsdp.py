@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,34 +16,9 @@ import torch
 
 from lightning_resume import load_full, newest_committed, verify_sharded
 from lightning_resume.errors import CheckpointCorruptError
-from tests.helpers.paths import REPO_ROOT as ROOT
-from tests.helpers.paths import job_script
+from tests.helpers import sharded_runs
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def job(out: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, job_script("sharded_job.py"), str(out), *flags],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def run(out: Path, *flags: str, timeout: float = 120) -> dict:
-    proc = job(out, *flags)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, output[-3000:]
-    return torch.load(out / "final.pt", weights_only=True)
 
 
 def assert_bitwise(a: dict, b: dict) -> None:
@@ -58,17 +29,12 @@ def assert_bitwise(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple:
     out = tmp_path_factory.mktemp("uninterrupted")
-    return out, run(out, "--bad-meta")
+    return out, sharded_runs.raw(out, "--bad-meta")
 
 
 def kill_while_committing(out: Path, step: int) -> None:
-    proc = job(out, "--stall-at", str(step))
-    deadline = time.monotonic() + 120
-    while not (out / "paused").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "job ended before the stall"
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)  # every rank, mid-save: shards written, marker not yet
-    proc.wait(timeout=30)
+    proc = sharded_runs.start_raw(out, "--stall-at", str(step))
+    sharded_runs.kill_when_paused(proc, out)  # every rank, mid-save: shards written, marker not yet
 
 
 @pytest.mark.slow
@@ -83,7 +49,7 @@ def test_sigkill_during_a_save_then_resume_in_fresh_processes_is_bitwise(tmp_pat
         verify_sharded(str(root / staging))
     assert newest_committed(str(root)) == str(root / "step-0002")
 
-    resumed = run(tmp_path, "--resume")
+    resumed = sharded_runs.raw(tmp_path, "--resume")
     assert_bitwise(expected["model"], resumed["model"])
     assert all(torch.equal(a, b) for a, b in zip(expected["losses"][2:], resumed["losses"]))
     assert torch.equal(
@@ -99,7 +65,7 @@ def test_save_on_two_load_on_one_and_four_gives_the_same_full_weights(tmp_path, 
     assert last.endswith("step-0006")
     on_one = load_full(last)["model"]  # one process, no process group: DCP reshards to full tensors
     assert_bitwise(expected["model"], on_one)
-    on_four = run(tmp_path, "--world", "4", "--load-only", last)
+    on_four = sharded_runs.raw(tmp_path, "--world", "4", "--load-only", last)
     assert_bitwise(expected["model"], on_four["model"])
 
 

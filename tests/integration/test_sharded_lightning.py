@@ -5,9 +5,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,22 +12,13 @@ import torch
 from lightning_resume import load_full, newest_committed, verify_sharded
 from lightning_resume.sharded.api import load_meta
 from lightning_resume.sharded.strategy import ShardedCheckpointIO
-from tests.helpers.paths import REPO_ROOT as ROOT
-from tests.helpers.paths import job_script
+from tests.helpers import sharded_runs
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def fit(out: Path, ckpt: str | None = None, *flags: str) -> dict:
-    cmd = [sys.executable, job_script("sharded_lightning_job.py"), str(out)] + ([ckpt] if ckpt else []) + list(flags)
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out / "final.pt", weights_only=True)
-
-
 def test_trainer_checkpoints_are_committed_dcp_dirs_and_fit_resumes_bitwise(tmp_path):
-    full = fit(tmp_path / "full")
+    full = sharded_runs.fit(tmp_path / "full")
     root = tmp_path / "full" / "ckpt"
     names = sorted(os.listdir(root))
     assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
@@ -44,7 +32,7 @@ def test_trainer_checkpoints_are_committed_dcp_dirs_and_fit_resumes_bitwise(tmp_
     assert meta["global_step"] == 2 and any(k.startswith("ExactResume") for k in meta["callbacks"])
     assert newest_committed(str(root)) == str(root / names[-1])
 
-    resumed = fit(tmp_path / "resumed", str(root / names[0]))  # fresh processes
+    resumed = sharded_runs.fit(tmp_path / "resumed", str(root / names[0]))  # fresh processes
     assert len(resumed["losses"]) == 4 and torch.equal(torch.stack(full["losses"][2:]), torch.stack(resumed["losses"]))
     assert all(torch.equal(full["model"][k], resumed["model"][k]) for k in full["model"])
     consolidated = load_full(str(root / names[-1]))["state_dict"]
@@ -53,11 +41,11 @@ def test_trainer_checkpoints_are_committed_dcp_dirs_and_fit_resumes_bitwise(tmp_
 
 def test_retention_prunes_sharded_directories_and_last_finds_the_newest(tmp_path):
     """RetentionCheckpoint keeps the 2 newest committed directories, and "last" resumes the newest."""
-    full = fit(tmp_path / "full", None, "--retention")
+    full = sharded_runs.fit(tmp_path / "full", None, "--retention")
     root = tmp_path / "full" / "ckpt"
     assert sorted(n for n in os.listdir(root) if n.endswith(".ckpt")) == ["step=000000004.ckpt", "step=000000006.ckpt"]
     os.remove(root / "step=000000006.ckpt" / "COMMITTED")  # as if killed before its commit: not "last"
-    resumed = fit(tmp_path / "full", "last", "--retention")
+    resumed = sharded_runs.fit(tmp_path / "full", "last", "--retention")
     assert len(resumed["losses"]) == 2  # resumed at step 4, trained 5 and 6
     assert torch.equal(torch.stack(full["losses"][4:]), torch.stack(resumed["losses"]))
     assert all(torch.equal(full["model"][k], resumed["model"][k]) for k in full["model"])

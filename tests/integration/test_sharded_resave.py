@@ -7,11 +7,8 @@ processes run at once to keep the test short.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,10 +17,8 @@ import torch
 
 from lightning_resume import load_full, newest_committed, verify_sharded
 from lightning_resume.sharded.api import clean_uncommitted, load_meta
-from tests.helpers.paths import REPO_ROOT as ROOT
-from tests.helpers.paths import job_script
+from tests.helpers import sharded_runs
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 # phase -> the step that must be under the final name once the killed save is cleaned up
@@ -32,28 +27,7 @@ PHASES = {"commit": 1, "swap": 1, "delete": 2, "fallback-gap": 2}
 
 def start(out: Path, phase: str) -> subprocess.Popen:
     out.mkdir()
-    return subprocess.Popen(
-        [sys.executable, job_script("sharded_job.py"), str(out), "--resave", phase],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def kill_when_paused(proc: subprocess.Popen, out: Path, deadline: float) -> None:
-    try:
-        while not (out / "paused").exists():
-            if proc.poll() is not None:
-                pytest.fail(f"job ended before pausing:\n{proc.stdout.read()[-3000:]}")
-            assert time.monotonic() < deadline, "job did not reach its pause point"
-            time.sleep(0.05)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the whole group: the job and anything it started
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    return sharded_runs.start_raw(out, "--resave", phase)
 
 
 def assert_loads_as(last: Path, step: int) -> None:
@@ -64,9 +38,9 @@ def assert_loads_as(last: Path, step: int) -> None:
 
 def test_sigkill_anywhere_in_a_resave_leaves_a_committed_directory_under_the_final_name(tmp_path):
     procs = {phase: start(tmp_path / phase, phase) for phase in PHASES}
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 90  # for all four together
     for phase, proc in procs.items():
-        kill_when_paused(proc, tmp_path / phase, deadline)
+        sharded_runs.kill_when_paused(proc, tmp_path / phase, timeout=max(deadline - time.monotonic(), 0.0))
     for phase, step in PHASES.items():
         root = tmp_path / phase / "ckpt"
         last = root / "last"

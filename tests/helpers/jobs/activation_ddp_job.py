@@ -18,7 +18,7 @@ from lightning_resume import ActivationCheckpointingDDPStrategy
 if __name__ == "__main__":  # run as a script (also by Lightning's DDP launcher): the repo root holds ``tests``
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.helpers.models import Block, Stack, checkpointed_modules  # after the path is set
+from tests.helpers.models import QUIET, Block, Stack, checkpointed_modules  # after the path is set
 
 
 def main(out: str, mode: str) -> None:
@@ -26,16 +26,7 @@ def main(out: str, mode: str) -> None:
     seed_everything(5)
     model = Stack(n_blocks=4)
     strategy = ActivationCheckpointingDDPStrategy(blocks=Block, select="sqrt") if mode == "on" else DDPStrategy()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = Trainer(**QUIET, accelerator="cpu", devices=2, strategy=strategy, max_steps=4, enable_checkpointing=False)
     trainer.fit(model)
     if trainer.global_rank == 0:
         torch.save(

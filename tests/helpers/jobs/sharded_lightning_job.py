@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -28,6 +29,11 @@ from lightning_resume import ExactResume, RetentionCheckpoint
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.sharded import background
 from lightning_resume.sharded.strategy import ShardedModelParallelStrategy
+
+if __name__ == "__main__":  # run as a script (also by Lightning's launcher): the repo root holds ``tests``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests.helpers.models import QUIET  # after the path is set
 
 
 class Tiny(L.LightningModule):
@@ -93,13 +99,11 @@ def main(
     )
     strategy = ShardedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, async_save=async_save)
     trainer = L.Trainer(
+        **QUIET,
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_steps=6,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[ExactResume(mtbf=None, every_n_train_steps_max=snapshot_every), saver],
         default_root_dir=out,
     )

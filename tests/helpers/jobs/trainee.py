@@ -31,6 +31,11 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # 
 from lightning_resume import ExactResume, ResumableDataset, RetentionCheckpoint, SafetensorsCheckpointIO  # noqa: E402
 from lightning_resume.protocols import AsyncCheckpointWriter  # noqa: E402
 
+if __name__ == "__main__":  # run as a script (also by Lightning's DDP launcher): the repo root holds ``tests``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests.helpers.models import QUIET  # noqa: E402  (after the path is set)
+
 DIM = 8
 
 
@@ -82,44 +87,9 @@ class PlainStream(IterableDataset):
             yield self.points[i]
 
 
-class StatefulStream(IterableDataset):
-    """An iterable that is its own Stateful iterator (``__iter__`` returns ``self``)."""
+class PointIterator:
+    """A Stateful iterator over ``points``: its position is ``i``, saved and restored by ``state_dict()``."""
 
-    def __init__(self, n: int, augment: bool) -> None:
-        self.points, self.i = Points(n, augment), 0
-
-    def __iter__(self):
-        self.i = 0
-        return self
-
-    def __next__(self):
-        if self.i >= len(self.points):
-            raise StopIteration
-        self.i += 1
-        return self.points[self.i - 1]
-
-    def state_dict(self):
-        return {"i": self.i}
-
-    def load_state_dict(self, state):
-        self.i = state["i"]
-
-
-DATASETS = {"points": Points, "stateful": StatefulPoints, "stream": None, "plain_stream": PlainStream}
-DATASETS["stateful_stream"] = StatefulStream
-
-
-class PointStream(IterableDataset):
-    """An iterable without ``__len__`` whose position is a Stateful iterator (torchdata protocol)."""
-
-    def __init__(self, n: int, augment: bool) -> None:
-        self.points = Points(n, augment)
-
-    def __iter__(self):
-        return _StreamIter(self.points)
-
-
-class _StreamIter:
     def __init__(self, points: Points) -> None:
         self.points, self.i = points, 0
 
@@ -139,6 +109,41 @@ class _StreamIter:
         self.i = state["i"]
 
 
+class PointStream(IterableDataset):
+    """An iterable without ``__len__`` whose position is a Stateful iterator (torchdata protocol)."""
+
+    def __init__(self, n: int, augment: bool) -> None:
+        self.points = Points(n, augment)
+
+    def __iter__(self):
+        return PointIterator(self.points)
+
+
+class StatefulStream(PointIterator, IterableDataset):
+    """An iterable that is its own Stateful iterator (``__iter__`` starts over and returns ``self``)."""
+
+    def __init__(self, n: int, augment: bool) -> None:
+        super().__init__(Points(n, augment))
+
+    def __iter__(self):
+        self.i = 0
+        return self
+
+
+DATASETS = {
+    "points": Points,
+    "stateful": StatefulPoints,
+    "stream": PointStream,
+    "plain_stream": PlainStream,
+    "stateful_stream": StatefulStream,
+}
+
+
+def loss_bits(loss: torch.Tensor) -> str:
+    """The float32 bits of a loss, as hex: equal strings are equal losses, bit for bit."""
+    return f"{struct.unpack('<I', struct.pack('<f', loss.detach().float().item()))[0]:08x}"
+
+
 class Model(pl.LightningModule):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
@@ -146,18 +151,16 @@ class Model(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Dropout(cfg.get("dropout", 0.0)), nn.Linear(32, 1))
         self.log_file = None
 
-    def _log_step(self, batch, loss) -> None:
+    def _record(self, **rec) -> None:
+        """One line of ``<out>/steps-rank<R>.jsonl``."""
         if self.log_file is None:
             out = Path(self.cfg["out"])
             self.log_file = open(out / f"steps-rank{self.global_rank}.jsonl", "a", buffering=1)
-        bits = struct.unpack("<I", struct.pack("<f", loss.detach().float().item()))[0]
-        rec = {
-            "epoch": self.current_epoch,
-            "step": self.global_step,
-            "ids": [int(i) for i in batch["id"]],
-            "loss": f"{bits:08x}",
-        }
         self.log_file.write(json.dumps(rec) + "\n")
+
+    def _log_step(self, batch, loss) -> None:
+        ids = [int(i) for i in batch["id"]]
+        self._record(epoch=self.current_epoch, step=self.global_step, ids=ids, loss=loss_bits(loss))
 
     def training_step(self, batch, batch_idx):
         if self.cfg.get("slow"):
@@ -174,11 +177,7 @@ class Model(pl.LightningModule):
 
     def _log_validation(self, batch_idx, loss) -> None:
         """A validation batch as a step record: the epoch and step user code sees, and the loss bits."""
-        if self.log_file is None:
-            self.log_file = open(Path(self.cfg["out"]) / f"steps-rank{self.global_rank}.jsonl", "a", buffering=1)
-        bits = struct.unpack("<I", struct.pack("<f", loss.detach().float().item()))[0]
-        rec = {"val": batch_idx, "epoch": self.current_epoch, "step": self.global_step, "loss": f"{bits:08x}"}
-        self.log_file.write(json.dumps(rec) + "\n")
+        self._record(val=batch_idx, epoch=self.current_epoch, step=self.global_step, loss=loss_bits(loss))
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.cfg.get("lr", 1e-2))
@@ -210,7 +209,7 @@ class Model(pl.LightningModule):
     def train_dataloader(self):
         n, augment = self.cfg.get("n", 40), self.cfg.get("augment", False)
         kind = self.cfg.get("dataset", "stream" if self.cfg.get("iterable") else "points")
-        ds = PointStream(n, augment) if kind == "stream" else DATASETS[kind](n, augment)
+        ds = DATASETS[kind](n, augment)
         return self._loader(ds, shuffle=self.cfg.get("shuffle", True) and not isinstance(ds, IterableDataset))
 
     def val_dataloader(self):
@@ -257,43 +256,19 @@ class EpochStartCounter(Callback):
         self.epochs_started += 1
 
 
-class DebugRng(Callback):
-    def _p(self, what, trainer):
-        import hashlib
-
-        print(
-            "RNG",
-            what,
-            trainer.global_step,
-            hashlib.md5(torch.get_rng_state().numpy().tobytes()).hexdigest()[:8],
-            flush=True,
-        )
-
-    def on_train_batch_start(self, trainer, *a):
-        self._p("batch_start", trainer)
-
-    def on_validation_start(self, trainer, *a):
-        self._p("val_start", trainer)
-
-    def on_validation_end(self, trainer, *a):
-        self._p("val_end", trainer)
-
-    def on_validation_batch_start(self, trainer, *a):
-        self._p("val_batch_start", trainer)
-
-
-def main(cfg: dict) -> None:
-    out = Path(cfg["out"])
-    out.mkdir(parents=True, exist_ok=True)
+def _seed(cfg: dict) -> None:
     if cfg.get("seed_everything", True):
         pl.seed_everything(cfg.get("seed", 0), workers=True)
     else:  # the same start, but no PL_GLOBAL_SEED / PL_SEED_WORKERS for Lightning's samplers and workers
         torch.manual_seed(cfg.get("seed", 0))
+
+
+def _callbacks(cfg: dict, out: Path) -> list[Callback]:
     ckpt_dir = cfg["ckpt_dir"]
     if cfg.get("ckpt_dir_per_rank"):  # each node its own local directory (Lightning's DDP launcher sets LOCAL_RANK)
         ckpt_dir = f"{ckpt_dir}-rank{os.environ.get('LOCAL_RANK', '0')}"
     if cfg.get("retention") is not None:
-        callbacks = [RetentionCheckpoint(dirpath=ckpt_dir, **cfg["retention"])]
+        callbacks: list[Callback] = [RetentionCheckpoint(dirpath=ckpt_dir, **cfg["retention"])]
     else:
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, **cfg.get("ckpt", {}))]
     if cfg.get("monitor_ckpt") is not None:  # a second, monitored checkpoint whose file names show epoch and step
@@ -307,17 +282,20 @@ def main(cfg: dict) -> None:
         # on this machine's speed (the default schedule is tested in tests/unit/exact/test_exact_schedule.py).
         exact_args = {"mtbf": None, **cfg.get("exact_args", {})}
         callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **exact_args))
-    if cfg.get("debug_rng"):
-        callbacks.append(DebugRng())
     if cfg.get("flush_memory_tier"):
         callbacks.append(FlushMemoryTier())
     if cfg.get("pause_before") is not None:
         callbacks.append(PauseBefore(out, cfg["pause_before"]))
+    return callbacks
+
+
+def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
     devices = cfg.get("devices", 1)
     plugins: list = [SafetensorsCheckpointIO(async_save=cfg.get("async", False))] if cfg.get("safetensors") else []
     if cfg.get("slurm_auto_requeue") is not None:
         plugins.append(SLURMEnvironment(auto_requeue=cfg["slurm_auto_requeue"]))
-    trainer = pl.Trainer(
+    return pl.Trainer(
+        **QUIET,
         plugins=plugins,
         accelerator="cpu",
         devices=devices,
@@ -330,25 +308,31 @@ def main(cfg: dict) -> None:
         accumulate_grad_batches=cfg.get("accumulate", 1),
         precision=cfg.get("precision", "32-true"),
         callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+
+
+def _final_state(trainer: pl.Trainer, model: Model) -> dict:
+    """What ``<out>/final.pt`` holds: every piece of training state a resume must restore."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": trainer.optimizers[0].state_dict(),
+        "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        "global_step": trainer.global_step,
+        "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+        "epoch": trainer.current_epoch,
+    }
+
+
+def main(cfg: dict) -> None:
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    _seed(cfg)
+    trainer = _trainer(cfg, _callbacks(cfg, out))
     model = Model(cfg)
     trainer.fit(model, ckpt_path=cfg.get("resume"))
     if trainer.global_rank == 0:
-        opt = trainer.optimizers[0].state_dict()
-        loop = trainer.fit_loop.epoch_loop
-        final = {
-            "model": model.state_dict(),
-            "optimizer": opt,
-            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-            "global_step": trainer.global_step,
-            "batches_that_stepped": loop._batches_that_stepped,
-            "epoch": trainer.current_epoch,
-        }
-        torch.save(final, out / "final.pt")
+        torch.save(_final_state(trainer, model), out / "final.pt")
     if torch.distributed.is_initialized():  # close gloo before exit: its threads may otherwise abort the process
         torch.distributed.destroy_process_group()
 

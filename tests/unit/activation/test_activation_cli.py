@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import textwrap
-
 import torch
+import yaml
 from lightning import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resume.activation.strategies import ActivationCheckpointingStrategy
-from tests.helpers.models import checkpointed_modules
+from tests.helpers.models import TINY_TRAINER, checkpointed_modules
 
 
 class TinyBlock(nn.Module):
@@ -45,37 +44,20 @@ class TinyModel(LightningModule):
 # YAML names the block class by its import path: wherever pytest imported this module from.
 TINY_BLOCK = f"{TinyBlock.__module__}.{TinyBlock.__qualname__}"
 
-TRAINER_YAML = """\
-trainer:
-  accelerator: cpu
-  devices: 1
-  max_steps: 2
-  logger: false
-  enable_progress_bar: false
-  enable_model_summary: false
-  enable_checkpointing: false
-  strategy:
-"""
+TRAINER = {"max_steps": 2, **TINY_TRAINER, "enable_checkpointing": False}
 
 
-def cli_with(tmp_path, monkeypatch, strategy_yaml: str) -> LightningCLI:
+def cli_with(tmp_path, monkeypatch, **init_args) -> LightningCLI:
+    """LightningCLI from a YAML file whose trainer's strategy is ActivationCheckpointingStrategy(**init_args)."""
+    strategy = {"class_path": "lightning_resume.ActivationCheckpointingStrategy", "init_args": init_args}
     config = tmp_path / "config.yaml"
-    config.write_text(TRAINER_YAML + textwrap.indent(strategy_yaml, "    "))
+    config.write_text(yaml.safe_dump({"trainer": {**TRAINER, "strategy": strategy}}))
     monkeypatch.setattr("sys.argv", ["prog"])
     return LightningCLI(TinyModel, run=False, args=["--config", str(config)], save_config_callback=None)
 
 
 def test_yaml_class_path_and_sqrt_segments(tmp_path, monkeypatch):
-    cli = cli_with(
-        tmp_path,
-        monkeypatch,
-        textwrap.dedent(f"""\
-        class_path: lightning_resume.ActivationCheckpointingStrategy
-        init_args:
-          blocks: {TINY_BLOCK}
-          select: sqrt
-        """),
-    )
+    cli = cli_with(tmp_path, monkeypatch, blocks=TINY_BLOCK, select="sqrt")
     assert isinstance(cli.trainer.strategy, ActivationCheckpointingStrategy)
     cli.trainer.fit(cli.model)
     plan = cli.trainer.strategy.activation_plan
@@ -84,17 +66,7 @@ def test_yaml_class_path_and_sqrt_segments(tmp_path, monkeypatch):
 
 
 def test_yaml_budget_with_glob_and_size_string(tmp_path, monkeypatch):
-    cli = cli_with(
-        tmp_path,
-        monkeypatch,
-        textwrap.dedent("""\
-        class_path: lightning_resume.ActivationCheckpointingStrategy
-        init_args:
-          pattern: trunk.*
-          select: budget
-          budget: 0.9KiB
-        """),
-    )
+    cli = cli_with(tmp_path, monkeypatch, pattern="trunk.*", select="budget", budget="0.9KiB")
     cli.trainer.fit(cli.model)
     plan = cli.trainer.strategy.activation_plan
     assert cli.trainer.strategy.activation_selection.budget_bytes == 921
@@ -102,17 +74,8 @@ def test_yaml_budget_with_glob_and_size_string(tmp_path, monkeypatch):
 
 
 def test_yaml_selective_recompute_with_an_op_list(tmp_path, monkeypatch):
-    cli = cli_with(
-        tmp_path,
-        monkeypatch,
-        textwrap.dedent(f"""\
-        class_path: lightning_resume.ActivationCheckpointingStrategy
-        init_args:
-          blocks: {TINY_BLOCK}
-          recompute: selective
-          save_ops: [aten.addmm, aten.mm.default]
-        """),
-    )
+    save_ops = ["aten.addmm", "aten.mm.default"]
+    cli = cli_with(tmp_path, monkeypatch, blocks=TINY_BLOCK, recompute="selective", save_ops=save_ops)
     selection = cli.trainer.strategy.activation_selection
     assert selection.recompute == "selective" and selection.save_ops == ("aten.addmm", "aten.mm.default")
     cli.trainer.fit(cli.model)

@@ -12,7 +12,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
 from lightning_resume.io.read import is_safetensors
-from tests.helpers.models import TinyData, TinyModel
+from tests.helpers.models import TINY_TRAINER, TinyData, TinyModel
 from tests.helpers.paths import REPO_ROOT as REPO
 
 
@@ -22,16 +22,7 @@ def _config(tmp_path: Path, max_steps: int) -> Path:
     assert exact["mtbf"] == "24h" and retention["keep_last"] == 3
     exact.update(every_n_train_steps_max=3)
     retention.update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, anchor_every_n_steps=8)
-    config["trainer"].update(
-        max_steps=max_steps,
-        val_check_interval=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        num_sanity_val_steps=0,
-        limit_val_batches=2,
-    )
+    config["trainer"].update(TINY_TRAINER, max_steps=max_steps, val_check_interval=2)
     path = tmp_path / f"config-{max_steps}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

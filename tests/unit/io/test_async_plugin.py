@@ -21,8 +21,8 @@ from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.io import read, write
 from lightning_resume.protocols import AsyncCheckpointWriter
 from tests.helpers.compare import assert_same
-from tests.helpers.tiny_fit import Tiny
-from tests.helpers.tiny_fit import tiny_trainer as _trainer
+from tests.helpers.models import TinyMLP as Tiny
+from tests.helpers.models import io_trainer as _trainer
 
 
 class SlowIO(SafetensorsCheckpointIO):

@@ -19,8 +19,8 @@ from lightning_resume import ExactResume, SafetensorsCheckpointIO
 from lightning_resume.io import read
 from lightning_resume.io.buffers import HostBuffers
 from tests.helpers.compare import assert_same
-from tests.helpers.tiny_fit import Tiny
-from tests.helpers.tiny_fit import tiny_trainer as _trainer
+from tests.helpers.models import TinyMLP as Tiny
+from tests.helpers.models import io_trainer as _trainer
 
 
 def _state(n: int = 4, numel: int = 1 << 16) -> dict:

@@ -19,7 +19,7 @@ from lightning_resume.retention.checkpoint import RetentionCheckpoint
 from lightning_resume.retention.naming import rolling_name
 from lightning_resume.retention.policy import CheckpointRecord
 from tests.helpers.filesystem import listing
-from tests.helpers.models import TinyData, TinyModel, tiny_fit, tiny_trainer
+from tests.helpers.models import TINY_TRAINER, TinyData, TinyModel, tiny_fit, tiny_trainer
 from tests.helpers.paths import REPO_ROOT
 
 REPO = str(REPO_ROOT)
@@ -186,16 +186,7 @@ def test_lightning_cli_runs_the_shipped_config(tmp_path):
     init = config["trainer"]["callbacks"][0]["init_args"]
     assert (init["keep_last"], init["keep_best"], init["anchor_every_n_steps"]) == (3, 2, 50_000)
     init.update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, anchor_every_n_steps=4, anchor_every="6h")
-    config["trainer"].update(
-        max_steps=10,
-        val_check_interval=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        num_sanity_val_steps=0,
-        limit_val_batches=2,
-    )
+    config["trainer"].update(TINY_TRAINER, max_steps=10, val_check_interval=2)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     lightning.seed_everything(0, verbose=False)

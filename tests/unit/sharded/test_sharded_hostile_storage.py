@@ -177,20 +177,26 @@ def _replace_value(directory: str, fqn: str, payload: bytes) -> None:
     _rewrite(directory, _point(fqn, offset=offset, length=len(payload)))
 
 
-def test_value_stored_as_a_deflate_bomb_is_refused_before_it_is_inflated(tmp_path):
-    directory = save_sharded(_state(), str(tmp_path / "ck"), step=1)
+def _rezipped(value, deflate, data_pkl: bytes | None = None) -> bytes:
+    """``torch.save(value)``'s zip with the records whose name ``deflate`` picks deflated (torch stores them
+    plain) and, with ``data_pkl``, its pickle replaced."""
     plain = io.BytesIO()
-    torch.save(0.1, plain)
-    bomb = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, zipfile.ZipFile(bomb, "w") as dst:
+    torch.save(value, plain)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
-            data = src.read(info)
-            if info.filename.endswith("data.pkl"):
-                data = pickle.dumps("a" * (64 << 20), protocol=2)
+            data = data_pkl if data_pkl is not None and info.filename.endswith("data.pkl") else src.read(info)
+            if deflate(info.filename):
                 dst.writestr(info.filename, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
             else:
                 dst.writestr(info, data)
-    _replace_value(directory, "opt.lr", bomb.getvalue())
+    return out.getvalue()
+
+
+def test_value_stored_as_a_deflate_bomb_is_refused_before_it_is_inflated(tmp_path):
+    directory = save_sharded(_state(), str(tmp_path / "ck"), step=1)
+    bomb = pickle.dumps("a" * (64 << 20), protocol=2)  # 64 MiB of one letter: deflates to a tiny record
+    _replace_value(directory, "opt.lr", _rezipped(0.1, lambda name: name.endswith("data.pkl"), data_pkl=bomb))
     with pytest.raises(CheckpointCorruptError, match="compressed"):
         load_full(directory)
 
@@ -209,11 +215,5 @@ def test_value_stored_as_a_pickle_memo_dag_is_refused(tmp_path):
 
 def test_tensor_chunk_with_a_deflated_record_is_refused_by_verify_and_load(tmp_path):
     directory = save_sharded(_state(), str(tmp_path / "ck"), step=1)
-    plain = io.BytesIO()
-    torch.save(torch.arange(6.0).reshape(2, 3), plain)
-    deflated = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, zipfile.ZipFile(deflated, "w") as dst:
-        for info in src.infolist():
-            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
-    _replace_value(directory, "model.w", deflated.getvalue())
+    _replace_value(directory, "model.w", _rezipped(torch.arange(6.0).reshape(2, 3), lambda name: True))
     _refused_everywhere(directory, "is compressed")

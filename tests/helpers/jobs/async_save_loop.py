@@ -1,0 +1,42 @@
+"""Save a checkpoint under one name in a loop through ``SafetensorsCheckpointIO(async_save=True)`` until
+killed, so its background writer is busy nearly all the time (run by the kill-during-write tests).
+
+Usage: python tests/helpers/jobs/async_save_loop.py EVENTS TARGET NUMEL. Step ``s`` saves
+``{"w": a NUMEL-element tensor of s, "step": s, "tag": [s, "s"]}`` to TARGET (a path or an ``s3://`` URL);
+each background write is logged to EVENTS as a ``begin s`` line before it and an ``end s`` line once it
+is committed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from lightning_resume import SafetensorsCheckpointIO
+
+
+class Logged(SafetensorsCheckpointIO):
+    """Each background write logged around the plugin's documented ``_commit`` hook."""
+
+    def __init__(self, events: str) -> None:
+        super().__init__(async_save=True)
+        self.log = open(events, "a", buffering=1)
+
+    def _commit(self, path, tree_json, tensors):
+        self.log.write(f"begin {int(tensors['w'][0])}\n")
+        super()._commit(path, tree_json, tensors)
+        self.log.write(f"end {int(tensors['w'][0])}\n")
+
+
+def main(events: str, target: str, numel: int) -> None:
+    torch.set_num_threads(1)
+    io = Logged(events)
+    w = torch.zeros(numel)
+    for step in range(1, 100_000):
+        w.fill_(step)
+        io.save_checkpoint({"w": w, "step": step, "tag": [step, str(step)]}, target)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,109 @@
+"""Child processes for the tests that need fresh interpreters: start ``python ARGS`` with the repo root
+importable, each in its own session so a SIGKILL reaches every process it started (DDP ranks, data workers),
+wait for it, and kill it from outside at a moment the test polls for, so the child does not choose it.
+
+It knows nothing of what the children train or write: the jobs live in ``tests/helpers/jobs`` and the
+trainee harness in ``tests/helpers/kill_resume.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+from tests.helpers.paths import REPO_ROOT
+
+TAIL = 3000
+"""Characters of a child's output shown when it fails."""
+
+
+def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """This process's environment, one intra-op thread, ``extra`` on top, and the repo root first on
+    ``PYTHONPATH`` (so the package under test and ``tests.helpers`` are what the child imports)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def start(
+    args: Sequence[str],
+    env: Optional[dict[str, str]] = None,
+    cwd: Union[str, Path] = REPO_ROOT,
+    log: Optional[Path] = None,
+) -> subprocess.Popen:
+    """``python ARGS`` in a new session; stdout and stderr together into ``log``, or a text pipe without one."""
+    out = open(log, "w") if log is not None else subprocess.PIPE
+    try:
+        return subprocess.Popen(
+            [sys.executable, *map(str, args)],
+            cwd=cwd,
+            env=child_env(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        if log is not None:
+            out.close()  # the child holds its own descriptor
+
+
+def output(proc: subprocess.Popen) -> str:
+    """What a finished (or killed) child started without ``log`` printed."""
+    return proc.stdout.read() if proc.stdout is not None else ""
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's whole session and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+    """Wait for the child to exit 0 and return its output; kill it when ``timeout`` runs out."""
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        raise
+    assert proc.returncode == 0, f"{proc.args} failed with {proc.returncode}:\n{(text or '')[-TAIL:]}"
+    return text or ""
+
+
+def run(args: Sequence[str], timeout: float = 120, env: Optional[dict[str, str]] = None) -> str:
+    """``python ARGS`` to a clean exit; its output (stdout and stderr together)."""
+    return finish(start(args, env), timeout)
+
+
+def kill_when(
+    proc: subprocess.Popen,
+    ready: Callable[[], bool],
+    timeout: float = 120,
+    log: Callable[[], str] = lambda: "",
+    delay: float = 0.0,
+) -> None:
+    """SIGKILL the child ``delay`` s after ``ready()`` is true (polled every 10 ms); fail, with its output
+    (``log()`` for a child started with a log file), if it exits first or ``timeout`` runs out."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            if proc.poll() is not None:
+                raise AssertionError(f"child ended before the kill point ({proc.returncode}):\n{_tail(proc, log)}")
+            if time.monotonic() > deadline:
+                kill(proc)
+                raise AssertionError(f"kill point not reached in {timeout} s:\n{_tail(proc, log)}")
+            time.sleep(0.01)
+        time.sleep(delay)
+    finally:
+        kill(proc)
+
+
+def _tail(proc: subprocess.Popen, log: Callable[[], str]) -> str:
+    return (log() or output(proc))[-TAIL:]

@@ -38,6 +38,20 @@ class ResolvingCheckpointIO(Protocol):
 
 
 @runtime_checkable
+class LastResolver(Protocol):
+    """A callback that decides what ``ckpt_path="last"`` means for every checkpoint callback of the trainer
+    (``ExactResume``; ``RetentionCheckpoint`` with a retention rule). Lightning asks each ``ModelCheckpoint``;
+    the first resolver among the trainer's callbacks answers for all of them."""
+
+    @property
+    def resolves_last(self) -> bool:
+        """Whether this callback resolves "last" (else Lightning's own rule, ``last*.ckpt`` by time, applies)."""
+
+    def resolve_last(self, trainer: pl.Trainer) -> set[str]:
+        """The checkpoint ``ckpt_path="last"`` resumes from, as a set of at most one path."""
+
+
+@runtime_checkable
 class SnapshotTarget(Protocol):
     """A checkpoint callback that writes a snapshot when asked (used by ``ExactResume``'s schedule).
 

@@ -36,6 +36,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_resume import storage
+from lightning_resume.protocols import LastResolver
 
 
 def train_loaders(trainer: pl.Trainer) -> list[Any]:
@@ -292,12 +293,9 @@ def run_validation(trainer: pl.Trainer, epoch: int) -> None:
 
 
 class ModelCheckpointExtension(ModelCheckpoint):
-    """``ModelCheckpoint`` whose two private extension points are routed to overridable methods.
-
-    ``_save_topk_checkpoint`` (model_checkpoint.py:574) is called by every monitored or periodic save;
-    ``_find_last_checkpoints`` (:867) by ``_CheckpointConnector._parse_ckpt_path`` for ``ckpt_path="last"``
-    (checkpoint_connector.py:181-186), before ``setup`` and before any process group exists.
-    """
+    """``ModelCheckpoint`` whose private top-k save (``_save_topk_checkpoint``, model_checkpoint.py:574, called by
+    every monitored or periodic save) is routed to an overridable method. "last" resolution is not here:
+    :func:`resolve_last_through_callbacks` routes every ``ModelCheckpoint``'s."""
 
     @override
     def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
@@ -306,14 +304,6 @@ class ModelCheckpointExtension(ModelCheckpoint):
     def topk_save(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         """Lightning's top-k save; subclasses replace it."""
         super()._save_topk_checkpoint(trainer, monitor_candidates)
-
-    @override
-    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        return self.last_checkpoints(trainer)
-
-    def last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        """Candidates for ``ckpt_path="last"``: Lightning's newest ``last*.ckpt``; subclasses replace it."""
-        return super()._find_last_checkpoints(trainer)
 
 
 def save_checkpoint_file(callback: ModelCheckpoint, trainer: pl.Trainer, path: str) -> None:
@@ -355,15 +345,21 @@ def checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
 _LIGHTNING_FIND_LAST = ModelCheckpoint._find_last_checkpoints
 
 
-def _find_last_keeping_scheme(self: ModelCheckpoint, trainer: pl.Trainer) -> set[str]:
-    """``ModelCheckpoint._find_last_checkpoints`` (model_checkpoint.py:867-877) for a remote ``dirpath``.
+def _find_last(self: ModelCheckpoint, trainer: pl.Trainer) -> set[str]:
+    """``ModelCheckpoint._find_last_checkpoints`` (model_checkpoint.py:867-877), which
+    ``_CheckpointConnector._parse_ckpt_path`` (checkpoint_connector.py:181-194) asks of every checkpoint
+    callback for ``ckpt_path="last"`` before ``setup``, then takes the newest answer by modification time.
 
-    Lightning's lists the directory and ``os.path.normpath``s what the filesystem returns: s3fs lists
-    scheme-less keys, so ``s3://b/run/last.ckpt`` became the local path ``b/run/last.ckpt``, which
-    ``_parse_ckpt_path`` (checkpoint_connector.py:181-194) finds missing, and ``fit(ckpt_path="last")``
-    silently started from step 0. Same rule (``last``, ``last-vN``; the callback's extension), URLs kept.
-    Local directories go to Lightning's own code unchanged.
+    A ``LastResolver`` among the trainer's callbacks answers (the same file for every callback). Without
+    one, Lightning's rule (``last``, ``last-vN``; the callback's extension), with URLs kept: Lightning's own
+    ``os.path.normpath``s what the filesystem lists, so ``s3://b/run/last.ckpt`` became the local path
+    ``b/run/last.ckpt``, found missing, and the run silently started from step 0. Local directories
+    without a resolver go to Lightning's code unchanged.
     """
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # assigned by Lightning's callback connector
+    resolver = next((cb for cb in callbacks if isinstance(cb, LastResolver) and cb.resolves_last), None)
+    if resolver is not None:
+        return resolver.resolve_last(trainer)
     directory = checkpoint_dir(self, trainer)
     if not storage.is_remote(directory):
         return _LIGHTNING_FIND_LAST(self, trainer)
@@ -375,12 +371,13 @@ def _find_last_keeping_scheme(self: ModelCheckpoint, trainer: pl.Trainer) -> set
     }
 
 
-def keep_url_scheme_for_last() -> None:
-    """Route every ``ModelCheckpoint``'s "last" search (model_checkpoint.py:867) through
-    ``_find_last_keeping_scheme``, so stock callbacks resume from ``s3://`` too. Idempotent; local
-    directories behave exactly as before. Called by the plugin's and ``RetentionCheckpoint``'s constructors."""
+def resolve_last_through_callbacks() -> None:
+    """Route every ``ModelCheckpoint``'s "last" search (model_checkpoint.py:867) through :func:`_find_last`, so a
+    ``LastResolver`` decides, and stock callbacks resume from ``s3://`` too. Idempotent; without a resolver,
+    local directories behave exactly as before. Called by the constructors of ``ExactResume``,
+    ``SafetensorsCheckpointIO`` and ``RetentionCheckpoint``."""
     if ModelCheckpoint._find_last_checkpoints is _LIGHTNING_FIND_LAST:
-        ModelCheckpoint._find_last_checkpoints = _find_last_keeping_scheme  # type: ignore[method-assign]
+        ModelCheckpoint._find_last_checkpoints = _find_last  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------------ checkpoint loading

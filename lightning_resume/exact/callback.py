@@ -30,6 +30,7 @@ from lightning_resume.exact.restore import check_same_checkpoint, refuse_or_warn
 from lightning_resume.exact.state.data import loader_problems, resumable_loader, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.io.memory_tier import DEFAULT_ROOT
+from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.schedule.config import (
     DEFAULT_CHECK_INTERVAL,
     DEFAULT_INITIAL_COST,
@@ -147,7 +148,7 @@ class ExactResume(Callback):
         wall_clock: Optional[Callable[[], float]] = None,
     ) -> None:
         check_versions()
-        lc.keep_url_scheme_for_last()  # fit(ckpt_path="last") finds a stock ModelCheckpoint's s3:// files too
+        lc.resolve_last_through_callbacks()  # fit(ckpt_path="last"): the newest verified checkpoint of any callback
         problems = _memory_tier_problems(memory_tier, process_mtbf, memory_dir, memory_every_n_train_steps_max)
         try:  # the schedule's options, validated once (every problem with the memory tier's); passed on whole
             schedule = ScheduleConfig.from_user(
@@ -179,15 +180,26 @@ class ExactResume(Callback):
         self._requeue_signal: Optional[signal.Signals] = None
         self._stop_replacing_loaders: Optional[Callable[[], None]] = None
         self.resume_report: dict[str, Any] = {}
+        self._last = OncePerFit()
 
     @property
     @override
     def state_key(self) -> str:
         return "ExactResume"
 
+    @property
+    def resolves_last(self) -> bool:
+        """``ckpt_path="last"`` is the newest checkpoint of any of the trainer's checkpoint callbacks that
+        verifies, by training progress (``retention.last``), not Lightning's newest ``last*.ckpt``."""
+        return True
+
+    def resolve_last(self, trainer: pl.Trainer) -> set[str]:
+        return self._last.resolve(trainer)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if stage == "fit" and self._stop_replacing_loaders is None:
             # The loaders users already have, made resumable as Lightning sets them up (no change to their code).
             self._stop_replacing_loaders = lc.on_train_loader_processed(trainer, resumable_loader)
@@ -235,11 +247,13 @@ class ExactResume(Callback):
             refuse_or_warn(self.strict, trainer.ckpt_path, unsaved)
         pending, self._pending = self._pending, None
         check_same_checkpoint(trainer, pending)
+        self.resume_report = {}
         if pending is not None:
             self.resume_report = restore(trainer, pending, self.generators, self.strict, self.fingerprint)
         tier = self._resumed_tier(trainer)
         if pending is not None:
             self.resume_report["tier"] = tier
+        self.resume_report["source"] = resumed_from(trainer)
         if self.scheduler is not None:
             driver.start(self.scheduler, trainer, self._num_nodes, pending or {}, tier)
         if self.preemption is not None:

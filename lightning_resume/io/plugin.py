@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lightning_resume import storage
 from lightning_resume._compat import check_versions
-from lightning_resume._compat.lightning import keep_url_scheme_for_last
+from lightning_resume._compat.lightning import resolve_last_through_callbacks
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
     AsyncWriteWarning,
@@ -89,7 +89,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         flush_timeout: Duration = "10min",
     ) -> None:
         check_versions()
-        keep_url_scheme_for_last()
+        resolve_last_through_callbacks()
         problems = []
         if checksum not in ALGORITHMS:
             problems.append(f"checksum={checksum!r} is not supported; use one of {list(ALGORITHMS)}")

@@ -29,15 +29,14 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
     ConfigurationError,
-    NoLoadableCheckpointError,
     RetentionWarning,
-    SkippedCheckpointWarning,
     TreeFormatError,
 )
 from lightning_resume.io.atomic import fsync_file_and_dir
-from lightning_resume.io.resolve import candidates, newest_verified
-from lightning_resume.io.verify import problem, verify
-from lightning_resume.protocols import AsyncCheckpointWriter, ResolvingCheckpointIO
+from lightning_resume.io.resolve import candidates
+from lightning_resume.io.verify import problem
+from lightning_resume.protocols import AsyncCheckpointWriter
+from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.retention.naming import parse_rolling_name, rolling_name
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
 from lightning_resume.retention.records import owned_record, read_checkpoint_callback_state
@@ -78,7 +77,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         anchor_every: Optional[Duration] = None,
     ) -> None:
         check_versions()
-        lc.keep_url_scheme_for_last()
+        lc.resolve_last_through_callbacks()
         super().__init__(
             dirpath=dirpath,
             filename=filename,
@@ -99,6 +98,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         self.policy = self._build_policy(filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every)
         self._records: dict = {}
         self._resume_source: Optional[str] = None
+        self._last = OncePerFit()
         # Proof of ownership: every file this run writes carries its own record and this id in its
         # state; a resumed run takes the id back from the checkpoint, so it still owns its earlier files.
         self._run_id: str = uuid.uuid4().hex
@@ -253,6 +253,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if self.policy.active and isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             # It returns before the file exists and says nothing when it does: a prune could then
             # delete the newest durable checkpoint while its successor is still being written.
@@ -269,10 +270,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         super().on_train_start(trainer, pl_module)
         if not self.policy.active:
             return
-        resume, io = trainer.ckpt_path, trainer.strategy.checkpoint_io
-        if resume and isinstance(io, ResolvingCheckpointIO):
-            resume = io.loaded_path(str(resume))  # a fallback when the newest failed its hash while loading
-        self._resume_source = _canonical(str(resume)) if resume else None
+        resume = resumed_from(trainer)  # a fallback when the newest failed its hash while loading
+        self._resume_source = _canonical(resume) if resume else None
         self._run_id = trainer.strategy.broadcast(self._run_id)  # one run, one id on every rank
         records = self._reconciled_records(trainer) if trainer.is_global_zero else []  # rank 0's is broadcast
         self._records = {r.path: r for r in trainer.strategy.broadcast(records)}
@@ -311,31 +310,15 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         except TreeFormatError:
             return None  # a record this version cannot read proves nothing: the file is not tracked
 
-    @override
-    def last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        """``ckpt_path="last"``: the newest checkpoint in ``dirpath`` (by training progress) that verifies;
-        corrupt newer ones are skipped, each named in a warning.
+    @property
+    def resolves_last(self) -> bool:
+        """With a retention rule, ``ckpt_path="last"`` is the newest checkpoint that verifies (``retention.last``);
+        without one, Lightning's own rule (the drop-in promise)."""
+        return self.policy.active
 
-        When the trainer's ``CheckpointIO`` hashes every byte as it loads (``ResolvingCheckpointIO``), it
-        checks the candidates itself, each only by its header, and falls back along them if the load's
-        hash fails: the checkpoint is read once. Lightning asks before ``setup`` and before any process
-        group exists, so no collective runs: every rank reads the same files and reaches the same answer.
-        """
-        if not self.policy.active:
-            return super().last_checkpoints(trainer)
-        directory = lc.checkpoint_dir(self, trainer)
-        paths = [e.path for e in candidates(directory, (self.FILE_EXTENSION,))]
-        io = trainer.strategy.checkpoint_io
-        skipped: list[str] = []
-        if isinstance(io, ResolvingCheckpointIO):
-            newest = io.resolve_newest(paths, skipped=skipped.append)
-        else:
-            newest = newest_verified(paths, lambda path: verify(path, io), skipped=skipped.append)
-        for line in skipped:
-            rank_zero_warn(f"ckpt_path='last': {line}", category=SkippedCheckpointWarning)
-        if newest is None and skipped:
-            raise NoLoadableCheckpointError(directory, skipped)
-        return {newest} if newest is not None else set()
+    def resolve_last(self, trainer: pl.Trainer) -> set[str]:
+        """``ckpt_path="last"``: the newest checkpoint of the trainer's checkpoint callbacks that verifies."""
+        return self._last.resolve(trainer)
 
     # ---- state --------------------------------------------------------------------------------
 

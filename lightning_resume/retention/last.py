@@ -1,0 +1,114 @@
+"""What ``ckpt_path="last"`` resumes from when lightning-resume takes part in the run.
+
+Lightning resolves "last" to the newest ``last*.ckpt`` by modification time, so a run with the default
+``ModelCheckpoint()`` (epoch-end saves, no ``save_last``) relaunched with ``ckpt_path="last"`` silently
+trains from step 0, and a corrupt newest file is loaded blindly. With ``ExactResume`` in the run (or a
+``RetentionCheckpoint`` with a retention rule), "last" is instead the newest checkpoint, by training
+progress, that verifies among those the run's checkpoint callbacks write: every candidate
+(``io.resolve.candidates``) with a callback's file extension in that callback's directory, for every
+checkpoint callback at once, so that Lightning, which asks each callback and then takes the newest file
+by time, gets one answer from all of them. Each candidate passed over is named in a warning; the choice,
+or that there is none, in one info line.
+
+When the trainer's ``CheckpointIO`` hashes every byte as it loads (``protocols.ResolvingCheckpointIO``),
+it checks the candidates itself, each by its header only, and falls back along them if the load's hash
+fails: a resume reads the checkpoint once. Lightning asks before ``setup`` and before any process group
+exists, so no collective runs: every rank reads the same files and reaches the same answer.
+
+Knows Lightning's checkpoint callbacks (through ``_compat``) and files (through ``io``); decides nothing
+about what to keep.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_resume._compat import lightning as lc
+from lightning_resume.errors import NoLoadableCheckpointError, SkippedCheckpointWarning
+from lightning_resume.io.resolve import candidates, newest_verified
+from lightning_resume.io.verify import verify
+from lightning_resume.protocols import ResolvingCheckpointIO
+
+
+@dataclass(frozen=True)
+class LastChoice:
+    """The outcome of resolving ``ckpt_path="last"``: the file (``None``: start from the beginning), the
+    directories searched, how many candidates they held, and one line per candidate passed over."""
+
+    path: Optional[str]
+    directories: tuple[str, ...]
+    considered: int
+    skipped: tuple[str, ...]
+
+    def describe(self) -> str:
+        where = ", ".join(self.directories) or "no checkpoint directory"
+        if self.path is None:
+            return f"ckpt_path='last' found no checkpoint in {where}; training starts from the beginning"
+        passed = f", {len(self.skipped)} newer one(s) skipped" if self.skipped else ""
+        return (
+            f"ckpt_path='last' resumes from {self.path}: the newest of {self.considered} checkpoint(s) in {where}"
+            f" (by training progress) that verifies{passed}"
+        )
+
+
+def choose_last(trainer: pl.Trainer) -> LastChoice:
+    """Resolve ``ckpt_path="last"`` across the trainer's checkpoint callbacks (see the module docstring)."""
+    callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    directories: dict[str, None] = {}
+    paths: dict[str, None] = {}
+    for callback in callbacks:
+        directory = lc.checkpoint_dir(callback, trainer)
+        directories[directory] = None
+        paths.update((e.path, None) for e in candidates(directory, (callback.FILE_EXTENSION,)))
+    io = trainer.strategy.checkpoint_io
+    skipped: list[str] = []
+    if isinstance(io, ResolvingCheckpointIO):
+        path = io.resolve_newest(list(paths), skipped=skipped.append)
+    else:
+        path = newest_verified(list(paths), lambda p: verify(p, io), skipped=skipped.append)
+    return LastChoice(path, tuple(directories), len(paths), tuple(skipped))
+
+
+def report(choice: LastChoice) -> set[str]:
+    """Tell what was chosen (rank 0), and return it as Lightning's ``_find_last_checkpoints`` does. Raises
+    ``NoLoadableCheckpointError`` when checkpoints exist but none loads: starting over would lose the run."""
+    for line in choice.skipped:
+        rank_zero_warn(f"ckpt_path='last': {line}", category=SkippedCheckpointWarning)
+    if choice.path is None and choice.skipped:
+        raise NoLoadableCheckpointError(", ".join(choice.directories), choice.skipped)
+    rank_zero_info(choice.describe())
+    return {choice.path} if choice.path is not None else set()
+
+
+def resumed_from(trainer: pl.Trainer) -> Optional[str]:
+    """The file this run resumed from (``None``: a fresh start): what the trainer's ``ckpt_path`` names, or the
+    checkpoint the plugin fell back to when that one failed its hash while loading."""
+    path = trainer.ckpt_path
+    if not path:
+        return None
+    io = trainer.strategy.checkpoint_io
+    return io.loaded_path(str(path)) if isinstance(io, ResolvingCheckpointIO) else str(path)
+
+
+class OncePerFit:
+    """The resolution for one ``fit``: Lightning asks every checkpoint callback in turn, and the answer (and
+    its info line) must come once. ``clear`` at ``setup``, which runs after Lightning's "last" search."""
+
+    def __init__(self) -> None:
+        self._trainer: Optional[weakref.ReferenceType[pl.Trainer]] = None
+        self._paths: set[str] = set()
+
+    def resolve(self, trainer: pl.Trainer) -> set[str]:
+        if self._trainer is None or self._trainer() is not trainer:
+            self._paths = report(choose_last(trainer))
+            self._trainer = weakref.ref(trainer)
+        return set(self._paths)
+
+    def clear(self) -> None:
+        self._trainer = None

@@ -289,6 +289,17 @@ def run_validation(trainer: pl.Trainer, epoch: int) -> None:
     trainer._logger_connector._first_loop_iter = first_loop_iter
 
 
+# ------------------------------------------------------------------------------ logged metrics
+
+
+def restore_callback_metrics(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+    """Put back the metrics ``trainer.callback_metrics`` held at the saved step, which checkpoint callbacks
+    and early stopping read (``ModelCheckpoint._monitor_candidates``, model_checkpoint.py:703). Lightning's
+    checkpoints do not hold them and ``_run`` empties them (trainer.py:1050); the values logged since come
+    on top (logger_connector.py:247-251)."""
+    trainer._logger_connector._callback_metrics.update(metrics)
+
+
 # ------------------------------------------------------------------------------ ModelCheckpoint
 
 

@@ -1,4 +1,4 @@
-"""What ``ExactResume`` adds to a checkpoint: every rank's RNG streams, data position and fingerprint.
+"""What ``ExactResume`` adds to a checkpoint: every rank's RNG streams, data position, logged metrics and fingerprint.
 
 Gathers, on each rank, the state Lightning leaves out, aligned with the last batch actually trained on
 (the batches Lightning prefetched are stored, not skipped), and a signature of the run's structure
@@ -74,10 +74,20 @@ def capture_rank(
         "epoch": trainer.current_epoch,
         "epoch_exhausted": lc.epoch_exhausted(trainer),
         "validation_pending": after_batch and lc.validation_due(trainer),
+        "metrics": decision_metrics(trainer),
     }
     if with_fingerprint:
         local["fingerprint"] = fingerprint_of(trainer, local["rng"], [states, prefetched])
     return local
+
+
+def decision_metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    """``trainer.callback_metrics`` as plain CPU values: what a checkpoint callback's next save decision reads
+    (a monitored metric logged at the last validation), which Lightning's checkpoints leave out."""
+    return {
+        str(name): value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+        for name, value in trainer.callback_metrics.items()
+    }
 
 
 def fingerprint_of(trainer: pl.Trainer, rng: Any, data: Any) -> dict[str, str]:

@@ -43,6 +43,7 @@ def restore(
     if differences:
         refuse_or_warn(strict, trainer.ckpt_path, differences)
     mine = state_for_this_rank(trainer, saved)
+    lc.restore_callback_metrics(trainer, dict(mine.get("metrics") or {}))  # the next save decisions read them
     restored_rng = restore_position_and_rng(trainer, mine, saved, generators)
     report: dict[str, Any] = {"step": trainer.global_step, "exact": not differences, "differences": differences}
     if check_fingerprint and "fingerprint" in mine:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, Timer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_resume._compat import check_versions
@@ -209,19 +209,12 @@ class ExactResume(Callback):
                     "scheduled snapshots need a checkpoint directory: add a RetentionCheckpoint or"
                     " ModelCheckpoint, or pass mtbf=None and leave every_n_train_steps_max unset"
                 ])  # fmt: skip
+            # A run that writes no checkpoints loses nothing by taking no snapshots: said once, not warned.
             if self.scheduler is not None and self.scheduler.takes_snapshots:
-                rank_zero_warn(
-                    "ExactResume: no checkpoint callback, so no scheduled snapshots are taken (pass mtbf=None"
-                    " to say so); add a ModelCheckpoint or RetentionCheckpoint to have them",
-                    category=ExactResumeWarning,
-                )
+                rank_zero_info("ExactResume: no checkpoint callback, so no scheduled snapshots are taken")
                 self.scheduler = None
             if self.preemption is not None:
-                rank_zero_warn(
-                    "ExactResume: no checkpoint callback, so preemption signals cannot save a snapshot;"
-                    " they keep their default behaviour",
-                    category=ExactResumeWarning,
-                )
+                rank_zero_info("ExactResume: no checkpoint callback; preemption signals keep their usual behaviour")
                 self.preemption = None
         if self.memory is not None and stage == "fit":
             if warn_sharded(trainer):
@@ -355,6 +348,13 @@ class ExactResume(Callback):
         where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where
         now = self._wall_clock()  # the failure history's clock: a resume's lost time is measured on it
         return checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.scheduler is not None:
+            self.scheduler.persist_history(trainer.is_global_zero)  # beside the first checkpoint of a fresh run
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
 from lightning_resume.exact.memory import MemoryTier
+from lightning_resume.io.resolve import candidates
 from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
@@ -52,15 +53,20 @@ def start(
     resumed_tier: Optional[str] = None,
 ) -> None:
     """Begin timing; a resumed run keeps the measured costs of ``pending`` (the restored state) and records
-    whether it resumed from the memory tier (a process failure) or from disk."""
+    whether it resumed from the memory tier (a process failure) or from disk. The failure history is written
+    where Lightning writes checkpoints and when: at once if the directory holds checkpoints already, else
+    with the run's first checkpoint (``fast_dev_run``, which writes none, keeps none)."""
+    quick = trainer.fast_dev_run  # type: ignore[attr-defined]  # set by Lightning's debugging connector
+    directory = snapshots.snapshot_dir(trainer) if scheduler.takes_snapshots and not quick else None
     scheduler.start(
         step=trainer.global_step,
         num_nodes=num_nodes or trainer.num_nodes,
-        history_dir=snapshots.snapshot_dir(trainer) if scheduler.takes_snapshots else None,
+        history_dir=directory,
         restored=pending.get("schedule"),
         checkpoint_wall_time=pending.get("saved_at"),
         is_rank_zero=trainer.is_global_zero,
         resumed_tier=resumed_tier,
+        persist_now=directory is not None and bool(candidates(directory)),  # else at the run's first save
     )
 
 
@@ -75,7 +81,9 @@ def at_step_boundary(
     requeue_signal: Optional[signal.Signals] = None,
     memory: Optional[MemoryTier] = None,
 ) -> bool:
-    """Save if the schedule or a preemption signal says so; ``True`` when the run must stop (preempted).
+    """Save if the schedule or a preemption signal says so; ``True`` when the run must stop (preempted): once
+    the snapshot is durable, the handler the signal had before ours runs (Lightning's, a user's), else the
+    run stops cleanly.
 
     One process acts on its own flag at once; ranks agree at check steps only (rank 0's decision,
     any rank's signal), so no collective runs between checks. When any rank received
@@ -101,10 +109,13 @@ def at_step_boundary(
         memory_snapshot(scheduler, trainer, memory)
     if preempt:
         scheduler.clean_stop(trainer.is_global_zero)
-        trainer.should_stop = True
         rank_zero_info(
             f"ExactResume: preemption signal received; snapshot at step {trainer.global_step} is durable; stopping."
         )
+        # What the signal would have done without us now happens, one step late: Lightning's SIGTERM handler
+        # (fit raises SIGTERMException) and a handler the user installed before it; else a clean stop.
+        forwarded = preempt == STOP and preemption is not None and preemption.forward()
+        trainer.should_stop = trainer.should_stop or not forwarded
     if preempt == REQUEUE and path is not None:
         _requeue(trainer, path)
     return bool(preempt)

@@ -9,7 +9,7 @@ main interpreter: elsewhere ``install`` warns and returns ``False``. This module
 Lightning or checkpoints.
 
 Chaining: with ``chain=True`` a previous *Python* handler is called after the flag is set (e.g. a
-user's logger). ``SIG_DFL`` and ``SIG_IGN`` are never "called": the point of the flag is that the
+user's logger); ``forward()`` calls it later, once the owner has saved (what ``ExactResume`` does). ``SIG_DFL`` and ``SIG_IGN`` are never "called": the point of the flag is that the
 default action (termination) does not happen. Beware that Lightning's own SIGTERM handler (installed
 by the Trainer right before the fit loop) makes the loop raise ``SIGTERMException`` at the next
 batch, so an owner that wants to save first installs after it and does not chain to it.
@@ -17,6 +17,7 @@ batch, so an owner that wants to save first installs after it and does not chain
 
 from __future__ import annotations
 
+import inspect
 import signal
 import threading
 import warnings
@@ -89,6 +90,18 @@ class PreemptionFlag:
         previous = self._previous.get(signal.Signals(signum))
         if self.chain and callable(previous):
             previous(signum, frame)
+
+    def forward(self) -> bool:
+        """Call the Python handler the received signal had before ours (e.g. Lightning's SIGTERM handler, which
+        makes ``fit`` raise ``SIGTERMException``, and any user handler it composes), once the owner has saved:
+        what the signal would have done without the flag then happens. ``False`` when there is none to call
+        (no signal yet, ``SIG_DFL``, ``SIG_IGN``, or it was already chained)."""
+        received = self._received
+        previous = self._previous.get(received) if received is not None else None
+        if received is None or self.chain or not callable(previous):
+            return False
+        previous(int(received), inspect.currentframe())
+        return True
 
     def install(self) -> bool:
         """Install the handlers; ``False`` (with a ``PreemptionWarning``) when not on the main thread."""

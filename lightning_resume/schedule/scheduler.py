@@ -50,6 +50,7 @@ class SnapshotScheduler:
         self.memory: Optional[MemoryState] = None
         self.next_check_step = 0
         self.history_file: Optional[str] = None
+        self._unsaved_history: Optional[history.FailureHistory] = None  # this start, not yet written
         self.last_durable: Optional[float] = None
         self._writer: Optional[AsyncCheckpointWriter] = None
 
@@ -72,8 +73,11 @@ class SnapshotScheduler:
         checkpoint_wall_time: Optional[float],
         is_rank_zero: bool,
         resumed_tier: Optional[str] = None,
+        persist_now: bool = True,
     ) -> None:
-        """Begin timing at ``step``; record this start in the failure history (rank 0 writes it).
+        """Begin timing at ``step``; record this start in the failure history (rank 0 writes it, at once with
+        ``persist_now``, else at :meth:`persist_history`: a fresh run's directory gets no file of ours before
+        Lightning writes a checkpoint there).
 
         ``resumed_tier`` is the tier this start resumed from (``"memory"`` or ``"durable"``; ``None``
         for a fresh start or when unknown): a failure resumed from memory is a process failure."""
@@ -84,8 +88,9 @@ class SnapshotScheduler:
             tier = None if resumed_tier is None else Tier(resumed_tier)
             now = self.wall_clock()
             past = history.record_start(history.load_history(self.history_file), now, checkpoint_wall_time, tier=tier)
-            if is_rank_zero:
-                history.save_history(self.history_file, past)
+            self._unsaved_history = past
+            if persist_now:
+                self.persist_history(is_rank_zero)
             mtbf, process_mtbf = _observed(config, past, now)
         self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, restored)
         self.next_check_step = step + 1
@@ -148,9 +153,17 @@ class SnapshotScheduler:
         self.last_durable, self._writer = now, None
         return True
 
+    def persist_history(self, is_rank_zero: bool) -> None:
+        """Write the start recorded by :meth:`start` if it is not written yet (rank 0)."""
+        if self._unsaved_history is not None and self.history_file is not None:
+            if is_rank_zero:
+                history.save_history(self.history_file, self._unsaved_history)
+            self._unsaved_history = None
+
     def clean_stop(self, is_rank_zero: bool) -> None:
-        """Tell the next process of this run that this one stopped on purpose (not a failure)."""
-        if self.history_file is not None and is_rank_zero:
+        """Tell the next process of this run that this one stopped on purpose (not a failure); nothing when
+        this run never wrote its history (it wrote no checkpoint either)."""
+        if self.history_file is not None and self._unsaved_history is None and is_rank_zero:
             stopped = history.record_clean_stop(history.load_history(self.history_file), self.wall_clock())
             history.save_history(self.history_file, stopped)
 

@@ -1,0 +1,77 @@
+"""Adding ``ExactResume()`` to a working Trainer changes nothing else (issue 23.4): no file where Lightning
+writes none, no warning where nothing is lost, Lightning's SIGTERM behaviour and a user's handler kept."""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+import lightning
+import pytest
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_resume import ExactResume
+from tests.helpers.filesystem import listing
+from tests.helpers.models import TinyData, TinyModel, tiny_trainer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _ours(caught) -> list[str]:
+    return [str(w.message) for w in caught if type(w.message).__module__.startswith("lightning_resume")]
+
+
+def test_fast_dev_run_writes_no_file(tmp_path):
+    os.chdir(tmp_path)
+    Trainer(fast_dev_run=True, callbacks=[ExactResume()], logger=False, enable_progress_bar=False).fit(BoringModel())
+    assert listing(tmp_path) == []  # Lightning writes nothing under fast_dev_run, and neither do we
+
+
+def test_a_fresh_run_writes_its_history_with_its_first_checkpoint_not_before(tmp_path):
+    ckpt = tmp_path / "ckpt"
+
+    class Look(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.at_start = listing(ckpt) if ckpt.exists() else []
+
+    look = Look()
+    lightning.seed_everything(0, verbose=False)
+    tiny_trainer([ExactResume(), ModelCheckpoint(dirpath=ckpt), look], max_epochs=1).fit(TinyModel(), TinyData())
+    assert look.at_start == [] and listing(ckpt) == ["epoch=0-step=8.ckpt", "resume_history.json"]
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_plain_trainer_with_the_callback_warns_nothing(tmp_path, checkpointing):
+    os.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(
+            max_epochs=1, callbacks=[ExactResume()], enable_checkpointing=checkpointing, enable_progress_bar=False
+        ).fit(BoringModel())
+    assert _ours(caught) == []
+
+
+def test_sigterm_snapshots_then_lightning_raises_and_the_users_handler_runs(tmp_path):
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+
+        class Term(Callback):
+            def on_train_batch_start(self, trainer, *args):
+                if trainer.global_step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        lightning.seed_everything(0, verbose=False)
+        ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=0)
+        trainer = tiny_trainer([ExactResume(mtbf=None), ckpt, Term()], max_steps=20)
+        with pytest.raises(SIGTERMException):
+            trainer.fit(TinyModel(), TinyData())
+        assert seen == [signal.SIGTERM]  # the user's handler, composed by Lightning's, ran once
+        assert listing(tmp_path) == ["last-snapshot-step=000000004.ckpt"]  # durable before Lightning acted
+        assert trainer.global_step == 4
+    finally:
+        signal.signal(signal.SIGTERM, previous)

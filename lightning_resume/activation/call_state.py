@@ -9,8 +9,9 @@ different computation). Hugging Face's own gradient checkpointing (``GradientChe
 module applies the same rule to any block, found by structure:
 
 - *per-call state* is a value that behaves like HF's ``Cache`` (callable ``update`` and ``get_seq_length``),
-  or any value other than ``None``, a tensor or a tuple of them (read-only legacy ``(key, value)`` pairs are
-  safe to read twice) passed as ``cache``, ``past_key_values``, ``past_key_value`` or ``layer_past``;
+  under any name or position, or any value other than ``None``, a tensor, a plain scalar or a tuple of them
+  (legacy ``(key, value)`` pairs are only read, so reading them twice is safe) passed as ``cache``,
+  ``past_key_values``, ``past_key_value`` or ``layer_past``;
 - it is switched off, for the checkpointed call only, where that is what the block itself means by "no
   cache": a parameter whose default is ``None`` gets ``None``; a keyword the forward only collects in
   ``**kwargs`` is left out; ``use_cache=True`` becomes ``False`` (as HF does);
@@ -18,8 +19,14 @@ module applies the same rule to any block, found by structure:
   is not known to be safe, and the call is refused with a :class:`ConfigurationError` naming the option
   to change, in forward, before anything runs twice.
 
+A block class that sets ``_can_checkpoint_with_cache = True`` (HF's mark for a layer that only reads the
+cache, so the rerun reads the same states) keeps its cache; ``use_cache`` still becomes ``False``.
+
 Only calls that are actually checkpointed (gradients enabled) change: validation and generation keep the
 cache. The model's returned cache stays empty in a training step, as under HF's gradient checkpointing.
+Without its cache a model may compute differently in the last bits (GPT-2's attention runs on strided
+views instead of the cache's contiguous copies), so a run with checkpointing is bitwise equal to one
+without when both set ``use_cache=False``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from lightning_resume.errors import ConfigurationError
 CACHE_NAMES = frozenset({"cache", "past_key_values", "past_key_value", "layer_past"})
 """Argument names that hold a key/value cache in Hugging Face layers (``cache`` since transformers 5)."""
 USE_CACHE = "use_cache"
+READS_ONLY = "_can_checkpoint_with_cache"
+"""Class attribute by which a Hugging Face layer declares that it only reads its cache (then it keeps it)."""
 
 _log = logging.getLogger(__name__)
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -48,7 +57,7 @@ def is_cache(value: Any) -> bool:
 
 
 def _read_only(value: Any) -> bool:
-    if value is None or isinstance(value, torch.Tensor):
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
         return True
     return isinstance(value, tuple) and all(_read_only(v) for v in value)
 
@@ -70,7 +79,8 @@ class CallStateSwitch:
     ) -> tuple[tuple, dict]:
         """``args``/``kwargs`` for the checkpointed call of ``fn`` (``module``'s forward), state switched off."""
         name = type(module).__name__
-        args, kwargs, changed = switch_off(name, fn, args, kwargs)
+        keep = getattr(type(module), READS_ONLY, False) is True
+        args, kwargs, changed = switch_off(name, fn, args, kwargs, keep_state=keep)
         if changed and name not in self.noted:
             self.noted.add(name)
             self.log(
@@ -92,14 +102,21 @@ def _parameters(fn: Callable[..., Any]) -> Optional[tuple[inspect.Parameter, ...
 
 def _signature_of(fn: Callable[..., Any]) -> Optional[tuple[inspect.Parameter, ...]]:
     func = getattr(fn, "__func__", None)  # a bound method: cache per function, drop ``self``
-    if func is None:
-        return _parameters(fn)
-    params = _parameters(func)
-    return params[1:] if params else params
+    try:
+        params = _parameters(func if func is not None else fn)
+    except TypeError:  # unhashable: not cached
+        params = _parameters.__wrapped__(func if func is not None else fn)
+    if func is not None and params and params[0].kind in _POSITIONAL:
+        return params[1:]
+    return params
 
 
-def switch_off(block: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
+def switch_off(
+    block: str, fn: Callable[..., Any], args: tuple, kwargs: dict, keep_state: bool = False
+) -> tuple[tuple, dict, list[str]]:
     """``(args, kwargs, what was changed)`` for calling ``fn`` (of class ``block``) with its per-call state off.
+
+    ``keep_state``: the block only reads its state; only ``use_cache`` is switched off.
 
     Raises :class:`ConfigurationError` where the state cannot be switched off by the block's own default.
     """
@@ -109,14 +126,14 @@ def switch_off(block: str, fn: Callable[..., Any], args: tuple, kwargs: dict) ->
     new_args, new_kwargs, changed, problems = list(args), dict(kwargs), [], []
     for i, value in enumerate(args):
         param = positional[i] if i < len(positional) else None
-        new = _switched(param.name if param else None, value, param, in_kwargs=False)
+        new = _switched(param.name if param else None, value, param, in_kwargs=False, keep_state=keep_state)
         if new is _REFUSE:
             problems.append(_refusal(block, param.name if param else None, value))
         elif new is not _KEEP:
             new_args[i] = new
             changed.append(f"{param.name if param else i}={new}")
     for key, value in kwargs.items():
-        new = _switched(key, value, named.get(key), in_kwargs=True)
+        new = _switched(key, value, named.get(key), in_kwargs=True, keep_state=keep_state)
         if new is _REFUSE:
             problems.append(_refusal(block, key, value))
         elif new is _DROP:
@@ -133,11 +150,13 @@ def switch_off(block: str, fn: Callable[..., Any], args: tuple, kwargs: dict) ->
 _KEEP, _DROP, _REFUSE = object(), object(), object()
 
 
-def _switched(name: Optional[str], value: Any, param: Optional[inspect.Parameter], in_kwargs: bool) -> Any:
+def _switched(
+    name: Optional[str], value: Any, param: Optional[inspect.Parameter], in_kwargs: bool, keep_state: bool
+) -> Any:
     """What an argument becomes in the checkpointed call: ``_KEEP``, ``_DROP`` (left out), ``_REFUSE`` or a value."""
     if name == USE_CACHE and value is True:
         return False
-    if not is_call_state(name, value):
+    if keep_state or not is_call_state(name, value):
         return _KEEP
     if param is not None and param.default is None:
         return None

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from transformers import (
 )
 
 from lightning_resume import ActivationCheckpointingStrategy, measure_saved_bytes
+from tests.helpers.kill_resume import kill
 from tests.helpers.paths import REPO_ROOT, job_script
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 100, 32, 2, 4, 16
@@ -134,6 +136,27 @@ def start_job(cfg: dict[str, Any]) -> subprocess.Popen:
 
 def job_output(cfg: dict[str, Any]) -> str:
     return (Path(cfg["out"]) / "stdout.txt").read_text()[-6000:]
+
+
+def finish_job(proc: subprocess.Popen, cfg: dict[str, Any], timeout: float = 240) -> None:
+    """Wait for a job to end; raise with its output if it fails or outlives ``timeout``."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        raise AssertionError(f"job timed out:\n{job_output(cfg)}") from None
+    assert rc == 0, f"job failed with {rc}:\n{job_output(cfg)}"
+
+
+def kill_when_paused(proc: subprocess.Popen, cfg: dict[str, Any], timeout: float = 240) -> None:
+    """SIGKILL a job (``pause_before`` set) from outside once it blocks where its config says."""
+    marker, deadline = Path(cfg["out"]) / "paused", time.monotonic() + timeout
+    while not marker.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill(proc)
+            raise AssertionError(f"job did not reach its kill point ({proc.returncode}):\n{job_output(cfg)}")
+        time.sleep(0.05)
+    kill(proc)
 
 
 MODES = ("full", "selective", "budget")

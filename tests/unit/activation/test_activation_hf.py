@@ -130,6 +130,10 @@ class RequiresCache(nn.Module):
         return self.lin(x)
 
 
+class ReadsCache(RequiresCache):
+    _can_checkpoint_with_cache = True  # HF's mark: this layer only reads its cache
+
+
 class TakesKwargs(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -150,6 +154,13 @@ def test_a_cache_without_a_none_default_is_refused_in_forward_naming_the_option(
     with torch.no_grad():
         block(x, cache)  # not recomputed: nothing to refuse
     assert cache.calls == 1
+
+
+def test_a_block_marked_as_only_reading_its_cache_keeps_it():
+    block, cache = ReadsCache(), FakeCache()
+    checkpoint_block(block)
+    block(torch.randn(2, 4, requires_grad=True), cache).sum().backward()
+    assert cache.calls == 2  # forward and recompute both read it
 
 
 def test_a_cache_only_collected_in_kwargs_is_left_out_and_read_only_pairs_are_kept():

@@ -10,6 +10,10 @@ parameter order and ``named_modules()`` are the same with checkpointing on or of
 still run once per forward (outside the recomputed region). Without grad (validation, predict)
 the original forward runs directly.
 
+A checkpointed call runs its forward twice with the same arguments, so per-call state among them (a
+Hugging Face key/value cache, which appends on every call) is switched off for that call, with one info
+line per block class, or the call is refused where that is not safe: the rule is in :mod:`.call_state`.
+
 Selective units (``plan.selective``) run under the same checkpoint with a ``context_fn`` from
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: a policy that answers
 ``MUST_SAVE`` for the ops named in ``plan.save_ops`` and ``PREFER_RECOMPUTE`` for every other op.
@@ -32,6 +36,7 @@ from torch._ops import OpOverload
 from torch.fx.operator_schemas import get_signature_for_torch_op
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_resume.activation.call_state import CallStateSwitch
 from lightning_resume.activation.policy import DEFAULT_SAVE_OPS, OWNER, CheckpointPlan
 from lightning_resume.errors import ConfigurationError
 
@@ -39,6 +44,7 @@ _INNER = "_lightning_resume_ac_inner"  # an instance forward that was there befo
 _SEGMENTS = "_lightning_resume_ac_segments"  # {start: end} child ranges of an nn.Sequential
 _MARK = "_lightning_resume_ac"  # set on every module whose forward we replaced
 _SAVE_OPS = "_lightning_resume_ac_save_ops"  # op names a selective block keeps (strings: deepcopy-safe)
+_SWITCH = "_lightning_resume_ac_call_state"  # the CallStateSwitch of a checkpointed block (one per plan)
 
 
 def _resolve_one(name: str) -> list[OpOverload]:
@@ -138,7 +144,10 @@ def _inner_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return _run_checkpointed(_inner_forward(self), *args, save_ops=self.__dict__.get(_SAVE_OPS, ()), **kwargs)
+    fn = _inner_forward(self)
+    if torch.is_grad_enabled():  # only then is the call checkpointed, and rerun in backward
+        args, kwargs = self.__dict__[_SWITCH](self, fn, args, kwargs)
+    return _run_checkpointed(fn, *args, save_ops=self.__dict__.get(_SAVE_OPS, ()), **kwargs)
 
 
 def _run_children(seq: nn.Sequential, start: int, end: int, x: Any) -> Any:
@@ -172,14 +181,18 @@ def _replace_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
     object.__setattr__(module, _MARK, True)
 
 
-def checkpoint_block(module: nn.Module, save_ops: Sequence[str] = ()) -> None:
+def checkpoint_block(
+    module: nn.Module, save_ops: Sequence[str] = (), call_state: Optional[CallStateSwitch] = None
+) -> None:
     """Recompute ``module``'s forward in backward. Its names and state-dict keys do not change.
 
     ``save_ops``: op names whose outputs are kept (selective recomputation); empty: recompute all.
+    ``call_state``: switches per-call state (caches) off in checkpointed calls; shared to log once per class.
     """
     if save_ops:
         resolve_save_ops(tuple(save_ops))  # refuse bad names now, not in the first training step
     _replace_forward(module, _checkpointed_forward)
+    object.__setattr__(module, _SWITCH, call_state or CallStateSwitch())
     if save_ops:
         object.__setattr__(module, _SAVE_OPS, tuple(save_ops))
 
@@ -202,8 +215,11 @@ def checkpoint_segments(
     object.__setattr__(seq, _SEGMENTS, segments)
 
 
-def apply_plan(root: nn.Module, plan: CheckpointPlan) -> None:
-    """Apply every unit of ``plan`` to ``root`` (names are qualified names inside ``root``)."""
+def apply_plan(root: nn.Module, plan: CheckpointPlan, log: Optional[Callable[[str], None]] = None) -> None:
+    """Apply every unit of ``plan`` to ``root`` (names are qualified names inside ``root``).
+
+    ``log``: where the one line per block class whose cache is switched off goes (default: this package's logger).
+    """
     modules = dict(root.named_modules())
     missing = [name for name in plan.blocks if name not in modules]
     if missing:
@@ -211,9 +227,10 @@ def apply_plan(root: nn.Module, plan: CheckpointPlan) -> None:
     grouped: dict[str, list[tuple[int, int]]] = {}
     kept: dict[str, dict[int, tuple[str, ...]]] = {}
     units = [(unit, ()) for unit in plan.units] + [(unit, plan.save_ops) for unit in plan.selective]
+    call_state = CallStateSwitch(log)
     for unit, save_ops in units:
         if len(unit) == 1:
-            checkpoint_block(modules[unit[0]], save_ops)
+            checkpoint_block(modules[unit[0]], save_ops, call_state)
             continue
         parent, run = _segment_range(root, modules, unit)
         grouped.setdefault(parent, []).append(run)
@@ -243,6 +260,7 @@ def remove_activation_checkpointing(root: nn.Module) -> int:
             del module.__dict__["forward"]
             module.__dict__.pop(_SEGMENTS, None)
             module.__dict__.pop(_SAVE_OPS, None)
+            module.__dict__.pop(_SWITCH, None)
             inner = module.__dict__.pop(_INNER, None)
             if inner is not None:
                 object.__setattr__(module, "forward", inner)

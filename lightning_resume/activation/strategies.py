@@ -174,7 +174,7 @@ class _ActivationCheckpointingHook(ModelSetupHook):
 
     @override
     def prepare_model(self, model: nn.Module) -> None:
-        apply_plan(model, self._plan_activation(model))
+        apply_plan(model, self._plan_activation(model), log=rank_zero_info)
 
 
 def _call_forward(model: nn.Module, strategy: Strategy, example: Any) -> Any:

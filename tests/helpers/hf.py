@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +32,8 @@ from transformers import (
 )
 
 from lightning_resume import ActivationCheckpointingStrategy, measure_saved_bytes
-from tests.helpers.kill_resume import kill
-from tests.helpers.paths import REPO_ROOT, job_script
+from tests.helpers import processes
+from tests.helpers.paths import job_script
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 100, 32, 2, 4, 16
 FAMILIES = ("llama", "gpt2", "bert")
@@ -118,20 +116,12 @@ class HFModule(LightningModule):
 
 
 def start_job(cfg: dict[str, Any]) -> subprocess.Popen:
-    """Start ``jobs/hf_job.py`` on ``cfg`` (written to ``<out>/config.json``) in its own process group."""
+    """Start ``jobs/hf_job.py`` on ``cfg`` (written to ``<out>/config.json``), its output to ``<out>/stdout.txt``."""
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with open(out / "stdout.txt", "w") as log:
-        return subprocess.Popen(
-            [sys.executable, job_script("hf_job.py"), str(out / "config.json")],
-            cwd=out,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # one process group: killed as a whole
-        )
+    args = [job_script("hf_job.py"), out / "config.json"]
+    return processes.start(args, env={"HF_HUB_OFFLINE": "1"}, cwd=out, log=out / "stdout.txt")
 
 
 def job_output(cfg: dict[str, Any]) -> str:
@@ -143,20 +133,15 @@ def finish_job(proc: subprocess.Popen, cfg: dict[str, Any], timeout: float = 240
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill(proc)
+        processes.kill(proc)
         raise AssertionError(f"job timed out:\n{job_output(cfg)}") from None
     assert rc == 0, f"job failed with {rc}:\n{job_output(cfg)}"
 
 
 def kill_when_paused(proc: subprocess.Popen, cfg: dict[str, Any], timeout: float = 240) -> None:
     """SIGKILL a job (``pause_before`` set) from outside once it blocks where its config says."""
-    marker, deadline = Path(cfg["out"]) / "paused", time.monotonic() + timeout
-    while not marker.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            kill(proc)
-            raise AssertionError(f"job did not reach its kill point ({proc.returncode}):\n{job_output(cfg)}")
-        time.sleep(0.05)
-    kill(proc)
+    marker = Path(cfg["out"]) / "paused"
+    processes.kill_when(proc, marker.exists, timeout, log=lambda: job_output(cfg))
 
 
 MODES = ("full", "selective", "budget")

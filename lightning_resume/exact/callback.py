@@ -23,7 +23,13 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, snapshots
-from lightning_resume.exact.capture import AT_STEP_BOUNDARY, INSIDE_STEP, INSIDE_VALIDATION, checkpoint_state
+from lightning_resume.exact.capture import (
+    AT_STEP_BOUNDARY,
+    INSIDE_STEP,
+    INSIDE_VALIDATION,
+    OUTSIDE_FIT,
+    checkpoint_state,
+)
 from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.restore import check_same_checkpoint, refuse_or_warn, restore
@@ -342,7 +348,7 @@ class ExactResume(Callback):
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         if trainer is None or not trainer.training and not trainer.validating:
-            return {}
+            return {"captured_at": OUTSIDE_FIT}  # trainer.save_checkpoint() after fit: no training position
         schedule = self.scheduler.state_dict() if self.scheduler is not None else {}
         where = INSIDE_STEP if lc.inside_training_step(trainer) else AT_STEP_BOUNDARY
         where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where
@@ -358,18 +364,28 @@ class ExactResume(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = state_dict if state_dict else None
+        self._pending = state_dict if state_dict and state_dict.get("captured_at") != OUTSIDE_FIT else None
 
     @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if checkpoint.get("callbacks", {}).get(self.state_key):
+        ours = checkpoint.get("callbacks", {}).get(self.state_key)
+        if ours:
             lc.drop_loader_state(checkpoint)
-        else:
+        if not trainer.training:
+            return  # validate/test/predict read weights only: nothing of a training position is missed
+        if not ours:
             rank_zero_warn(
                 "ExactResume: this checkpoint was written without ExactResume; training resumes but these are not"
                 f" restored: {NOT_RESTORED_WITHOUT_EXACT_RESUME}. The resumed run will differ from an"
                 " uninterrupted one.",
+                category=ExactResumeWarning,
+            )
+        elif ours.get("captured_at") == OUTSIDE_FIT:
+            rank_zero_warn(
+                "ExactResume: this checkpoint was saved outside fit (trainer.save_checkpoint() after training), so"
+                f" it holds no training position; training resumes but these are not restored:"
+                f" {NOT_RESTORED_WITHOUT_EXACT_RESUME}.",
                 category=ExactResumeWarning,
             )

@@ -27,9 +27,11 @@ FORMAT_VERSION = 1
 AT_STEP_BOUNDARY = "step_boundary"
 INSIDE_STEP = "inside_training_step"
 INSIDE_VALIDATION = "inside_validation"
+OUTSIDE_FIT = "outside_fit"
 """Where in the loop a state was captured. Only a step boundary (after a batch, after a validation run,
 at an epoch's end) can resume exactly: a state captured inside a step (a signal handler's save, an
-exception hook) or inside validation has work half done that no checkpoint holds."""
+exception hook) or inside validation has work half done that no checkpoint holds. A checkpoint saved outside
+``fit`` (``trainer.save_checkpoint()`` after training) holds no training position at all."""
 
 
 def checkpoint_state(

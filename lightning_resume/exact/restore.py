@@ -42,6 +42,10 @@ def restore(
     differences = collective.agreed(differences_from(trainer, saved, generators))
     if differences:
         refuse_or_warn(strict, trainer.ckpt_path, differences)
+    mid_step = capture_point_problem(saved)
+    if mid_step is not None:
+        warn_approximate([mid_step])
+        differences = [*differences, mid_step]
     mine = state_for_this_rank(trainer, saved)
     lc.restore_callback_metrics(trainer, dict(mine.get("metrics") or {}))  # the next save decisions read them
     restored_rng = restore_position_and_rng(trainer, mine, saved, generators)
@@ -141,6 +145,20 @@ def _load_loader_states(loaders: list[Any], states: list[Any], signatures: list[
         loader.load_state_dict(state)
 
 
+def capture_point_problem(saved: Mapping[str, Any]) -> Optional[str]:
+    """Why a checkpoint captured mid-step (inside a training step or validation) cannot resume exactly; ``None``
+    at a step boundary. Not a mismatch with the run: such a checkpoint (Lightning's own, from an exception hook or
+    a signal handler) resumes approximately, with a warning, whatever ``strict`` says."""
+    captured_at = saved.get("captured_at", AT_STEP_BOUNDARY)
+    if captured_at == AT_STEP_BOUNDARY:
+        return None
+    return (
+        f"the checkpoint was captured {captured_at.replace('_', ' ')} (e.g. by a signal handler or an exception"
+        " hook), not at a step boundary: the work half done then is not in it, so the run resumes from there"
+        " approximately; let ExactResume take preemption snapshots (preemption_signals) instead"
+    )
+
+
 def differences_from(
     trainer: pl.Trainer, saved: Mapping[str, Any], generators: Mapping[str, torch.Generator]
 ) -> list[str]:
@@ -148,13 +166,6 @@ def differences_from(
     out = []
     if saved.get("format") != FORMAT_VERSION:
         out.append(f"ExactResume state format {saved.get('format')!r}, this version reads {FORMAT_VERSION}")
-    captured_at = saved.get("captured_at", AT_STEP_BOUNDARY)
-    if captured_at != AT_STEP_BOUNDARY:
-        out.append(
-            f"the checkpoint was captured {captured_at.replace('_', ' ')} (e.g. by a signal handler or an exception"
-            " hook), not at a step boundary: the work half done then is not in it, so the run resumes from there"
-            " approximately; let ExactResume take preemption snapshots (preemption_signals) instead"
-        )
     if saved.get("world_size") != trainer.world_size:
         out.append(
             f"world size: checkpoint written by {saved.get('world_size')} processes, this run has"
@@ -188,9 +199,13 @@ def refuse_or_warn(strict: bool, source: Optional[Union[str, os.PathLike[str]]],
             differences,
             "Fix the run to match the checkpoint, or pass ExactResume(strict=False) to continue approximately.",
         )
+    warn_approximate(differences, "ExactResume(strict=False)")
+
+
+def warn_approximate(differences: list[str], who: str = "ExactResume") -> None:
+    """One warning listing what will not be exact in a resume that goes on."""
     rank_zero_warn(
-        "ExactResume(strict=False): resuming approximately; these will not be exact:\n"
-        + "\n".join(f"  - {d}" for d in differences),
+        f"{who}: resuming approximately; these will not be exact:\n" + "\n".join(f"  - {d}" for d in differences),
         category=ExactResumeWarning,
     )
 

@@ -75,3 +75,18 @@ def test_sigterm_snapshots_then_lightning_raises_and_the_users_handler_runs(tmp_
         assert trainer.global_step == 4
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_checkpoint_saved_after_fit_loads_for_evaluation_without_a_word(tmp_path):
+    lightning.seed_everything(0, verbose=False)
+    trainer = tiny_trainer([ExactResume(mtbf=None)], max_epochs=1, enable_checkpointing=False)
+    trainer.fit(TinyModel(), TinyData())
+    trainer.save_checkpoint(tmp_path / "after.ckpt")  # outside fit: no training position in it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_trainer([ExactResume(mtbf=None)]).validate(TinyModel(), TinyData(), ckpt_path=tmp_path / "after.ckpt")
+    assert _ours(caught) == []
+    with pytest.warns(UserWarning, match="saved outside fit"):  # training from it is not exact: said so
+        tiny_trainer([ExactResume(mtbf=None)], max_epochs=2, enable_checkpointing=False).fit(
+            TinyModel(), TinyData(), ckpt_path=tmp_path / "after.ckpt"
+        )

@@ -74,8 +74,13 @@ def start_skipped_epoch(trainer: pl.Trainer) -> list[str]:
     return [
         f"{type(h).__name__}.on_train_epoch_end"
         for h in skipped
-        if not isinstance(h, ALREADY_DONE + NO_OP_AT_EPOCH_END)
+        if not isinstance(h, ALREADY_DONE + NO_OP_AT_EPOCH_END) and not _ours(h)
     ]
+
+
+def _ours(hooked: Any) -> bool:
+    """lightning-resume's own callbacks: their epoch hooks only reset per-epoch bookkeeping the resume sets."""
+    return type(hooked).__module__.split(".")[0] == "lightning_resume"
 
 
 def _checkpointed_state(trainer: pl.Trainer) -> tuple[dict[str, Any], list[list[dict[str, Any]]]]:

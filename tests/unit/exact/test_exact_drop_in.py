@@ -90,3 +90,16 @@ def test_a_checkpoint_saved_after_fit_loads_for_evaluation_without_a_word(tmp_pa
         tiny_trainer([ExactResume(mtbf=None)], max_epochs=2, enable_checkpointing=False).fit(
             TinyModel(), TinyData(), ckpt_path=tmp_path / "after.ckpt"
         )
+
+
+@pytest.mark.parametrize("trigger", [{}, {"every_n_train_steps": 8}])  # in on_train_epoch_end; on its last batch
+def test_resuming_at_an_epoch_end_with_the_progress_bar_warns_nothing(tmp_path, trigger):
+    lightning.seed_everything(0, verbose=False)
+    first = [ExactResume(mtbf=None), ModelCheckpoint(dirpath=tmp_path, **trigger)]
+    tiny_trainer(first, max_epochs=1).fit(TinyModel(), TinyData())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callbacks = [ExactResume(mtbf=None), ModelCheckpoint(dirpath=tmp_path, **trigger)]
+        trainer = tiny_trainer(callbacks, max_steps=16, enable_progress_bar=True)
+        trainer.fit(TinyModel(), TinyData(), ckpt_path=str(tmp_path / "epoch=0-step=8.ckpt"))
+    assert _ours(caught) == [] and trainer.global_step == 16

@@ -31,6 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from lightning_resume import ExactResume  # noqa: E402
 from tests.helpers.hf import HFModule, Tokens, strategy_for  # noqa: E402
+from tests.helpers.models import QUIET  # noqa: E402
 
 
 class StepLog(Callback):
@@ -72,17 +73,8 @@ def main(cfg: dict[str, Any]) -> None:
     ]
     if cfg.get("pause_before") is not None:
         callbacks.append(PauseBefore(out, cfg["pause_before"]))
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=cfg["max_steps"],
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = Trainer(**QUIET, accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["max_steps"],
+                      callbacks=callbacks, num_sanity_val_steps=0)  # fmt: skip
     loader = StatefulDataLoader(Tokens(), batch_size=4, shuffle=True)
     trainer.fit(module, loader, ckpt_path=cfg.get("resume"))
     final = {"model": module.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}

@@ -16,7 +16,7 @@ from lightning_resume.activation.apply import checkpoint_block
 from lightning_resume.activation.call_state import CallStateSwitch
 from lightning_resume.errors import ConfigurationError
 from tests.helpers.hf import BLOCKS, FAMILIES, MODES, SEQ, HFModule, Tokens, build, strategy_for
-from tests.helpers.models import checkpointed_modules
+from tests.helpers.models import QUIET, checkpointed_modules
 
 STEPS = 3
 USE_CACHE = {"llama": True, "gpt2": False, "bert": True}
@@ -33,14 +33,7 @@ def fit(family: str, mode: str | None, use_cache: bool) -> HFModule:
     strategy = strategy_for(module, family, mode) if mode else "auto"
     seed_everything(4, verbose=False)  # training draws the same numbers (shuffle, dropout) in every run
     trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, enable_checkpointing=False, **QUIET
     )
     trainer.fit(module, DataLoader(Tokens(), batch_size=4, shuffle=True))
     return module

@@ -173,12 +173,45 @@ def _adopt_batch_sampler(loader: DataLoader) -> Optional[list[Undo]]:
     batch_sampler = loader.batch_sampler
     if batch_sampler is None:  # batch_size=None: the sampler yields the indices itself
         return _adopt_sampler(loader.sampler)
+    undo: list[Undo] = []
     if type(batch_sampler) is tud.BatchSampler:
         td.stateful_batch_sampler(batch_sampler)
-        return [lambda: td.plain_batch_sampler(batch_sampler), *_adopt_sampler(batch_sampler.sampler)]
-    if isinstance(batch_sampler, (stateful_samplers.BatchSampler, Stateful)):
-        return _adopt_sampler(batch_sampler.sampler) if hasattr(batch_sampler, "sampler") else []
+        undo.append(lambda: td.plain_batch_sampler(batch_sampler))
+    if isinstance(batch_sampler, stateful_samplers.BatchSampler):
+        inner = batch_sampler.sampler
+        return undo + (
+            _replace_wrapper(loader, batch_sampler) if _replaceable_wrapper(inner) else _adopt_sampler(inner)
+        )
+    if isinstance(batch_sampler, Stateful):  # a batch sampler with a position of its own
+        return _adopt_sampler(getattr(batch_sampler, "sampler", None))
     return None
+
+
+def _replaceable_wrapper(sampler: Any) -> bool:
+    inner = lc.sampler_inside_distributed_wrapper(sampler)
+    plain = (tud.RandomSampler, tud.SequentialSampler, stateful_samplers.RandomSampler)
+    return inner is not None and type(inner) in plain and not getattr(inner, "replacement", False)
+
+
+def _replace_wrapper(loader: DataLoader, batch_sampler: Any) -> list[Undo]:
+    """Lightning wraps a sampler it does not recognise (torchdata's ``RandomSampler`` among them) in a
+    ``DistributedSamplerWrapper``, whose order is re-drawn from the inner sampler each epoch and has no
+    position; a plain random or sequential inner order is replaced by ``StatefulDistributedSampler``'s seeded
+    shuffle (a different but equally uniform order, disjoint across ranks). The wrapper is Lightning's
+    object, not the user's; it is put back at the end of the fit."""
+    wrapper = batch_sampler.sampler
+    if len(lc.sampler_inside_distributed_wrapper(wrapper)) != len(loader.dataset):  # type: ignore[arg-type]
+        return []
+    new = stateful_samplers.StatefulDistributedSampler(
+        loader.dataset, wrapper.num_replicas, wrapper.rank, wrapper.shuffle, wrapper.seed, wrapper.drop_last
+    )
+
+    def put(sampler: Any) -> None:
+        batch_sampler.sampler = sampler
+        loader.__dict__["sampler"] = sampler  # DataLoader refuses to set it after __init__
+
+    put(new)
+    return [lambda: put(wrapper)]
 
 
 def adopt(loader: Any) -> list[Undo]:

@@ -109,3 +109,18 @@ def test_stateful_subclass_with_workers_names_the_wrapper() -> None:
     AdoptedLoaders()(loader)
     (problem,) = loader_problems("train loader 0", loader)
     assert "ResumableDataset(ds)" in problem
+
+
+def test_lightnings_wrapper_of_a_plain_order_becomes_a_stateful_distributed_sampler_and_is_put_back() -> None:
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torchdata.stateful_dataloader.sampler import RandomSampler as TorchdataRandomSampler
+
+    ds = _data()
+    wrapper = DistributedSamplerWrapper(TorchdataRandomSampler(ds), num_replicas=2, rank=0, shuffle=True, seed=3)
+    loader = StatefulDataLoader(ds, batch_size=2, sampler=wrapper)
+    adopted = AdoptedLoaders()
+    adopted(loader)
+    assert type(loader.sampler) is StatefulDistributedSampler and loader.batch_sampler.sampler is loader.sampler
+    assert loader_problems("train loader 0", loader) == []
+    adopted.release()
+    assert loader.sampler is wrapper and loader.batch_sampler.sampler is wrapper

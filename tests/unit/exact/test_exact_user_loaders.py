@@ -13,6 +13,7 @@ from unittest.mock import Mock, call
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
@@ -43,8 +44,9 @@ def _trainer(tmp_path: Path, exact: bool, **kwargs: Any) -> Trainer:
         default_root_dir=tmp_path, max_epochs=3, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
     )  # fmt: skip
+    callbacks = kwargs.pop("callbacks", None) or []
     options.update(kwargs)
-    return Trainer(callbacks=[ExactResume(mtbf=None)] if exact else [], **options)
+    return Trainer(callbacks=[*callbacks, ExactResume(mtbf=None)] if exact else callbacks, **options)
 
 
 def _fit(tmp_path: Path, exact: bool, loader: Any, **kwargs: Any) -> Recorder:
@@ -155,3 +157,23 @@ def test_no_torchdata_deprecation_warning(tmp_path: Path) -> None:
         _fit(tmp_path, True, DataLoader(RandomDataset(32, 8), batch_size=2, shuffle=True), max_epochs=1)
     assert not [w for w in record if "set_vital" in str(w.message)]
     assert not [w for w in record if "train loader" in str(w.message)]
+
+
+@pytest.mark.parametrize("generator", [False, True], ids=["global_seed", "own_generator"])
+def test_a_shuffled_plain_loader_resumes_mid_epoch_on_the_uninterrupted_order(tmp_path: Path, generator: bool) -> None:
+    def run(root: Path, ckpt_path: Any = None, **kwargs: Any) -> Recorder:
+        seed_everything(7)
+        ds = RandomDataset(32, 24)
+        g = torch.Generator().manual_seed(11) if generator else None
+        loader = DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, generator=g))
+        every = ModelCheckpoint(dirpath=root, every_n_train_steps=10, save_top_k=-1, filename="{step}")
+        trainer = _trainer(root, True, callbacks=[every], enable_checkpointing=True, **kwargs)
+        model = Recorder()
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return model
+
+    whole = run(tmp_path / "a")
+    resumed = run(tmp_path / "c", ckpt_path=tmp_path / "a" / "step=10.ckpt")
+    assert len(whole.seen) == 18 and len(resumed.seen) == 8  # resumed in epoch 1 (6 batches an epoch)
+    assert all(torch.equal(a, b) for a, b in zip(whole.seen[10:], resumed.seen, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(whole.draws[10:], resumed.draws, strict=True))

@@ -18,9 +18,8 @@ from typing import Any, Callable, Optional, cast
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, _set_sampler_epoch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _DatasetSamplerWrapper
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loops.evaluation_loop import RestartStage
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
@@ -28,7 +27,6 @@ from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -45,13 +43,16 @@ def train_loaders(trainer: pl.Trainer) -> list[Any]:
     return list(combined.flattened) if combined is not None else []
 
 
-def on_train_loader_processed(trainer: pl.Trainer, replace: Callable[[Any], Any]) -> Callable[[], None]:
+def on_train_loader_processed(
+    trainer: pl.Trainer, replace: Callable[[Any], Any], release: Optional[Callable[[], None]] = None
+) -> Callable[[], None]:
     """Have ``replace`` see (and may replace) every training loader once Lightning has processed it.
 
     ``FitLoop.setup_data`` passes each training loader through ``_process_dataloader``
     (fit_loop.py:252-254), which calls ``strategy.process_dataloader`` after injecting a distributed
     sampler and before adding a ``worker_init_fn`` and creating the iterator (data_connector.py:494-507).
-    ``replace`` wraps that strategy method on this instance. Returns the function that removes it.
+    ``replace`` wraps that strategy method on this instance. Returns the function that removes it and
+    then calls ``release`` (which puts back what ``replace`` changed).
     """
     strategy = trainer.strategy
     original = strategy.process_dataloader
@@ -65,24 +66,10 @@ def on_train_loader_processed(trainer: pl.Trainer, replace: Callable[[Any], Any]
     def remove() -> None:
         if strategy.__dict__.get("process_dataloader") is process_dataloader:
             del strategy.process_dataloader
+        if release is not None:
+            release()
 
     return remove
-
-
-def reinstantiate_loader(loader: Any, cls: type, sampler: Any, dataset: Any) -> Any:
-    """``loader`` made again as ``cls`` with the same arguments but ``sampler`` and ``dataset``, as Lightning
-    does to inject a distributed sampler (utilities/data.py:132-230; fabric/utilities/data.py:253).
-    ``None`` when its arguments cannot be recovered (Lightning says so with ``MisconfigurationException``)."""
-    try:
-        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, sampler)
-    except (MisconfigurationException, TypeError, ValueError):
-        return None
-    names = getattr(loader, "__pl_saved_arg_names", ())  # fabric/utilities/data.py:313
-    if "dataset" in names[: len(args)]:
-        args = tuple(dataset if n == "dataset" else a for n, a in zip(names, args, strict=False)) + args[len(names) :]
-    else:
-        kwargs["dataset"] = dataset
-    return _reinstantiate_wrapped_cls(loader, *args, explicit_cls=cls, **kwargs)
 
 
 def sampler_inside_distributed_wrapper(sampler: Any) -> Any:

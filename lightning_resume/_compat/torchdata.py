@@ -1,22 +1,27 @@
-"""Every use of torchdata's private ``StatefulDataLoader`` state layout, in one place (torchdata 0.11).
+"""Every use of torchdata's private ``StatefulDataLoader`` layout, in one place (torchdata 0.11).
 
 ``StatefulDataLoader.state_dict()`` is a dict whose keys are private constants of torchdata's iterator
 and sampler classes. ``ExactResume`` reads them to describe a position (``inspect``) and to move a
 single-process position to another world size. The keys are imported from the classes that define
-them, so a rename fails here at import, not silently in a remapped position.
+them, so a rename fails here at import, not silently in a remapped position. ``become_stateful`` and
+its siblings give an existing torch loader, batch sampler or distributed sampler the attributes torchdata's
+constructors add, so that the user's own object becomes its torchdata counterpart in place.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler, _BatchSamplerIterator
+import torch.utils.data as tud
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import BatchSampler, StatefulDistributedSampler, _BatchSamplerIterator
 from torchdata.stateful_dataloader.stateful_dataloader import (
     _SAMPLER_ITER_STATE,
     _SAMPLER_ITER_YIELDED,
     _StatefulMultiProcessingDataLoaderIter,
     _StatefulSingleProcessDataLoaderIter,
 )
+from typing_extensions import override
 
 _NUM_YIELDED = _StatefulSingleProcessDataLoaderIter._NUM_YIELDED  # stateful_dataloader.py:465
 _SNAPSHOT = _StatefulMultiProcessingDataLoaderIter._SNAPSHOT  # :893
@@ -58,3 +63,64 @@ def with_position(state: Mapping[str, Any], batches: int, samples: int) -> dict[
     new = dict(state, **{_NUM_YIELDED: batches, _SAMPLER_ITER_YIELDED: batches})
     new[_SAMPLER_ITER_STATE] = dict(iter_state, **{_SAMPLES_YIELDED: samples, _SAMPLER_STATE: sampler_state})
     return new
+
+
+class WorkerDatasetLoader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` whose iterators (and so its workers) get ``worker_dataset()`` while
+    ``loader.dataset`` stays what the user passed. An iterator reads ``loader.dataset`` once, in its
+    constructor (torch dataloader.py, ``_BaseDataLoaderIter.__init__``), called from ``_get_iterator``
+    (stateful_dataloader.py:381-389); ``DataLoader`` refuses to set ``dataset`` after ``__init__``, so the
+    instance dict holds the other one only while the iterator is made."""
+
+    def worker_dataset(self) -> Any:
+        return self.dataset
+
+    @override
+    def _get_iterator(self) -> Any:
+        dataset, shown = self.dataset, self.worker_dataset()
+        if shown is dataset:
+            return super()._get_iterator()
+        self.__dict__["dataset"] = shown
+        try:
+            return super()._get_iterator()
+        finally:
+            self.__dict__["dataset"] = dataset
+
+
+def become_stateful(loader: tud.DataLoader, cls: type[StatefulDataLoader]) -> None:
+    """Make a constructed ``DataLoader`` a ``cls`` (a ``StatefulDataLoader`` subclass) in place: the attributes
+    ``StatefulDataLoader.__init__`` adds to ``DataLoader``'s (stateful_dataloader.py:371-377), defaults as there.
+    Its ``__init__`` is not run, so torch's deprecated ``set_vital`` call (:379) and its warning are skipped."""
+    loader.__class__ = cls
+    vars(loader).update(snapshot_every_n_steps=1, next_iter_state=None, _initial_iter_for_state_dict=False)
+
+
+def become_plain(loader: StatefulDataLoader, cls: type[tud.DataLoader]) -> None:
+    """Undo :func:`become_stateful`: ``cls`` again, the iterator torchdata kept (:396-408) dropped."""
+    for name in ("snapshot_every_n_steps", "next_iter_state", "_initial_iter_for_state_dict"):
+        vars(loader).pop(name, None)
+    vars(loader)["_iterator"] = None  # torch's DataLoader keeps one only for persistent workers, of its own kind
+    loader.__class__ = cls
+
+
+def stateful_batch_sampler(batch_sampler: tud.BatchSampler) -> None:
+    """torch's ``BatchSampler`` made torchdata's in place: the same fields, an iterator with a position
+    (sampler.py:170-179, no attribute of its own)."""
+    batch_sampler.__class__ = BatchSampler
+
+
+def plain_batch_sampler(batch_sampler: BatchSampler) -> None:
+    batch_sampler.__class__ = tud.BatchSampler
+
+
+def stateful_distributed_sampler(sampler: tud.DistributedSampler) -> None:
+    """torch's ``DistributedSampler`` made ``StatefulDistributedSampler`` in place: the same order (it calls
+    ``DistributedSampler.__iter__``) and the counters its ``__init__`` adds (sampler.py:195-196)."""
+    sampler.__class__ = StatefulDistributedSampler
+    vars(sampler).update(yielded=0, next_yielded=None)
+
+
+def plain_distributed_sampler(sampler: StatefulDistributedSampler) -> None:
+    for name in ("yielded", "next_yielded"):
+        vars(sampler).pop(name, None)
+    sampler.__class__ = tud.DistributedSampler

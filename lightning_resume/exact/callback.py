@@ -33,7 +33,7 @@ from lightning_resume.exact.capture import (
 from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.restore import check_same_checkpoint, refuse_or_warn, restore
-from lightning_resume.exact.state.data import loader_problems, resumable_loader, unsaved_position
+from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.io.memory_tier import DEFAULT_ROOT
 from lightning_resume.retention.last import OncePerFit, resumed_from
@@ -207,8 +207,9 @@ class ExactResume(Callback):
         self._trainer = trainer
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if stage == "fit" and self._stop_replacing_loaders is None:
-            # The loaders users already have, made resumable as Lightning sets them up (no change to their code).
-            self._stop_replacing_loaders = lc.on_train_loader_processed(trainer, resumable_loader)
+            # The loaders users already have, made resumable in place as Lightning sets them up; put back at the end.
+            adopted = AdoptedLoaders()
+            self._stop_replacing_loaders = lc.on_train_loader_processed(trainer, adopted, adopted.release)
         if snapshots.snapshot_target(trainer) is None and snapshots.first_model_checkpoint(trainer) is None:
             if self.scheduler is not None and self.scheduler.config.asked_for_snapshots:
                 raise ConfigurationError("ExactResume", [
@@ -242,8 +243,10 @@ class ExactResume(Callback):
             rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
         numbered = enumerate(loaders)
         unsaved = [line for i, dl in numbered if (line := unsaved_position(f"train loader {i}", dl)) is not None]
-        if unsaved:
+        if unsaved and self._pending is not None:  # a saved position that cannot be applied
             refuse_or_warn(self.strict, trainer.ckpt_path, unsaved)
+        for line in unsaved if self._pending is None else []:  # a fresh run is never refused: named once
+            rank_zero_warn(f"ExactResume: resume will not be exact: {line}", category=ExactResumeWarning)
         pending, self._pending = self._pending, None
         check_same_checkpoint(trainer, pending)
         self.resume_report = {}
@@ -275,7 +278,8 @@ class ExactResume(Callback):
         ]
         # Trainer.datamodule and .callbacks are public but assigned by Lightning's connectors, so untyped
         roots = {"model": pl_module, "datamodule": trainer.datamodule}  # type: ignore[attr-defined]
-        roots.update({f"train loader {i} dataset": dl.dataset for i, dl in enumerate(loaders)})
+        datasets = {f"train loader {i} dataset": getattr(dl, "dataset", None) for i, dl in enumerate(loaders)}
+        roots.update({name: ds for name, ds in datasets.items() if ds is not None})  # a generator has none
         has_timer = any(isinstance(cb, Timer) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         limits = limit_problems(roots, self.generators.values(), trainer.strategy.root_device, has_timer)
         out += [f"not exact: {p}" for p in limits]

@@ -13,11 +13,10 @@ from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
-from torchdata.stateful_dataloader.stateful import Stateful
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
-from lightning_resume.exact.state.data import loader_signature
+from lightning_resume.exact.state.data import loader_signature, loader_state
 from lightning_resume.exact.state.fingerprint import digest, fingerprint
 from lightning_resume.exact.state.rng import capture_rng
 
@@ -66,7 +65,7 @@ def capture_rank(
 ) -> dict[str, Any]:
     """This rank's RNG streams, loader positions, prefetched batches and where in the epoch it stands."""
     loaders = lc.train_loaders(trainer)
-    states = [dl.state_dict() if isinstance(dl, Stateful) else None for dl in loaders]
+    states = [loader_state(dl) for dl in loaders]
     prefetched = lc.prefetched_batches(trainer)
     local = {
         "rank": trainer.global_rank,

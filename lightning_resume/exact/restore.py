@@ -16,14 +16,13 @@ from typing import Any, Mapping, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torchdata.stateful_dataloader.stateful import Stateful
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
 from lightning_resume.exact import epoch_hooks
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
-from lightning_resume.exact.state.data import loader_signature, remap_position
+from lightning_resume.exact.state.data import is_resumable, load_loader_state, loader_signature, remap_position
 from lightning_resume.exact.state.fingerprint import fingerprint_mismatches, unsaved_buffer_mismatches
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
 
@@ -134,7 +133,7 @@ def start_next_epoch(trainer: pl.Trainer) -> None:
 
 def _load_loader_states(loaders: list[Any], states: list[Any], signatures: list[Mapping[str, Any]]) -> None:
     for i, (loader, state) in enumerate(zip(loaders, states, strict=False)):
-        if state is None or not isinstance(loader, Stateful):
+        if state is None or not is_resumable(loader):
             continue
         if i < len(signatures) and signatures[i].get("num_workers") != loader_signature(loader)["num_workers"]:
             rank_zero_warn(
@@ -142,7 +141,7 @@ def _load_loader_states(loaders: list[Any], states: list[Any], signatures: list[
                 category=ExactResumeWarning,
             )
             continue
-        loader.load_state_dict(state)
+        load_loader_state(loader, state)
 
 
 def capture_point_problem(saved: Mapping[str, Any]) -> Optional[str]:

@@ -3,26 +3,37 @@
 ``ResumableDataset`` makes each worker process's RNG streams part of torchdata's loader state: the
 worker calls its ``state_dict()`` after every batch it produces (torchdata's snapshot), so the
 state of the worker that made the last consumed batch is exactly the state to restore.
-``resumable_loader`` gives the pipeline a user already has the same property without a change to
-their code: a plain ``DataLoader`` becomes a ``StatefulDataLoader`` with the same arguments, samplers
-without state become their stateful equivalents (same order), and with ``num_workers > 0`` the
-dataset is wrapped. ``loader_problems`` names what still cannot resume exactly, and the fix.
+
+``adopt`` gives the loaders a user already has the same property without a change to their code, and
+keeps the user's objects: a plain ``DataLoader`` becomes a ``StatefulDataLoader`` *in place* (its class is
+changed to ``ResumableDataLoader`` for the duration of the fit and put back by ``AdoptedLoaders.release``),
+torch's ``BatchSampler``, ``RandomSampler`` and ``DistributedSampler`` become their resumable counterparts in
+place (``samplers.ResumableRandomSampler`` draws exactly torch's order), and workers see the dataset wrapped
+for its RNG while ``loader.dataset`` stays the user's. The trade-off, chosen over a rebuilt loader: users keep
+``trainer.train_dataloader is loader``, their sampler (its ``set_epoch`` is called, a ``batch_sampler=`` keeps
+working) and every attribute they set; what they can tell is ``type()`` (a subclass of their class) during
+``fit``, and a ``state_dict`` attribute that is ``None`` (Lightning must not save the position as its own).
+Anything else (not a ``DataLoader``, a subclass, a custom batch sampler without state) is left exactly as it
+is and ``unsaved_position`` names it. ``loader_problems`` names what still cannot resume exactly, and the fix.
 Mechanisms and checks over loader objects only; nothing here knows Lightning's loops.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.utils.data as tud
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader import sampler as stateful_samplers
 from torchdata.stateful_dataloader.stateful import Stateful
+from typing_extensions import override
 
 from lightning_resume._compat import lightning as lc
+from lightning_resume._compat import torchdata as td
 from lightning_resume._compat.torchdata import distributed_samples_yielded, with_position
 from lightning_resume.exact.state.rng import capture_rng, restore_rng
+from lightning_resume.exact.state.samplers import make_plain, make_resumable
 
 
 class _WorkerRngState:
@@ -92,85 +103,190 @@ class ResumableIterableDataset(_WorkerRngState, IterableDataset):
         return super().state_dict()
 
 
-def _stateful_sampler(sampler: Any, dataset: Any) -> Any:
-    """A sampler with the same order as ``sampler`` whose position torchdata saves, or ``sampler`` itself.
+class WorkerRngLoader(td.WorkerDatasetLoader):
+    """A ``StatefulDataLoader`` whose workers see the dataset wrapped (``ResumableDataset``), so their RNG
+    streams are part of each worker's state; ``loader.dataset`` stays the user's dataset."""
 
-    torch's ``RandomSampler`` draws its order from the global RNG when the epoch's iterator is made;
-    torchdata's keeps a generator in its state. A ``DistributedSampler`` (Lightning's, for DDP) has no
-    position and no epoch in a state; ``StatefulDistributedSampler`` is the same order with a position.
-    Lightning wraps samplers it does not recognise (torchdata's ``RandomSampler`` among them) in a
-    ``DistributedSamplerWrapper``, whose order is re-drawn from the inner sampler each epoch; an inner
-    plain random or sequential order is replaced by ``StatefulDistributedSampler``'s seeded shuffle
-    (a different but equally uniform order, and disjoint across ranks).
+    user_class: type[DataLoader] = StatefulDataLoader
+    """The class the user made the loader as (``loader_signature`` records it)."""
+
+    @override
+    def worker_dataset(self) -> Any:
+        dataset = self.dataset
+        if self.num_workers == 0 or isinstance(dataset, _WorkerRngState):
+            return dataset
+        return ResumableIterableDataset(dataset) if isinstance(dataset, IterableDataset) else ResumableDataset(dataset)
+
+
+class ResumableDataLoader(WorkerRngLoader):
+    """A user's plain ``DataLoader``, made a ``StatefulDataLoader`` in place for the duration of a fit.
+
+    Its position is ExactResume's to save (``loader_state``), aligned with the last trained batch. Lightning
+    saves and loads the state of every loader it sees as stateful in its loop state (combined_loader.py:378-392,
+    fit_loop.py:523-529), which a plain ``DataLoader`` is not: so this one must not look stateful to it, and a
+    checkpoint holds what it holds without the callback. A protocol member set to ``None`` is absent for
+    ``isinstance`` checks against ``typing.Protocol``s (Lightning's ``_Stateful``, torchdata's ``Stateful``).
     """
+
+    user_class = DataLoader
+    state_dict = None
+    load_state_dict = None
+
+
+Undo = Callable[[], None]
+
+
+def loader_state(loader: Any) -> Optional[dict[str, Any]]:
+    """The position of ``loader`` to save, or ``None`` when it has none."""
+    if isinstance(loader, ResumableDataLoader):
+        return StatefulDataLoader.state_dict(loader)
+    return loader.state_dict() if isinstance(loader, Stateful) else None
+
+
+def load_loader_state(loader: Any, state: dict[str, Any]) -> bool:
+    """Apply a position saved by :func:`loader_state`; ``False`` when ``loader`` cannot take one."""
+    if isinstance(loader, ResumableDataLoader):
+        StatefulDataLoader.load_state_dict(loader, state)
+    elif isinstance(loader, Stateful):
+        loader.load_state_dict(state)
+    else:
+        return False
+    return True
+
+
+def _adopt_sampler(sampler: Any) -> list[Undo]:  # Any: the class test below is what decides
+    """The samplers torch and Lightning make, given a position in place (same object, same order)."""
+    if type(sampler) is tud.RandomSampler:
+        make_resumable(sampler)
+        return [lambda: make_plain(sampler)]
+    if type(sampler) is DistributedSampler:  # Lightning's, for DDP (seed + epoch): it needs only a position
+        td.stateful_distributed_sampler(sampler)
+        return [lambda: td.plain_distributed_sampler(sampler)]
+    return []  # sequential, stateful or unknown: torchdata counts the indices and skips as many on resume
+
+
+def _adopt_batch_sampler(loader: DataLoader) -> Optional[list[Undo]]:
+    """The loader's index samplers made resumable in place; ``None`` for a custom batch sampler without state
+    (it holds its own order)."""
+    if isinstance(loader.dataset, IterableDataset):
+        return []  # an infinite constant sampler: the position is the dataset's or its iterator's
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:  # batch_size=None: the sampler yields the indices itself
+        return _adopt_sampler(loader.sampler)
+    undo: list[Undo] = []
+    if type(batch_sampler) is tud.BatchSampler:
+        td.stateful_batch_sampler(batch_sampler)
+        undo.append(lambda: td.plain_batch_sampler(batch_sampler))
+    if isinstance(batch_sampler, stateful_samplers.BatchSampler):
+        inner = batch_sampler.sampler
+        return undo + (
+            _replace_wrapper(loader, batch_sampler) if _replaceable_wrapper(inner) else _adopt_sampler(inner)
+        )
+    if isinstance(batch_sampler, Stateful):  # a batch sampler with a position of its own
+        return _adopt_sampler(getattr(batch_sampler, "sampler", None))
+    return None
+
+
+def _replaceable_wrapper(sampler: Any) -> bool:
     inner = lc.sampler_inside_distributed_wrapper(sampler)
     plain = (tud.RandomSampler, tud.SequentialSampler, stateful_samplers.RandomSampler)
-    if inner is not None and type(inner) in plain and len(inner) == len(dataset) and not _replacing(inner):
-        return stateful_samplers.StatefulDistributedSampler(
-            dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, sampler.drop_last
-        )
-    if type(sampler) is DistributedSampler:
-        return stateful_samplers.StatefulDistributedSampler(
-            dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, sampler.drop_last
-        )
-    if type(sampler) is tud.RandomSampler:
-        return stateful_samplers.RandomSampler(
-            sampler.data_source, sampler.replacement, sampler.num_samples, sampler.generator
-        )
-    return sampler
+    return inner is not None and type(inner) in plain and not getattr(inner, "replacement", False)
 
 
-def _replacing(sampler: Any) -> bool:
-    return bool(getattr(sampler, "replacement", False))
+def _replace_wrapper(loader: DataLoader, batch_sampler: Any) -> list[Undo]:
+    """Lightning wraps a sampler it does not recognise (torchdata's ``RandomSampler`` among them) in a
+    ``DistributedSamplerWrapper``, whose order is re-drawn from the inner sampler each epoch and has no
+    position; a plain random or sequential inner order is replaced by ``StatefulDistributedSampler``'s seeded
+    shuffle (a different but equally uniform order, disjoint across ranks). The wrapper is Lightning's
+    object, not the user's; it is put back at the end of the fit."""
+    wrapper = batch_sampler.sampler
+    if len(lc.sampler_inside_distributed_wrapper(wrapper)) != len(loader.dataset):  # type: ignore[arg-type]
+        return []
+    new = stateful_samplers.StatefulDistributedSampler(
+        loader.dataset, wrapper.num_replicas, wrapper.rank, wrapper.shuffle, wrapper.seed, wrapper.drop_last
+    )
+
+    def put(sampler: Any) -> None:
+        batch_sampler.sampler = sampler
+        loader.__dict__["sampler"] = sampler  # DataLoader refuses to set it after __init__
+
+    put(new)
+    return [lambda: put(wrapper)]
 
 
-def _needs_worker_rng(loader: Any) -> bool:
-    return loader.num_workers > 0 and not isinstance(loader.dataset, _WorkerRngState)
+def adopt(loader: Any) -> list[Undo]:
+    """Make ``loader`` itself resume exactly (see the module docstring); return what puts it back.
 
-
-def resumable_loader(loader: Any) -> Any:
-    """``loader`` made again so that its position and worker RNG resume exactly, or ``loader`` itself when
-    it already does or cannot be made again (``loader_problems`` then says what will differ).
-
-    Only a plain ``DataLoader`` or a ``StatefulDataLoader`` (or subclass) with no batch sampler of its own
-    is made again, with the same arguments (a ``DataLoader`` subclass may behave differently as a
-    ``StatefulDataLoader``, and a custom batch sampler holds its own order).
+    A plain ``DataLoader`` becomes a ``ResumableDataLoader`` and a ``StatefulDataLoader`` a
+    ``WorkerRngLoader``, in place, with their torch samplers made resumable in place. Anything else (a
+    subclass, a custom batch sampler without state, not a loader at all) is left as it is:
+    ``unsaved_position`` names it.
     """
-    if type(loader) is not DataLoader and not isinstance(loader, StatefulDataLoader):
-        return loader
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    if batch_sampler is not None and not isinstance(batch_sampler, tud.BatchSampler):
-        return loader
-    sampler = _sampler_of(loader)
-    if batch_sampler is not None:
-        sampler = _stateful_sampler(sampler, loader.dataset)
-    dataset: Any = loader.dataset
-    if _needs_worker_rng(loader):
-        is_iterable = isinstance(dataset, IterableDataset)
-        dataset = ResumableIterableDataset(dataset) if is_iterable else ResumableDataset(dataset)
-    if isinstance(loader, StatefulDataLoader) and dataset is loader.dataset and sampler is _sampler_of(loader):
-        return loader
-    cls = StatefulDataLoader if type(loader) is DataLoader else type(loader)
-    remade = lc.reinstantiate_loader(loader, cls, sampler, dataset)
-    return loader if remade is None else remade
+    if type(loader) is DataLoader:
+        cls: type[StatefulDataLoader] = ResumableDataLoader
+    elif type(loader) is StatefulDataLoader:
+        cls = WorkerRngLoader
+    else:
+        return []
+    undo = _adopt_batch_sampler(loader)
+    if undo is None:
+        if type(loader) is DataLoader:
+            return []
+        undo = []
+    original = type(loader)
+    if original is DataLoader:
+        td.become_stateful(loader, cls)
+        return [*undo, lambda: td.become_plain(loader, original)]
+    loader.__class__ = cls
+
+    def back() -> None:
+        loader.__class__ = original
+
+    return [*undo, back]
 
 
-def _sampler_of(loader: StatefulDataLoader) -> Any:
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    return getattr(batch_sampler, "sampler", None) or getattr(loader, "sampler", None)
+class AdoptedLoaders:
+    """The training loaders :func:`adopt` changed in one fit, put back by :meth:`release` at its end."""
+
+    def __init__(self) -> None:
+        self._undo: list[Undo] = []
+
+    def __call__(self, loader: Any) -> Any:
+        """The loader Lightning iterates: ``loader`` itself, made resumable where it can be."""
+        self._undo += adopt(loader)
+        return loader
+
+    def release(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def is_resumable(loader: Any) -> bool:
+    """Whether ``loader``'s position is saved."""
+    return isinstance(loader, (ResumableDataLoader, Stateful))
 
 
 def unsaved_position(name: str, loader: Any) -> Optional[str]:
     """What a resume does with a loader whose position cannot be saved, or ``None`` when it can."""
-    if isinstance(loader, StatefulDataLoader) or not isinstance(loader, DataLoader):
+    if is_resumable(loader):
         return None
+    if not isinstance(loader, DataLoader):
+        kind = f"a {type(loader).__name__}, not a DataLoader"
+    elif type(loader) is DataLoader:
+        kind = f"a DataLoader with a {type(loader.batch_sampler).__name__} batch sampler, which has no state"
+    else:
+        kind = f"a {type(loader).__name__} (a DataLoader subclass, left as it is)"
     return (
-        f"{name} is a {type(loader).__name__} that could not be made a StatefulDataLoader (a DataLoader subclass,"
-        " a custom batch sampler, or arguments Lightning cannot recover), so its position is not saved: after a"
-        " resume the epoch goes on at the saved batch count with a fresh iterator (a new order from the start of"
-        " the data), repeating some samples and skipping others. Use torchdata.stateful_dataloader."
-        "StatefulDataLoader (same arguments)."
+        f"{name} is {kind}, so its position is not saved: after a resume its epoch goes on at the saved batch"
+        " count with a fresh iterator, as without ExactResume. Use a torch DataLoader or torchdata's"
+        " StatefulDataLoader (same arguments), or give the batch sampler state_dict/load_state_dict."
     )
+
+
+def _sampler_of(loader: DataLoader) -> Any:
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return getattr(batch_sampler, "sampler", None) or getattr(loader, "sampler", None)
 
 
 def loader_problems(name: str, loader: Any) -> list[str]:
@@ -193,10 +309,11 @@ def loader_problems(name: str, loader: Any) -> list[str]:
             " resume differs. Give the sampler its own generator (or none) and keep the loader's separate."
         )
     dataset = loader.dataset
-    if loader.num_workers > 0 and not isinstance(dataset, (_WorkerRngState, Stateful)):
+    wraps = isinstance(loader, WorkerRngLoader)
+    if loader.num_workers > 0 and not wraps and not isinstance(dataset, (_WorkerRngState, Stateful)):
         wrapper = "ResumableIterableDataset" if isinstance(dataset, IterableDataset) else "ResumableDataset"
         problems.append(
-            f"{name}: num_workers={loader.num_workers}, a custom batch sampler and an unwrapped dataset, so worker"
+            f"{name}: num_workers={loader.num_workers}, a {type(loader).__name__} and an unwrapped dataset, so worker"
             f" RNG streams (augmentation) are not saved. Wrap it: StatefulDataLoader(lightning_resume.{wrapper}(ds),"
             " ...) -- or ignore this if the dataset draws no random numbers."
         )
@@ -211,7 +328,7 @@ def loader_signature(loader: Any) -> dict[str, Any]:
     except TypeError:
         length = None
     return {
-        "type": type(loader).__name__,
+        "type": getattr(loader, "user_class", type(loader)).__name__,
         "num_workers": getattr(loader, "num_workers", None),
         "batch_size": getattr(loader, "batch_size", None),
         "drop_last": getattr(loader, "drop_last", None),

@@ -51,12 +51,16 @@ def lightning_safe_globals() -> List[Any]:
     return [*paths, AttributeDict, argparse.Namespace, *enums]
 
 
-def load_legacy(path: str, fileobj: Any, map_location: Any = None) -> Dict[str, Any]:
-    """Load a ``torch.save`` file from ``fileobj`` with ``weights_only=True`` and Lightning's allowlist."""
+def load_legacy(path: str, fileobj: Any, map_location: Any = None, mmap: bool = False) -> Dict[str, Any]:
+    """Load a ``torch.save`` file from ``fileobj`` with ``weights_only=True`` and Lightning's allowlist.
+
+    ``mmap=True`` (``fileobj`` a local file name) maps the tensors instead of reading them: a look at the
+    non-tensor values (the step) costs the pickle, not the file."""
     check_zip(path, fileobj)
+    location = _torch_map_location(map_location)
     try:
         with torch.serialization.safe_globals(lightning_safe_globals()):
-            loaded = torch.load(fileobj, map_location=_torch_map_location(map_location), weights_only=True)
+            loaded = torch.load(fileobj, map_location=location, weights_only=True, mmap=mmap or None)
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpointError(
             path,

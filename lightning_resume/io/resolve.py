@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from lightning_resume import storage
 from lightning_resume.errors import SkippedCheckpointWarning
+from lightning_resume.io.legacy import is_zip, load_legacy
 from lightning_resume.io.marker import commit_order, is_sharded_checkpoint
-from lightning_resume.io.read import global_step, read_summary
+from lightning_resume.io.read import global_step, is_safetensors, read_summary
 from lightning_resume.io.verify import problem
 from lightning_resume.io.verify import verify as verify_checkpoint
 
@@ -77,11 +78,18 @@ def step_in_name(path: str) -> Optional[int]:
 
 
 def _header_step(path: str) -> int:
+    """The ``global_step`` a file holds, read without its tensors: a safetensors header, or (local) the pickle of
+    a ``torch.save`` zip with its tensors memory-mapped, not read. ``-1`` when it cannot be told."""
     try:
-        step = global_step(read_summary(path))
+        if is_safetensors(path):
+            step = global_step(read_summary(path))
+        elif storage.is_local(path) and is_zip(path, storage.local_path(path)):
+            step = load_legacy(path, storage.local_path(path), mmap=True).get("global_step")
+        else:
+            return -1
     except Exception:  # noqa: BLE001 - any file may sit in a checkpoint directory; its step is just unknown
         return -1
-    return -1 if step is None else step
+    return step if type(step) is int else -1
 
 
 def newest_first(paths: Iterable[str], key: Callable[[str], Any] = progress) -> List[str]:

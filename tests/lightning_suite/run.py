@@ -3,9 +3,9 @@
     python tests/lightning_suite/run.py --source PATH [--ref TAG] [--dirs trainer loops ...] [-n 2]
 
 Owns the harness: export Lightning's tests at a ref from a checkout or mirror the user points at
-(nothing of Lightning's is kept in this repository), run pytest twice on them (stock, then with
-``inject.py``), compare the two junit files per test id, confirm each regression by re-running it
-alone, and write the comparison to ``results/``. It does not change production code, and it is not
+(nothing of Lightning's is kept in this repository), run pytest twice on each folder (stock, then with
+``inject.py``), compare the junit files per test id, confirm the regressions by re-running them
+away from the rest of the suite, and write the comparison to ``results/``. It does not change production code, and it is not
 part of ``make test`` (no ``test_*.py`` file here). See docs/lightning-suite.md.
 """
 
@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, help="export, junit and logs (default: a folder under the temp dir)")
     p.add_argument("--results", type=Path, help="comparison file (default: results/lightning-REF.json here)")
     p.add_argument("--fresh", action="store_true", help="export again even if the workdir has this ref")
+    p.add_argument(
+        "--confirm", choices=("file", "alone"), default="file", help="re-run regressions per file or each alone"
+    )
     p.add_argument("--no-confirm", action="store_true", help="do not re-run each regression alone")
     p.add_argument("--python", default=sys.executable, help="the interpreter whose Lightning is tested")
     return p.parse_args(argv)
@@ -126,6 +129,7 @@ def export(source: Path, ref: str | None, dest: Path, installed: str) -> dict[st
             elif src.is_file():
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, dest / rel)
+        write_manifest(dest)
         return {"source": str(source), "ref": "work tree as it is", "ref_note": "not a git repository"}
     ref, note = resolve_ref(gd, ref, installed)
     commit = subprocess.run(
@@ -143,9 +147,37 @@ def export(source: Path, ref: str | None, dest: Path, installed: str) -> dict[st
         tar.seek(0)
         with tarfile.open(fileobj=tar) as tf:
             tf.extractall(dest, filter="data")
+    write_manifest(dest)
     if not (dest / "tests/tests_pytorch/conftest.py").is_file():
         sys.exit(f"{ref} of {gd} has no tests/tests_pytorch/conftest.py: not Lightning's repository?")
     return {"source": str(source), "ref": ref, "commit": commit, "ref_note": note}
+
+
+MANIFEST = "exported-files.txt"  # beside the export, not in it
+
+
+def write_manifest(dest: Path) -> None:
+    files = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    (dest.parent / MANIFEST).write_text("\n".join(files) + "\n")
+
+
+def clean_export(dest: Path) -> None:
+    """Remove what earlier runs left in the export (a test that writes into the working directory):
+    Lightning's "left artifacts behind" check compares before and after each test, so a leftover
+    would hide the same artifact in the next run."""
+    manifest = dest.parent / MANIFEST
+    if not manifest.exists():  # an export made before manifests: leave it as it is
+        return
+    keep = set(manifest.read_text().splitlines())
+    for path in sorted(dest.rglob("*"), reverse=True):
+        rel = str(path.relative_to(dest))
+        if "__pycache__" in path.parts or rel in keep:
+            continue
+        if path.is_dir():
+            if not any(path.iterdir()):
+                path.rmdir()
+        else:
+            path.unlink()
 
 
 # ---------------------------------------------------------------- runs
@@ -169,6 +201,7 @@ def environment(warnings_file: Path) -> dict[str, str]:
 def run_mode(args: argparse.Namespace, mode: str, folder: str, workdir: Path) -> int:
     """One pytest process for one folder in one mode; its junit, log and warnings are named after both."""
     name = f"{mode}-{folder}"
+    clean_export(workdir / "lightning")
     (workdir / f"{name}.warnings.jsonl").unlink(missing_ok=True)
     cmd = pytest_command(args, [folder], workdir / f"{name}.xml", injected=mode == "injected")
     cmd += ["-n", args.workers] if args.workers not in ("0", "") else []
@@ -178,24 +211,37 @@ def run_mode(args: argparse.Namespace, mode: str, folder: str, workdir: Path) ->
     with open(workdir / f"{name}.log", "w") as log:
         env = environment(workdir / f"{name}.warnings.jsonl")
         rc = subprocess.run(cmd, cwd=workdir / SUITE, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    print(f"[{name}] exit {rc} after {datetime.datetime.now() - start}", flush=True)
+    seconds = (datetime.datetime.now() - start).total_seconds()
+    print(f"[{name}] exit {rc} after {seconds:.0f} s", flush=True)
+    runs_file = workdir / "runs.json"
+    runs = json.loads(runs_file.read_text()) if runs_file.exists() else {}
+    runs[name] = {"command": " ".join(cmd[1:]), "exit": rc, "seconds": round(seconds)}
+    runs_file.write_text(json.dumps(runs, indent=1))
     return rc
 
 
 def confirm_alone(args: argparse.Namespace, workdir: Path, test_ids: list[str]) -> dict[str, str]:
-    """Each regression re-run alone, injected, in a fresh process: its outcome there."""
+    """The regressions re-run, injected, without the rest of the suite: each alone in a fresh process
+    (``--confirm alone``), or those of one file together in a fresh process (``--confirm file``, the
+    default: a fresh pytest costs tens of seconds here). Returns each one's outcome there."""
+    groups: dict[str, list[str]] = {}
+    for tid in test_ids:
+        groups.setdefault(tid if args.confirm == "alone" else tid.partition("::")[0], []).append(tid)
     outcomes: dict[str, str] = {}
     alone = workdir / "alone"
     alone.mkdir(exist_ok=True)
-    for i, tid in enumerate(test_ids):
+    for i, ids in enumerate(groups.values()):
         xml = alone / f"{i}.xml"
-        cmd = pytest_command(args, [tid], xml, injected=True)
+        xml.unlink(missing_ok=True)
+        clean_export(workdir / "lightning")
         with open(alone / f"{i}.log", "w") as log:
             env = environment(alone / "warnings.jsonl")
+            cmd = pytest_command(args, ids, xml, injected=True)
             subprocess.run(cmd, cwd=workdir / SUITE, env=env, stdout=log, stderr=subprocess.STDOUT)
         got = read_junit(xml) if xml.exists() else {}
-        outcomes[tid] = got.get(tid, {}).get("outcome") or "not run"
-        print(f"  alone {i + 1}/{len(test_ids)} {outcomes[tid]:7} {tid}", flush=True)
+        for tid in ids:
+            outcomes[tid] = str(got.get(tid, {}).get("outcome") or "not run")
+        print(f"  re-run {i + 1}/{len(groups)}: {Counter(outcomes[t] for t in ids)} {ids[0]}", flush=True)
     return outcomes
 
 
@@ -350,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         **meta,
         "dirs": [d for d in args.dirs if d not in missing],
         "keyword": args.keyword,
-        "workers": args.workers,
+        "runs": json.loads(runs_file.read_text()) if (runs_file := workdir / "runs.json").exists() else {},
+        "confirm": None if args.no_confirm else args.confirm,
         "new_warnings": new_warnings(workdir, args.dirs),
         **result,
     }

@@ -55,11 +55,11 @@ def pytest_configure(config: pytest.Config) -> None:
     _patch_trainer()
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    """Count the Trainers the test body builds (fixtures' are not counted); recorded even when it fails."""
     _built[0] = 0
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> None:
-    item.user_properties.append((PROPERTY, _built[0]))
+    try:
+        return (yield)
+    finally:
+        item.user_properties.append((PROPERTY, _built[0]))

@@ -173,6 +173,20 @@ def restarted_inside_epoch(trainer: pl.Trainer) -> bool:
     return trainer.fit_loop.restarted_mid_epoch
 
 
+def next_epoch_start_skipped(trainer: pl.Trainer) -> bool:
+    """Whether Lightning counted the saved epoch finished on restore and so skips the next epoch's start: a
+    restart inside an epoch from a save in ``on_train_batch_end`` of its last batch (fit_loop.py:398-404). A save
+    later in that batch (at the end of the validation run it triggered) restarts into the rest of the epoch,
+    which Lightning finishes, then starts the next one itself (fit_loop.py:447-454)."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    return bool(
+        fit_loop.restarted_mid_epoch
+        and epoch_loop.restarted_on_train_batch_end
+        and epoch_loop.batch_progress.is_last_batch
+    )
+
+
 def hook_overriders(trainer: pl.Trainer, hook: str) -> list[Any]:
     """The callbacks, then the LightningModule, that override ``hook``, in Lightning's call order
     (fit_loop.py:451-452, call.py:_call_callback_hooks)."""

@@ -67,7 +67,7 @@ def warn_not_replayed(names: list[str]) -> None:
 def start_skipped_epoch(trainer: pl.Trainer) -> list[str]:
     """After a save on an epoch's last batch, run the next epoch's start (hooks and counters), which
     Lightning skips; return the names of the saved epoch's ``on_train_epoch_end`` hooks it skipped too."""
-    if not lc.restarted_inside_epoch(trainer):
+    if not lc.next_epoch_start_skipped(trainer):
         return []
     lc.start_next_epoch(trainer)
     skipped = lc.hook_overriders(trainer, "on_train_epoch_end")

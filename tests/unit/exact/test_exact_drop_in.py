@@ -103,3 +103,24 @@ def test_resuming_at_an_epoch_end_with_the_progress_bar_warns_nothing(tmp_path, 
         trainer = tiny_trainer(callbacks, max_steps=16, enable_progress_bar=True)
         trainer.fit(TinyModel(), TinyData(), ckpt_path=str(tmp_path / "epoch=0-step=8.ckpt"))
     assert _ours(caught) == [] and trainer.global_step == 16
+
+
+def test_a_resume_from_a_save_at_the_validation_after_an_epochs_last_batch_counts_epochs_as_lightning(tmp_path):
+    """Lightning's own resume-parity case: the epoch is finished by Lightning, its next start counted once."""
+
+    def run(max_epochs: int, exact: bool, ckpt_path=None) -> Trainer:
+        callbacks = [ModelCheckpoint(dirpath=tmp_path / str(exact), save_last=True, save_top_k=-1)]
+        trainer = Trainer(
+            max_epochs=max_epochs, limit_train_batches=2, limit_val_batches=2, val_check_interval=2,
+            callbacks=callbacks + ([ExactResume(mtbf=None)] if exact else []), logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        return trainer
+
+    totals = []
+    for exact in (False, True):
+        run(2, exact)
+        resumed = run(4, exact, ckpt_path=str(tmp_path / str(exact) / "last.ckpt"))
+        totals.append(resumed.fit_loop.epoch_progress.total.state_dict())
+    assert totals[1] == totals[0]

@@ -375,8 +375,8 @@ class ExactResume(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         ours = checkpoint.get("callbacks", {}).get(self.state_key)
-        if ours:
-            lc.drop_loader_state(checkpoint)
+        if ours and ours.get("captured_at") != OUTSIDE_FIT:
+            lc.drop_loader_state(checkpoint)  # ExactResume applies its own aligned positions (none outside fit)
         if not trainer.training:
             return  # validate/test/predict read weights only: nothing of a training position is missed
         if not ours:

@@ -9,6 +9,7 @@ the directory: no partial object, no temporary.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import fsspec
@@ -31,6 +32,7 @@ def test_sigkill_during_background_uploads_leaves_last_whole(tmp_path: Path, s3_
         url = f"{s3_bucket}/run{i}/last.ckpt"
         delay = rng.uniform(0.0, 1.0)
         mid_upload += kill_during_writes(out, url, N, delay, timeout=120, env=s3_env(s3_server.endpoint)) == "begin"
+        _settled(url)
         loaded = SafetensorsCheckpointIO().load_checkpoint(url)  # verifies every checksum
         step = loaded["step"]
         assert step >= durable_steps(out)[-1]
@@ -39,3 +41,17 @@ def test_sigkill_during_background_uploads_leaves_last_whole(tmp_path: Path, s3_
         fs.invalidate_cache()
         assert [p.rsplit("/", 1)[-1] for p in fs.ls(url.rsplit("/", 1)[0][len("s3://") :])] == ["last.ckpt"]
     assert mid_upload >= 1, "no kill landed during an upload"
+
+
+def _settled(url: str, quiet_s: float = 0.5, timeout: float = 30.0) -> None:
+    """Wait until the object's ETag holds still: the test server may still be finishing a request the killed
+    writer sent, and moto (unlike S3) can serve the old object's bytes while it replaces them."""
+    fs = fsspec.filesystem("s3")
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        fs.invalidate_cache()
+        etag = fs.info(url[len("s3://") :]).get("ETag")
+        if etag == last:
+            return
+        last = etag
+        time.sleep(quiet_s)

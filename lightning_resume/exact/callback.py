@@ -96,7 +96,7 @@ class ExactResume(Callback):
         fingerprint: record digests of weights, optimizer, RNG and data state in each checkpoint and
             check them after restore. Costs one pass of hashing over the state at each save.
         mtbf: mean time between failures of one node: ``"observed"`` (default) estimates it from
-            this run's failure history (``resume_history.json``, appended at every start) with
+            this run's failure history (kept in every checkpoint, extended at every start) with
             ``mtbf_prior`` as the prior; or a fixed ``"24h"``, seconds or ``timedelta``. Snapshots
             are taken every T* = sqrt(2 C M) (Young; ``formula="daly"`` for Daly's refinement), C
             being the measured blocking time of a save and M = mtbf / nodes. ``None`` takes no
@@ -297,7 +297,7 @@ class ExactResume(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.scheduler is not None:
-            self.scheduler.clean_stop(trainer.is_global_zero)
+            self.scheduler.clean_stop()
         if self.memory is not None:
             self.memory.free()  # a clean end: the durable tier holds the final state
 
@@ -358,13 +358,6 @@ class ExactResume(Callback):
         where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where
         now = self._wall_clock()  # the failure history's clock: a resume's lost time is measured on it
         return checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now)
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if self.scheduler is not None:
-            self.scheduler.persist_history(trainer.is_global_zero)  # beside the first checkpoint of a fresh run
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -22,7 +22,6 @@ from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
 from lightning_resume.exact.memory import MemoryTier
-from lightning_resume.io.resolve import candidates
 from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
@@ -53,20 +52,17 @@ def start(
     resumed_tier: Optional[str] = None,
 ) -> None:
     """Begin timing; a resumed run keeps the measured costs of ``pending`` (the restored state) and records
-    whether it resumed from the memory tier (a process failure) or from disk. The failure history is written
-    where Lightning writes checkpoints and when: at once if the directory holds checkpoints already, else
-    with the run's first checkpoint (``fast_dev_run``, which writes none, keeps none)."""
+    whether it resumed from the memory tier (a process failure) or from disk. The failure history lives in
+    the checkpoints themselves, so no file of ours appears beside them (``fast_dev_run`` keeps none)."""
     quick = trainer.fast_dev_run  # type: ignore[attr-defined]  # set by Lightning's debugging connector
-    directory = snapshots.snapshot_dir(trainer) if scheduler.takes_snapshots and not quick else None
     scheduler.start(
         step=trainer.global_step,
         num_nodes=num_nodes or trainer.num_nodes,
-        history_dir=directory,
         restored=pending.get("schedule"),
         checkpoint_wall_time=pending.get("saved_at"),
-        is_rank_zero=trainer.is_global_zero,
         resumed_tier=resumed_tier,
-        persist_now=directory is not None and bool(candidates(directory)),  # else at the run's first save
+        keep_history=scheduler.takes_snapshots and not quick,
+        legacy_history_dir=snapshots.snapshot_dir(trainer),
     )
 
 
@@ -103,12 +99,13 @@ def at_step_boundary(
 
         tier, preempt, reason = scheduler.decide(trainer.global_step, local, agree, trainer.is_global_zero)
     save = tier is Tier.DURABLE
+    if preempt:
+        scheduler.clean_stop()  # before the snapshot, which carries the history: a preemption is no failure
     path = snapshot(scheduler, trainer, PREEMPTION if preempt else reason) if save or preempt else None
     if memory is not None and tier is not Tier.NONE and not preempt:
         # a durable save is also that step's memory snapshot: a crash right after it restores from memory
         memory_snapshot(scheduler, trainer, memory)
     if preempt:
-        scheduler.clean_stop(trainer.is_global_zero)
         rank_zero_info(
             f"ExactResume: preemption signal received; snapshot at step {trainer.global_step} is durable; stopping."
         )

@@ -2,7 +2,7 @@
 the rank-0 decision that every rank follows.
 
 The decision itself is ``schedule.state.decide`` (pure); this module feeds it the clocks and the
-measurements and keeps the run-time state (schedule state, next check step, history file). Both
+measurements and keeps the run-time state (schedule state, next check step, failure history). Both
 clocks are injected: the monotonic one (``clock``) times intervals and costs, the wall clock
 (``wall_clock``, seconds since the epoch) dates the failure history, which spans processes. Ranks
 agree through one small collective per check (``agree``, given by the caller), never per step.
@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
+from lightning_resume.errors import HistoryWarning
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.schedule import history
 from lightning_resume.schedule import state as machine
@@ -29,6 +31,9 @@ from lightning_resume.schedule.state import Decision, MemoryState, SaveReason, S
 
 _TIER_CODES = (Tier.NONE, Tier.MEMORY, Tier.DURABLE)
 """Tiers as the integers ranks agree on (element-wise max: durable beats memory beats none)."""
+
+HISTORY_KEY = "history"
+"""Where the failure history sits in the schedule's state (inside each checkpoint's ExactResume entry)."""
 
 Agree = Callable[[Sequence[int]], Sequence[int]]
 """Element-wise max of small integer vectors over all ranks (identity on one process)."""
@@ -49,8 +54,7 @@ class SnapshotScheduler:
         self.state: Optional[ScheduleState] = None
         self.memory: Optional[MemoryState] = None
         self.next_check_step = 0
-        self.history_file: Optional[str] = None
-        self._unsaved_history: Optional[history.FailureHistory] = None  # this start, not yet written
+        self.history: Optional[history.FailureHistory] = None  # this run's starts, saved in every checkpoint
         self.last_durable: Optional[float] = None
         self._writer: Optional[AsyncCheckpointWriter] = None
 
@@ -68,31 +72,31 @@ class SnapshotScheduler:
         self,
         step: int,
         num_nodes: int,
-        history_dir: Optional[str],
         restored: Optional[dict],
         checkpoint_wall_time: Optional[float],
-        is_rank_zero: bool,
         resumed_tier: Optional[str] = None,
-        persist_now: bool = True,
+        keep_history: bool = True,
+        legacy_history_dir: Optional[str] = None,
     ) -> None:
-        """Begin timing at ``step``; record this start in the failure history (rank 0 writes it, at once with
-        ``persist_now``, else at :meth:`persist_history`: a fresh run's directory gets no file of ours before
-        Lightning writes a checkpoint there).
+        """Begin timing at ``step``; with ``keep_history``, record this start in the failure history.
 
-        ``resumed_tier`` is the tier this start resumed from (``"memory"`` or ``"durable"``; ``None``
-        for a fresh start or when unknown): a failure resumed from memory is a process failure."""
+        The history travels inside the checkpoints (``state_dict()["history"]``): the one resumed from
+        (``restored``) holds every earlier start, so no file is written beside the checkpoints. A
+        ``resume_history.json`` an earlier version left in ``legacy_history_dir`` is read when the
+        checkpoint holds none. ``resumed_tier`` is the tier this start resumed from (``"memory"`` or
+        ``"durable"``; ``None`` for a fresh start or when unknown): a failure resumed from memory is a
+        process failure."""
         config = self.config.with_nodes(num_nodes)
         mtbf = process_mtbf = None
-        if history_dir is not None:
-            self.history_file = history.history_path(history_dir)
+        self.history = None
+        if keep_history:
             tier = None if resumed_tier is None else Tier(resumed_tier)
             now = self.wall_clock()
-            past = history.record_start(history.load_history(self.history_file), now, checkpoint_wall_time, tier=tier)
-            self._unsaved_history = past
-            if persist_now:
-                self.persist_history(is_rank_zero)
-            mtbf, process_mtbf = _observed(config, past, now)
-        self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, restored)
+            past = _past_history(restored, legacy_history_dir)
+            self.history = history.record_start(past, now, checkpoint_wall_time, tier=tier)
+            mtbf, process_mtbf = _observed(config, self.history, now)
+        schedule = {k: v for k, v in (restored or {}).items() if k != HISTORY_KEY} or None
+        self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule)
         self.next_check_step = step + 1
 
     def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[Tier, int, str]:
@@ -153,22 +157,35 @@ class SnapshotScheduler:
         self.last_durable, self._writer = now, None
         return True
 
-    def persist_history(self, is_rank_zero: bool) -> None:
-        """Write the start recorded by :meth:`start` if it is not written yet (rank 0)."""
-        if self._unsaved_history is not None and self.history_file is not None:
-            if is_rank_zero:
-                history.save_history(self.history_file, self._unsaved_history)
-            self._unsaved_history = None
-
-    def clean_stop(self, is_rank_zero: bool) -> None:
-        """Tell the next process of this run that this one stopped on purpose (not a failure); nothing when
-        this run never wrote its history (it wrote no checkpoint either)."""
-        if self.history_file is not None and self._unsaved_history is None and is_rank_zero:
-            stopped = history.record_clean_stop(history.load_history(self.history_file), self.wall_clock())
-            history.save_history(self.history_file, stopped)
+    def clean_stop(self) -> None:
+        """Record that this process stops on purpose (not a failure), for the checkpoints written after it
+        (a preemption snapshot records it before it is written)."""
+        if self.history is not None:
+            self.history = history.record_clean_stop(self.history, self.wall_clock())
 
     def state_dict(self) -> dict:
-        return {} if self.state is None else machine.state_dict(self.state, self.memory)
+        out = {} if self.state is None else machine.state_dict(self.state, self.memory)
+        if self.history is not None:
+            out[HISTORY_KEY] = history.history_to_json(self.history)
+        return out
+
+
+def _past_history(restored: Optional[dict], legacy_dir: Optional[str]) -> history.FailureHistory:
+    """The history the resumed checkpoint carries; else an earlier version's file; else a fresh one."""
+    if restored and HISTORY_KEY in restored:
+        try:
+            return history.history_from_json(restored[HISTORY_KEY])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            warnings.warn(
+                f"the checkpoint's failure history is unreadable ({type(err).__name__}: {err}); starting a fresh"
+                " one (observed-MTBF estimates restart from the prior)",
+                HistoryWarning,
+                stacklevel=3,
+            )
+            return history.FailureHistory()
+    if legacy_dir is not None:
+        return history.load_history(history.history_path(legacy_dir))  # a missing file is a fresh history
+    return history.FailureHistory()
 
 
 def _observed(

@@ -48,8 +48,12 @@ def _memory_step(path: Path) -> int:
 
 
 def _failure_tiers(cfg: dict) -> list:
-    """The tier each failure in the run's history resumed from (memory: the machine survived)."""
-    past = history.load_history(history.history_path(cfg["ckpt_dir"]))
+    """The tier each failure in the run's history resumed from (memory: the machine survived): the history in
+    the newest checkpoint, which carries every start of the run."""
+    newest = max(Path(cfg["ckpt_dir"]).glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    past = history.history_from_json(
+        load_file(str(newest)).checkpoint["callbacks"]["ExactResume"]["schedule"]["history"]
+    )
     return [e.tier for e in past.events if e.kind is history.EventKind.FAILURE]
 
 

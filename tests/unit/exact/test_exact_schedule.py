@@ -4,13 +4,13 @@ real SIGTERM are in tests/integration/test_exact_schedule_processes.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_resume import ConfigurationError, ExactResume, young_interval
@@ -89,7 +89,7 @@ def test_the_default_is_the_observed_schedule_with_the_documented_prior(tmp_path
     # 10 s per step: the first save measures C at min_interval (1 min); a save costs nothing on this
     # clock, so T* = sqrt(2 C M) clamps to min_interval: every 6 steps.
     assert target.saves == [(6, "first_measurement"), (12, "interval"), (18, "interval")]
-    assert (tmp_path / "ckpt" / "resume_history.json").is_file()  # where the observed M is learnt
+    assert not (tmp_path / "ckpt" / "resume_history.json").exists()  # the history travels in the checkpoints
 
 
 def test_schedule_arguments_are_validated_together() -> None:
@@ -146,9 +146,9 @@ def test_each_snapshot_logs_its_health_metrics(tmp_path: Path) -> None:
 
 
 def test_observed_mtbf_learns_from_restarts_dated_by_the_wall_clock(tmp_path: Path) -> None:
-    """Each resume appends to resume_history.json, dated by ExactResume's wall clock (the checkpoints too);
-    mtbf="observed" turns failures into a shorter M."""
-    from lightning_resume.schedule.history import history_path, load_history
+    """Each resume extends the failure history the checkpoints carry, dated by ExactResume's wall clock (the
+    checkpoints too); mtbf="observed" turns failures into a shorter M."""
+    from lightning_resume.schedule.history import history_from_json
 
     ckpt, wall = tmp_path / "ckpt", StepClock()  # one wall clock for every "process", 10 s per batch
     wall.now = 1e6
@@ -157,13 +157,13 @@ def test_observed_mtbf_learns_from_restarts_dated_by_the_wall_clock(tmp_path: Pa
         exact = ExactResume(
             mtbf="observed", mtbf_prior="1000h", every_n_train_steps_max=3, clock=clock, wall_clock=wall
         )
-        if run:  # the previous "process" died: its clean stop is not in the history; 100 s of downtime
-            path = Path(history_path(str(ckpt)))
-            path.write_text(json.dumps(dict(json.loads(path.read_text()), clean_stop_time=None)))
+        if run:  # the previous "process" died after its last snapshot: 100 s of downtime
             wall.now += 100.0
         callbacks = [clock, wall, exact, ModelCheckpoint(dirpath=str(ckpt), save_top_k=0)]
         _fit(tmp_path, callbacks, steps=steps, ckpt_path="last" if run else None)
-    history = load_history(history_path(str(ckpt)))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["last-snapshot-step=000000018.ckpt"]  # no file of ours
+    state = torch.load(ckpt / "last-snapshot-step=000000018.ckpt", weights_only=True)["callbacks"]["ExactResume"]
+    history = history_from_json(state["schedule"]["history"])
     assert len(history.events) == 2 and len(history.failures) == 2
     assert history.run_start == 1e6 and [e.restart_time for e in history.events] == [1e6 + 160.0, 1e6 + 320.0]
     assert [e.lost_s for e in history.events] == [100.0, 100.0]  # the snapshot resumed from was taken just before

@@ -85,12 +85,14 @@ def test_scheduler_records_the_resumed_tier_and_uses_observed_m1_and_m2(tmp_path
     cfg = ScheduleConfig.from_user(
         mtbf="observed", mtbf_prior="24h", process_mtbf="observed", process_mtbf_prior="1h", min_interval=1
     )
-    first = SnapshotScheduler(cfg, wall_clock=lambda: 1000.0)
-    first.start(0, 1, str(tmp_path), None, None, True)
+    sched = SnapshotScheduler(cfg, wall_clock=lambda: 1000.0)
+    sched.start(0, 1, None, None)
     for restart in (2000.0, 3000.0, 4000.0):  # three crashes, each resumed from a memory snapshot 10 s old
+        saved = sched.state_dict()  # what the snapshot resumed from carries, the history included
         sched = SnapshotScheduler(cfg, wall_clock=lambda: restart)
-        sched.start(10, 1, str(tmp_path), None, restart - 10.0, is_rank_zero=True, resumed_tier="memory")
-    past = history.load_history(history.history_path(tmp_path))
+        sched.start(10, 1, saved, restart - 10.0, resumed_tier="memory")
+    past = sched.history
+    assert past is not None and not (tmp_path / history.HISTORY_FILENAME).exists()
     assert [e.tier for e in past.events] == [Tier.MEMORY] * 3 and len(past.process_failures) == 3
     assert [e.restart_time for e in past.events] == [2000.0, 3000.0, 4000.0]  # on the injected wall clock
     assert sched.memory is not None and sched.state is not None

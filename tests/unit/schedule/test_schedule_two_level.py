@@ -149,7 +149,7 @@ def run(config, steps, step_s=1.0, c1=0.5, c2=10.0, restored=None):
     """Drive ``SnapshotScheduler.decide`` like the callback does; return [(step, tier, reason, time)]."""
     clock = Clock()
     sched = SnapshotScheduler(config, clock)
-    sched.start(0, 1, None, restored, None, True)
+    sched.start(0, 1, restored, None)
     out = []
     for step in range(1, steps + 1):
         clock.now += step_s
@@ -187,7 +187,7 @@ def test_durable_save_counts_as_the_steps_memory_snapshot():
     cfg = ScheduleConfig(mtbf_s=86400.0, process_mtbf_s=3600.0, min_interval_s=1.0, max_interval_s=1e6)
     clock = Clock()
     sched = SnapshotScheduler(cfg, clock)
-    sched.start(0, 1, None, {"costs": [10.0], "memory_costs": [0.5]}, None, True)
+    sched.start(0, 1, {"costs": [10.0], "memory_costs": [0.5]}, None)
     clock.now = 100.0
     sched.record(100, 10.0, None)
     assert sched.memory is not None and sched.memory.since_durable == 0
@@ -237,7 +237,7 @@ def test_ranks_agree_on_the_highest_tier():
     cfg = ScheduleConfig(every_n_train_steps_max=4, memory_every_n_train_steps_max=2)
     clock = Clock()
     follower = SnapshotScheduler(cfg, clock)
-    follower.start(0, 1, None, None, None, False)
+    follower.start(0, 1, None, None)
     seen = []
 
     def agree(values):  # rank 0 says MEMORY at step 2, DURABLE at step 4; its next check is step + 1

@@ -27,6 +27,7 @@ from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -362,15 +363,15 @@ def _find_last(self: ModelCheckpoint, trainer: pl.Trainer) -> set[str]:
     ``_CheckpointConnector._parse_ckpt_path`` (checkpoint_connector.py:181-194) asks of every checkpoint
     callback for ``ckpt_path="last"`` before ``setup``, then takes the newest answer by modification time.
 
-    A ``LastResolver`` among the trainer's callbacks answers (the same file for every callback). Without
-    one, Lightning's rule (``last``, ``last-vN``; the callback's extension), with URLs kept: Lightning's own
+    A ``LastResolver`` among the trainer's callbacks answers for ``fit`` (the same file for every callback).
+    Without one, and for ``validate``/``test``/``predict``, Lightning's rule (``last``, ``last-vN``; the callback's extension), with URLs kept: Lightning's own
     ``os.path.normpath``s what the filesystem lists, so ``s3://b/run/last.ckpt`` became the local path
     ``b/run/last.ckpt``, found missing, and the run silently started from step 0. Local directories
     without a resolver go to Lightning's code unchanged.
     """
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # assigned by Lightning's callback connector
     resolver = next((cb for cb in callbacks if isinstance(cb, LastResolver) and cb.resolves_last), None)
-    if resolver is not None:
+    if resolver is not None and trainer.state.fn == TrainerFn.FITTING:  # validate/test/predict: Lightning's rule
         return resolver.resolve_last(trainer)
     directory = checkpoint_dir(self, trainer)
     if not storage.is_remote(directory):

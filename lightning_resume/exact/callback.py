@@ -32,7 +32,7 @@ from lightning_resume.exact.capture import (
 )
 from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
-from lightning_resume.exact.restore import check_same_checkpoint, refuse_or_warn, restore
+from lightning_resume.exact.restore import check_same_checkpoint, restore, warn_approximate
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.io.memory_tier import DEFAULT_ROOT
@@ -243,8 +243,8 @@ class ExactResume(Callback):
             rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
         numbered = enumerate(loaders)
         unsaved = [line for i, dl in numbered if (line := unsaved_position(f"train loader {i}", dl)) is not None]
-        if unsaved and self._pending is not None:  # a saved position that cannot be applied
-            refuse_or_warn(self.strict, trainer.ckpt_path, unsaved)
+        if unsaved and self._pending is not None:  # a position this loader cannot take: resumed as Lightning does
+            warn_approximate(unsaved)
         for line in unsaved if self._pending is None else []:  # a fresh run is never refused: named once
             rank_zero_warn(f"ExactResume: resume will not be exact: {line}", category=ExactResumeWarning)
         pending, self._pending = self._pending, None
@@ -255,6 +255,9 @@ class ExactResume(Callback):
         tier = self._resumed_tier(trainer)
         if pending is not None:
             self.resume_report["tier"] = tier
+            if unsaved:
+                self.resume_report["exact"] = False
+                self.resume_report["differences"] = [*self.resume_report.get("differences", []), *unsaved]
         self.resume_report["source"] = resumed_from(trainer)
         if self.scheduler is not None:
             driver.start(self.scheduler, trainer, self._num_nodes, pending or {}, tier)

@@ -170,16 +170,24 @@ def differences_from(
             f"world size: checkpoint written by {saved.get('world_size')} processes, this run has"
             f" {trainer.world_size} (each rank's RNG and data position cannot be mapped)"
         )
-    out += _signature_differences(saved.get("signature", {}), signature(trainer))
     ranks = saved.get("ranks", [])
-    if trainer.global_rank < len(ranks):
-        out += rng_mismatches(ranks[trainer.global_rank]["rng"], generators)
+    mine = ranks[trainer.global_rank] if trainer.global_rank < len(ranks) else {}
+    positions = [state is not None for state in mine.get("loaders", [])]
+    out += _signature_differences(saved.get("signature", {}), signature(trainer), positions)
+    if mine:
+        out += rng_mismatches(mine["rng"], generators)
     return out
 
 
-def _signature_differences(then: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def _signature_differences(
+    then: Mapping[str, Any], now: Mapping[str, Any], positions: Optional[list[bool]] = None
+) -> list[str]:
+    """What differs in the run's structure; a loader whose checkpoint holds no position (one that cannot save
+    it) is not compared: nothing saved would be applied to it."""
     out = []
     for i, (a, b) in enumerate(zip(then.get("loaders", []), now["loaders"], strict=False)):
+        if positions is not None and i < len(positions) and not positions[i]:
+            continue
         out += [f"train loader {i} {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in b if a.get(k) != b[k]]
     if len(then.get("loaders", [])) != len(now["loaders"]):
         out.append(f"number of train loaders: checkpoint {len(then.get('loaders', []))}, now {len(now['loaders'])}")

@@ -9,6 +9,7 @@ import warnings
 
 import lightning
 import pytest
+import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -118,3 +119,23 @@ def test_a_resume_from_a_save_at_the_validation_after_an_epochs_last_batch_count
         resumed = run(4, exact, ckpt_path=str(tmp_path / str(exact) / "last.ckpt"))
         totals.append(resumed.fit_loop.epoch_progress.total.state_dict())
     assert totals[1] == totals[0]
+
+
+def test_a_loader_that_saves_no_position_resumes_as_lightning_does_and_says_so(tmp_path):
+    class Batches:  # an iterable that is no DataLoader and has no state: no position to save
+        def __iter__(self):
+            return (torch.ones(2, 32) * i for i in range(3))
+
+        def __len__(self):
+            return 3
+
+    batches = Batches()
+    kwargs = dict(default_root_dir=tmp_path, max_epochs=1, logger=False, enable_progress_bar=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    Trainer(callbacks=[ExactResume(mtbf=None), ckpt], **kwargs).fit(BoringModel(), batches)
+    exact = ExactResume(mtbf=None)
+    with pytest.warns(UserWarning, match="resuming approximately"):
+        Trainer(callbacks=[exact], enable_checkpointing=False, **kwargs).fit(
+            BoringModel(), batches, ckpt_path=tmp_path / "epoch=0-step=1.ckpt"
+        )
+    assert exact.resume_report["exact"] is False and any("Batches" in d for d in exact.resume_report["differences"])

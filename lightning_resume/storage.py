@@ -1,6 +1,6 @@
 """The one storage layer: local paths and every fsspec URL (``s3://``, ``gs://``, ``memory://``) behind one interface.
 
-Every module that lists, tests, opens, removes or renames a file goes through these functions, so a
+Every module that lists, tests, opens or removes a file goes through these functions, so a
 URL keeps its scheme everywhere (never ``os.path.normpath``, which turns ``s3://b/k`` into ``s3:/b/k``)
 and tests run on ``memory://`` or a local temporary directory instead of patching ``os``. Local paths
 take the direct ``os`` route (plain reads, no fsspec buffering, tolerant of a file deleted between a
@@ -10,7 +10,7 @@ retried with bounded exponential backoff when the error is transient (5xx, throt
 reset, timeout) and fail at once, naming the URL, when it is permanent (no bucket, no permission).
 
 Which entries of a directory are checkpoints is not decided here (``io.resolve.candidates``), nor how
-a file is committed atomically (``io.atomic``). This module knows paths and errors, not checkpoints,
+a file is committed atomically, its rename included (``io.atomic``). This module knows paths and errors, not checkpoints,
 tensors or Lightning.
 """
 
@@ -244,15 +244,6 @@ def remove(path: str) -> None:
             fs.rm(fs_path, recursive=True)
 
     with_retries(rm, path, "delete")
-
-
-def rename(source: str, target: str) -> None:
-    """Move ``source`` to ``target`` (atomic locally, ``os.replace``; a copy and delete on object stores)."""
-    if is_local(source) and is_local(target):
-        os.replace(local_path(source), local_path(target))
-        return
-    fs, fs_source = fsspec.core.url_to_fs(str(source))
-    with_retries(lambda: fs.mv(fs_source, fsspec.core.url_to_fs(str(target))[1]), str(target), "rename")
 
 
 def require_local(path: str, owner: str) -> None:

@@ -245,8 +245,9 @@ class ExactResume(Callback):
         unsaved = [line for i, dl in numbered if (line := unsaved_position(f"train loader {i}", dl)) is not None]
         if unsaved and self._pending is not None:  # a position this loader cannot take: resumed as Lightning does
             warn_approximate(unsaved)
-        for line in unsaved if self._pending is None else []:  # a fresh run is never refused: named once
-            rank_zero_warn(f"ExactResume: resume will not be exact: {line}", category=ExactResumeWarning)
+        else:  # a fresh run is never refused: each such loader named once
+            for line in unsaved:
+                rank_zero_warn(f"ExactResume: resume will not be exact: {line}", category=ExactResumeWarning)
         pending, self._pending = self._pending, None
         check_same_checkpoint(trainer, pending)
         self.resume_report = {}

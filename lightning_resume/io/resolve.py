@@ -57,8 +57,8 @@ def progress(path: str) -> Optional[Progress]:
     """How far training was at ``path``: its step and modification time; ``None`` if it is gone.
 
     The step comes from the name (``step=N``, as Lightning's and our rolling names carry it), else from a
-    sharded directory's commit marker, else from the ``global_step`` in the header of a file of our format
-    (``last.ckpt``); ``-1`` when none says (such a file ranks below every one that does, then by time). An
+    sharded directory's commit marker, else from the ``global_step`` a file holds (``last.ckpt``: the header
+    of our format, or a local ``torch.save`` zip's pickle with its tensors mapped); ``-1`` when none says (such a file ranks below every one that does, then by time). An
     uncommitted sharded directory is not a checkpoint yet: ``None``.
     """
     path = str(path)

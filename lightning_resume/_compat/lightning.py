@@ -35,6 +35,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_resume import storage
+from lightning_resume._compat import torchdata as td
 from lightning_resume.protocols import LastResolver
 
 
@@ -225,6 +226,7 @@ def apply_loader_states(loaders: list[Any]) -> None:
         if getattr(loader, "next_iter_state", None) is not None:
             iterator = iter(loader)
             del iterator
+            td.drop_finished_sampler_position(loader)
 
 
 def set_sampler_epoch(loaders: list[Any], epoch: int) -> None:

@@ -43,6 +43,18 @@ def describe_position(state: Any) -> str:
     return f"{state.get(_NUM_YIELDED)} batches yielded"
 
 
+def drop_finished_sampler_position(loader: Any) -> None:
+    """Forget a position a ``StatefulDistributedSampler`` of ``loader`` still holds after a whole epoch was
+    applied. Its ``__iter__`` is a generator (sampler.py:198-206): ``load_state_dict`` only sets
+    ``next_yielded``, which the generator takes at its first index. An iterator made and dropped without a
+    batch (a ``num_workers=0`` loader prefetches nothing) leaves it set, and the next epoch would skip that
+    many samples: all of them, at an epoch's end."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(sampler, StatefulDistributedSampler):
+            sampler.next_yielded = None
+
+
 def distributed_samples_yielded(state: Mapping[str, Any]) -> int:
     """Samples a single-process loader over a ``StatefulDistributedSampler`` has yielded this epoch on its rank.
 

@@ -13,9 +13,11 @@ from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
+from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import loader_signature, loader_state
 from lightning_resume.exact.state.fingerprint import digest, fingerprint
 from lightning_resume.exact.state.rng import capture_rng
@@ -76,10 +78,18 @@ def capture_rank(
         "epoch_exhausted": lc.epoch_exhausted(trainer),
         "validation_pending": after_batch and lc.validation_due(trainer),
         "metrics": decision_metrics(trainer),
+        "buffers": rank_local.differing_from_rank_zero(trainer.lightning_module) if replicated(trainer) else {},
     }
     if with_fingerprint:
         local["fingerprint"] = fingerprint_of(trainer, local["rng"], [states, prefetched])
     return local
+
+
+def replicated(trainer: pl.Trainer) -> bool:
+    """Several ranks each hold the whole module and the checkpoint holds rank 0's (DDP, ddp_spawn): the
+    buffers other ranks hold differently must be kept per rank. Sharded strategies save every rank's part."""
+    strategy = trainer.strategy
+    return trainer.world_size > 1 and isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
 
 
 def decision_metrics(trainer: pl.Trainer) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
 from lightning_resume.exact import epoch_hooks
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
+from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import is_resumable, load_loader_state, loader_signature, remap_position
 from lightning_resume.exact.state.fingerprint import fingerprint_mismatches, unsaved_buffer_mismatches
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
@@ -46,6 +47,10 @@ def restore(
         warn_approximate([mid_step])
         differences = [*differences, mid_step]
     mine = state_for_this_rank(trainer, saved)
+    unapplied = collective.agreed(rank_local.put_back(trainer.lightning_module, mine.get("buffers") or {}))
+    if unapplied:
+        refuse_or_warn(strict, trainer.ckpt_path, unapplied)
+        differences = [*differences, *unapplied]
     lc.restore_callback_metrics(trainer, dict(mine.get("metrics") or {}))  # the next save decisions read them
     restored_rng = restore_position_and_rng(trainer, mine, saved, generators)
     report: dict[str, Any] = {"step": trainer.global_step, "exact": not differences, "differences": differences}

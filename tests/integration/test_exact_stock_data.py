@@ -70,6 +70,25 @@ DDP_CASES = {
     ),
     "shuffle_drop_last_unseeded": ({"drop_last": True, "n": 42, "seed_everything": False}, 7, 6),
     "torch_dataloader_shuffle_workers2": ({"pipeline": "torch", "num_workers": 2}, 7, 6),
+    # BatchNorm statistics each rank keeps (no broadcast_buffers), so rank 1's validation uses its own (only
+    # rank 0's are in Lightning's checkpoint); a plain loader without shuffle, gradient accumulation, the checkpoint
+    # at the epoch's end after validation (a num_workers=0 StatefulDistributedSampler), resumed in epoch 2.
+    "torch_dataloader_rank_local_batchnorm_epoch_end": (
+        {
+            "pipeline": "torch",
+            "shuffle": False,
+            "n": 32,
+            "max_epochs": 3,
+            "batchnorm": True,
+            "accumulate": 2,
+            "ddp": {"broadcast_buffers": False},
+            "val_check_interval": 1.0,
+            "record_validation": True,
+            "ckpt": {"every_n_epochs": 1, "save_top_k": -1, "save_last": True},
+        },  # fmt: skip
+        8,
+        12,  # records: 8 micro-batches and 2 validation batches after each of 2 epochs
+    ),
     # The README recipe (own StatefulDistributedSampler): workers make the iterator before Lightning sets the epoch.
     "recipe_sampler_workers2_second_epoch": (
         {"pipeline": "recipe", "use_distributed_sampler": False, "num_workers": 2},

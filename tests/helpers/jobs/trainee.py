@@ -25,6 +25,7 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
@@ -148,7 +149,11 @@ class Model(pl.LightningModule):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.cfg = cfg
-        self.net = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Dropout(cfg.get("dropout", 0.0)), nn.Linear(32, 1))
+        # batchnorm: running statistics DDP keeps per rank (rank 0's are in the checkpoint, the others' are not)
+        norm = [nn.BatchNorm1d(32)] if cfg.get("batchnorm") else []
+        self.net = nn.Sequential(
+            nn.Linear(DIM, 32), *norm, nn.ReLU(), nn.Dropout(cfg.get("dropout", 0.0)), nn.Linear(32, 1)
+        )
         self.log_file = None
 
     def _record(self, **rec) -> None:
@@ -299,7 +304,7 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
         plugins=plugins,
         accelerator="cpu",
         devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        strategy=(DDPStrategy(**cfg.get("ddp", {})) if devices > 1 else "auto"),
         use_distributed_sampler=cfg.get("use_distributed_sampler", False),
         max_epochs=cfg.get("max_epochs", 2),
         max_steps=cfg.get("max_steps", -1),
@@ -331,8 +336,8 @@ def main(cfg: dict) -> None:
     trainer = _trainer(cfg, _callbacks(cfg, out))
     model = Model(cfg)
     trainer.fit(model, ckpt_path=cfg.get("resume"))
-    if trainer.global_rank == 0:
-        torch.save(_final_state(trainer, model), out / "final.pt")
+    rank = trainer.global_rank
+    torch.save(_final_state(trainer, model), out / ("final.pt" if rank == 0 else f"final-rank{rank}.pt"))
     if torch.distributed.is_initialized():  # close gloo before exit: its threads may otherwise abort the process
         torch.distributed.destroy_process_group()
 

@@ -6,7 +6,8 @@ Lightning's own handler (lightning/pytorch/trainer/connectors/signal_connector.p
 ``hpc_ckpt_N.ckpt`` from inside the signal handler, in the middle of a step, then runs ``scontrol
 requeue``. ``ExactResume`` takes that signal over (a flag, acted on at the next step boundary), so this
 module does the second half once the snapshot is durable: the job id (array jobs as
-``<array job>_<task>``) and the ``scontrol`` call, on rank 0 only.
+``<array job>_<task>``) and the ``scontrol`` call, on rank 0 only, killed after ``REQUEUE_TIMEOUT_S``
+(a hung controller must not hold the job past its grace time).
 
 torchelastic: ``torchrun --max-restarts`` restarts the worker group in place. By default (torch >= 2.4)
 the workers' process group shares the rendezvous' TCP store, which outlives an attempt: the restarted
@@ -27,6 +28,11 @@ from typing import Mapping, Optional
 
 log = logging.getLogger(__name__)
 
+REQUEUE_TIMEOUT_S = 30.0
+"""How long ``scontrol requeue`` may take before it is killed. A healthy controller answers in well under a
+second; a hung one must not hold the preempted job (every rank waits at the requeue barrier) until SLURM
+kills it at the end of its grace time, unrequeued."""
+
 
 def slurm_job_id(environ: Mapping[str, str]) -> Optional[str]:
     """The id ``scontrol requeue`` takes for this job: ``<array job>_<task>`` for an array task."""
@@ -35,15 +41,23 @@ def slurm_job_id(environ: Mapping[str, str]) -> Optional[str]:
     return job if job and re.fullmatch(r"[0-9_]+", job) else None
 
 
-def requeue(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Run ``scontrol requeue <job id>``; ``True`` when it succeeded. Failures are logged, never raised:
-    the snapshot is already durable, and a job that is not requeued can be resubmitted by hand."""
+def requeue(environ: Optional[Mapping[str, str]] = None, *, timeout_s: float = REQUEUE_TIMEOUT_S) -> bool:
+    """Run ``scontrol requeue <job id>``; ``True`` when it succeeded within ``timeout_s`` seconds (else it is
+    killed). Failures are logged, never raised: the snapshot is already durable, and a job that is not
+    requeued can be resubmitted by hand."""
     job = slurm_job_id(os.environ if environ is None else environ)
     if job is None:
         log.warning("SLURM requeue skipped: no valid SLURM_JOB_ID (or SLURM_ARRAY_JOB_ID/_TASK_ID) in the environment")
         return False
+    command = ["scontrol", "requeue", job]
     try:
-        code = subprocess.call(["scontrol", "requeue", job])
+        code = subprocess.run(command, timeout=timeout_s).returncode  # on timeout: killed, then reaped
+    except subprocess.TimeoutExpired:
+        log.warning(
+            f"SLURM requeue of job {job} failed: `{' '.join(command)}` did not finish within {timeout_s:g} s"
+            " and was killed; resubmit the job by hand"
+        )
+        return False
     except OSError as err:
         log.warning(f"SLURM requeue of job {job} failed: cannot run scontrol ({err}); resubmit the job by hand")
         return False

@@ -7,8 +7,12 @@ is a *process failure* (the machine survived: its shared memory still held the s
 other failure is counted as a *node failure* (the conservative reading of a disk resume, and of
 events written before tiers were recorded). ``mtbf="observed"`` turns that history into the job's M with
 ``estimate_mtbf``. The record functions and the estimate are pure (clock passed in); only
-``load_history`` / ``save_history`` touch the file, and they never take training down: a corrupt
-or unreadable file gives a ``HistoryWarning`` and a fresh history, a failed write a warning.
+``load_history`` / ``save_history`` touch the file, and they never take training down: a corrupt,
+oversized or unreadable file gives a ``HistoryWarning`` and a fresh history, a failed write a warning.
+A history is untrusted input wherever it comes from (the file, or the ``history`` entry of the
+checkpoint resumed from): ``read_history`` checks every value (finite, non-negative, durations at
+most ``MAX_DURATION_S``) and keeps the newest ``MAX_EVENTS`` events, and the estimate clamps what it
+returns, so no history can make the schedule fail.
 Times are wall-clock seconds since the epoch (``time.time()``), since they span processes.
 This module knows nothing about Lightning; rank 0 alone should read and write the file.
 """
@@ -19,10 +23,11 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from lightning_resume import storage
 from lightning_resume.errors import HistoryWarning
@@ -31,6 +36,23 @@ from lightning_resume.schedule.state import Tier
 
 HISTORY_FILENAME = "resume_history.json"
 FORMAT_VERSION = 1
+
+MAX_DURATION_S = 100 * 365.25 * 24 * 3600.0
+"""The longest uptime, loss or interval a history holds (100 years): anything longer is corrupt."""
+
+MAX_EVENTS = 10_000
+"""Events a history keeps: the newest; older ones are dropped, so the estimate reads the newest
+``MAX_EVENTS`` lives (a run that restarted that often has evidence enough without them)."""
+
+MAX_FILE_BYTES = 4 * 1024 * 1024
+"""The largest history file read (``MAX_EVENTS`` events, as written, take about 2.3 MB); a bigger one is
+refused unread."""
+
+MIN_MTBF_S = 1e-3
+"""The floor of an estimated M (a millisecond): with the ceiling ``MAX_DURATION_S``, the range in which
+the interval formulas are defined for any history."""
+
+_FLOAT_MAX = sys.float_info.max
 
 
 class EventKind(str, Enum):
@@ -123,14 +145,30 @@ def record_start(
     event = ResumeEvent(
         restart_time=float(now),
         checkpoint_time=float(checkpoint_time),
-        lost_s=max(0.0, now - checkpoint_time),
-        interval_s=max(0.0, now - previous_failure),
-        uptime_s=max(0.0, end - start),
+        lost_s=clamp_duration(now - checkpoint_time),
+        interval_s=clamp_duration(now - previous_failure),
+        uptime_s=clamp_duration(end - start),
         kind=kind,
         tier=None if tier is None else Tier(tier),
     )
     run_start = history.run_start if history.run_start is not None else start
-    return FailureHistory(run_start=run_start, events=history.events + (event,), clean_stop_time=None)
+    return FailureHistory(run_start=run_start, events=newest(history.events + (event,)), clean_stop_time=None)
+
+
+def newest(events: Sequence[Any]) -> tuple:
+    """The events a history keeps: the newest ``MAX_EVENTS``."""
+    return tuple(events[-MAX_EVENTS:])
+
+
+def clamp_duration(seconds: float) -> float:
+    """``seconds`` within [0, ``MAX_DURATION_S``], NaN as 0: how a duration computed from a clock that
+    jumped, or from a record read back, is counted."""
+    return 0.0 if math.isnan(seconds) else min(max(seconds, 0.0), MAX_DURATION_S)
+
+
+def is_wall_time(value: Any) -> bool:
+    """Whether ``value`` can be a wall time of the history: a finite number of seconds >= 0."""
+    return _in_range(value, _FLOAT_MAX)
 
 
 def record_clean_stop(history: FailureHistory, now: float) -> FailureHistory:
@@ -141,8 +179,8 @@ def record_clean_stop(history: FailureHistory, now: float) -> FailureHistory:
 def exposure_s(history: FailureHistory, now: float) -> float:
     """Total run time observed: the ended lives' uptimes plus the current life so far."""
     start = history.life_start()
-    current = 0.0 if start is None else max(0.0, now - start)
-    return sum(e.uptime_s for e in history.events) + current
+    current = 0.0 if start is None else clamp_duration(now - start)
+    return sum(clamp_duration(e.uptime_s) for e in history.events) + current
 
 
 def estimate_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: float, now: float) -> float:
@@ -154,6 +192,9 @@ def estimate_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: fl
     failures M grows with the time survived; with many, it tends to S / n. Uptime ended by a
     failure is counted only up to the snapshot resumed from, which errs towards a shorter M (more
     frequent saves) rather than counting queue time as survival.
+
+    Whatever the history holds, M is finite, within [``MIN_MTBF_S``, ``MAX_DURATION_S``]: each
+    uptime counts within [0, ``MAX_DURATION_S``], so no record can make the interval formulas fail.
     """
     return _posterior_mtbf(len(history.failures), history, prior_mtbf_s, prior_weight, now)
 
@@ -173,7 +214,8 @@ def _posterior_mtbf(n: int, history: FailureHistory, prior_mtbf_s: float, prior_
         raise ValueError(f"prior_mtbf_s={prior_mtbf_s!r} must be > 0 seconds")
     if not (math.isfinite(prior_weight) and prior_weight > 0):
         raise ValueError(f"prior_weight={prior_weight!r} must be > 0 pseudo-failures")
-    return (prior_weight * prior_mtbf_s + exposure_s(history, now)) / (prior_weight + n)
+    m = (prior_weight * prior_mtbf_s + exposure_s(history, now)) / (prior_weight + n)
+    return min(max(m, MIN_MTBF_S), MAX_DURATION_S)  # also an overflowing prior_weight * prior_mtbf_s
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,56 +237,133 @@ def history_to_json(history: FailureHistory) -> dict:
     }
 
 
-def _number(obj: Mapping[str, Any], key: str) -> float:
+def history_from_json(data: Any) -> FailureHistory:
+    """Parse a version-1 history (the file's JSON, or a checkpoint's ``history`` entry); ``ValueError``
+    naming the first thing wrong with it. Strict: ``read_history`` is the reader that never fails."""
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION or isinstance(data["version"], bool):
+        raise ValueError(f"not a version-{FORMAT_VERSION} resume history")
+    events = data.get("events")
+    if not isinstance(events, (list, tuple)):
+        raise ValueError(f"events is {_kind(events)}, not a list")
+    if len(events) > MAX_EVENTS:
+        raise ValueError(f"{len(events)} events, more than the {MAX_EVENTS} a history keeps")
+    return FailureHistory(
+        run_start=_optional_wall_time(data, "run_start"),
+        events=tuple(_event(i, e) for i, e in enumerate(events)),
+        clean_stop_time=_optional_wall_time(data, "clean_stop_time"),
+    )
+
+
+def _event(index: int, e: Any) -> ResumeEvent:
+    if not isinstance(e, dict):
+        raise ValueError(f"event {index} is {_kind(e)}, not an object")
+    try:
+        return ResumeEvent(
+            restart_time=_wall_time(e, "restart_time"),
+            checkpoint_time=_wall_time(e, "checkpoint_time"),
+            lost_s=_duration(e, "lost_s"),
+            interval_s=_duration(e, "interval_s"),
+            uptime_s=_duration(e, "uptime_s"),
+            kind=EventKind(_choice(e, "kind", EventKind)),
+            tier=None if e.get("tier") is None else Tier(_choice(e, "tier", Tier)),
+        )
+    except ValueError as err:
+        raise ValueError(f"event {index}: {err}") from err
+
+
+def _wall_time(obj: Mapping[str, Any], key: str) -> float:
+    return _seconds(obj, key, _FLOAT_MAX, "a wall time (a finite number of seconds >= 0)")
+
+
+def _optional_wall_time(obj: Mapping[str, Any], key: str) -> Optional[float]:
+    return None if key in obj and obj[key] is None else _wall_time(obj, key)
+
+
+def _duration(obj: Mapping[str, Any], key: str) -> float:
+    return _seconds(obj, key, MAX_DURATION_S, f"a duration in [0, {MAX_DURATION_S:g}] s (100 years)")
+
+
+def _seconds(obj: Mapping[str, Any], key: str, most: float, what: str) -> float:
+    if key not in obj:
+        raise ValueError(f"no {key}")
     value = obj[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{key}={value!r} is not a finite number")
+    if not _in_range(value, most):
+        raise ValueError(f"{key}={_shown(value)} is not {what}")
     return float(value)
 
 
-def _optional_number(obj: Mapping[str, Any], key: str) -> Optional[float]:
-    return None if obj[key] is None else _number(obj, key)
+def _in_range(value: Any, most: float) -> bool:
+    """A number (not a bool) in [0, ``most``]: compared before any conversion, so a huge integer cannot
+    overflow ``float()``, and NaN fails every comparison."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= most
 
 
-def history_from_json(data: Any) -> FailureHistory:
-    """Parse the file's JSON; ``ValueError`` / ``KeyError`` / ``TypeError`` on anything malformed."""
-    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"not a version-{FORMAT_VERSION} resume history")
-    if not isinstance(data["events"], list):
-        raise ValueError("events is not a list")
-    events = tuple(
-        ResumeEvent(
-            restart_time=_number(e, "restart_time"),
-            checkpoint_time=_number(e, "checkpoint_time"),
-            lost_s=_number(e, "lost_s"),
-            interval_s=_number(e, "interval_s"),
-            uptime_s=_number(e, "uptime_s"),
-            kind=EventKind(e["kind"]),
-            tier=None if e.get("tier") is None else Tier(e["tier"]),
-        )
-        for e in data["events"]
-    )
-    return FailureHistory(
-        run_start=_optional_number(data, "run_start"),
-        events=events,
-        clean_stop_time=_optional_number(data, "clean_stop_time"),
-    )
+def _choice(obj: Mapping[str, Any], key: str, enum: type[Enum]) -> str:
+    value, names = obj.get(key), [m.value for m in enum]
+    if not (isinstance(value, str) and value in names):
+        shown = repr(value[:40]) if isinstance(value, str) else _kind(value)
+        raise ValueError(f"{key}={shown} is not one of {names}")
+    return value
 
 
-def load_history(path: str) -> FailureHistory:
-    """The history stored at ``path``; a fresh one if it is missing, or (with a warning) unreadable."""
-    try:
-        return history_from_json(json.loads(storage.read_bytes(str(path)).decode("utf-8")))
-    except FileNotFoundError:
-        return FailureHistory()
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+def _shown(value: Any) -> str:
+    """``value`` for a message: a number as written (a huge integer by its size), anything else by type,
+    since the repr of a deeply nested list would itself recurse too deep."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _kind(value)
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def read_history(data: Any, source: str) -> FailureHistory:
+    """``data`` as a history, from ``source`` (a file, a checkpoint: untrusted either way); never raises.
+
+    More than ``MAX_EVENTS`` events: the newest are kept, with a ``HistoryWarning`` saying how many were
+    dropped. Anything else wrong: a ``HistoryWarning`` naming ``source`` and the problem, and a fresh
+    history (observed estimates restart from the prior)."""
+    events = data.get("events") if isinstance(data, dict) else None
+    if isinstance(events, (list, tuple)) and len(events) > MAX_EVENTS:
         warnings.warn(
-            f"{path}: unreadable resume history ({type(err).__name__}: {err}); starting a fresh one. "
-            "Observed-MTBF estimates restart from the prior; delete the file to silence this.",
+            f"{source}: the resume history holds {len(events)} events, more than the {MAX_EVENTS} kept; the"
+            f" oldest {len(events) - MAX_EVENTS} are dropped (observed MTBF reads the newest {MAX_EVENTS})",
             HistoryWarning,
             stacklevel=2,
         )
+        data = {**data, "events": newest(events)}
+    try:
+        return history_from_json(data)
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as err:
+        return _fresh(source, f"{type(err).__name__}: {err}")
+
+
+def _fresh(source: str, problem: str) -> FailureHistory:
+    warnings.warn(
+        f"{source}: unreadable resume history ({problem}); starting a fresh one: observed-MTBF estimates"
+        " restart from the prior, and the next checkpoint carries the fresh history.",
+        HistoryWarning,
+        stacklevel=3,
+    )
+    return FailureHistory()
+
+
+def load_history(path: str) -> FailureHistory:
+    """The history stored at ``path``; a fresh one if it is missing, or (with a ``HistoryWarning``)
+    unreadable or bigger than ``MAX_FILE_BYTES`` (refused before it is read)."""
+    nbytes = storage.size(str(path))
+    if nbytes is not None and nbytes > MAX_FILE_BYTES:
+        return _fresh(str(path), f"{nbytes} bytes, more than the {MAX_FILE_BYTES} a history is read up to")
+    try:
+        data = json.loads(storage.read_bytes(str(path)).decode("utf-8"))
+    except FileNotFoundError:
         return FailureHistory()
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        return _fresh(str(path), f"{type(err).__name__}: {err}")
+    return read_history(data, str(path))
 
 
 def save_history(path: str, history: FailureHistory) -> bool:

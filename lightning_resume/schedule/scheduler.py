@@ -35,6 +35,9 @@ _TIER_CODES = (Tier.NONE, Tier.MEMORY, Tier.DURABLE)
 HISTORY_KEY = "history"
 """Where the failure history sits in the schedule's state (inside each checkpoint's ExactResume entry)."""
 
+CHECKPOINT_SOURCE = "the resumed checkpoint (ExactResume schedule state)"
+"""How warnings name a history, or a snapshot time, read from the checkpoint resumed from."""
+
 Agree = Callable[[Sequence[int]], Sequence[int]]
 """Element-wise max of small integer vectors over all ranks (identity on one process)."""
 
@@ -93,7 +96,8 @@ class SnapshotScheduler:
             tier = None if resumed_tier is None else Tier(resumed_tier)
             now = self.wall_clock()
             past = _past_history(restored, legacy_history_dir)
-            self.history = history.record_start(past, now, checkpoint_wall_time, tier=tier)
+            snapshot_time = _snapshot_time(checkpoint_wall_time, past, now)
+            self.history = history.record_start(past, now, snapshot_time, tier=tier)
             mtbf, process_mtbf = _observed(config, self.history, now)
         schedule = {k: v for k, v in (restored or {}).items() if k != HISTORY_KEY} or None
         self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule)
@@ -171,21 +175,29 @@ class SnapshotScheduler:
 
 
 def _past_history(restored: Optional[dict], legacy_dir: Optional[str]) -> history.FailureHistory:
-    """The history the resumed checkpoint carries; else an earlier version's file; else a fresh one."""
+    """The history the resumed checkpoint carries; else an earlier version's file; else a fresh one.
+    Either is checked as untrusted input (``history.read_history``): a bad one warns and starts fresh."""
     if restored and HISTORY_KEY in restored:
-        try:
-            return history.history_from_json(restored[HISTORY_KEY])
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            warnings.warn(
-                f"the checkpoint's failure history is unreadable ({type(err).__name__}: {err}); starting a fresh"
-                " one (observed-MTBF estimates restart from the prior)",
-                HistoryWarning,
-                stacklevel=3,
-            )
-            return history.FailureHistory()
+        return history.read_history(restored[HISTORY_KEY], CHECKPOINT_SOURCE)
     if legacy_dir is not None:
         return history.load_history(history.history_path(legacy_dir))  # a missing file is a fresh history
     return history.FailureHistory()
+
+
+def _snapshot_time(value: Optional[float], past: history.FailureHistory, now: float) -> Optional[float]:
+    """The resumed snapshot's wall time (``None``: a fresh start). One that is no wall time (the checkpoint's
+    ``saved_at`` is untrusted too) warns and counts as taken when the previous life began: no uptime is
+    credited to it, the conservative reading (a shorter M)."""
+    if value is None or history.is_wall_time(value):
+        return value
+    warnings.warn(
+        f"{CHECKPOINT_SOURCE}: saved_at is not a wall time (a finite number of seconds >= 0); the failure"
+        " history records this start as if the snapshot was taken when the previous process started",
+        HistoryWarning,
+        stacklevel=4,
+    )
+    start = past.life_start()
+    return now if start is None else start
 
 
 def _observed(

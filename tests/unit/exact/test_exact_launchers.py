@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,20 @@ def test_a_failed_requeue_is_logged_not_raised(
         assert requeue({"SLURM_JOB_ID": "4242"}) is False
     assert "cannot run scontrol" in caplog.text
     assert requeue({}) is False
+
+
+def test_a_hung_scontrol_is_killed_after_the_timeout_and_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    script = tmp_path / "scontrol"  # a controller that never answers (exec: the kill reaches the sleep itself)
+    script.write_text("#!/bin/sh\nexec sleep 60\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        assert requeue({"SLURM_JOB_ID": "4242"}, timeout_s=0.5) is False
+    assert time.monotonic() - started < 5  # not the 60 s scontrol would have taken
+    assert "job 4242 failed: `scontrol requeue 4242` did not finish within 0.5 s and was killed" in caplog.text
 
 
 def test_torchelastic_restarts_on_a_shared_store_are_named() -> None:

@@ -2,8 +2,8 @@
 
 Errors derive from ``LightningResumeError``, warnings from ``LightningResumeWarning``, so a user can
 catch or filter the whole product at once. Each error names the thing that is wrong and the fix.
-This module owns only the types (and ``short_repr``, for their messages); it must not import
-Lightning, torch or touch files.
+This module owns only the types (and ``short_repr`` and ``byte_size``, for their messages); it must not
+import Lightning, torch or touch files.
 """
 
 from __future__ import annotations
@@ -61,6 +61,29 @@ class UnsafeCheckpointError(LightningResumeError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{self.path}: refused to load: {reason}")
+
+
+class RemoteLoadMemoryError(LightningResumeError):
+    """Loading a checkpoint from a URL would hold more host memory than ``limit`` allows (the memory the
+    host or its cgroup has left, or ``max_remote_load_bytes``); refused before its data was downloaded."""
+
+    def __init__(self, url: str, size: int, needed: int, limit: int, what: str, cap_option: bool) -> None:
+        self.url = str(url)
+        self.size = size
+        self.needed = needed
+        self.limit = limit
+        self.what = what
+        raise_it = (
+            "or raise the cap (SafetensorsCheckpointIO(max_remote_load_bytes=...), in bytes)"
+            if cap_option
+            else "or run where more memory is free (a cap, max_remote_load_bytes, only lowers this bound)"
+        )
+        super().__init__(
+            f"{self.url}: refused to load this {byte_size(size)} checkpoint from remote storage: the load holds about"
+            f" {byte_size(needed)} of host memory, more than {what} ({byte_size(limit)}). None of its data was"
+            " downloaded and the file is unchanged. Free memory, copy the file to local disk and load it from there (a local"
+            f" load reads it tensor by tensor, holding it once), {raise_it}."
+        )
 
 
 class UnencodableValueError(LightningResumeError, TypeError):
@@ -187,6 +210,14 @@ class ShardedCheckpointWarning(LightningResumeWarning):
 
 class VersionWarning(LightningResumeWarning):
     """A dependency version this release was not verified with; the private APIs it relies on may differ."""
+
+
+def byte_size(n: int) -> str:
+    """``n`` bytes for a message: ``"64.0 MiB (67108864 bytes)"``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit} ({n} bytes)"
+    return f"{n} bytes"
 
 
 def short_repr(x: Any) -> str:

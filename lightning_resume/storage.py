@@ -16,12 +16,15 @@ tensors or Lightning.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
+import functools
+import io
 import os
 import shutil
 import time
-from typing import IO, Callable, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import IO, Any, Callable, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -223,6 +226,128 @@ def read_range(path: str, start: int, end: int) -> bytes:
             return os.pread(f.fileno(), max(end - start, 0), start)
     fs, fs_path = fsspec.core.url_to_fs(str(path))
     return bytes(with_retries(lambda: fs.cat_file(fs_path, start=start, end=end), str(path), "read"))
+
+
+READ_CHUNK = 4 << 20
+"""Bytes of one ranged GET of ``read_into``. The client holds each chunk about twice while it arrives (s3fs
+joins the pieces aiohttp received), so ``read_into`` holds ``read_window`` bytes beside its buffer."""
+READ_STREAMS = 8
+"""Most ranged GETs of one ``read_into`` in flight: an object store serves one connection at a fraction of
+what several give (S3's guidance: parallel ranged GETs of 8-16 MB), as s3fs's own whole-file read does (10)."""
+
+
+def read_streams(size: int) -> int:
+    """Ranged GETs in flight for a file of ``size`` bytes: one per 16 chunks, 1 to ``READ_STREAMS``, so what is
+    in flight stays under 1/8 of the file once it is past 64 MiB (and is 8 MiB below that)."""
+    return max(1, min(READ_STREAMS, size // (16 * READ_CHUNK)))
+
+
+def read_window(size: int) -> int:
+    """Host bytes ``read_into`` holds beside its buffer while it reads a remote file of ``size`` bytes."""
+    return 2 * READ_CHUNK * read_streams(size)
+
+
+def read_into(path: str, into: memoryview, start: int = 0, streams: Optional[int] = None) -> int:
+    """Fill ``into`` with the bytes of ``path`` from ``start`` on and return how many arrived (fewer only at
+    the end of the file). Remotely in ranged GETs of ``READ_CHUNK`` bytes, ``read_streams`` at a time, each
+    retried like a whole transfer and copied into its place at once: beside ``into`` only ``read_window``
+    bytes are held (a whole-file GET through s3fs holds two or three copies of the file)."""
+    path, total = str(path), len(into)
+    if is_local(path):
+        with open(local_path(path), "rb", buffering=0) as f:
+            f.seek(start)
+            got = 0
+            while got < total and (k := f.readinto(into[got:])):
+                got += k
+            return got
+    fs, fs_path = fsspec.core.url_to_fs(path)
+
+    def fetch(at: int) -> int:
+        end = min(at + READ_CHUNK, total)
+        chunk = with_retries(functools.partial(fs.cat_file, fs_path, start=start + at, end=start + end), path, "read")
+        n = min(len(chunk), end - at)
+        into[at : at + n] = memoryview(chunk)[:n]
+        return n
+
+    starts = range(0, total, READ_CHUNK)
+    streams = read_streams(total) if streams is None else max(1, min(streams, len(starts)))
+    if streams == 1:
+        return _arrived(starts, map(fetch, starts), total)  # lazy: no GET after a short chunk
+    with concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="lightning-resume-read") as pool:
+        return _arrived(starts, pool.map(fetch, starts), total)
+
+
+READER_WINDOW = 8 * READ_CHUNK
+"""Most bytes a :class:`RangedReader` fetches at a time, one ranged GET of ``READ_CHUNK`` per stream."""
+
+
+def reader_window(size: int) -> int:
+    """The window of a :class:`RangedReader` over a file of ``size`` bytes: about 1/8 of it, whole chunks,
+    from one chunk to ``READER_WINDOW``."""
+    return max(READ_CHUNK, min(READER_WINDOW, size // 8 // READ_CHUNK * READ_CHUNK))
+
+
+def reader_overhead(size: int) -> int:
+    """Host bytes a :class:`RangedReader` holds beside what its reader builds: its window, and each stream's
+    chunk while it arrives (the client holds it about twice)."""
+    window = reader_window(size)
+    return window + 2 * window
+
+
+class RangedReader(io.RawIOBase):
+    """A read-only, seekable file over a remote object of known ``size``, served from one reused window
+    (``reader_window``: at most ``READER_WINDOW`` bytes) that ``read_into`` refills (parallel ranged GETs,
+    each retried): a
+    reader copies the bytes it asks for straight into its own memory (``readinto``), so reading a whole
+    checkpoint holds the window beside what is built from it, never the file."""
+
+    def __init__(self, path: str, size: int) -> None:
+        super().__init__()
+        self.path, self.size = str(path), int(size)
+        self._window = memoryview(bytearray(min(reader_window(self.size), max(self.size, 1))))
+        self._start, self._len, self._pos = 0, 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        out, done = memoryview(b).cast("B"), 0
+        while done < len(out) and self._pos < self.size:
+            if not self._start <= self._pos < self._start + self._len:
+                self._fill(self._pos)
+                if self._len == 0:
+                    break  # the object is shorter than its listed size: the caller sees a short read
+            at = self._pos - self._start
+            n = min(len(out) - done, self._len - at)
+            out[done : done + n] = self._window[at : at + n]
+            done, self._pos = done + n, self._pos + n
+        return done
+
+    def _fill(self, at: int) -> None:
+        want = min(len(self._window), self.size - at)
+        streams = len(self._window) // READ_CHUNK  # one ranged GET per chunk of the window, all at once
+        self._start, self._len = at, read_into(self.path, self._window[:want], start=at, streams=streams)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _arrived(starts: range, lengths: Iterator[int], total: int) -> int:
+    """Bytes that arrived without a gap: up to the end of the first chunk that came short (the file ended)."""
+    for at, n in zip(starts, lengths, strict=True):
+        if n < min(READ_CHUNK, total - at):
+            return at + n
+    return total
 
 
 def remove(path: str) -> None:

@@ -35,7 +35,7 @@ from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.restore import check_same_checkpoint, restore, warn_approximate
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
-from lightning_resume.io.memory_tier import DEFAULT_ROOT
+from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.schedule.config import (
     DEFAULT_CHECK_INTERVAL,
@@ -126,8 +126,9 @@ class ExactResume(Callback):
             where a resume from memory counts as one); with ``mtbf`` (the failures that lose it), it sets
             the interval of each tier. ``None`` (default): ``"observed"`` with a 1 h prior
             (``DEFAULT_PROCESS_MTBF_PRIOR``), unless ``memory_every_n_train_steps_max`` alone paces the tier.
-        memory_dir: the shared-memory directory for ``memory_tier`` (default ``/dev/shm/lightning-resume``);
-            a local tmpfs path.
+        memory_dir: the tmpfs for ``memory_tier`` (default ``/dev/shm``), a local path: snapshots live in this
+            user's own root under it, ``<memory_dir>/lightning-resume-<uid>`` (mode 0700, checked before each
+            use; one that is another user's or open to others is refused with a warning, the tier off).
         memory_every_n_train_steps_max: take a memory snapshot at least every this many optimizer steps.
     """
 
@@ -167,7 +168,7 @@ class ExactResume(Callback):
             raise ConfigurationError("ExactResume", problems + err.problems) from None
         if problems:
             raise ConfigurationError("ExactResume", problems)
-        self.memory = MemoryTier(memory_dir or DEFAULT_ROOT) if memory_tier else None
+        self.memory = MemoryTier(memory_dir or DEFAULT_MEMORY_DIR) if memory_tier else None
         if memory_tier:
             lc.remember_ckpt_path_requests()  # fit(ckpt_path="last") considers the memory tier first
         self.generators: dict[str, torch.Generator] = dict(generators or {})
@@ -253,7 +254,7 @@ class ExactResume(Callback):
         self.resume_report = {}
         if pending is not None:
             self.resume_report = restore(trainer, pending, self.generators, self.strict, self.fingerprint)
-        tier = self._resumed_tier(trainer)
+        tier = self._resumed_tier(trainer, pending)
         if pending is not None:
             self.resume_report["tier"] = tier
             if unsaved:
@@ -266,11 +267,11 @@ class ExactResume(Callback):
             self._take_over_slurm_requeue(trainer)
             self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it
 
-    def _resumed_tier(self, trainer: pl.Trainer) -> Optional[str]:
+    def _resumed_tier(self, trainer: pl.Trainer, pending: Optional[dict[str, Any]]) -> Optional[str]:
         """``"memory"`` or ``"durable"``: where this run resumed from (``None``: a fresh start)."""
         if self.memory is None:
             return DURABLE if trainer.ckpt_path else None
-        self.memory.forget_other_lines()  # a snapshot that is not the resume source is from a line left behind
+        self.memory.start((pending or {}).get(RUN_KEY))  # the run's id; a snapshot of a line left behind dropped
         return self.memory.resumed_tier or (DURABLE if trainer.ckpt_path else None)
 
     def _what_cannot_be_exact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list) -> list[str]:
@@ -361,7 +362,10 @@ class ExactResume(Callback):
         where = INSIDE_STEP if lc.inside_training_step(trainer) else AT_STEP_BOUNDARY
         where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where
         now = self._wall_clock()  # the failure history's clock: a resume's lost time is measured on it
-        return checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now)
+        state = checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now)
+        if self.memory is not None and self.memory.run is not None:
+            state[RUN_KEY] = self.memory.run  # names the run whose memory snapshots a relaunch may resume
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

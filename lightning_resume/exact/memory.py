@@ -1,16 +1,19 @@
 """ExactResume's memory tier in a Lightning run: where its snapshots live, taking them, resuming from them.
 
-The store (``io.memory_tier``) keeps one verified file per rank in shared memory. Here: the run's slot is
-found from the durable checkpoint directory (rank 0 reads or makes the run id stored there, every rank
-learns it); a snapshot is the trainer's full checkpoint dict, built on every rank; and on
-``fit(ckpt_path="last")`` the memory tier replaces the durable checkpoint Lightning resolved when every
-rank holds a verified snapshot of the same step and save sequence, newer (by global step) than that
-checkpoint. Otherwise every rank falls back to disk together, and the snapshots that are not the resume
-source are dropped, so a later resume never goes back to another line of training.
+The store (``io.memory_tier``) keeps one verified file per rank in this user's private shared-memory root.
+Here: the run's slot is named by the durable checkpoint directory, and the run by an id that every
+checkpoint carries (``RUN_KEY`` in ``ExactResume``'s state): made at a fresh start, kept across resumes. A
+snapshot is the trainer's full checkpoint dict, built on every rank; on ``fit(ckpt_path="last")`` the memory
+tier replaces the durable checkpoint Lightning resolved when every rank holds a verified snapshot of that
+checkpoint's run, of the same step and save sequence, newer (by global step) than that checkpoint.
+Otherwise every rank falls back to disk together, and the snapshots that are not the resume source are
+dropped, so a later resume never goes back to another line of training. A checkpoint directory emptied by
+hand holds no run id, so the next start is a new run, whatever shared memory still holds.
 """
 
 from __future__ import annotations
 
+import secrets
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
@@ -25,9 +28,10 @@ from lightning_resume.io.memory_tier import (
     MemorySnapshot,
     MemoryStore,
     NotEnoughSharedMemory,
+    durable_run,
     durable_step,
-    run_id,
-    run_key,
+    memory_root,
+    slot_key,
 )
 from lightning_resume.schedule.state import Tier
 
@@ -40,21 +44,24 @@ FLUSH_TIMEOUT_S = 60.0
 
 
 class MemoryTier:
-    """One run's memory tier: set up per ``fit``, saves at step boundaries, chooses the resume source."""
+    """One run's memory tier: set up per ``fit``, saves at step boundaries, chooses the resume source.
 
-    def __init__(self, root: str) -> None:
-        self.root = root
+    ``memory_dir``: the tmpfs under which this user's root ``lightning-resume-<uid>`` lives."""
+
+    def __init__(self, memory_dir: str) -> None:
+        self.root = memory_root(memory_dir)
         self.store: Optional[MemoryStore] = None
+        self.run: Optional[str] = None
         self.seq = 0
         self.resumed_tier: Optional[str] = None
         self.warned_full = False
+        self._warned_failed = False
         self.directory, self.rank, self.world_size = "", 0, 1
         self._remove_hook: Optional[Callable[[], None]] = None
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """Find this rank's slot (every rank) if the run has one, and, for ``fit(ckpt_path="last")``, have
-        the resume consider the memory tier first. The run id is made at the first snapshot, not here: a
-        fresh run's checkpoint directory stays empty until it saves (``ModelCheckpoint`` warns otherwise)."""
+        """Find this rank's slot and, for ``fit(ckpt_path="last")``, have the resume consider the memory tier
+        first. Nothing is made here: a fresh run's directories appear at its first snapshot."""
         directory = snapshots.snapshot_dir(trainer)
         if directory is None:
             raise ConfigurationError("ExactResume", [
@@ -62,23 +69,10 @@ class MemoryTier:
                 " ModelCheckpoint, or pass memory_tier=False"
             ])  # fmt: skip
         self.directory, self.rank, self.world_size = directory, trainer.global_rank, trainer.world_size
-        self.store = self._slot(create=False)
-        self.resumed_tier = None
+        self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size)
+        self.resumed_tier, self.run = None, None
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)
-
-    def _slot(self, create: bool) -> Optional[MemoryStore]:
-        """This rank's store, named by the run id rank 0 reads (or makes, ``create``) in the checkpoint
-        directory; ``None`` when the run has none yet (every rank calls it)."""
-        directory = self.directory
-
-        def read() -> Optional[str]:
-            return run_id(directory, create=create)
-
-        run = collective.on_rank_zero(read, _failure(f"read or make the run id in {directory}"))
-        if run is None:
-            return None
-        return MemoryStore(self.root, run_key(directory, run), self.rank, self.world_size)
 
     def teardown(self) -> None:
         if self._remove_hook is not None:
@@ -88,7 +82,8 @@ class MemoryTier:
     def choose(self, durable: Optional[str]) -> Optional[tuple[str, dict[str, Any]]]:
         """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank agrees to resume
         from memory; ``None`` to restore ``durable`` (Lightning's "last", possibly ``None``) instead."""
-        mine = self._load_verified() if self.store is not None else None
+        run = collective.on_rank_zero(lambda: durable_run(durable), _failure(f"read the run id of {durable}"))
+        mine = self._load_verified(run) if self.store is not None and run is not None else None
         record = None if mine is None else (mine.step, mine.seq, _exact_state(mine.checkpoint).get("saved_at"))
         everyone = collective.gather((record, durable_step(durable)))
         records, newest_durable = [r for r, _ in everyone], max(d for _, d in everyone)
@@ -101,16 +96,16 @@ class MemoryTier:
         assert mine is not None and records[0] is not None
         # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
         _exact_state(mine.checkpoint)["saved_at"] = records[0][2]
-        self.seq, self.resumed_tier = mine.seq, MEMORY
+        self.seq, self.resumed_tier, self.run = mine.seq, MEMORY, run
         rank_zero_info(
             f"ExactResume: resuming from the memory tier at step {mine.step} (durable: step {newest_durable})"
         )
         return mine.path, mine.checkpoint
 
-    def _load_verified(self) -> Optional[MemorySnapshot]:
+    def _load_verified(self, run: str) -> Optional[MemorySnapshot]:
         assert self.store is not None
         try:
-            return self.store.load()
+            return self.store.load(run)
         except (CheckpointCorruptError, OSError, ValueError) as err:
             warnings.warn(
                 f"ExactResume: skipping the memory-tier snapshot {self.store.path} on rank {self.store.rank}: {err}",
@@ -119,30 +114,38 @@ class MemoryTier:
             )
             return None
 
-    def forget_other_lines(self) -> None:
-        """At the start of training: a snapshot that is not the resume source belongs to a line of training
-        this run left (older than the durable checkpoint it resumed from, or a fresh start); drop it."""
-        if self.store is not None and self.resumed_tier != MEMORY:
+    def start(self, restored_run: Optional[str]) -> None:
+        """At the start of training (every rank): the run's id, the restored checkpoint's (``restored_run``)
+        or, at a fresh start, a new one; and a snapshot that is not the resume source belongs to a line of
+        training this run left (older than the durable checkpoint it resumed from, another run's, or a fresh
+        start): it is dropped."""
+        if self.resumed_tier == MEMORY:
+            return
+        if self.store is not None:
             self.store.free()
-            self.seq = 0
+        self.seq = 0
+        self.run = restored_run or collective.broadcast(secrets.token_hex(8))
 
     def save(self, trainer: pl.Trainer) -> Optional[int]:
         """Every rank: snapshot the full checkpoint into its slot; the bytes written, or ``None`` (warned)
-        when shared memory is too small or the write failed (training goes on; the durable tier still saves)."""
-        if self.store is None:  # the run's first snapshot: name the run, and clean up after other runs
-            self.store = self._slot(create=True)
-            assert self.store is not None
-            self.store.clean_stale()
+        when shared memory is too small, the root cannot be trusted or the write failed (training goes on;
+        the durable tier still saves)."""
         checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
+        if self.store is None or self.run is None:
+            return None
         self.seq += 1
         try:
-            return self.store.save(checkpoint, trainer.global_step, self.seq)
+            if self.seq == 1:
+                self.store.clean_stale()  # after other runs of this user
+            return self.store.save(checkpoint, trainer.global_step, self.seq, self.run)
         except NotEnoughSharedMemory as err:
             if not self.warned_full:
                 warnings.warn(f"ExactResume: {err}", ExactResumeWarning, stacklevel=2)
                 self.warned_full = True
-        except OSError as err:
-            warnings.warn(f"ExactResume: memory-tier snapshot failed ({err})", ExactResumeWarning, stacklevel=2)
+        except OSError as err:  # UntrustedDirectory among them: said once, the tier stays off
+            if not self._warned_failed:
+                warnings.warn(f"ExactResume: memory-tier snapshot failed ({err})", ExactResumeWarning, stacklevel=2)
+                self._warned_failed = True
         return None
 
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:

@@ -35,9 +35,9 @@ WriteFn = Callable[[str, str, StagedTensors], None]
 each tensor only after ``staged.wait(name)``: it may start while the snapshot is still being copied."""
 
 
-def commit_staged(path: str, tree_json: str, staged: StagedTensors, algorithm: str) -> None:
+def commit_staged(path: str, tree_json: str, staged: StagedTensors, algorithm: str, mode: int = 0o666) -> None:
     """Commit a snapshot at ``path``: each tensor once copied, from the pool's image with direct I/O where allowed."""
-    write.commit(path, tree_json, staged, algorithm, ready=staged.wait, image=staged.image)
+    write.commit(path, tree_json, staged, algorithm, ready=staged.wait, image=staged.image, mode=mode)
 
 
 class AsyncSaver:

@@ -33,6 +33,7 @@ from typing import Any, BinaryIO, Callable, List, Optional, Tuple
 import fsspec
 
 from lightning_resume import storage
+from lightning_resume.io.private import read_small
 from lightning_resume.storage import is_local, local_path
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<owner>[0-9a-f]{12})-)?(?P<pid>\d+)-[0-9a-f]{8}$")
@@ -64,37 +65,48 @@ def _host_identity() -> Tuple[str, str, str]:
 
 
 def read_quietly(path: str) -> str:
-    """The stripped text of a small local file, ``""`` if it cannot be read."""
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    """The stripped text of a small local file, ``""`` if it cannot be read (bounded, never blocking:
+    ``private.read_small``); system files such as ``/etc/machine-id`` may be links."""
+    return read_small(path, follow_links=True)
 
 
-def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
-    """Run ``write(fileobj)`` into a temporary sibling and commit it as ``path``."""
+def atomic_write(path: str, write: Callable[[BinaryIO], object], mode: int = 0o666) -> None:
+    """Run ``write(fileobj)`` into a temporary sibling and commit it as ``path``.
+
+    ``mode``: a local file's permissions (less the umask, as ``open`` does); ``0o600`` for private state."""
     path = str(path)
     if is_local(path):
-        _local_atomic_write(local_path(path), write)
+        _local_atomic_write(local_path(path), write, mode)
     else:
         _remote_write_then_move(path, write)
 
 
-def _local_atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
+_CREATE_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+"""A temporary is always a new file of ours: never one someone made first, never through a planted link."""
+
+
+def _local_atomic_write(path: str, write: Callable[[BinaryIO], object], mode: int) -> None:
+    """The temporary is created, renamed and removed relative to one descriptor of the directory, so a
+    directory swapped under the path between these steps cannot redirect them."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, temp_name(os.path.basename(path)))
+    name, final = temp_name(os.path.basename(path)), os.path.basename(path)
+    dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        remove_quietly(tmp)
-        raise
-    fsync_directory(directory)
+        try:
+            with os.fdopen(os.open(name, _CREATE_NEW, mode, dir_fd=dir_fd), "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(name, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+            raise
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory; the rename is atomic
+            os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _remote_write_then_move(path: str, write: Callable[[BinaryIO], object]) -> None:

@@ -6,11 +6,16 @@ the project's safetensors format (checksummed), written through ``write.commit``
 renamed over the previous one: a reader never sees half a snapshot, and the old one goes only once the
 new one is complete. tmpfs has no disk behind it, so its ``fsync`` costs nothing.
 
-Layout: ``<root>/<run key>/rank-<r>-of-<w>.safetensors`` plus ``rank-<r>-of-<w>.owner`` (owner token and
-pid, for stale cleanup). The run key hashes the durable checkpoint directory and a run id stored in it
-(:func:`run_id`), so a new process finds the snapshot of *its* run and never one of a run whose durable
-directory was deleted and started over. The step, save sequence and save time travel inside the file
-(``MEMORY_KEY``), committed with it. This module knows files and tensors, not Lightning.
+Layout: ``<memory dir>/lightning-resume-<uid>/<slot>/rank-<r>-of-<w>.safetensors`` plus
+``rank-<r>-of-<w>.owner`` (owner token and pid, for stale cleanup). ``/dev/shm`` is shared by every user of
+the node, so each user has a root of their own, mode 0700, checked with ``lstat`` before every use (owner,
+mode, not a link; ``io.private``), and every file in it is created new (``O_EXCL | O_NOFOLLOW``) with mode
+0600: another user can neither read a snapshot nor put one in our place. The slot hashes the durable
+checkpoint directory; the run id inside each snapshot must equal the one in the durable checkpoint the
+relaunch resolved (``ExactResume`` writes it into every checkpoint), so a run whose checkpoint directory
+was cleared starts over instead of resuming an older run's snapshot. The step, save sequence, save time
+and run id travel inside the file (``MEMORY_KEY``), committed with it. This module knows files and
+tensors, not Lightning.
 """
 
 from __future__ import annotations
@@ -18,38 +23,49 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import secrets
-import shutil
+import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from lightning_resume import storage
-from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import read, write
+from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning
+from lightning_resume.io import read, resolve, write
 from lightning_resume.io.async_save import AsyncSaver, commit_staged
-from lightning_resume.io.atomic import (
-    STALE_AFTER_S,
-    atomic_write,
-    owner_token,
-    pid_alive,
-    read_quietly,
-    remove_quietly,
-)
+from lightning_resume.io.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive, remove_quietly
 from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import DEFAULT_ALGORITHM
+from lightning_resume.io.private import (
+    PRIVATE_FILE_MODE,
+    check_private,
+    owned_by_me,
+    private_dir,
+    read_small,
+    user_root,
+)
 
-DEFAULT_ROOT = "/dev/shm/lightning-resume"
-"""Where snapshots live unless ``ExactResume(memory_dir=...)`` says otherwise."""
+DEFAULT_MEMORY_DIR = "/dev/shm"
+"""Where each user's memory root is made unless ``ExactResume(memory_dir=...)`` names another tmpfs."""
+
+ROOT_PREFIX = "lightning-resume"
+"""The memory root is ``<memory dir>/lightning-resume-<uid>``: one per user, never shared."""
 
 MEMORY_KEY = "lightning_resume_memory_tier"
 """Key of the snapshot's own record (step, sequence, save time, run) inside the checkpoint dict it holds."""
 
-RUN_ID_FILE = ".lightning-resume-run-id"
-"""In the durable checkpoint directory: names the run (hidden, so no checkpoint search lists it)."""
-
 HEADER_SLACK = 1 << 20
 """Bytes allowed for the safetensors header beyond the tree JSON (the tensor index and digests)."""
+
+_SLOT = re.compile(r"^[0-9a-f]{16}$")
+"""A slot directory's name (:func:`slot_key`): cleanup looks at nothing else."""
+
+_OWN_FILE = re.compile(r"^\.?rank-\d+-of-\d+\.(?:safetensors|owner)(?:\.tmp-[0-9a-f-]+)?$")
+"""What a slot holds: snapshots, owner files, and the temporaries of interrupted writes of either."""
+
+
+def memory_root(memory_dir: str) -> str:
+    """This user's memory root under ``memory_dir`` (not made or checked here: :class:`MemoryStore` does)."""
+    return user_root(str(memory_dir), ROOT_PREFIX)
 
 
 class NotEnoughSharedMemory(OSError):
@@ -75,36 +91,18 @@ class MemorySnapshot:
     saved_at: float
 
 
-def run_id(checkpoint_dir: str, create: bool) -> Optional[str]:
-    """The id stored in ``checkpoint_dir`` (made and stored when missing and ``create``); ``None`` if absent.
-
-    A durable directory deleted and started over gets a new id, so the memory tier of the old run is
-    never resumed into the new one."""
-    path = storage.join(str(checkpoint_dir), RUN_ID_FILE)
-    try:
-        found = storage.read_bytes(path).decode("ascii", "replace").strip()
-        if found:
-            return found
-    except OSError:
-        pass
-    if not create:
-        return None
-    new = secrets.token_hex(8)
-    atomic_write(path, lambda f: f.write(new.encode()))
-    return new
-
-
-def run_key(checkpoint_dir: str, run: str) -> str:
-    """16 hex digits naming the run: its durable directory (as given, scheme kept) and its id."""
-    return hashlib.sha256(f"{checkpoint_dir}\0{run}".encode()).hexdigest()[:16]
+def slot_key(checkpoint_dir: str) -> str:
+    """16 hex digits naming the slot of the run that saves into ``checkpoint_dir`` (as given, scheme kept)."""
+    return hashlib.sha256(str(checkpoint_dir).encode()).hexdigest()[:16]
 
 
 class MemoryStore:
     """One rank's slot in the memory tier: save, load (verified), free, and clean up after other runs.
 
     Args:
-        root: the shared-memory directory (``DEFAULT_ROOT``), a local tmpfs path.
-        key: the run key (:func:`run_key`).
+        root: this user's memory root (:func:`memory_root`), a local tmpfs path; made (0700) at the first
+            save, checked before every save and load (``io.private.UntrustedDirectory`` when it fails).
+        key: the slot (:func:`slot_key`).
         rank, world_size: this process's place; a snapshot is only read back by the same rank of
             the same world size.
         checksum: digest written into the file (default ``DEFAULT_ALGORITHM``, as ``SafetensorsCheckpointIO``).
@@ -129,30 +127,37 @@ class MemoryStore:
         self.owner_path = os.path.join(self.directory, f"{stem}.owner")
         self._saver = AsyncSaver(self._commit, on_error="raise") if asynchronous else None
 
-    def save(self, checkpoint: Dict[str, Any], step: int, seq: int, now: Optional[float] = None) -> int:
-        """Snapshot ``checkpoint`` as this rank's (the previous one is replaced once the new one is complete);
-        return its size in bytes. Raises ``NotEnoughSharedMemory`` before writing anything when it would
-        not fit, and (asynchronous) ``AsyncWriteError`` for a previous snapshot whose write failed."""
+    def save(self, checkpoint: Dict[str, Any], step: int, seq: int, run: str, now: Optional[float] = None) -> int:
+        """Snapshot ``checkpoint`` of run ``run`` as this rank's (the previous one is replaced once the new one
+        is complete); return its size in bytes. Raises ``NotEnoughSharedMemory`` before writing anything when
+        it would not fit, ``UntrustedDirectory`` when the root or slot is not this user's alone, and
+        (asynchronous) ``AsyncWriteError`` for a previous snapshot whose write failed."""
         record: Dict[str, Any] = {"step": int(step), "seq": int(seq), "saved_at": time.time() if now is None else now}
-        record.update(run=self.key, rank=self.rank, world_size=self.world_size)
+        record.update(slot=self.key, run=str(run), rank=self.rank, world_size=self.world_size)
         if self._saver is not None:
             self._saver.wait()  # the previous write holds shared memory until it is renamed over the old file
         tree_json, tensors = write.encode_tree({**checkpoint, MEMORY_KEY: record})
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + len(tree_json)
-        os.makedirs(self.directory, exist_ok=True)
+        self._make_private()
         free = free_bytes(self.directory)
         if nbytes + HEADER_SLACK > free:
             raise NotEnoughSharedMemory(self.root, nbytes + HEADER_SLACK, free)
         self._claim()
         if self._saver is None:
-            write.commit(self.path, tree_json, tensors, self.checksum)
+            write.commit(self.path, tree_json, tensors, self.checksum, mode=PRIVATE_FILE_MODE)
         else:
             self._saver.save_encoded(tree_json, tensors, self.path)  # encoded once: the size check needed it
         return nbytes
 
+    def _make_private(self) -> None:
+        """The root and the slot, made (0700) or checked: this user's alone, real directories, not links."""
+        os.makedirs(os.path.dirname(self.root), exist_ok=True)  # the memory dir itself (e.g. /dev/shm) may be shared
+        private_dir(self.root)
+        private_dir(self.directory)
+
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
         """The background write of an asynchronous snapshot (on the saver's worker thread)."""
-        commit_staged(path, tree_json, staged, self.checksum)
+        commit_staged(path, tree_json, staged, self.checksum, mode=PRIVATE_FILE_MODE)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Until the snapshot being written is committed (``False`` if ``timeout`` passed first)."""
@@ -161,52 +166,68 @@ class MemoryStore:
     def _claim(self) -> None:
         """Record this process as the slot's writer, so no other run's cleanup removes it while it lives."""
         owner = f"{owner_token()} {os.getpid()}"
-        if read_quietly(self.owner_path) != owner:
-            atomic_write(self.owner_path, lambda f: f.write(owner.encode()))
+        if read_small(self.owner_path) != owner:
+            atomic_write(self.owner_path, lambda f: f.write(owner.encode()), PRIVATE_FILE_MODE)
 
     def exists(self) -> bool:
         return os.path.isfile(self.path)
 
-    def load(self) -> Optional[MemorySnapshot]:
-        """This rank's snapshot, every checksum verified; ``None`` when there is none. Raises
-        ``CheckpointCorruptError`` naming the file when it does not verify or is not this slot's."""
+    def load(self, run: str) -> Optional[MemorySnapshot]:
+        """This rank's snapshot of run ``run``, every checksum verified; ``None`` when there is none. Raises
+        ``UntrustedDirectory`` when the root or slot is not this user's alone, and ``CheckpointCorruptError``
+        naming the file when it does not verify or is not this slot's or this run's."""
         self.wait()
+        if not os.path.lexists(self.root):
+            return None
+        check_private(self.root)
+        if not os.path.lexists(self.directory):
+            return None
+        check_private(self.directory)
         if not self.exists():
             return None
         loaded = read.load_file(self.path, verify=True).checkpoint
         record = loaded.pop(MEMORY_KEY, None)
-        expected = {"run": self.key, "rank": self.rank, "world_size": self.world_size}
+        expected = {"slot": self.key, "rank": self.rank, "world_size": self.world_size, "run": run}
         if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):
-            raise CheckpointCorruptError(self.path, "not this slot's memory-tier snapshot", expected, record)
+            got = {k: record.get(k) for k in expected} if isinstance(record, dict) else record
+            raise CheckpointCorruptError(self.path, "not this slot's or this run's memory-tier snapshot", expected, got)
         return MemorySnapshot(self.path, loaded, int(record["step"]), int(record["seq"]), float(record["saved_at"]))
 
     def free(self) -> None:
-        """Remove this rank's snapshot (a clean end of training), and the run directory once empty."""
+        """Remove this rank's snapshot (a clean end of training), and the slot once empty."""
         if self._saver is not None:
             self._saver.close()  # a write still in flight would otherwise commit after the removal
+        if not owned_by_me(self.directory):
+            return
         for path in (self.path, self.owner_path):
             remove_quietly(path)
         with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
             os.rmdir(self.directory)
 
     def clean_stale(self, now: Optional[float] = None) -> List[str]:
-        """Remove other runs' directories under ``root`` that no live process owns; return them.
+        """Remove other runs' slots under this user's root that no live process owns; return them.
 
-        A directory is stale when every owner recorded in it is a process of this host (same owner token)
-        that is no longer alive *and* nothing in it changed for ``STALE_AFTER_S``, or, for owners this host
-        cannot check, when untouched that long. A crashed run's snapshot is therefore kept for a day for
-        its relaunch; a finished run frees its own at once (:meth:`free`)."""
+        Only what this package provably made is touched: a directory of this user (not a link) named like a
+        slot, holding nothing but snapshot, owner and temporary files, each removed by name (never a
+        recursive delete). It is stale when every owner recorded in it is a process of this host (same owner
+        token) that is no longer alive *and* nothing in it changed for ``STALE_AFTER_S``, or, for owners this
+        host cannot check, when untouched that long. A crashed run's snapshot is therefore kept for a day for
+        its relaunch; a finished run frees its own at once (:meth:`free`). A problem is warned, never raised."""
         now = time.time() if now is None else now
         removed = []
         try:
+            check_private(self.root)
             names = sorted(os.listdir(self.root))
         except OSError:
             return []
         for name in names:
             directory = os.path.join(self.root, name)
-            if name != self.key and os.path.isdir(directory) and _stale(directory, now):
-                shutil.rmtree(directory, ignore_errors=True)
-                removed.append(directory)
+            try:
+                if name != self.key and _SLOT.match(name) and _is_stale_slot(directory, now):
+                    _remove_slot(directory)
+                    removed.append(directory)
+            except OSError as err:
+                warnings.warn(f"memory tier: left {directory} in place ({err})", ExactResumeWarning, stacklevel=2)
         return removed
 
 
@@ -216,30 +237,61 @@ def free_bytes(directory: str) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-def _stale(directory: str, now: float) -> bool:
-    try:
-        names = os.listdir(directory)
-        newest = max((os.stat(os.path.join(directory, n)).st_mtime for n in names), default=0.0)
-    except OSError:
+def _is_stale_slot(directory: str, now: float) -> bool:
+    """A slot of this user, holding only our files, none changed for ``STALE_AFTER_S``, no owner alive."""
+    if not owned_by_me(directory) or not os.path.isdir(directory):
         return False
+    names = os.listdir(directory)
+    if not all(_OWN_FILE.match(n) for n in names):
+        return False  # something we did not write: not ours to delete
+    newest = 0.0
+    for n in names:
+        st = os.lstat(os.path.join(directory, n))
+        if st.st_uid != os.geteuid():
+            return False
+        newest = max(newest, st.st_mtime)
     if now - newest <= STALE_AFTER_S:
         return False
     mine = owner_token()
     for name in names:
         if name.endswith(".owner"):
-            token, _, pid = read_quietly(os.path.join(directory, name)).partition(" ")
+            token, _, pid = read_small(os.path.join(directory, name)).partition(" ")
             if token == mine and pid.isdigit() and pid_alive(int(pid)):
                 return False
     return True
 
 
+def _remove_slot(directory: str) -> None:
+    for name in os.listdir(directory):
+        if _OWN_FILE.match(name):
+            os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)  # fails, leaving it, if anything appeared meanwhile
+
+
 def durable_step(path: Optional[str]) -> int:
-    """The global step of a durable checkpoint of our format, from its header alone; ``-1`` when there is no
-    checkpoint or its step cannot be read (a legacy ``torch.save`` file, a sharded directory, damage)."""
+    """The global step of a durable checkpoint in any format Lightning writes (the name's ``step=N``, our
+    header, a local ``torch.save`` file, a sharded directory's commit marker: ``io.resolve.progress``);
+    ``-1`` when there is no checkpoint or its step cannot be read."""
     if not path:
         return -1
     try:
-        step = read.global_step(read.read_summary(str(path)))
+        found = resolve.progress(str(path))
     except Exception:  # noqa: BLE001 - damage of any kind: the step is unknown, the memory snapshot decides
         return -1
-    return -1 if step is None else step
+    return -1 if found is None else found[0]
+
+
+def durable_run(path: Optional[str]) -> Optional[str]:
+    """The memory-tier run id ``ExactResume`` wrote into the durable checkpoint at ``path``; ``None`` when
+    there is no checkpoint, it holds none, or it cannot be read."""
+    if not path:
+        return None
+    try:
+        run = resolve.header_value(str(path), ("callbacks", "ExactResume", RUN_KEY))
+    except Exception:  # noqa: BLE001 - as above: no run id, so no memory snapshot is resumed
+        return None
+    return run if isinstance(run, str) and run else None
+
+
+RUN_KEY = "memory_run"
+"""Key of the run id in ``ExactResume``'s checkpoint state."""

@@ -4,13 +4,16 @@ The content, not the extension, decides the format: safetensors if a JSON header
 length, a ``torch.save`` zip or pickle goes to the weights-only loader of ``legacy``, anything else
 is refused. Local files are read chunk by chunk into each tensor's fresh memory, each chunk hashed
 right after it is read, still in cache (or, with ``mmap=True``, memory-mapped copy-on-write and hashed
-from the map by a thread); remote files are read whole through fsspec. This module knows files and
-tensors, not Lightning.
+from the map by a thread). A remote file is read the same way, through a ``storage.RangedReader``: parallel
+ranged GETs into one reused window, copied into each tensor's own memory (a ``torch.save`` file is read
+through it by ``torch.load``), so the load holds what it builds plus the window, never a copy of the file,
+and nothing of the download outlives it. Before any of its data is read, the load is refused (``RemoteLoadMemoryError``) if what it would hold exceeds the memory the host has left or the cap
+(``io.remote_budget`` decides, ``io.host_memory`` measures). This module knows files and tensors, not
+Lightning.
 """
 
 from __future__ import annotations
 
-import io
 import mmap as mmap_module
 import os
 import stat
@@ -21,7 +24,7 @@ import torch
 
 from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import framing, integrity
+from lightning_resume.io import framing, host_memory, integrity, remote_budget
 from lightning_resume.io.codec import decode, parse_tree
 from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.legacy import load_legacy
@@ -49,27 +52,37 @@ class ReadOptions:
     process rewrites the file *in place* afterwards the tensors show the new bytes, and if it truncates
     the file, touching them raises SIGBUS. lightning-resume's own saves never do either (they write a new
     file and rename it over the name, so a mapping keeps the old file); use ``mmap=False`` (the default)
-    for files something else may rewrite in place."""
+    for files something else may rewrite in place.
+    ``max_remote_load_bytes``: the most host memory a load from a URL may hold (``None``: no cap; the memory
+    the host has left always bounds it); see ``io.remote_budget``."""
 
     verify: bool = True
     map_location: Any = None
     lenient: bool = False
     mmap: bool = False
+    max_remote_load_bytes: Optional[int] = None
 
 
 def load_file(
-    path: str, verify: bool = True, map_location: Any = None, lenient: bool = False, mmap: bool = False
+    path: str,
+    verify: bool = True,
+    map_location: Any = None,
+    lenient: bool = False,
+    mmap: bool = False,
+    max_remote_load_bytes: Optional[int] = None,
 ) -> Loaded:
-    """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong."""
-    path, opts = str(path), ReadOptions(verify, map_location, lenient, mmap)
+    """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong, and
+    ``RemoteLoadMemoryError`` before downloading a remote file whose load would not fit in memory."""
+    path, opts = str(path), ReadOptions(verify, map_location, lenient, mmap, max_remote_load_bytes)
     check_regular_file(path)
-    if is_local(path) and not mmap:
+    if not is_local(path):
+        return _load_remote(path, opts)
+    if not mmap:
         return _load_local_copy(path, opts)
     buf, size = _map(path)
     if _is_safetensors_head(path, bytes(buf[:9])):
         return _load_safetensors(path, buf, size, opts)
-    source = local_path(path) if is_local(path) else io.BytesIO(bytes(buf))
-    return Loaded(load_legacy(path, source, map_location), None, size)
+    return Loaded(load_legacy(path, local_path(path), map_location), None, size)
 
 
 def check_regular_file(path: str) -> None:
@@ -139,15 +152,33 @@ def global_step(summary: Summary) -> Optional[int]:
 
 
 def _map(path: str) -> Tuple[Any, int]:
-    """The whole file as a buffer: a private (copy-on-write) memory map locally, bytes remotely."""
-    if not is_local(path):
-        data = bytearray(storage.read_bytes(path))  # one GET; writable, so tensors can be views of it
-        return memoryview(data), len(data)
+    """The whole local file as a private (copy-on-write) memory map."""
     with open(local_path(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise CheckpointCorruptError(path, "file is empty", "> 0 bytes", 0)
         return mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_COPY), size
+
+
+def _load_remote(path: str, opts: ReadOptions) -> Loaded:
+    """A remote file read as a local one is (each tensor straight into its own memory), through a
+    ``storage.RangedReader``: beside what is built, only its window of parallel ranged GETs is held. Refused
+    first, after reading only its size and its first 9 bytes (the format), if the load would hold more memory
+    than ``remote_budget`` allows."""
+    size = storage.size(path)
+    if size is None:
+        raise FileNotFoundError(f"{path}: no such file")
+    if size == 0:
+        raise CheckpointCorruptError(path, "file is empty", "> 0 bytes", 0)
+    fmt: remote_budget.Format = (
+        "safetensors" if _is_safetensors_head(path, storage.read_range(path, 0, 9)) else "torch.save"
+    )
+    overhead = storage.reader_overhead(size)
+    refused = remote_budget.refusal(path, size, fmt, overhead, opts.max_remote_load_bytes, host_memory.available())
+    if refused is not None:
+        raise refused
+    with storage.RangedReader(path, size) as f:
+        return _load_copy(path, f, size, opts)
 
 
 def _checked_metadata(path: str, header: framing.Header) -> Tuple[Dict[str, Any], str]:
@@ -165,14 +196,21 @@ def _checked_metadata(path: str, header: framing.Header) -> Tuple[Dict[str, Any]
 def _load_local_copy(path: str, opts: ReadOptions) -> Loaded:
     """Read each tensor straight into its own fresh memory (one copy, no page-cache mapping kept)."""
     with open(local_path(path), "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(9)
-        if not _is_safetensors_head(path, head):
-            return Loaded(load_legacy(path, local_path(path), opts.map_location), None, size)
-        n = framing.header_length(path, head, size)
-        header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
-        record, tree_json = _checked_metadata(path, header)
-        tensors = _read_tensors(path, f, header, record, opts.verify)
+        return _load_copy(path, f, os.fstat(f.fileno()).st_size, opts, local_path(path))
+
+
+def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: Any = None) -> Loaded:
+    """From the start of the open file ``f`` of ``size`` bytes: each tensor read into its own fresh memory,
+    hashed as it lands; a ``torch.save`` file is handed to ``torch.load`` (as ``legacy_source``, default ``f``)."""
+    head = bytes(_read_exact(path, f, 9))
+    if not _is_safetensors_head(path, head):
+        f.seek(0)
+        source = f if legacy_source is None else legacy_source
+        return Loaded(load_legacy(path, source, opts.map_location), None, size)
+    n = framing.header_length(path, head, size)
+    header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
+    record, tree_json = _checked_metadata(path, header)
+    tensors = _read_tensors(path, f, header, record, opts.verify)
     device = _device(opts.map_location)
     tensors = tensors if device is None else {k: t.to(device) for k, t in tensors.items()}
     return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
@@ -259,13 +297,14 @@ def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Load
     data = memoryview(buf)[header.data_start :]
     pairs = [piece for e in ordered for piece in ((e, data[e.begin : e.end]), (e, None))]
     verify = Background(integrity.verify_data, path, record, pairs) if opts.verify else None
-    tensors = {name: _tensor(buf, header.data_start, e, opts) for name, e in header.entries.items()}
+    views = opts.mmap
+    tensors = {name: _tensor(buf, header.data_start, e, views, opts) for name, e in header.entries.items()}
     if verify is not None:
         verify.result()  # raises CheckpointCorruptError before anything built from the bytes is returned
     return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
 
 
-def _tensor(buf: Any, data_start: int, e: framing.Entry, opts: ReadOptions) -> torch.Tensor:
+def _tensor(buf: Any, data_start: int, e: framing.Entry, views: bool, opts: ReadOptions) -> torch.Tensor:
     dtype = framing.DTYPES[e.dtype]
     start = data_start + e.begin
     if e.end == e.begin:
@@ -279,7 +318,7 @@ def _tensor(buf: Any, data_start: int, e: framing.Entry, opts: ReadOptions) -> t
         )
     else:
         t = torch.frombuffer(buf, dtype=dtype, count=(e.end - e.begin) // dtype.itemsize, offset=start).reshape(e.shape)
-        t = t if opts.mmap else t.clone()
+        t = t if views else t.clone()
     device = _device(opts.map_location)
     return t if device is None else t.to(device)
 

@@ -20,9 +20,10 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from lightning_resume import storage
 from lightning_resume.errors import SkippedCheckpointWarning
+from lightning_resume.io.codec import parse_tree
 from lightning_resume.io.legacy import is_zip, load_legacy
 from lightning_resume.io.marker import commit_order, is_sharded_checkpoint
-from lightning_resume.io.read import global_step, is_safetensors, read_summary
+from lightning_resume.io.read import is_safetensors, read_summary
 from lightning_resume.io.verify import problem
 from lightning_resume.io.verify import verify as verify_checkpoint
 
@@ -78,18 +79,36 @@ def step_in_name(path: str) -> Optional[int]:
 
 
 def _header_step(path: str) -> int:
-    """The ``global_step`` a file holds, read without its tensors: a safetensors header, or (local) the pickle of
-    a ``torch.save`` zip with its tensors memory-mapped, not read. ``-1`` when it cannot be told."""
+    """The ``global_step`` a file holds, read without its tensors (:func:`header_value`); ``-1`` when it
+    cannot be told."""
     try:
-        if is_safetensors(path):
-            step = global_step(read_summary(path))
-        elif storage.is_local(path) and is_zip(path, storage.local_path(path)):
-            step = load_legacy(path, storage.local_path(path), mmap=True).get("global_step")
-        else:
-            return -1
+        step = header_value(path, ("global_step",))
     except Exception:  # noqa: BLE001 - any file may sit in a checkpoint directory; its step is just unknown
         return -1
     return step if type(step) is int else -1
+
+
+def header_value(path: str, keys: Sequence[str]) -> Any:
+    """A plain value (number, string) at ``keys`` in the checkpoint dict at ``path``, read without its tensors:
+    from a safetensors header's tree, or (local) the pickle of a ``torch.save`` zip with its tensors
+    memory-mapped, not read. ``None`` when it is absent or the file is neither; errors of a damaged file
+    propagate."""
+    if is_safetensors(path):
+        node = parse_tree(read_summary(path).tree_json)
+        for key in keys:  # each dict level of the tree is {"@": "dict", "v": {...}} (io.codec)
+            inner = node.get("v") if isinstance(node, dict) and node.get("@") == "dict" else None
+            if not isinstance(inner, dict) or key not in inner:
+                return None
+            node = inner[key]
+        return node if isinstance(node, (int, float, str)) and not isinstance(node, bool) else None
+    if storage.is_local(path) and is_zip(path, storage.local_path(path)):
+        value: Any = load_legacy(path, storage.local_path(path), mmap=True)
+        for key in keys:
+            if not isinstance(value, dict) or key not in value:
+                return None
+            value = value[key]
+        return value
+    return None
 
 
 def newest_first(paths: Iterable[str], key: Callable[[str], Any] = progress) -> List[str]:

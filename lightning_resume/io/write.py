@@ -11,8 +11,10 @@ files and tensors, not Lightning.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import io
 import json
@@ -21,7 +23,7 @@ import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -52,6 +54,7 @@ def commit(
     algorithm: str = integrity.DEFAULT_ALGORITHM,
     ready: Optional[Callable[[str], None]] = None,
     image: Optional[memoryview] = None,
+    mode: int = 0o666,
 ) -> None:
     """Write an encoded checkpoint (from :func:`encode_tree`) atomically at ``path``, hashing while writing.
 
@@ -60,6 +63,7 @@ def commit(
     ``image``, when given, is the data section as one buffer (the tensors are views of it, back to
     back in file order; start and length multiples of ``BLOCK``): a local file is then written from it
     with direct I/O, no page-cache copy, where the filesystem allows. The file is the same either way.
+    ``mode``: a local file's permissions (``atomic_write``).
     """
     wait = ready if ready is not None else _always_ready
     entries = framing.layout(tensors)
@@ -79,7 +83,7 @@ def commit(
         elif image is None or not _write_direct(f, header, data, image, algorithm):
             _write_hashing_during_flush(f, header, data, algorithm)
 
-    atomic_write(path, write)
+    atomic_write(path, write, mode)
 
 
 def _always_ready(name: str) -> None:
@@ -148,11 +152,9 @@ def _write_direct(f: Any, header: Callable[..., bytes], data: _Data, image: memo
     """
     blank = "0" * len(integrity.digest(algorithm, b""))
     placeholder = header(defaultdict(lambda: blank), BLOCK)
-    fd = _open_direct(f.name)
-    if fd is None:
-        return False
-    try:
-        if not _pwrite_direct(fd, placeholder, 0, probe=True):
+    fd = f.fileno()
+    with _direct(fd) as direct:
+        if not direct or not _pwrite_direct(fd, placeholder, 0, probe=True):
             return False
         hasher = Background(_digests, algorithm, data)
         try:
@@ -164,19 +166,27 @@ def _write_direct(f: Any, header: Callable[..., bytes], data: _Data, image: memo
             raise RuntimeError("internal error: header length changed between placeholder and final header")
         _pwrite_direct(fd, final, 0)
         os.ftruncate(fd, len(placeholder) + size)  # the last block was written whole; cut its padding
-    finally:
-        os.close(fd)
     return True
 
 
-def _open_direct(path: str) -> Optional[int]:
+@contextlib.contextmanager
+def _direct(fd: int) -> Iterator[bool]:
+    """``O_DIRECT`` on the descriptor already open (never a second open by name, which a link swapped in
+    meanwhile would redirect), cleared again on exit; yields ``False`` where it cannot be set."""
     flag = getattr(os, "O_DIRECT", 0)  # Linux, FreeBSD; absent on macOS and Windows
     if not flag:
-        return None
+        yield False
+        return
+    before = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        return os.open(path, os.O_WRONLY | flag)
+        fcntl.fcntl(fd, fcntl.F_SETFL, before | flag)
     except OSError:
-        return None
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, before)
 
 
 def _write_image(fd: int, start: int, data: _Data, image: memoryview) -> int:

@@ -24,7 +24,7 @@ DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 
 @pytest.fixture
 def shm() -> Iterator[Path]:
-    root = Path(memory_tier.DEFAULT_ROOT).parent / f"lightning-resume-test-{uuid.uuid4().hex[:8]}"
+    root = Path(memory_tier.DEFAULT_MEMORY_DIR) / f"lightning-resume-test-{uuid.uuid4().hex[:8]}"
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -40,7 +40,7 @@ def _cfg(tmp_path: Path, shm: Path, devices: int = 1) -> dict[str, Any]:
 
 
 def _snapshots(shm: Path) -> list[Path]:
-    return sorted(shm.glob("*/rank-*.safetensors"))
+    return sorted(shm.glob("*/*/rank-*.safetensors"))
 
 
 def _memory_step(path: Path) -> int:
@@ -61,7 +61,7 @@ def _kill_after_memory_snapshot(tmp_path: Path, shm: Path, devices: int) -> tupl
     """Run A uninterrupted and B until it is killed at step ``KILL_AT``; back B's state up."""
     cfg = _cfg(tmp_path, shm, devices)
     h.uninterrupted(cfg, tmp_path)
-    assert not list(shm.glob("*/rank-*")), "a clean end of training frees the memory tier"
+    assert not list(shm.glob("*/*/rank-*")), "a clean end of training frees the memory tier"
     h.run_until_paused(dict(cfg, out=str(tmp_path / "B"), pause_before=KILL_AT), tmp_path)
     assert [_memory_step(p) for p in _snapshots(shm)] == [8] * devices
     backup = tmp_path / "backup"
@@ -118,7 +118,7 @@ def test_ddp_ranks_resume_from_memory_together_or_from_disk_together(tmp_path: P
     h.assert_exact_resume(tmp_path / "A", Path(c["out"]), resumed_after=8, ranks=2)
 
     c = _resume(tmp_path, cfg, backup, shm, "C_rank1_missing")
-    next(shm.glob("*/rank-1-of-2.safetensors")).unlink()
+    next(shm.glob("*/*/rank-1-of-2.safetensors")).unlink()
     h.run(c, tmp_path)
     h.assert_exact_resume(tmp_path / "A", Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=2)
     assert "no verified snapshot on rank(s) [1]" in h.output(c)

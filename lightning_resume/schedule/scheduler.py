@@ -100,6 +100,13 @@ class SnapshotScheduler:
             self.history = history.record_start(past, now, snapshot_time, tier=tier)
             mtbf, process_mtbf = _observed(config, self.history, now)
         schedule = {k: v for k, v in (restored or {}).items() if k != HISTORY_KEY} or None
+        problems = machine.valid_restored(schedule or {})[1]
+        if problems:  # a checkpoint is untrusted input: what it says wrongly is measured again, never a crash
+            warnings.warn(
+                "ExactResume: the checkpoint's schedule state is invalid, measured again: " + "; ".join(problems),
+                HistoryWarning,
+                stacklevel=2,
+            )
         self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule)
         self.next_check_step = step + 1
 

@@ -127,7 +127,7 @@ def start(
     ``state_dict`` from the checkpoint: it keeps the measured costs, so a resumed run does not repeat
     the early measuring saves. Times are not restored: the clock of another process means nothing here.
     """
-    restored = restored or {}
+    restored = valid_restored(restored or {})[0]
     last_write = restored.get("last_write_s")
     state = ScheduleState(
         config=config,
@@ -156,6 +156,40 @@ def state_dict(state: ScheduleState, memory: Optional[MemoryState] = None) -> di
     if memory is not None:
         kept.update(memory_costs=list(memory.costs), memory_snapshots=memory.snapshots)
     return kept
+
+
+MAX_COST_S = 86400.0
+"""The most seconds a restored cost or write time may say: no save takes a day."""
+
+
+def valid_restored(restored: Mapping[str, Any]) -> tuple[dict, list[str]]:
+    """The restored schedule state (from a checkpoint: untrusted) with every value that is not what a run
+    writes left out, and one line per value left out. Costs and the last write time must be finite seconds
+    in [0, ``MAX_COST_S``], counts non-negative integers; a value left out takes its fresh default."""
+    kept: dict = {}
+    problems: list[str] = []
+    for key in ("costs", "memory_costs"):
+        values = restored.get(key, ())
+        if isinstance(values, (list, tuple)) and all(_seconds(v) for v in values):
+            kept[key] = values
+        elif values not in ((), []):
+            problems.append(f"{key}: not a list of finite seconds in [0, {MAX_COST_S:.0f}]")
+    last = restored.get("last_write_s")
+    if last is None or _seconds(last):
+        kept["last_write_s"] = last
+    else:
+        problems.append(f"last_write_s={last!r:.40}: not finite seconds in [0, {MAX_COST_S:.0f}]")
+    for key in ("saves", "memory_snapshots"):
+        count = restored.get(key, 0)
+        if type(count) is int and count >= 0:
+            kept[key] = count
+        else:
+            problems.append(f"{key}={count!r:.40}: not a count")
+    return kept, problems
+
+
+def _seconds(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and 0 <= value <= MAX_COST_S
 
 
 def _costs(values: Any) -> tuple:

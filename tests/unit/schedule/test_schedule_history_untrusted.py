@@ -223,3 +223,28 @@ def test_recorded_durations_stay_within_the_bounds_the_reader_accepts(now, check
 
 def _through_json(h: history.FailureHistory) -> Any:
     return json.loads(json.dumps(history.history_to_json(h)))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"costs": [-1.0]},
+        {"costs": [float("inf")]},
+        {"costs": "0.5"},
+        {"memory_costs": [float("nan")]},
+        {"last_write_s": -3.0},
+        {"last_write_s": 1e308},
+        {"saves": -1},
+        {"memory_snapshots": "many"},
+    ],
+    ids=lambda bad: next(iter(bad)) + "=" + repr(next(iter(bad.values()))),
+)
+def test_an_invalid_schedule_state_in_the_checkpoint_warns_and_is_measured_again(bad: dict) -> None:
+    """The rest of the scheduler state the checkpoint carries is untrusted too (before: a negative or inf
+    cost made the interval formulas raise ValueError at start)."""
+    sched = SnapshotScheduler(CONFIG, clock=lambda: 100.0, wall_clock=lambda: NOW)
+    key = next(iter(bad))
+    with pytest.warns(HistoryWarning, match=f"schedule state is invalid, measured again: {key}"):
+        sched.start(10, 1, {"costs": [0.5], **bad}, NOW - 10.0, resumed_tier="durable")
+    _assert_usable(sched)
+    assert sched.state is not None and sched.state.saves >= 0 and sched.state.last_write_s is None

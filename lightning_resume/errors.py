@@ -193,7 +193,8 @@ class HistoryWarning(LightningResumeWarning):
 
 
 class PreemptionWarning(LightningResumeWarning):
-    """Preemption handlers could not be installed or restored; says why."""
+    """Preemption handlers could not be installed or restored, or a cloud's preemption-notice endpoint answered
+    badly (malformed, late, unreachable, too slow); says why. Training goes on."""
 
 
 class ExactResumeWarning(LightningResumeWarning):

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
-from lightning_resume.durations import Duration
+from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, snapshots
 from lightning_resume.exact.capture import (
@@ -32,6 +32,7 @@ from lightning_resume.exact.capture import (
 )
 from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
+from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
 from lightning_resume.exact.restore import check_same_checkpoint, restore, warn_approximate
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
@@ -130,6 +131,17 @@ class ExactResume(Callback):
             user's own root under it, ``<memory_dir>/lightning-resume-<uid>`` (mode 0700, checked before each
             use; one that is another user's or open to others is refused with a warning, the tier off).
         memory_every_n_train_steps_max: take a memory snapshot at least every this many optimizer steps.
+        preemption_notices: act on the notice a spot or preemptible instance gets before it goes, as on a
+            preemption signal: ``"auto"`` polls the metadata endpoint of the cloud this machine's DMI
+            evidence shows (AWS, Google Cloud, Azure; on any other machine nothing starts and no socket
+            opens), or a list such as ``["aws"]``; ``None`` (default) polls nothing. Each rank polls on a
+            daemon thread every ``notice_interval``; a notice on any rank stops every rank at the same step,
+            after a durable snapshot (README, "Spot and preemptible instances").
+        on_notice: ``"stop"`` (default): snapshot, then stop cleanly; ``"snapshot"``: snapshot and keep
+            training until the signal comes.
+        notice_endpoint: base URL of the metadata service instead of the cloud's own (a proxy, a test server).
+        notice_interval: time between two polls (default ``"5s"``).
+        notice_dmi_dir: where the DMI evidence for ``"auto"`` is read (default ``/sys/class/dmi/id``).
     """
 
     def __init__(
@@ -153,10 +165,21 @@ class ExactResume(Callback):
         memory_dir: Optional[str] = None,
         memory_every_n_train_steps_max: Optional[int] = None,
         wall_clock: Optional[Callable[[], float]] = None,
+        preemption_notices: NoticeSpec = None,
+        on_notice: Literal["stop", "snapshot"] = "stop",
+        notice_endpoint: Optional[str] = None,
+        notice_interval: Duration = "5s",
+        notice_dmi_dir: str = DMI_DIR,
     ) -> None:
         check_versions()
         lc.resolve_last_through_callbacks()  # fit(ckpt_path="last"): the newest verified checkpoint of any callback
         problems = _memory_tier_problems(memory_tier, process_mtbf, memory_dir, memory_every_n_train_steps_max)
+        try:
+            interval_s = parse_duration(notice_interval, "notice_interval")
+        except ValueError as err:
+            problems.append(str(err))
+            interval_s = 5.0
+        problems += notice_problems(preemption_notices, on_notice, notice_endpoint, interval_s)
         try:  # the schedule's options, validated once (every problem with the memory tier's); passed on whole
             schedule = ScheduleConfig.from_user(
                 mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
@@ -175,8 +198,14 @@ class ExactResume(Callback):
         self.strict = strict
         self.fingerprint = fingerprint
         self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
+        self.notices = (
+            NoticeWatch(preemption_notices, on_notice, notice_endpoint, notice_dmi_dir, interval_s)
+            if preemption_notices
+            else None
+        )
         self._wall_clock = wall_clock or time.time
-        self.scheduler = driver.make_scheduler(schedule, clock, self._wall_clock, self.preemption is not None)
+        checks = self.preemption is not None or self.notices is not None
+        self.scheduler = driver.make_scheduler(schedule, clock, self._wall_clock, checks)
         self._num_nodes = num_nodes
         self.preempted = False
         self._trainer: Optional[pl.Trainer] = None
@@ -224,6 +253,9 @@ class ExactResume(Callback):
             if self.preemption is not None:
                 rank_zero_info("ExactResume: no checkpoint callback; preemption signals keep their usual behaviour")
                 self.preemption = None
+            if self.notices is not None:
+                rank_zero_info("ExactResume: no checkpoint callback, so no preemption notices are watched")
+                self.notices = None
         if self.memory is not None and stage == "fit":
             if warn_sharded(trainer):
                 self._drop_memory_tier()
@@ -234,7 +266,7 @@ class ExactResume(Callback):
         """No memory tier after all (a sharded run): the schedule becomes single-level, as it decides alone."""
         self.memory, old = None, self.scheduler
         if old is not None:
-            checks = self.preemption is not None
+            checks = self.preemption is not None or self.notices is not None
             self.scheduler = driver.make_scheduler(old.config.single_level(), old.clock, old.wall_clock, checks)
 
     @override
@@ -266,6 +298,10 @@ class ExactResume(Callback):
         if self.preemption is not None:
             self._take_over_slurm_requeue(trainer)
             self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it
+        if self.notices is not None:
+            clouds = self.notices.start(self._wall_clock)
+            if clouds:
+                rank_zero_info(f"ExactResume: watching {', '.join(clouds)} preemption notices")
 
     def _resumed_tier(self, trainer: pl.Trainer, pending: Optional[dict[str, Any]]) -> Optional[str]:
         """``"memory"`` or ``"durable"``: where this run resumed from (``None``: a fresh start)."""
@@ -315,6 +351,8 @@ class ExactResume(Callback):
             self.memory.teardown()  # the snapshots stay after an exception: the next process resumes from them
         if self.preemption is not None:
             self.preemption.uninstall()
+        if self.notices is not None:
+            self.notices.stop()
         if self._stop_replacing_loaders is not None:
             self._stop_replacing_loaders()
             self._stop_replacing_loaders = None
@@ -337,7 +375,9 @@ class ExactResume(Callback):
             self._staging_reserved = True  # the optimizer state exists now: size the first save's staging
             snapshots.reserve_staging(trainer)
         if self.scheduler is not None and lc.at_optimizer_step(trainer):
-            stop = driver.at_step_boundary(self.scheduler, self.preemption, trainer, self._requeue_signal, self.memory)
+            stop = driver.at_step_boundary(
+                self.scheduler, self.preemption, trainer, self._requeue_signal, self.memory, self.notices
+            )
             self.preempted = stop or self.preempted
 
     @override

@@ -22,6 +22,8 @@ from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
 from lightning_resume.exact.memory import MemoryTier
+from lightning_resume.exact.notices import REQUEUE, STOP, NoticeWatch, margin_metrics
+from lightning_resume.schedule import state as machine
 from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
@@ -66,29 +68,30 @@ def start(
     )
 
 
-STOP, REQUEUE = 1, 2
-"""Preemption levels agreed over ranks: stop after a durable snapshot; also requeue the SLURM job."""
-
-
 def at_step_boundary(
     scheduler: SnapshotScheduler,
     preemption: Optional[PreemptionFlag],
     trainer: pl.Trainer,
     requeue_signal: Optional[signal.Signals] = None,
     memory: Optional[MemoryTier] = None,
+    notices: Optional[NoticeWatch] = None,
 ) -> bool:
-    """Save if the schedule or a preemption signal says so; ``True`` when the run must stop (preempted): once
-    the snapshot is durable, the handler the signal had before ours runs (Lightning's, a user's), else the
-    run stops cleanly.
+    """Save if the schedule, a preemption signal or a cloud notice says so; ``True`` when the run must stop
+    (preempted): once the snapshot is durable, the handler the signal had before ours runs (Lightning's, a
+    user's), else the run stops cleanly.
 
     One process acts on its own flag at once; ranks agree at check steps only (rank 0's decision,
-    any rank's signal), so no collective runs between checks. When any rank received
+    any rank's signal or notice), so no collective runs between checks. When any rank received
     ``requeue_signal`` (SLURM's, with ``auto_requeue``), rank 0 requeues the job once the snapshot is
-    durable, as Lightning would have. With a ``memory`` tier, the schedule picks the tier of each snapshot.
+    durable, as Lightning would have. A notice asks for ``STOP`` or, with ``on_notice="snapshot"`` (and for
+    advisories), ``SNAPSHOT``: a durable snapshot, and training goes on. With a ``memory`` tier, the schedule
+    picks the tier of each snapshot.
     """
     local = 0
     if preemption is not None and preemption.requested:
         local = REQUEUE if requeue_signal is not None and preemption.received == requeue_signal else STOP
+    if notices is not None:
+        local = max(local, notices.level(scheduler.wall_clock(), _durable_cost(scheduler)))
     if local and trainer.world_size == 1:
         tier, preempt, reason = Tier.NONE, local, PREEMPTION
     else:
@@ -98,24 +101,55 @@ def at_step_boundary(
             return collective.max_over_ranks(values, device)
 
         tier, preempt, reason = scheduler.decide(trainer.global_step, local, agree, trainer.is_global_zero)
-    save = tier is Tier.DURABLE
-    if preempt:
+    stop = preempt >= STOP
+    if stop:
         scheduler.clean_stop()  # before the snapshot, which carries the history: a preemption is no failure
-    path = snapshot(scheduler, trainer, PREEMPTION if preempt else reason) if save or preempt else None
+    noticed = preempt and notices is not None
+    started = scheduler.wall_clock()
+    save = tier is Tier.DURABLE or bool(preempt)
+    path = snapshot(scheduler, trainer, PREEMPTION if preempt else reason, durable=bool(preempt)) if save else None
+    if noticed:
+        _log_notice_save(trainer, notices, started, scheduler.wall_clock(), stop)  # type: ignore[arg-type]
     if memory is not None and tier is not Tier.NONE and not preempt:
         # a durable save is also that step's memory snapshot: a crash right after it restores from memory
         memory_snapshot(scheduler, trainer, memory)
-    if preempt:
+    if stop:
         rank_zero_info(
-            f"ExactResume: preemption signal received; snapshot at step {trainer.global_step} is durable; stopping."
+            f"ExactResume: preemption requested; snapshot at step {trainer.global_step} is durable; stopping."
         )
         # What the signal would have done without us now happens, one step late: Lightning's SIGTERM handler
         # (fit raises SIGTERMException) and a handler the user installed before it; else a clean stop.
-        forwarded = preempt == STOP and preemption is not None and preemption.forward()
+        forwarded = preempt == STOP and preemption is not None and preemption.requested and preemption.forward()
         trainer.should_stop = trainer.should_stop or not forwarded
     if preempt == REQUEUE and path is not None:
         _requeue(trainer, path)
-    return bool(preempt)
+    return stop
+
+
+def _durable_cost(scheduler: SnapshotScheduler) -> Optional[float]:
+    """Seconds from the start of a durable save to its durability, as measured so far (``None``: no save yet)."""
+    state = scheduler.state
+    if state is None or not state.costs:
+        return None
+    return machine.cost_estimate(state) + (state.last_write_s or 0.0)
+
+
+def _log_notice_save(trainer: pl.Trainer, notices: NoticeWatch, started: float, durable: float, stop: bool) -> None:
+    """Every rank: the save made for a notice, with the margin before the earliest deadline any rank saw (one
+    collective, only at such a save); logged by rank 0. With ``on_notice="snapshot"`` the notice is done."""
+    deadlines = collective.gather(notices.deadline)
+    metrics = margin_metrics(deadlines, started, durable)
+    if not stop:
+        notices.snapshot_taken()
+    if trainer.is_global_zero:
+        margin = metrics.get("preemption_notice/margin_s")
+        rank_zero_info(
+            f"ExactResume: notice snapshot at step {trainer.global_step} durable after"
+            f" {metrics['preemption_notice/save_s']:.2f} s"
+            + ("" if margin is None else f", {margin:.1f} s before the deadline")
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
 
 def memory_snapshot(scheduler: SnapshotScheduler, trainer: pl.Trainer, memory: MemoryTier) -> None:
@@ -148,8 +182,9 @@ def _requeue(trainer: pl.Trainer, path: str) -> None:
     trainer.strategy.barrier("ExactResume.requeue")
 
 
-def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason: str) -> str:
-    """Save a snapshot now (every rank), account its cost, log its metrics (rank 0).
+def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason: str, durable: bool = False) -> str:
+    """Save a snapshot now (every rank), account its cost, log its metrics (rank 0); with ``durable``, return
+    only once an async write of it is durable (a preemption: the process is about to go).
 
     The cost is timed on the schedule's own clock, the one its intervals are measured on.
     """
@@ -158,7 +193,7 @@ def snapshot(scheduler: Optional[SnapshotScheduler], trainer: pl.Trainer, reason
     path = snapshots.save_snapshot(trainer, reason)
     blocked = clock() - started  # with an async writer: the snapshot part only
     writer = snapshots.async_writer(trainer)
-    if reason == PREEMPTION and writer is not None:
+    if (durable or reason == PREEMPTION) and writer is not None:
         snapshots.wait_durable(writer, path)
     if scheduler is None or scheduler.state is None:
         return path

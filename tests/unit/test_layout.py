@@ -140,7 +140,10 @@ def _heavy_modules_after(statement: str) -> list[str]:
 
 
 def test_pure_modules_import_without_lightning_or_dcp():
-    pure = "lightning_resume.schedule.state, lightning_resume.retention.policy, lightning_resume.schedule.history"
+    pure = (
+        "lightning_resume.schedule.state, lightning_resume.retention.policy, lightning_resume.schedule.history,"
+        " lightning_resume.cloud.detect, lightning_resume.cloud.protocols, lightning_resume.io.remote_budget"
+    )
     assert _heavy_modules_after(f"import {pure}") == []
     assert _heavy_modules_after("import lightning_resume") == []
 

@@ -286,6 +286,8 @@ def _callbacks(cfg: dict, out: Path) -> list[Callback]:
         # No wall-clock snapshots unless a test asks: they would make the step a run resumes from depend
         # on this machine's speed (the default schedule is tested in tests/unit/exact/test_exact_schedule.py).
         exact_args = {"mtbf": None, **cfg.get("exact_args", {})}
+        if cfg.get("notice_endpoints"):  # one metadata server per rank: a notice only one rank sees
+            exact_args["notice_endpoint"] = cfg["notice_endpoints"][int(os.environ.get("LOCAL_RANK", "0"))]
         callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **exact_args))
     if cfg.get("flush_memory_tier"):
         callbacks.append(FlushMemoryTier())

@@ -9,6 +9,10 @@ dropout and AdamW:
   3. resumed from the same checkpoint's weights only (the common mistake).
 It prints the per-step losses side by side and exits non-zero if (2) is not identical to (1) or if
 (3) is. Runs on CPU in about 40 s: ``python examples/resume_proof.py``.
+
+``python examples/resume_proof.py --train`` is the training alone, as a user's script is: checkpoints in
+``./ckpt``, ``fit(ckpt_path="last")``, so that ``lightning-resume prove -- python examples/resume_proof.py
+--train`` proves it from outside.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class KillAt(Callback):
 def child(mode: str, workdir: Path) -> None:
     pl.seed_everything(0)
     ckpt_dir = workdir / ("ckpt-uninterrupted" if mode == "uninterrupted" else "ckpt")
+    if mode == "train":  # a user's script: its own ./ckpt, resumed with "last" each time it is launched
+        ckpt_dir, mode = Path("ckpt"), "resumed"
     model = Net(str(workdir / f"{mode}.jsonl"))
     callbacks: list[Callback] = [
         ExactResume(),
@@ -158,7 +164,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=["uninterrupted", "killed", "resumed", "weights_only"])
     parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--train", action="store_true", help="only train (./ckpt, ckpt_path='last'), for prove")
     args = parser.parse_args()
+    if args.train:
+        child("train", Path("."))
+        sys.exit(0)
     if args.child:
         child(args.child, args.workdir)
         sys.exit(0)

@@ -4,7 +4,8 @@ Thin by design: each hook gathers its inputs and calls one module. ``capture`` b
 checkpoint gets (every rank's RNG streams, data position, fingerprint); ``restore`` applies it at
 ``on_train_start``, the one moment that makes the next step identical to the uninterrupted run's;
 ``driver`` runs the snapshot schedule and preemption stops; ``snapshots`` decides where a snapshot goes.
-Lightning internals are in ``lightning_resume._compat.lightning``.
+With ``LIGHTNING_RESUME_TRACE`` set (by ``lightning-resume prove``), the hooks also hand their moments to
+``prove.trace``'s recorder; without it there is none. Lightning internals are in ``lightning_resume._compat.lightning``.
 """
 
 import os
@@ -34,9 +35,12 @@ from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
 from lightning_resume.exact.restore import check_same_checkpoint, restore, warn_approximate
+from lightning_resume.exact.state import fingerprint as fingerprints
+from lightning_resume.exact.state import rng as rng_streams
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
+from lightning_resume.prove import trace
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.schedule.config import (
     DEFAULT_CHECK_INTERVAL,
@@ -217,6 +221,7 @@ class ExactResume(Callback):
         self._stop_replacing_loaders: Optional[Callable[[], None]] = None
         self.resume_report: dict[str, Any] = {}
         self._last = OncePerFit()
+        self._trace: Optional[trace.TraceRecorder] = None
 
     @property
     @override
@@ -236,6 +241,8 @@ class ExactResume(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
+        if stage == "fit":
+            self._trace = self._trace_from_environment(trainer)
         if stage == "fit" and self._stop_replacing_loaders is None:
             # The loaders users already have, made resumable in place as Lightning sets them up; put back at the end.
             adopted = AdoptedLoaders()
@@ -262,6 +269,11 @@ class ExactResume(Callback):
             else:
                 self.memory.setup(trainer)
 
+    def _trace_from_environment(self, trainer: pl.Trainer) -> Optional[trace.TraceRecorder]:
+        """The recorder ``lightning-resume prove`` asks for, read once per fit (``None``: nothing is recorded)."""
+        capture = lambda: rng_streams.capture_rng(self.generators)  # the streams a checkpoint saves
+        return trace.from_environment(trainer.global_rank, fingerprints.digest, capture, clock=self._wall_clock)
+
     def _drop_memory_tier(self) -> None:
         """No memory tier after all (a sharded run): the schedule becomes single-level, as it decides alone."""
         self.memory, old = None, self.scheduler
@@ -272,15 +284,16 @@ class ExactResume(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = lc.train_loaders(trainer)
-        for problem in self._what_cannot_be_exact(trainer, pl_module, loaders):
-            rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
         numbered = enumerate(loaders)
         unsaved = [line for i, dl in numbered if (line := unsaved_position(f"train loader {i}", dl)) is not None]
-        if unsaved and self._pending is not None:  # a position this loader cannot take: resumed as Lightning does
+        resuming = self._pending is not None
+        # A fresh run is never refused: each loader whose position is unsaved is named once, after the rest.
+        warned = self._what_cannot_be_exact(trainer, pl_module, loaders)
+        warned += [] if resuming else [f"resume will not be exact: {line}" for line in unsaved]
+        for problem in warned:
+            rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
+        if unsaved and resuming:  # a position this loader cannot take: resumed as Lightning does
             warn_approximate(unsaved)
-        else:  # a fresh run is never refused: each such loader named once
-            for line in unsaved:
-                rank_zero_warn(f"ExactResume: resume will not be exact: {line}", category=ExactResumeWarning)
         pending, self._pending = self._pending, None
         check_same_checkpoint(trainer, pending)
         self.resume_report = {}
@@ -293,6 +306,12 @@ class ExactResume(Callback):
                 self.resume_report["exact"] = False
                 self.resume_report["differences"] = [*self.resume_report.get("differences", []), *unsaved]
         self.resume_report["source"] = resumed_from(trainer)
+        if self._trace is not None:  # after the restore: the step this launch resumed at
+            unsaved_buffers = self.resume_report.get("unsaved_buffers_differ") or []
+            buffers = [f"non-persistent buffers {unsaved_buffers} differ after restore"] if unsaved_buffers else []
+            self._trace.start(
+                trainer, self.resume_report, [*warned, *self.resume_report.get("differences", []), *buffers]
+            )
         if self.scheduler is not None:
             driver.start(self.scheduler, trainer, self._num_nodes, pending or {}, tier)
         if self.preemption is not None:
@@ -341,6 +360,8 @@ class ExactResume(Callback):
             self.scheduler.clean_stop()
         if self.memory is not None:
             self.memory.free()  # a clean end: the durable tier holds the final state
+        if self._trace is not None:
+            self._trace.end(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -356,6 +377,9 @@ class ExactResume(Callback):
         if self._stop_replacing_loaders is not None:
             self._stop_replacing_loaders()
             self._stop_replacing_loaders = None
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -365,12 +389,20 @@ class ExactResume(Callback):
             self.memory.flush()  # the newest memory snapshot is what the relaunch after this failure resumes from
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._after_batch = False
+        if self._trace is not None:
+            self._trace.batch_start(trainer, batch)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._after_batch = True
+        if self._trace is not None:  # first: a checkpoint this batch end takes comes after its records
+            self._trace.batch_end(trainer, outputs, batch_idx)
         if not self._staging_reserved and lc.at_optimizer_step(trainer):
             self._staging_reserved = True  # the optimizer state exists now: size the first save's staging
             snapshots.reserve_staging(trainer)
@@ -388,6 +420,8 @@ class ExactResume(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._in_validation = False  # Lightning runs checkpoint callbacks' on_validation_end after this one
+        if self._trace is not None:
+            self._trace.validation_end(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -405,6 +439,8 @@ class ExactResume(Callback):
         state = checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now)
         if self.memory is not None and self.memory.run is not None:
             state[RUN_KEY] = self.memory.run  # names the run whose memory snapshots a relaunch may resume
+        if self._trace is not None:  # every checkpoint of the fit, on every rank (validation's saves included)
+            self._trace.saved(trainer)
         return state
 
     @override

@@ -1,9 +1,14 @@
 """The kill/resume harness: run ``jobs/trainee.py`` in fresh processes (A uninterrupted, B SIGKILLed from
 outside, C resuming B's checkpoint) and compare runs bit for bit. Starting and killing processes is
-``tests/helpers/processes.py``'s; what the trainee trains is its config's."""
+``lightning_resume.prove.runner``'s (through ``tests/helpers/processes.py``), and every run records the trace
+``lightning-resume prove`` compares (one trace per checkpoint directory, so B and the C that resumes its
+checkpoints make one killed-and-relaunched run): ``assert_exact_resume`` checks the trainee's own records
+and then ``prove``'s verdict on the traces, so every kill-and-resume test here is also a test of ``prove``.
+What the trainee trains is its config's."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -13,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_resume.prove import compare, runner
 from tests.helpers import processes
 from tests.helpers.compare import assert_bitwise
 from tests.helpers.paths import JOBS_DIR
@@ -20,13 +26,20 @@ from tests.helpers.paths import JOBS_DIR
 TRAINEE = JOBS_DIR / "trainee.py"
 
 
+def trace_dir(cfg: dict[str, Any]) -> Path:
+    """Where the run of ``cfg`` records its trace: one directory per checkpoint directory, beside the runs."""
+    return Path(cfg["out"]).parent / f"trace-{hashlib.sha1(str(cfg['ckpt_dir']).encode()).hexdigest()[:8]}"
+
+
 def start(cfg: dict[str, Any], workdir: Path) -> subprocess.Popen:
-    """Start the trainee on ``cfg`` (written to ``<out>/config.json``), its output to ``<out>/stdout.txt``."""
+    """Start the trainee on ``cfg`` (written to ``<out>/config.json``), its output to ``<out>/stdout.txt``,
+    recording its trace (weights digests at every step)."""
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(cfg))
-    return processes.start([TRAINEE, cfg_path], env=cfg.get("env"), cwd=workdir, log=out / "stdout.txt")
+    env = {**runner.trace_environment(trace_dir(cfg), digest_every=1), **(cfg.get("env") or {})}
+    return processes.start([TRAINEE, cfg_path], env=env, cwd=workdir, log=out / "stdout.txt")
 
 
 def output(cfg: dict[str, Any], tail: Optional[int] = 6000) -> str:
@@ -135,6 +148,25 @@ def assert_exact_resume(a_out: Path, c_out: Path, resumed_after: Optional[int], 
         for i, (x, y) in enumerate(zip(a[n:], c)):
             assert x == y, f"rank {rank}: micro-batch {n + i} differs:\n uninterrupted {x}\n resumed       {y}"
     assert_same_final_state(a_out, c_out, ranks)
+    assert_prove_says_exact(a_out, c_out)
+
+
+TRAINING_ONLY = ("saved", "files")
+"""What ``assert_exact_resume`` leaves to other tests: which checkpoints were written (test_exact_same_files,
+the retention tests). ``prove`` itself compares them too, and finds a known difference: under gradient
+accumulation a resumed run saves its resume step's checkpoint once more (Lightning does not restore
+``ModelCheckpoint._last_global_step_saved``)."""
+
+
+def assert_prove_says_exact(a_out: Path, c_out: Path) -> None:
+    """``lightning-resume prove``'s verdict on the traces of A and of B-then-C (when both recorded one), on
+    everything training computed: batches, RNG streams, losses, learning rates, weights and optimizer state
+    at every step, validation metrics."""
+    a_cfg, c_cfg = (json.loads((Path(out) / "config.json").read_text()) for out in (a_out, c_out))
+    a, killed_then_resumed = compare.read_trace(trace_dir(a_cfg)), compare.read_trace(trace_dir(c_cfg))
+    if a and killed_then_resumed:
+        verdict = compare.compare(a, killed_then_resumed, ignore=TRAINING_ONLY)
+        assert verdict.exact, "prove's comparison of the traces:\n" + compare.render(verdict)
 
 
 def assert_ranks_disjoint(out: Path, epoch: int = 0, ranks: int = 2) -> None:

@@ -8,15 +8,14 @@ trainee harness in ``tests/helpers/kill_resume.py``.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from lightning_resume.prove import runner
 from tests.helpers.paths import REPO_ROOT
 
 TAIL = 3000
@@ -37,21 +36,9 @@ def start(
     cwd: Union[str, Path] = REPO_ROOT,
     log: Optional[Path] = None,
 ) -> subprocess.Popen:
-    """``python ARGS`` in a new session; stdout and stderr together into ``log``, or a text pipe without one."""
-    out = open(log, "w") if log is not None else subprocess.PIPE
-    try:
-        return subprocess.Popen(
-            [sys.executable, *map(str, args)],
-            cwd=cwd,
-            env=child_env(env),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-    finally:
-        if log is not None:
-            out.close()  # the child holds its own descriptor
+    """``python ARGS`` in a new session (``lightning_resume.prove.runner.start_process``, the one ``prove``
+    uses); stdout and stderr together into ``log``, or a text pipe without one."""
+    return runner.start_process([sys.executable, *map(str, args)], cwd, child_env(env), log)
 
 
 def output(proc: subprocess.Popen) -> str:
@@ -60,10 +47,8 @@ def output(proc: subprocess.Popen) -> str:
 
 
 def kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's whole session and reap it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    """SIGKILL the child's whole session and reap it (``prove.runner.kill_group``)."""
+    runner.kill_group(proc)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> str:

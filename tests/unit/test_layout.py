@@ -142,7 +142,8 @@ def _heavy_modules_after(statement: str) -> list[str]:
 def test_pure_modules_import_without_lightning_or_dcp():
     pure = (
         "lightning_resume.schedule.state, lightning_resume.retention.policy, lightning_resume.schedule.history,"
-        " lightning_resume.cloud.detect, lightning_resume.cloud.protocols, lightning_resume.io.remote_budget"
+        " lightning_resume.cloud.detect, lightning_resume.cloud.protocols, lightning_resume.io.remote_budget,"
+        " lightning_resume.prove.compare"
     )
     assert _heavy_modules_after(f"import {pure}") == []
     assert _heavy_modules_after("import lightning_resume") == []

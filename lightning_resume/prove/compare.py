@@ -1,0 +1,673 @@
+"""The verdict of ``lightning-resume prove``: run B (killed and relaunched) compared with run A (uninterrupted).
+
+This module owns the comparison rule of ``docs/prove.md``: reading the trace files (``read_trace``, its only
+file access), cutting B's launches where the next one resumed (``effective``), finding the first record
+that differs on any rank (``compare``), naming its likely cause and fix from the component and the
+``problems`` lines ExactResume wrote at the start of that launch, and showing the verdict (``render``,
+``to_json``). It is pure over plain records: no processes, no torch, no Lightning, no clock; starting,
+killing and relaunching the runs is ``prove.runner``'s, writing the trace ``prove.trace``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+
+from lightning_resume.errors import LightningResumeError
+
+Record = Mapping[str, Any]
+Trace = Mapping[int, Sequence[Record]]
+
+Component = Literal[
+    "start", "batch", "rng", "loss", "lr", "params", "optim", "val", "sched", "files", "missing", "extra"
+]  # fmt: skip
+
+COMPARED_KINDS = ("batch", "state", "saved", "val", "end")
+"""The record kinds compared; ``start`` records only delimit launches and carry their ``problems``, and a
+kind this version does not know (a newer trace writer) is left out of the comparison."""
+
+IGNORED_FIELDS = frozenset({"kind", "time", "pid"})
+"""Fields that differ between any two runs (``kind`` is compared before the fields)."""
+
+FIELD_COMPONENTS: Mapping[str, Sequence[tuple[str, Component]]] = {
+    "batch": (
+        ("step", "batch"), ("epoch", "batch"), ("micro", "batch"), ("rng", "rng"), ("batch", "batch"),
+        ("loss", "loss"), ("lr", "lr"),
+    ),
+    "state": (("step", "missing"), ("params", "params"), ("optim", "optim")),
+    "saved": (("step", "missing"), ("params", "params"), ("optim", "optim")),
+    "val": (("step", "val"), ("metrics", "val")),
+    "end": (("step", "missing"), ("params", "params"), ("optim", "optim"), ("sched", "sched"), ("files", "files")),
+}  # fmt: skip
+"""Per kind, its fields in the order they are compared and the component a difference in each is reported as.
+The order is causal: a batch's position before the RNG streams it started with (a loader restarted on a new
+iterator also draws from them), the RNG before the batch it may shape, both before the loss they produce.
+A field not listed (a newer trace writer) is compared after these and reported as ``OTHER_FIELDS[kind]``.
+A ``missing`` step on a non-batch record becomes ``extra`` when B's step is the later one."""
+
+OTHER_FIELDS: Mapping[str, Component] = {"batch": "batch", "state": "params", "saved": "params", "val": "val"}
+
+NO_RELAUNCH = "no relaunch happened: the run was never killed after a checkpoint"
+
+TRACE_FILE = re.compile(r"trace-rank(\d+)\.jsonl")
+
+
+class TraceFormatError(LightningResumeError, ValueError):
+    """A trace line that is not a JSON record, where no SIGKILL can have cut it."""
+
+    def __init__(self, path: Union[str, Path], line: int, text: str) -> None:
+        self.path, self.line, self.text = str(path), line, text
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        super().__init__(f"{self.path}:{line}: not a trace record (a JSON object with a 'kind'): {shown!r}")
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+def read_trace(directory: Union[str, Path]) -> dict[int, list[dict[str, Any]]]:
+    """Every ``trace-rank<R>.jsonl`` in ``directory``: ``{rank: records in file order}``, ranks sorted.
+
+    A missing directory reads as no trace (``{}``): nothing was recorded. A line a SIGKILL cut is skipped,
+    any other line that is not a record raises ``TraceFormatError`` naming the file and line."""
+    root = Path(directory)
+    if not root.is_dir():
+        return {}
+    found = {int(m.group(1)): path for path in root.iterdir() if (m := TRACE_FILE.fullmatch(path.name))}
+    return {rank: _read_file(found[rank]) for rank in sorted(found)}
+
+
+def _read_file(path: Path) -> list[dict[str, Any]]:
+    """The records of one file. A SIGKILL can cut the line being written: the last line of the file, or,
+    since every launch appends to the same file, the line just before a relaunch's ``start`` record (the
+    writer starts each launch on a new line). Those lines are skipped; a bad line anywhere else is an error,
+    since dropping it would hide a record from the comparison."""
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last record
+    parsed = [_parse(line) for line in lines]
+    records = []
+    for number, record in enumerate(parsed, 1):
+        if record is not None:
+            records.append(record)
+            continue
+        torn = number == len(parsed) or (parsed[number] or {}).get("kind") == "start"
+        if not torn:
+            raise TraceFormatError(path, number, lines[number - 1])
+    return records
+
+
+def _parse(line: str) -> Optional[dict[str, Any]]:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("kind"), str) else None
+
+
+# ---------------------------------------------------------------------------------- cutting launches
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """A relaunch that cannot be exact, found in the start records alone."""
+
+    position: int  # index in the effective records where the relaunch's own records begin
+    launch: int
+    step: int
+    cause: str
+    fix: str
+    expected: Any
+    got: Any
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """One rank of B after the cut rule: the compared records, each with the launch (1-based) it came from."""
+
+    records: tuple[Record, ...] = ()
+    origins: tuple[int, ...] = ()
+    starts: tuple[Record, ...] = ()  # one per launch ({} for records before any start record)
+    resumed_at: tuple[int, ...] = ()  # the start step of each relaunch (launch 2 on)
+    restores: Mapping[int, int] = field(default_factory=dict)  # launch -> index where its own records begin
+    problems: tuple[_Problem, ...] = ()
+
+
+FRESH_FIX = 'resume from the newest checkpoint at every launch: pass ckpt_path="last" to trainer.fit (or --ckpt_path last with LightningCLI)'
+STALE_FIX = (
+    'give the run a checkpoint directory of its own, empty at its first launch, and resume with ckpt_path="last"'
+)
+
+
+def effective(records: Sequence[Record]) -> tuple[list[Record], list[str]]:
+    """B's records of one rank as one uninterrupted history, and the problems its relaunches show.
+
+    Each relaunch keeps what came before it up to and including the last ``saved`` record of the step it
+    resumed at (a validation between two saves of that step, and the later save, are kept: ``"last"`` is the
+    newer one), then its own records; what a killed process did after that checkpoint was lost and redone.
+    Only the compared kinds are returned (no ``start``). Problems: a relaunch that loaded no checkpoint
+    after one was saved (it starts the history over), and a launch that resumed at a step the history it
+    continues never saved (cut before the first record past that step)."""
+    cut = _cut(records)
+    return list(cut.records), [p.cause for p in cut.problems]
+
+
+def _cut(records: Sequence[Record]) -> _Cut:
+    kept: list[tuple[Record, int]] = []
+    starts, resumed_at = [], []
+    problems: list[_Problem] = []
+    restores: dict[int, int] = {}
+    saved_before: list[int] = []  # steps saved by earlier launches, cut or not
+    for n, (start, body) in enumerate(_launches(records), 1):
+        starts.append(start)
+        if n > 1 or start.get("resumed_from") is not None:
+            kept, problem = _resume(kept, start, n, saved_before)
+            # a problem whose records this resume dropped now shows where the kept history ends
+            problems = [replace(p, position=min(p.position, len(kept))) for p in problems]
+            problems += [problem] if problem is not None else []
+        if n > 1:
+            resumed_at.append(int(start.get("step") or 0))
+            restores[n] = len(kept)
+        kept += [(r, n) for r in body if r.get("kind") in COMPARED_KINDS]
+        saved_before += [int(r.get("step") or 0) for r in body if r.get("kind") == "saved"]
+    return _Cut(
+        records=tuple(r for r, _ in kept), origins=tuple(n for _, n in kept), starts=tuple(starts),
+        resumed_at=tuple(resumed_at), restores=restores, problems=tuple(problems),
+    )  # fmt: skip
+
+
+def _launches(records: Sequence[Record]) -> list[tuple[Record, list[Record]]]:
+    """``(start record, the records after it)`` per launch; records before any start form a launch of
+    their own with an empty start."""
+    launches: list[tuple[Record, list[Record]]] = []
+    for record in records:
+        if record.get("kind") == "start":
+            launches.append((record, []))
+        elif launches:
+            launches[-1][1].append(record)
+        else:
+            launches.append(({}, [record]))
+    return launches
+
+
+def _resume(
+    kept: list[tuple[Record, int]], start: Record, n: int, saved_before: Sequence[int]
+) -> tuple[list[tuple[Record, int]], Optional[_Problem]]:
+    """The history launch ``n`` continues, and the problem with its start, if any."""
+    step, source = int(start.get("step") or 0), start.get("resumed_from")
+    if source is None:  # a fresh start redoes everything: the history starts over
+        if not saved_before:
+            return [], None
+        cause = (
+            f"the relaunch (launch {n}) loaded no checkpoint and started from step {step}, although the checkpoint"
+            f" of step {saved_before[-1]} had been saved (its start record has resumed_from null)"
+        )
+        return [], _Problem(0, n, step, cause, FRESH_FIX, saved_before[-1], step)
+    hits = [i for i, (r, _) in enumerate(kept) if r.get("kind") == "saved" and r.get("step") == step]
+    if hits:
+        return kept[: hits[-1] + 1], None
+    kept = kept[: _position_of_step(kept, step)]
+    what = (
+        "the first launch must start fresh"
+        if n == 1
+        else "no earlier launch saved that step in the history it continues"
+    )
+    cause = f"launch {n} resumed at step {step} from {source}, a checkpoint this run did not write ({what})"
+    return kept, _Problem(len(kept), n, step, cause, STALE_FIX, sorted(set(saved_before)), step)
+
+
+def _position_of_step(kept: Sequence[tuple[Record, int]], step: int) -> int:
+    """Where step ``step`` begins in ``kept``: before its first batch (whose ``step`` is the one before its
+    optimizer step) or the first later record of another kind."""
+    for i, (r, _) in enumerate(kept):
+        s = int(r.get("step") or 0)
+        if s > step or (r.get("kind") == "batch" and s >= step):
+            return i
+    return len(kept)
+
+
+# ------------------------------------------------------------------------------------------ comparing
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of comparing B with A.
+
+    ``exact``: every compared record of every rank is equal (and B relaunched, unless not required). Else
+    the first difference: ``step``, ``rank``, ``component``, A's value (``expected``) and B's (``got``), and
+    one sentence each of ``cause`` and ``fix`` (both empty when exact). Per rank: ``launches`` and
+    ``resumed_at`` (the steps the relaunches resumed at) of B's ranks, and ``compared`` (records compared, up
+    to and including the differing one) of every rank A or B has."""
+
+    exact: bool
+    step: Optional[int] = None
+    rank: Optional[int] = None
+    component: Optional[Component] = None
+    expected: Any = None
+    got: Any = None
+    cause: str = ""
+    fix: str = ""
+    launches: Mapping[int, int] = field(default_factory=dict)
+    resumed_at: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    compared: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Finding:
+    """The first difference on one rank, with what its diagnosis reads."""
+
+    position: int
+    rank: int
+    step: Optional[int]
+    component: Component
+    field: str
+    expected: Any
+    got: Any
+    launch: int = 1  # B's launch the differing record came from (the last one when B has none there)
+    problems: tuple[str, ...] = ()  # that launch's start record's problems lines
+    after_restore: bool = False  # the first weights B recorded after a relaunch resumed
+    last_steps: tuple[Optional[int], Optional[int]] = (None, None)  # A's and B's last recorded steps
+    diagnosis: Optional[tuple[str, str]] = None  # cause and fix already known (a start problem)
+
+
+def compare(a: Trace, b: Trace, *, require_relaunch: bool = True, ignore: Sequence[str] = ()) -> Verdict:
+    """Compare B's effective records (``effective``) with A's, record by record, per rank, in order.
+
+    The first difference decides: the lowest position over ranks, the lowest rank on a tie. A relaunch
+    problem counts as a difference where that relaunch's records begin. With ``require_relaunch`` (the
+    default), a B that never relaunched on some rank is no proof, whatever its records: an uninterrupted B
+    shows nothing about resuming. ``ignore`` names record kinds (``"saved"``) or fields (``"files"``) left out of
+    the comparison (the cut rule still reads them): for a caller that checks those itself, e.g. a test of
+    training exactness alone; ``prove`` compares everything."""
+    cuts = {rank: _without(_cut(records), ignore) for rank, records in b.items()}
+    a = {rank: [r for r in _ignoring(records, ignore)] for rank, records in a.items()}
+    launches = {rank: len(cut.starts) for rank, cut in sorted(cuts.items())}
+    resumed_at = {rank: cut.resumed_at for rank, cut in sorted(cuts.items())}
+    findings, compared = [], {}
+    for rank in sorted(set(a) | set(b)):
+        finding, compared[rank] = _first_finding(rank, _compared_records(a.get(rank, ())), cuts.get(rank, _Cut()))
+        findings += [finding] if finding is not None else []
+    summary: dict[str, Any] = {"launches": launches, "resumed_at": resumed_at, "compared": compared}
+    lone = [rank for rank, n in launches.items() if n < 2] if launches else [0]
+    if require_relaunch and lone:
+        fix = "kill it later, once a checkpoint exists: save more often (ModelCheckpoint(every_n_train_steps=...)) or train for more steps"
+        return Verdict(False, rank=lone[0], component="start", cause=NO_RELAUNCH, fix=fix, **summary)
+    if not findings:
+        return Verdict(True, **summary)
+    first = min(findings, key=lambda f: (f.position, f.rank))
+    cause, fix = first.diagnosis or _diagnose(first)
+    return Verdict(
+        False, step=first.step, rank=first.rank, component=first.component, expected=first.expected,
+        got=first.got, cause=cause, fix=fix, **summary,
+    )  # fmt: skip
+
+
+def _ignoring(records: Sequence[Record], ignore: Sequence[str]) -> list[Record]:
+    """``records`` without the kinds in ``ignore`` and without its fields."""
+    if not ignore:
+        return list(records)
+    return [{k: v for k, v in r.items() if k not in ignore} for r in records if r.get("kind") not in ignore]
+
+
+def _without(cut: _Cut, ignore: Sequence[str]) -> _Cut:
+    """``cut`` with the records ``_ignoring`` leaves out removed, every position that points into them moved."""
+    if not ignore:
+        return cut
+    kept = [i for i, r in enumerate(cut.records) if r.get("kind") not in ignore]
+    moved = {old: new for new, old in enumerate(kept)}
+
+    def position(old: int) -> int:
+        return next((moved[i] for i in range(old, len(cut.records)) if i in moved), len(kept))
+
+    return replace(
+        cut,
+        records=tuple(_ignoring([cut.records[i] for i in kept], ignore)),
+        origins=tuple(cut.origins[i] for i in kept),
+        restores={launch: position(i) for launch, i in cut.restores.items()},
+        problems=tuple(replace(p, position=position(p.position)) for p in cut.problems),
+    )
+
+
+def _compared_records(records: Sequence[Record]) -> list[Record]:
+    return [r for r in records if r.get("kind") in COMPARED_KINDS]
+
+
+def _first_finding(rank: int, a: Sequence[Record], cut: _Cut) -> tuple[Optional[_Finding], int]:
+    """The first difference of one rank (``None`` when all is equal), and how many records were compared."""
+    b, problems = cut.records, {p.position: p for p in reversed(cut.problems)}
+    for i in range(max(len(a), len(b)) + 1):
+        if i in problems:
+            return _problem_finding(rank, problems[i], cut), i
+        if i >= len(a) and i >= len(b):
+            break
+        if i >= len(a) or i >= len(b):
+            return _finding(rank, i, a, cut, _end_difference(a, b, i)), i
+        difference = _record_difference(a[i], b[i])
+        if difference is not None:
+            return _finding(rank, i, a, cut, difference), i + 1
+    return None, min(len(a), len(b))
+
+
+def _problem_finding(rank: int, problem: _Problem, cut: _Cut) -> _Finding:
+    return _Finding(
+        problem.position, rank, problem.step, "start", "resumed_from", problem.expected, problem.got,
+        launch=problem.launch, problems=_problems_of(cut, problem.launch), diagnosis=(problem.cause, problem.fix),
+    )  # fmt: skip
+
+
+def _problems_of(cut: _Cut, launch: int) -> tuple[str, ...]:
+    start = cut.starts[launch - 1] if 0 < launch <= len(cut.starts) else {}
+    return tuple(str(line) for line in start.get("problems") or ())
+
+
+_Difference = tuple[Component, str, Any, Any]  # component, field, A's value, B's value
+
+
+def _record_difference(a: Record, b: Record) -> Optional[_Difference]:
+    """The first field in which two records differ, in ``FIELD_COMPONENTS`` order, or ``None``."""
+    if a.get("kind") != b.get("kind"):
+        return _kind_component(str(a.get("kind")), str(b.get("kind"))), "kind", _summary(a), _summary(b)
+    kind = str(a["kind"])
+    known = FIELD_COMPONENTS[kind]
+    listed = {name for name, _ in known}
+    others = sorted((set(a) | set(b)) - IGNORED_FIELDS - listed)
+    for name, component in [*known, *((o, OTHER_FIELDS.get(kind, "files")) for o in others)]:
+        expected, got = a.get(name), b.get(name)
+        if expected != got:
+            if component == "missing" and _later(got, expected):
+                component = "extra"
+            return component, name, expected, got
+    return None
+
+
+def _kind_component(a_kind: str, b_kind: str) -> Component:
+    """Records of different kinds at one position. A validation in one run only is a validation schedule
+    that was not restored (``val``); otherwise the run with the record the other lacks decides: B ends or
+    lacks a save/digest A has (``missing``), or B trains on, saves or digests where A does not (``extra``)."""
+    if "val" in (a_kind, b_kind):
+        return "val"
+    if b_kind == "end" or a_kind in ("saved", "state"):
+        return "missing"
+    return "extra"
+
+
+def _end_difference(a: Sequence[Record], b: Sequence[Record], i: int) -> _Difference:
+    if i >= len(b):
+        return "missing", "kind", _summary(a[i]), None
+    return "extra", "kind", None, _summary(b[i])
+
+
+def _later(got: Any, expected: Any) -> bool:
+    return isinstance(got, int) and isinstance(expected, int) and got > expected
+
+
+def _summary(record: Record) -> dict[str, Any]:
+    return {"kind": record.get("kind"), "step": record.get("step")}
+
+
+def _finding(rank: int, i: int, a: Sequence[Record], cut: _Cut, difference: _Difference) -> _Finding:
+    component, name, expected, got = difference
+    b = cut.records
+    record = a[i] if i < len(a) else b[i]
+    launch = cut.origins[i] if i < len(b) else len(cut.starts)
+    return _Finding(
+        i, rank, _step(record), component, name, expected, got, launch=max(launch, 1),
+        problems=_problems_of(cut, launch), after_restore=_first_weights_after_restore(cut, i),
+        last_steps=(_last_step(a), _last_step(b)),
+    )  # fmt: skip
+
+
+def _first_weights_after_restore(cut: _Cut, i: int) -> bool:
+    """Whether B's record ``i`` is the first to carry weights since its launch resumed (after a relaunch)."""
+    if i >= len(cut.records) or cut.origins[i] not in cut.restores:
+        return False
+    begin = cut.restores[cut.origins[i]]
+    return "params" in cut.records[i] and not any("params" in r for r in cut.records[begin:i])
+
+
+def _step(record: Record) -> Optional[int]:
+    step = record.get("step")
+    return step if isinstance(step, int) else None
+
+
+def _last_step(records: Sequence[Record]) -> Optional[int]:
+    return next((s for r in reversed(records) if (s := _step(r)) is not None), None)
+
+
+# ------------------------------------------------------------------------------------------ diagnosis
+
+LOADER_WORDS = ("loader", "dataset", "sampler", "position", "worker")
+GENERATOR_WORDS = ("generator", "randomstate", "random.random")
+BUFFER_WORDS = ("buffer", "persistent", "attribute")
+KERNEL_WORDS = ("deterministic",)
+WORLD_WORDS = ("world size", "remapped")
+STOP_WORDS = ("max_time",)
+"""Words that tie a ``problems`` line (ExactResume's warnings, ``exact/state/limits.py``, ``data.py``,
+``restore.py``) to the component it explains; matched case-insensitively."""
+
+
+def _warned(finding: _Finding, *words: str) -> str:
+    """The launch's problems lines that mention any of ``words``, as a clause ending a cause."""
+    lines = [line for line in finding.problems if any(w in line.lower() for w in words)]
+    return f"; ExactResume warned at launch {finding.launch}: " + " | ".join(lines) if lines else ""
+
+
+def _diagnose(f: _Finding) -> tuple[str, str]:
+    """Cause and fix of the first difference: one sentence each, naming what the trace shows."""
+    if f.launch == 1 and f.component not in ("missing", "extra", "files"):
+        return _not_deterministic(f)
+    return _CAUSES[f.component](f)
+
+
+def _not_deterministic(f: _Finding) -> tuple[str, str]:
+    cause = (
+        f"{f.component} differs at step {f.step} before B was ever killed (launch 1): the two runs differ without"
+        " any resume, so the training itself is not deterministic" + _warned(f, *KERNEL_WORDS, *GENERATOR_WORDS)
+    )
+    fix = "make two uninterrupted runs equal first: seed everything (lightning.seed_everything), use Trainer(deterministic=True), and read no clock or environment in training"
+    return cause, fix
+
+
+def _batch(f: _Finding) -> tuple[str, str]:
+    if f.field == "batch":
+        cause = f"batch content differs from step {f.step}: the loader's position (or the data's randomness) was not restored"
+    else:
+        cause = f"the batch position differs at step {f.step} ({f.field} {f.expected} expected, {f.got} found): the loader's position was not restored"
+    warned = _warned(f, *LOADER_WORDS)
+    if warned:
+        fix = "fix what ExactResume warned about at the relaunch (each line names the loader or dataset and its fix)"
+        return cause + warned, fix
+    fix = "use a torch DataLoader or torchdata's StatefulDataLoader, whose position ExactResume saves (not a subclass or a batch sampler without state), and draw the data's randomness from torch's RNG"
+    return cause, fix
+
+
+def _rng(f: _Finding) -> tuple[str, str]:
+    loader = _warned(f, *LOADER_WORDS)
+    if loader:  # a loader ExactResume cannot resume makes a new iterator, which draws its seed from the global RNG
+        cause = (
+            f"the RNG streams differ at the start of step {f.step}, before it ran: a loader whose position was not"
+            " restored started a new iterator, which drew from them" + loader
+        )
+        return cause, "fix what ExactResume warned about at the relaunch (each line names the loader and its fix)"
+    cause = (
+        f"the RNG streams differ at the start of step {f.step}, before it ran: they were not restored, or something"
+        " drew from them between the restore and this step" + _warned(f, *WORLD_WORDS)
+    )
+    fix = "keep ExactResume in the callbacks of every launch, and draw no random numbers in hooks that run only on a resume (on_load_checkpoint) or before training starts"
+    return cause, fix
+
+
+def _loss(f: _Finding) -> tuple[str, str]:
+    warned = _warned(f, *GENERATOR_WORDS, *BUFFER_WORDS, *KERNEL_WORDS)
+    cause = (
+        f"the loss differs at step {f.step} with the same batch and the same RNG streams: an RNG stream outside"
+        " ExactResume (a torch.Generator or numpy Generator held on the model) or state outside the checkpoint"
+        " changed the computation" + warned
+    )
+    if any(w in warned.lower() for w in GENERATOR_WORDS):
+        fix = "pass the generator ExactResume named as ExactResume(generators={name: generator}), or draw from torch's global RNG instead"
+        return cause, fix
+    if any(w in warned.lower() for w in BUFFER_WORDS):
+        cause = (
+            f"the loss differs at step {f.step} with the same batch and the same RNG streams: state outside the"
+            " checkpoint (a non-persistent buffer, an attribute) changed the computation" + warned
+        )
+        fix = "register that state as a persistent buffer (register_buffer(name, tensor, persistent=True)), or save it in on_save_checkpoint and set it back in on_load_checkpoint"
+        return cause, fix
+    fix = "pass every torch.Generator the model draws from as ExactResume(generators={...}), and keep state the forward reads in the state_dict"
+    return cause, fix
+
+
+def _lr(f: _Finding) -> tuple[str, str]:
+    cause = f"the learning rate differs at step {f.step} with the same batch and loss before: the LR scheduler's position was not restored"
+    fix = "return the scheduler from configure_optimizers so Lightning saves and restores it (a scheduler stepped by hand is in no checkpoint)"
+    return cause, fix
+
+
+def _params(f: _Finding) -> tuple[str, str]:
+    if f.after_restore:
+        cause = (
+            f"weights differ right after the restore (step {f.step}, the first weights recorded after launch {f.launch}"
+            " resumed) while every batch was equal: state that is not in the state_dict (a non-persistent buffer,"
+            " an attribute) changed the update" + _warned(f, *BUFFER_WORDS)
+        )
+        fix = "register that state as a persistent buffer (register_buffer(name, tensor, persistent=True)), or save it in on_save_checkpoint and set it back in on_load_checkpoint"
+        return cause, fix
+    cause = (
+        f"the weights differ at step {f.step} while every batch, RNG stream and loss before were equal: the update"
+        " differs (optimizer or gradient-scaler state, the gradient accumulation position) or something changes"
+        " the weights outside the optimizer step" + _warned(f, *BUFFER_WORDS, *KERNEL_WORDS)
+    )
+    fix = "keep everything the update reads in the checkpoint: optimizers and schedulers returned by configure_optimizers, and on_save_checkpoint/on_load_checkpoint for the rest"
+    return cause, fix
+
+
+def _optim(f: _Finding) -> tuple[str, str]:
+    cause = f"the optimizer state differs at step {f.step} while the weights and batches before were equal: it was not restored (an optimizer made outside configure_optimizers, or state kept outside its state_dict)"
+    return cause, "create the optimizers in configure_optimizers so Lightning saves and restores their state_dict"
+
+
+def _val(f: _Finding) -> tuple[str, str]:
+    if f.field in ("kind", "step"):
+        cause = f"validation ran at another point than in the uninterrupted run (step {f.step}): the validation schedule's position was not restored"
+        fix = "validate on a step-based schedule (val_check_interval as a number of batches, or check_val_every_n_epoch) and keep ExactResume in every launch"
+        return cause, fix
+    names = sorted(
+        k for k in set(f.expected or {}) | set(f.got or {}) if (f.expected or {}).get(k) != (f.got or {}).get(k)
+    )
+    cause = f"the validation metrics {names} differ at step {f.step} while training matched: the validation data or a metric's accumulated state differs after the resume"
+    fix = "reset each metric's state at the start of every validation and give the validation loader no randomness of its own"
+    return cause, fix
+
+
+def _sched(f: _Finding) -> tuple[str, str]:
+    cause = f"the LR schedulers' state differs at the end (step {f.step}) while every learning rate matched: a scheduler's own counters were not restored"
+    return cause, "return every scheduler from configure_optimizers so Lightning saves and restores its state_dict"
+
+
+def _files(f: _Finding) -> tuple[str, str]:
+    expected, got = set(f.expected or ()), set(f.got or ())
+    sides = [
+        (sorted(expected - got), "only in the uninterrupted run"),
+        (sorted(got - expected), "only in the killed run"),
+    ]
+    named = (
+        ", ".join(f"{where} {names}" for names, where in sides if names) or "the same names, listed in another order"
+    )
+    cause = f"the checkpoint files written differ: {named}"
+    fix = "name checkpoints by step only (no time or version: a -v1 suffix means the name existed already) and let retention decide by step, so a relaunch writes and prunes the same files"
+    return cause, fix
+
+
+def _missing(f: _Finding) -> tuple[str, str]:
+    a_last, b_last = f.last_steps
+    cause = (
+        f"the killed run trained fewer steps than the uninterrupted one: at step {f.step} it has {_shown(f.got)} where"
+        f" A has {_shown(f.expected)} (B's records end at step {b_last}, A's at step {a_last})"
+        + _warned(f, *STOP_WORDS)
+    )
+    fix = "stop on a step count (max_steps or max_epochs, not max_time), and save every checkpoint the uninterrupted run saves"
+    return cause, fix
+
+
+def _extra(f: _Finding) -> tuple[str, str]:
+    a_last, b_last = f.last_steps
+    cause = (
+        f"the killed run trained more steps than the uninterrupted one: at step {f.step} it has {_shown(f.got)} where"
+        f" A has {_shown(f.expected)} (B's records end at step {b_last}, A's at step {a_last})"
+        + _warned(f, *STOP_WORDS)
+    )
+    fix = "stop on a step count (max_steps or max_epochs, not max_time), and make the checkpoint schedule depend on the step only, not on the launch"
+    return cause, fix
+
+
+def _shown(summary: Any) -> str:
+    if not isinstance(summary, Mapping):
+        return "no record"
+    kind = str(summary.get("kind"))
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} record of step {summary.get('step')}"
+
+
+_CAUSES: Mapping[Component, Callable[[_Finding], tuple[str, str]]] = {
+    "batch": _batch, "rng": _rng, "loss": _loss, "lr": _lr, "params": _params, "optim": _optim, "val": _val,
+    "sched": _sched, "files": _files, "missing": _missing, "extra": _extra,
+}  # fmt: skip
+"""One diagnosis per component (``start`` problems carry their own cause and fix)."""
+
+
+# -------------------------------------------------------------------------------------------- output
+
+
+def to_json(verdict: Verdict) -> dict[str, Any]:
+    """The verdict as JSON-ready data, a stable schema (ranks become string keys, as JSON requires)::
+
+    {"verdict": "EXACT" | "DIFFERS",
+     "step": int | null, "rank": int | null, "component": str | null,   # null when EXACT
+     "expected": <JSON value> | null, "got": <JSON value> | null,        # A's and B's values
+     "cause": str, "fix": str,                                           # "" when EXACT
+     "launches": {"<rank>": int}, "resumed_at": {"<rank>": [int, ...]}, "compared": {"<rank>": int}}
+    """
+    return {
+        "verdict": "EXACT" if verdict.exact else "DIFFERS",
+        "step": verdict.step,
+        "rank": verdict.rank,
+        "component": verdict.component,
+        "expected": verdict.expected,
+        "got": verdict.got,
+        "cause": verdict.cause,
+        "fix": verdict.fix,
+        "launches": {str(r): int(n) for r, n in verdict.launches.items()},
+        "resumed_at": {str(r): [int(s) for s in steps] for r, steps in verdict.resumed_at.items()},
+        "compared": {str(r): int(n) for r, n in verdict.compared.items()},
+    }
+
+
+def render(verdict: Verdict) -> str:
+    """The verdict as plain text: the verdict line, what differs, cause, fix, then one row per rank."""
+    if verdict.exact:
+        lines = ["EXACT", "every compared record of the killed and relaunched run equals the uninterrupted run's"]
+    else:
+        where = f" at step {verdict.step}" if verdict.step is not None else ""
+        rank = f" (rank {verdict.rank})" if verdict.rank is not None else ""
+        lines = [f"DIFFERS{where}{rank}: {verdict.component}"]
+        if verdict.expected is not None or verdict.got is not None:
+            lines += [f"expected: {_short(verdict.expected)}", f"got:      {_short(verdict.got)}"]
+        lines += [f"cause:    {verdict.cause}", f"fix:      {verdict.fix}"]
+    return "\n".join([*lines, "", *_table(verdict)])
+
+
+def _table(verdict: Verdict) -> list[str]:
+    ranks = sorted(set(verdict.launches) | set(verdict.compared))
+    rows = [("rank", "launches", "resumed at", "records compared")]
+    for r in ranks:
+        steps = ", ".join(str(s) for s in verdict.resumed_at.get(r, ())) or "-"
+        rows.append((str(r), str(verdict.launches.get(r, 0)), steps, str(verdict.compared.get(r, 0))))
+    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,219 @@
+"""The three runs of ``lightning-resume prove``: start a user's command, kill it from outside, relaunch it.
+
+Run A goes uninterrupted; run B is SIGKILLed, its whole process group (DDP ranks, data workers), at steps
+drawn from A's trace after A's first checkpoint, and relaunched each time as the user's script resumes
+(its own ``ckpt_path="last"``; with ``append_on_relaunch`` such as ``--ckpt_path last`` for LightningCLI);
+the last launch runs to its end. Each run has a directory of its own as working directory (so relative
+checkpoint paths do not meet), its trace (``LIGHTNING_RESUME_TRACE``, read by ``ExactResume``) and its
+logs. Every launch has a timeout; only process groups started here are ever killed. This module starts and
+kills processes; the comparison is ``prove.compare``'s, pure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+from lightning_resume.prove import compare
+from lightning_resume.prove.trace import DEFAULT_DIGEST_EVERY, DIGEST_EVERY_ENV, TRACE_ENV
+
+CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".distcp", ".pt")
+"""Files removed from the work directory after an exact verdict (unless ``keep``)."""
+
+TAIL = 4000
+"""Characters of a failed launch's output shown in the error."""
+
+
+class RunFailed(RuntimeError):
+    """A launch could not run as the proof needs (crashed, timed out, wrote no trace, saved no checkpoint)."""
+
+    def __init__(self, what: str, log: Optional[Path] = None) -> None:
+        tail = ""
+        if log is not None and log.exists():
+            tail = "\n--- last output of " + str(log) + " ---\n" + log.read_text(errors="replace")[-TAIL:]
+        super().__init__(what + tail)
+
+
+@dataclass
+class ProveOptions:
+    """What to prove and how: the user's ``command`` (argv), ``kills`` relaunches, drawn with ``seed``."""
+
+    command: Sequence[str]
+    workdir: Path
+    kills: int = 2
+    seed: Optional[int] = None
+    timeout_s: float = 600.0
+    digest_every: int = 10
+    append_on_relaunch: Sequence[str] = ()
+    keep: bool = False
+    env: dict = field(default_factory=dict)
+
+
+def prove(opts: ProveOptions) -> compare.Verdict:
+    """Run A, then B with its kills and relaunches; the verdict of comparing their traces."""
+    if not opts.command:
+        raise ValueError("prove needs a command to run, after --: e.g. -- python train.py")
+    if opts.kills < 1:
+        raise ValueError(f"kills={opts.kills} must be at least 1: a run never killed proves nothing")
+    workdir = Path(opts.workdir).resolve()
+    command = absolute_arguments(opts.command, Path.cwd())
+    a_dir, b_dir = workdir / "A", workdir / "B"
+    for d in (a_dir, b_dir):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    _launch(command, a_dir, a_dir / "launch-1.log", opts).wait_to_end()
+    a = compare.read_trace(a_dir / "trace")
+    kill_steps = choose_kill_steps(a, opts.kills, opts.seed)
+    launch = 1
+    for step in kill_steps:
+        args = command if launch == 1 else [*command, *opts.append_on_relaunch]
+        running = _launch(args, b_dir, b_dir / f"launch-{launch}.log", opts)
+        if not running.kill_at(step):
+            break  # it ended before that step: nothing more to kill
+        launch += 1
+    else:
+        args = [*command, *opts.append_on_relaunch]
+        _launch(args, b_dir, b_dir / f"launch-{launch}.log", opts).wait_to_end()
+    verdict = compare.compare(a, compare.read_trace(b_dir / "trace"))
+    if verdict.exact and not opts.keep:
+        remove_checkpoints(workdir)
+    return verdict
+
+
+def absolute_arguments(command: Sequence[str], cwd: Path) -> list[str]:
+    """``command`` with each argument that names an existing file or directory (relative to ``cwd``) made
+    absolute, since every run works in a directory of its own (``python train.py`` keeps working)."""
+    out = []
+    for arg in command:
+        path = cwd / arg
+        named = not os.path.isabs(arg) and not arg.startswith("-") and path.exists()
+        out.append(os.path.abspath(path) if named else arg)  # not resolve(): a venv's python is a link to keep
+    return out
+
+
+def choose_kill_steps(a: dict[int, list[dict]], kills: int, seed: Optional[int]) -> list[int]:
+    """``kills`` increasing steps at which B is killed: drawn among the steps A trained after its first
+    checkpoint (a kill before any checkpoint would only restart the run). ``RunFailed`` when A wrote no
+    trace or saved no checkpoint."""
+    records = a.get(0, [])
+    if not records:
+        raise RunFailed(
+            "the uninterrupted run wrote no trace: its Trainer has no ExactResume callback (add ExactResume() to"
+            " its callbacks), or it never started training"
+        )
+    saved = [r["step"] for r in records if r.get("kind") == "saved"]
+    if not saved:
+        raise RunFailed(
+            "the uninterrupted run saved no checkpoint before its end, so a killed run has nothing to resume"
+            " from: add a checkpoint callback (ModelCheckpoint(every_n_train_steps=...)) or train longer"
+        )
+    later = sorted({r["step"] for r in records if r.get("kind") == "batch" and r["step"] > saved[0]})
+    if not later:
+        raise RunFailed("the uninterrupted run trained no step after its first checkpoint: nothing to kill")
+    rng = random.Random(seed)
+    return sorted(rng.sample(later, min(kills, len(later))))
+
+
+@dataclass
+class _Running:
+    proc: subprocess.Popen
+    trace: Path
+    log: Path
+    timeout_s: float
+    offsets: dict  # trace file -> its size when this launch started: earlier launches' records are not its own
+
+    def wait_to_end(self) -> None:
+        try:
+            code = self.proc.wait(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RunFailed(f"{self.log.parent.name}: no end within {self.timeout_s:.0f} s", self.log) from None
+        if code != 0:
+            raise RunFailed(f"{self.log.parent.name}: {self.log.name} exited with {code}", self.log)
+
+    def kill_at(self, step: int) -> bool:
+        """SIGKILL the launch's process group once any rank has begun step ``step`` (a few ms later, drawn, so
+        the kill also lands mid-step); ``False`` when the launch ended before reaching it."""
+        deadline = time.monotonic() + self.timeout_s
+        while not _reached(self.trace, step, self.offsets):
+            if self.proc.poll() is not None:
+                if self.proc.returncode != 0:
+                    raise RunFailed(f"{self.log.name} exited with {self.proc.returncode}", self.log)
+                return False
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RunFailed(f"{self.log.name}: step {step} not reached within {self.timeout_s:.0f} s", self.log)
+            time.sleep(0.01)
+        time.sleep(random.random() * 0.02)
+        self.kill()
+        return True
+
+    def kill(self) -> None:
+        kill_group(self.proc)
+
+
+def start_process(
+    command: Sequence[str], cwd: Union[str, Path], env: Mapping[str, str], log: Optional[Path] = None
+) -> subprocess.Popen:
+    """``command`` in a new session (so a kill of its group reaches every process it starts: DDP ranks, data
+    workers), stdout and stderr together into ``log``, or a text pipe without one."""
+    with open(log, "w") if log is not None else contextlib.nullcontext(subprocess.PIPE) as out:
+        return subprocess.Popen(  # the child holds its own descriptor of the log
+            list(command), cwd=cwd, env=dict(env), stdout=out, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the session ``start_process`` gave ``proc``, and reap it (only groups started here are killed)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def trace_environment(trace: Path, digest_every: int = DEFAULT_DIGEST_EVERY) -> dict[str, str]:
+    """The variables that make ``ExactResume`` record its trace into ``trace``."""
+    return {TRACE_ENV: str(trace), DIGEST_EVERY_ENV: str(digest_every)}
+
+
+def _launch(command: Sequence[str], cwd: Path, log: Path, opts: ProveOptions) -> _Running:
+    trace = cwd / "trace"
+    trace.mkdir(exist_ok=True)
+    env = {**os.environ, **opts.env, **trace_environment(trace, opts.digest_every)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    offsets = {path.name: path.stat().st_size for path in trace.glob("trace-rank*.jsonl")}
+    return _Running(start_process(command, cwd, env, log), trace, log, opts.timeout_s, offsets)
+
+
+def _reached(trace: Path, step: int, offsets: dict) -> bool:
+    """Some rank has recorded, in this launch, a micro-batch of step ``step`` or later."""
+    for path in trace.glob("trace-rank*.jsonl"):
+        with open(path, "rb") as f:
+            f.seek(offsets.get(path.name, 0))
+            for line in f.read().splitlines()[-50:]:
+                if b'"batch"' in line:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue  # a line being written
+                    if record.get("kind") == "batch" and int(record.get("step", -1)) >= step:
+                        return True
+    return False
+
+
+def remove_checkpoints(workdir: Path) -> None:
+    """Checkpoint files and sharded checkpoint directories under ``workdir``; traces and logs stay."""
+    for path in sorted(workdir.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file() and path.suffix in CHECKPOINT_SUFFIXES:
+            path.unlink()
+        elif path.is_dir() and path.name not in ("trace",) and not any(path.iterdir()):
+            path.rmdir()

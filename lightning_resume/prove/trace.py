@@ -1,0 +1,243 @@
+"""The trace ``lightning-resume prove`` compares: what one rank of a fit did, record by record, as JSON lines.
+
+This module owns the record format of docs/prove.md and the append-only file it goes to; ``ExactResume``'s
+hooks call a ``TraceRecorder`` and do nothing else for it. Recording must not change the run it watches: RNG
+states are read, never advanced; nothing is moved to the host but what a digest or a float needs. Nothing
+from ``exact`` is imported here (``exact`` imports this module): the callback hands in the hash
+(``exact.state.fingerprint.digest``) and its RNG capture, so the dependency runs one way.
+
+The file is written for a process that may be SIGKILLed at any moment: each record is one ``os.write`` of
+one line to a descriptor opened with ``O_APPEND`` (no user-space buffer, so a written record is in the
+kernel and survives the kill), and a launch that finds the file ending in a torn line first ends that line.
+A torn record is therefore always a line of its own, the last one of its launch: a reader skips any line
+that does not parse as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_resume import storage
+from lightning_resume._compat import lightning as lc
+from lightning_resume.errors import ConfigurationError
+
+TRACE_ENV = "LIGHTNING_RESUME_TRACE"
+"""The directory the trace goes to (``<dir>/trace-rank<R>.jsonl``); unset or empty: no recorder."""
+DIGEST_EVERY_ENV = "LIGHTNING_RESUME_TRACE_DIGEST_EVERY"
+"""Optimizer steps between two ``state`` records (hashing the whole state at every step would slow the run)."""
+DEFAULT_DIGEST_EVERY = 10
+
+Digest = Callable[[Any], str]
+
+
+def float_bits(value: Any) -> Optional[str]:
+    """The float32 bits of a scalar as 8 hex digits (``"3f385f0f"``): equal strings are bitwise-equal values.
+    ``None`` for anything that is not one number (a vector, a string, ``None``)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None
+        scalar = value.detach().reshape(()).to("cpu", torch.float32)  # reading it is the one sync a loss costs
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        scalar = torch.tensor(float(value), dtype=torch.float32)
+    else:
+        return None
+    return f"{int(scalar.view(torch.int32).item()) & 0xFFFFFFFF:08x}"
+
+
+def loss_of(outputs: Any) -> Any:
+    """The loss a training step returned: ``outputs["loss"]`` (automatic optimization gives a dict), the
+    tensor itself, or ``None``."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    return outputs if isinstance(outputs, torch.Tensor) else None
+
+
+def state_due(step: int, every: int, optimizer_stepped: bool) -> bool:
+    """Whether a ``state`` record is written at this batch end: after an optimizer step to a multiple of ``every``."""
+    return optimizer_stepped and step % every == 0
+
+
+def digest_every_from(raw: Optional[str]) -> int:
+    """``DIGEST_EVERY_ENV``'s value as a positive int (``DEFAULT_DIGEST_EVERY`` when unset or empty)."""
+    if raw is None or not raw.strip():
+        return DEFAULT_DIGEST_EVERY
+    try:
+        every = int(raw)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ConfigurationError(
+            "ExactResume trace",
+            [f"{DIGEST_EVERY_ENV}={raw!r} must be a whole number >= 1; unset it for {DEFAULT_DIGEST_EVERY}"],
+        )
+    return every
+
+
+class TraceFile:
+    """One rank's trace file, appended to one whole line per write (see the module docstring)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if _ends_in_torn_line(path):
+            self._write(b"\n")  # the killed launch's torn record stays a line of its own
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._write((json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def _write(self, data: bytes) -> None:
+        if self._fd is None:
+            raise ValueError(f"trace file {self.path} is closed")
+        view = memoryview(data)
+        while view:  # one call for a line unless the kernel writes it short (a signal, a full disk)
+            view = view[os.write(self._fd, view) :]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _ends_in_torn_line(path: str) -> bool:
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+@dataclass(frozen=True)
+class _BatchStart:
+    """What a ``batch`` record takes from the batch start: the step before it, and the inputs as it got them."""
+
+    step: int
+    epoch: int
+    batch: str
+    rng: str
+    lr: list[float]
+
+
+class TraceRecorder:
+    """Writes the records of docs/prove.md for one rank, each when ``ExactResume``'s hook for it runs.
+
+    Args:
+        out: the rank's trace file.
+        rank: the trainer's global rank.
+        digest_every: a ``state`` record every this many optimizer steps.
+        digest: the hash of a nested structure of tensors (``exact.state.fingerprint.digest``).
+        capture_rng: returns every RNG stream ExactResume saves, without advancing any.
+        clock: wall clock of the ``start`` record's ``time``.
+    """
+
+    def __init__(
+        self,
+        out: TraceFile,
+        rank: int,
+        digest_every: int,
+        digest: Digest,
+        capture_rng: Callable[[], Any],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.out = out
+        self.rank = rank
+        self.digest_every = digest_every
+        self._digest = digest
+        self._capture_rng = capture_rng
+        self._clock = clock
+        self._batch: Optional[_BatchStart] = None
+
+    def start(self, trainer: pl.Trainer, resume_report: Mapping[str, Any], problems: Sequence[str]) -> None:
+        """After any restore: the step is the one this launch resumed at."""
+        ckpt = trainer.ckpt_path
+        self._write(
+            "start", pid=os.getpid(), rank=self.rank, world_size=trainer.world_size, step=trainer.global_step,
+            resumed_from=None if ckpt is None else str(ckpt), exact=resume_report.get("exact"),
+            problems=list(problems), time=self._clock(),
+        )  # fmt: skip
+
+    def batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Before the step draws anything: its batch, RNG streams and learning rates as the step gets them."""
+        rates = [float(group["lr"]) for opt in trainer.optimizers for group in opt.param_groups]
+        rng = self._digest(self._capture_rng())
+        self._batch = _BatchStart(trainer.global_step, trainer.current_epoch, self._digest(batch), rng, rates)
+
+    def batch_end(self, trainer: pl.Trainer, outputs: Any, batch_idx: int) -> None:
+        start, self._batch = self._batch, None
+        if start is None:
+            return  # a batch end without its start (never in a stock loop): nothing to pair the loss with
+        self._write(
+            "batch", step=start.step, micro=batch_idx, epoch=start.epoch, batch=start.batch, rng=start.rng,
+            loss=float_bits(loss_of(outputs)), lr=start.lr,
+        )  # fmt: skip
+        if state_due(trainer.global_step, self.digest_every, lc.at_optimizer_step(trainer)):
+            self._write("state", step=trainer.global_step, **self._weights(trainer))
+
+    def saved(self, trainer: pl.Trainer) -> None:
+        """A checkpoint is being written (ExactResume's ``state_dict``): the state it holds."""
+        self._write("saved", step=trainer.global_step, **self._weights(trainer))
+
+    def validation_end(self, trainer: pl.Trainer) -> None:
+        if trainer.sanity_checking:
+            return  # not a validation of the training run: a resumed launch may run it or not
+        metrics = {name: float_bits(value) for name, value in trainer.callback_metrics.items()}
+        scalars = {name: bits for name, bits in metrics.items() if bits is not None}
+        self._write("val", step=trainer.global_step, metrics=scalars)
+
+    def end(self, trainer: pl.Trainer) -> None:
+        schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+        self._write(
+            "end", step=trainer.global_step, **self._weights(trainer), sched=self._digest(schedulers),
+            files=checkpoint_files(trainer),
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.out.close()
+
+    def _weights(self, trainer: pl.Trainer) -> dict[str, str]:
+        optimizers = [opt.state_dict() for opt in trainer.optimizers]
+        return {"params": self._digest(trainer.lightning_module.state_dict()), "optim": self._digest(optimizers)}
+
+    def _write(self, kind: str, **fields: Any) -> None:
+        self.out.write({"kind": kind, **fields})
+
+
+def checkpoint_files(trainer: pl.Trainer) -> list[str]:
+    """Sorted names in every ``ModelCheckpoint``'s directory (a URL too), hidden files (temporaries) left out.
+    A checkpoint callback that is no ``ModelCheckpoint`` has no directory to list."""
+    names: set[str] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            entries = storage.list_dir(lc.checkpoint_dir(callback, trainer))
+            names.update(entry.name for entry in entries if not entry.name.startswith("."))
+    return sorted(names)
+
+
+def from_environment(
+    rank: int,
+    digest: Digest,
+    capture_rng: Callable[[], Any],
+    environ: Optional[Mapping[str, str]] = None,
+    clock: Callable[[], float] = time.time,
+) -> Optional[TraceRecorder]:
+    """The recorder ``TRACE_ENV`` asks for (``os.environ`` unless ``environ`` is given), or ``None``.
+
+    Read once per fit: ``lightning-resume prove`` sets the variables from outside the user's script, which is
+    why this one input is an environment variable. ``None`` means the run pays nothing: no file, no hashing.
+    The directory is a local one (an object store cannot append); it is created if missing.
+    """
+    env = os.environ if environ is None else environ
+    directory = env.get(TRACE_ENV)
+    if not directory:
+        return None
+    every = digest_every_from(env.get(DIGEST_EVERY_ENV))
+    os.makedirs(directory, exist_ok=True)
+    out = TraceFile(os.path.join(directory, f"trace-rank{rank}.jsonl"))
+    return TraceRecorder(out, rank, every, digest, capture_rng, clock)

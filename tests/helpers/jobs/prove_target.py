@@ -1,0 +1,107 @@
+"""A training script for ``lightning-resume prove``, written as users write theirs, with a defect to choose.
+
+Usage: python prove_target.py [--defect NAME] [--devices N] [--max_steps N] [--crash_at N]. It trains a small
+model with dropout and AdamW on a plain ``DataLoader(shuffle=True)``, ``ExactResume()`` and a
+``ModelCheckpoint`` into ``./ckpt`` (the working directory is the run's own), and relaunched it resumes with
+``fit(ckpt_path="last")``. Defects, each a way a resumed run differs that ``prove`` must name:
+
+- ``torch_generator``: noise from a ``torch.Generator`` held on the model and not given to ``ExactResume``;
+- ``numpy_generator``: noise from a ``numpy.random.Generator`` on the model;
+- ``loader_subclass``: a ``DataLoader`` subclass, whose position ExactResume cannot take;
+- ``buffer``: a non-persistent buffer that training changes (a step counter in the loss);
+- ``no_ckpt_path``: ``fit()`` without ``ckpt_path``: every launch starts over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from lightning_resume import ExactResume  # noqa: E402
+
+
+class Points(Dataset):
+    def __init__(self, n: int = 96) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x.sum(1, keepdim=True) > 0).float()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.01 * torch.randn(8), self.y[i]  # augmentation from the global RNG
+
+
+class MyLoader(DataLoader):
+    """A user's DataLoader subclass (e.g. to add a property)."""
+
+
+class Net(pl.LightningModule):
+    def __init__(self, defect: str) -> None:
+        super().__init__()
+        self.defect = defect
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+        self.gen = torch.Generator().manual_seed(1)
+        self.np_gen = np.random.default_rng(1)
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.02)  # a step takes a moment, as real ones do: the kills land while training
+        x, y = batch
+        if self.defect == "torch_generator":
+            x = x + 0.1 * torch.randn(x.shape, generator=self.gen)
+        elif self.defect == "numpy_generator":
+            x = x + torch.from_numpy(self.np_gen.normal(size=tuple(x.shape)).astype("float32")) * 0.1
+        loss = nn.functional.binary_cross_entropy_with_logits(self.net(x), y)
+        if self.defect == "buffer":
+            self.seen += 1
+            loss = loss * (1 + 1e-3 * self.seen)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        cls = MyLoader if self.defect == "loader_subclass" else DataLoader
+        return cls(Points(), batch_size=8, shuffle=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--defect", default="none")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--max_steps", type=int, default=30)
+    parser.add_argument("--crash_at", type=int, default=-1)
+    args = parser.parse_args()
+    if args.crash_at == 0:
+        raise SystemExit("prove_target: crashing on purpose")
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_steps=args.max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ExactResume(mtbf=None), ModelCheckpoint(dirpath="ckpt", every_n_train_steps=4, save_last=True)],
+    )
+    ckpt_path = None if args.defect == "no_ckpt_path" else "last"
+    trainer.fit(Net(args.defect), ckpt_path=ckpt_path)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -11,9 +11,10 @@ and nothing else. ``lightning_resume._compat.check_versions`` warns when the ver
 
 from __future__ import annotations
 
+import inspect
 import re
 import signal
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Mapping, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -339,6 +340,39 @@ def monitor_candidates(callback: ModelCheckpoint, trainer: pl.Trainer) -> dict[s
 def last_global_step_saved(callback: ModelCheckpoint) -> int:
     """The global step of the callback's newest save (model_checkpoint.py:291, :601)."""
     return int(callback._last_global_step_saved)
+
+
+def saving_callback() -> Optional[ModelCheckpoint]:
+    """The ``ModelCheckpoint`` whose save is running now, from the call stack (``_save_checkpoint`` calls
+    ``trainer.save_checkpoint``, then sets ``_last_global_step_saved``: model_checkpoint.py:593-601); ``None``
+    for a save no ``ModelCheckpoint`` started (a memory-tier snapshot, ``trainer.save_checkpoint``)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "_save_checkpoint" and isinstance(owner, ModelCheckpoint):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def last_saved_steps(trainer: pl.Trainer) -> dict[str, int]:
+    """Each checkpoint callback's step of its newest save, as it is once the save being written completes: a
+    resumed run that saved at step s must not save step s again (under gradient accumulation the next
+    micro-batch ends at the same global step; model_checkpoint.py:631/639 skip only a step already saved),
+    and Lightning's checkpoints do not hold it (``ModelCheckpoint.state_dict`` leaves it out)."""
+    saving = saving_callback()
+    return {
+        cb.state_key: trainer.global_step if cb is saving else int(cb._last_global_step_saved)
+        for cb in trainer.checkpoint_callbacks
+        if isinstance(cb, ModelCheckpoint)
+    }
+
+
+def restore_last_saved_steps(trainer: pl.Trainer, steps: Mapping[str, Any]) -> None:
+    """Put back what :func:`last_saved_steps` recorded, per callback (a callback not recorded keeps its own)."""
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and isinstance(steps.get(cb.state_key), int):
+            cb._last_global_step_saved = int(steps[cb.state_key])
 
 
 def checkpoint_dir(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:

@@ -58,6 +58,7 @@ def checkpoint_state(
         "schedule": schedule,
         "world_size": trainer.world_size,
         "signature": signature(trainer),
+        "last_saved": lc.last_saved_steps(trainer),
         "ranks": collective.gather(local, trainer.world_size),
     }
 

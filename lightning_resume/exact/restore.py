@@ -52,6 +52,7 @@ def restore(
         refuse_or_warn(strict, trainer.ckpt_path, unapplied)
         differences = [*differences, *unapplied]
     lc.restore_callback_metrics(trainer, dict(mine.get("metrics") or {}))  # the next save decisions read them
+    lc.restore_last_saved_steps(trainer, dict(saved.get("last_saved") or {}))  # no second save of this step
     restored_rng = restore_position_and_rng(trainer, mine, saved, generators)
     report: dict[str, Any] = {"step": trainer.global_step, "exact": not differences, "differences": differences}
     if check_fingerprint and "fingerprint" in mine:

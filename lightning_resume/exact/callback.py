@@ -416,6 +416,8 @@ class ExactResume(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._after_batch = False
         self._in_validation = True
+        if self._trace is not None:
+            self._trace.validation_start(trainer)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -73,11 +73,12 @@ def prove(opts: ProveOptions) -> compare.Verdict:
     _launch(command, a_dir, a_dir / "launch-1.log", opts).wait_to_end()
     a = compare.read_trace(a_dir / "trace")
     kill_steps = choose_kill_steps(a, opts.kills, opts.seed)
+    moments = kill_moments(a, kill_steps)
     launch = 1
-    for step in kill_steps:
+    for step, moment in zip(kill_steps, moments, strict=True):
         args = command if launch == 1 else [*command, *opts.append_on_relaunch]
         running = _launch(args, b_dir, b_dir / f"launch-{launch}.log", opts)
-        if not running.kill_at(step):
+        if not running.kill_at(step, moment):
             break  # it ended before that step: nothing more to kill
         launch += 1
     else:
@@ -98,6 +99,16 @@ def absolute_arguments(command: Sequence[str], cwd: Path) -> list[str]:
         named = not os.path.isabs(arg) and not arg.startswith("-") and path.exists()
         out.append(os.path.abspath(path) if named else arg)  # not resolve(): a venv's python is a link to keep
     return out
+
+
+def kill_moments(a: dict[int, list[dict]], kill_steps: Sequence[int]) -> list[str]:
+    """Where in the loop each kill lands: inside a training step (``"batch"``: a few ms after a micro-batch
+    ended, while the next one runs) or, every other kill when the uninterrupted run validated at or after
+    that step, inside a validation (``"val_start"``: as soon as one begins)."""
+    validations = [r["step"] for r in a.get(0, []) if r.get("kind") == "val_start"]
+    return [
+        "val_start" if i % 2 and any(v >= step for v in validations) else "batch" for i, step in enumerate(kill_steps)
+    ]
 
 
 def choose_kill_steps(a: dict[int, list[dict]], kills: int, seed: Optional[int]) -> list[int]:
@@ -140,11 +151,12 @@ class _Running:
         if code != 0:
             raise RunFailed(f"{self.log.parent.name}: {self.log.name} exited with {code}", self.log)
 
-    def kill_at(self, step: int) -> bool:
-        """SIGKILL the launch's process group once any rank has begun step ``step`` (a few ms later, drawn, so
-        the kill also lands mid-step); ``False`` when the launch ended before reaching it."""
+    def kill_at(self, step: int, moment: str = "batch") -> bool:
+        """SIGKILL the launch's process group once any rank recorded a ``moment`` record (``kill_moments``) of
+        step ``step`` or later (a few ms later, drawn, so the kill lands mid-step or mid-validation);
+        ``False`` when the launch ended before reaching it."""
         deadline = time.monotonic() + self.timeout_s
-        while not _reached(self.trace, step, self.offsets):
+        while not _reached(self.trace, step, self.offsets, moment):
             if self.proc.poll() is not None:
                 if self.proc.returncode != 0:
                     raise RunFailed(f"{self.log.name} exited with {self.proc.returncode}", self.log)
@@ -194,18 +206,19 @@ def _launch(command: Sequence[str], cwd: Path, log: Path, opts: ProveOptions) ->
     return _Running(start_process(command, cwd, env, log), trace, log, opts.timeout_s, offsets)
 
 
-def _reached(trace: Path, step: int, offsets: dict) -> bool:
-    """Some rank has recorded, in this launch, a micro-batch of step ``step`` or later."""
+def _reached(trace: Path, step: int, offsets: dict, kind: str = "batch") -> bool:
+    """Some rank has recorded, in this launch, a ``kind`` record of step ``step`` or later."""
+    marker = f'"{kind}"'.encode()
     for path in trace.glob("trace-rank*.jsonl"):
         with open(path, "rb") as f:
             f.seek(offsets.get(path.name, 0))
             for line in f.read().splitlines()[-50:]:
-                if b'"batch"' in line:
+                if marker in line:
                     try:
                         record = json.loads(line)
                     except ValueError:
                         continue  # a line being written
-                    if record.get("kind") == "batch" and int(record.get("step", -1)) >= step:
+                    if record.get("kind") == kind and int(record.get("step", -1)) >= step:
                         return True
     return False
 

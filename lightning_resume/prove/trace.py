@@ -153,15 +153,21 @@ class TraceRecorder:
         self._capture_rng = capture_rng
         self._clock = clock
         self._batch: Optional[_BatchStart] = None
+        self._held: Optional[list[dict[str, Any]]] = []  # records before the start record (None once started)
 
     def start(self, trainer: pl.Trainer, resume_report: Mapping[str, Any], problems: Sequence[str]) -> None:
-        """After any restore: the step is the one this launch resumed at."""
+        """After any restore: the step is the one this launch resumed at. What the restore itself ran (the
+        validation that was due right after the saved step) was held back and follows this record: it
+        belongs to this launch."""
         ckpt = trainer.ckpt_path
+        held, self._held = self._held or [], None
         self._write(
             "start", pid=os.getpid(), rank=self.rank, world_size=trainer.world_size, step=trainer.global_step,
             resumed_from=None if ckpt is None else str(ckpt), exact=resume_report.get("exact"),
             problems=list(problems), time=self._clock(),
         )  # fmt: skip
+        for record in held:
+            self.out.write(record)
 
     def batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
         """Before the step draws anything: its batch, RNG streams and learning rates as the step gets them."""
@@ -183,6 +189,11 @@ class TraceRecorder:
     def saved(self, trainer: pl.Trainer) -> None:
         """A checkpoint is being written (ExactResume's ``state_dict``): the state it holds."""
         self._write("saved", step=trainer.global_step, **self._weights(trainer))
+
+    def validation_start(self, trainer: pl.Trainer) -> None:
+        """A marker, not compared: ``prove`` kills a launch here to test a kill during validation."""
+        if not trainer.sanity_checking:
+            self._write("val_start", step=trainer.global_step)
 
     def validation_end(self, trainer: pl.Trainer) -> None:
         if trainer.sanity_checking:
@@ -206,6 +217,9 @@ class TraceRecorder:
         return {"params": self._digest(trainer.lightning_module.state_dict()), "optim": self._digest(optimizers)}
 
     def _write(self, kind: str, **fields: Any) -> None:
+        if self._held is not None and kind != "start":
+            self._held.append({"kind": kind, **fields})
+            return
         self.out.write({"kind": kind, **fields})
 
 

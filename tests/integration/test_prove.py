@@ -71,6 +71,17 @@ def test_a_defect_is_found_at_the_right_step_and_named(tmp_path: Path, defect: s
         assert verdict["step"] == verdict["resumed_at"]["0"][0], verdict
 
 
+def test_a_kill_during_validation_resumes_exact(tmp_path: Path) -> None:
+    """The second kill lands in a validation run (``prove`` kills every other launch at a validation's start)."""
+    verdict = assert_resumes_exactly(
+        [sys.executable, str(TARGET), "--validate_every", "4", "--max_steps", "30"], kills=2, seed=3, workdir=tmp_path
+    )
+    killed = (tmp_path / "B" / "trace" / "trace-rank0.jsonl").read_text().splitlines()
+    starts = [i for i, line in enumerate(killed) if '"kind":"start"' in line.replace(" ", "")]
+    assert len(starts) == 3 and '"val_start"' in killed[starts[2] - 1], "the second launch died in a validation"
+    assert verdict.exact
+
+
 def test_a_script_that_crashes_is_exit_2_with_its_output(tmp_path: Path) -> None:
     done = _prove(tmp_path, sys.executable, str(TARGET), "--crash_at", "0")
     assert done.returncode == 2

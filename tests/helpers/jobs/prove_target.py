@@ -1,6 +1,7 @@
 """A training script for ``lightning-resume prove``, written as users write theirs, with a defect to choose.
 
-Usage: python prove_target.py [--defect NAME] [--devices N] [--max_steps N] [--crash_at N]. It trains a small
+Usage: python prove_target.py [--defect NAME] [--devices N] [--max_steps N] [--validate_every N] [--crash_at N].
+It trains a small
 model with dropout and AdamW on a plain ``DataLoader(shuffle=True)``, ``ExactResume()`` and a
 ``ModelCheckpoint`` into ``./ckpt`` (the working directory is the run's own), and relaunched it resumes with
 ``fit(ckpt_path="last")``. Defects, each a way a resumed run differs that ``prove`` must name:
@@ -69,12 +70,20 @@ class Net(pl.LightningModule):
             loss = loss * (1 + 1e-3 * self.seen)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.02)  # a validation takes a moment too: a kill can land in it
+        x, y = batch
+        self.log("val_loss", nn.functional.binary_cross_entropy_with_logits(self.net(x), y))
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self):
         cls = MyLoader if self.defect == "loader_subclass" else DataLoader
         return cls(Points(), batch_size=8, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(Points(32), batch_size=8)
 
 
 def main() -> None:
@@ -83,6 +92,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--max_steps", type=int, default=30)
     parser.add_argument("--crash_at", type=int, default=-1)
+    parser.add_argument("--validate_every", type=int, default=0, help="validate every N batches (0: never)")
     args = parser.parse_args()
     if args.crash_at == 0:
         raise SystemExit("prove_target: crashing on purpose")
@@ -92,6 +102,9 @@ def main() -> None:
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         max_steps=args.max_steps,
+        limit_val_batches=2 if args.validate_every else 0,
+        val_check_interval=args.validate_every or None,
+        num_sanity_val_steps=0,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

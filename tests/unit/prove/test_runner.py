@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from lightning_resume.prove.runner import RunFailed, absolute_arguments, choose_kill_steps, remove_checkpoints
+from lightning_resume.prove.runner import (
+    RunFailed,
+    absolute_arguments,
+    choose_kill_steps,
+    kill_moments,
+    remove_checkpoints,
+)
 
 
 def _trace(saves: list[int], last: int = 20) -> dict[int, list[dict]]:
@@ -54,3 +60,11 @@ def test_after_an_exact_verdict_only_checkpoints_go(tmp_path: Path) -> None:
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
         "A", "A/launch-1.log", "A/trace", "A/trace/trace-rank0.jsonl",
     ]  # fmt: skip
+
+
+def test_every_other_kill_lands_in_a_validation_when_the_run_validates_after_it() -> None:
+    trace = _trace([5, 10])
+    assert kill_moments(trace, [6, 8, 12]) == ["batch", "batch", "batch"]  # no validation at all
+    trace[0] += [{"kind": "val_start", "step": 10}]
+    assert kill_moments(trace, [6, 8, 12]) == ["batch", "val_start", "batch"]
+    assert kill_moments(trace, [6, 11]) == ["batch", "batch"]  # no validation at or after step 11

@@ -91,8 +91,9 @@ def test_a_fit_writes_every_record_in_the_order_it_happens(tmp_path, monkeypatch
 
     records = _records(tmp_path / "trace")
     kinds = [(r["kind"], r["step"]) for r in records]
-    epoch = [("batch", 0), ("batch", 1), ("batch", 2), ("batch", 3), ("state", 4), ("val", 4), ("saved", 4)]
-    later = [("batch", 4), ("batch", 5), ("batch", 6), ("batch", 7), ("state", 8), ("val", 8), ("saved", 8)]
+    epoch = [("batch", 0), ("batch", 1), ("batch", 2), ("batch", 3), ("state", 4), ("val_start", 4), ("val", 4)]
+    later = [("batch", 4), ("batch", 5), ("batch", 6), ("batch", 7), ("state", 8), ("val_start", 8), ("val", 8)]
+    epoch, later = [*epoch, ("saved", 4)], [*later, ("saved", 8)]
     assert kinds == [("start", 0), *epoch, *later, ("end", 8)]  # no val record of the sanity check
 
     start, end = records[0], records[-1]

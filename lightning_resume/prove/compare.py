@@ -163,7 +163,7 @@ def _cut(records: Sequence[Record]) -> _Cut:
     for n, (start, body) in enumerate(_launches(records), 1):
         starts.append(start)
         if n > 1 or start.get("resumed_from") is not None:
-            kept, problem = _resume(kept, start, n, saved_before)
+            kept, problem = _resume(kept, start, n, saved_before, body)
             # a problem whose records this resume dropped now shows where the kept history ends
             problems = [replace(p, position=min(p.position, len(kept))) for p in problems]
             problems += [problem] if problem is not None else []
@@ -193,9 +193,11 @@ def _launches(records: Sequence[Record]) -> list[tuple[Record, list[Record]]]:
 
 
 def _resume(
-    kept: list[tuple[Record, int]], start: Record, n: int, saved_before: Sequence[int]
+    kept: list[tuple[Record, int]], start: Record, n: int, saved_before: Sequence[int], body: Sequence[Record] = ()
 ) -> tuple[list[tuple[Record, int]], Optional[_Problem]]:
-    """The history launch ``n`` continues, and the problem with its start, if any."""
+    """The history launch ``n`` continues, and the problem with its start, if any. A relaunch that begins by
+    running a validation of the step it resumed at resumed a checkpoint saved before that validation (one
+    saved when it was due): the history is cut at the last save of the step before it."""
     step, source = int(start.get("step") or 0), start.get("resumed_from")
     if source is None:  # a fresh start redoes everything: the history starts over
         if not saved_before:
@@ -206,6 +208,10 @@ def _resume(
         )
         return [], _Problem(0, n, step, cause, FRESH_FIX, saved_before[-1], step)
     hits = [i for i, (r, _) in enumerate(kept) if r.get("kind") == "saved" and r.get("step") == step]
+    first = next((r for r in body if r.get("kind") in COMPARED_KINDS and r.get("kind") != "saved"), {})
+    if first.get("kind") == "val" and first.get("step") == step:  # the validation was due at the save
+        vals = [i for i, (r, _) in enumerate(kept) if r.get("kind") == "val" and r.get("step") == step]
+        hits = [i for i in hits if not vals or i < vals[0]] or hits
     if hits:
         return kept[: hits[-1] + 1], None
     kept = kept[: _position_of_step(kept, step)]

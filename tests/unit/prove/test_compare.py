@@ -388,3 +388,14 @@ def test_ignore_leaves_out_kinds_and_fields_but_the_cut_still_reads_them():
     trained_differently = [{**r, "loss": "x"} if r["kind"] == "batch" and r["step"] == 7 else r for r in b]
     verdict = compare({0: run()}, {0: trained_differently}, ignore=("saved", "files"))
     assert (verdict.exact, verdict.component, verdict.step) == (False, "loss", 7)
+
+
+def test_a_relaunch_that_reruns_the_validation_due_at_its_save_is_cut_before_that_validation():
+    """Saves of one step before and after its validation: a relaunch that begins by validating resumed the
+    earlier one (validation was due), so the killed launch's validation is dropped, not counted twice."""
+    val = {"kind": "val", "step": 4, "metrics": {"loss": "v"}}
+    a = [start(), *steps(0, 4), val, weights("saved", 4), *steps(4, 6), end(6)]
+    b = [start(), *steps(0, 4), val, weights("saved", 4), batch(4), start(4, PATH, pid=101), val, *steps(4, 6), end(6)]
+    a = [r for r in a if not (r["kind"] == "end")] + [end(6, files=[])]
+    b = [r for r in b if not (r["kind"] == "end")] + [end(6, files=[])]
+    assert compare({0: a}, {0: b}, ignore=("saved",)).exact

@@ -587,26 +587,23 @@ def _files(f: _Finding) -> tuple[str, str]:
     return cause, fix
 
 
-def _missing(f: _Finding) -> tuple[str, str]:
+def _step_count_cause(f: _Finding, more_or_fewer: str) -> str:
     a_last, b_last = f.last_steps
-    cause = (
-        f"the killed run trained fewer steps than the uninterrupted one: at step {f.step} it has {_shown(f.got)} where"
-        f" A has {_shown(f.expected)} (B's records end at step {b_last}, A's at step {a_last})"
+    return (
+        f"the killed run trained {more_or_fewer} steps than the uninterrupted one: at step {f.step} it has"
+        f" {_shown(f.got)} where A has {_shown(f.expected)} (B's records end at step {b_last}, A's at step {a_last})"
         + _warned(f, *STOP_WORDS)
     )
+
+
+def _missing(f: _Finding) -> tuple[str, str]:
     fix = "stop on a step count (max_steps or max_epochs, not max_time), and save every checkpoint the uninterrupted run saves"
-    return cause, fix
+    return _step_count_cause(f, "fewer"), fix
 
 
 def _extra(f: _Finding) -> tuple[str, str]:
-    a_last, b_last = f.last_steps
-    cause = (
-        f"the killed run trained more steps than the uninterrupted one: at step {f.step} it has {_shown(f.got)} where"
-        f" A has {_shown(f.expected)} (B's records end at step {b_last}, A's at step {a_last})"
-        + _warned(f, *STOP_WORDS)
-    )
     fix = "stop on a step count (max_steps or max_epochs, not max_time), and make the checkpoint schedule depend on the step only, not on the launch"
-    return cause, fix
+    return _step_count_cause(f, "more"), fix
 
 
 def _shown(summary: Any) -> str:

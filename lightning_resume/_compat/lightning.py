@@ -148,6 +148,32 @@ def restart_train_iterator(trainer: pl.Trainer, prefetched: Optional[list[Any]] 
         iter(fetcher)
 
 
+def set_epoch_length(trainer: pl.Trainer, batches: int) -> Callable[[], None]:
+    """Make the current epoch ``batches`` batches long, as if its loader had that length: the epoch loop's
+    count (``num_training_batches``, training_epoch_loop.py:442-445), the fetcher's, which marks the last batch
+    (fetchers.py:70-72), and a fractional ``val_check_interval``'s batch (fit_loop.py:316-318). Lightning
+    computes them once from ``len(loader)`` (fit_loop.py:277-318); an elastic resume deals an epoch's rest
+    of another length. Returns what puts Lightning's back (at the epoch's end: the next one is ordinary)."""
+    fit_loop, fetcher = trainer.fit_loop, trainer.fit_loop._data_fetcher
+    ordinary = (fit_loop.max_batches, trainer.val_check_batch)
+    fit_loop.max_batches = batches
+    if fetcher is not None:
+        fetcher.length = batches
+    if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch not in (None, float("inf")):
+        trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
+
+    def back() -> None:
+        fit_loop.max_batches, trainer.val_check_batch = ordinary
+
+    return back
+
+
+def set_accumulation(trainer: pl.Trainer, batches: int) -> None:
+    """Accumulate gradients over ``batches`` batches from now on; the loop reads the trainer's value at every
+    batch (training_epoch_loop.py:440), counting windows by the epoch's batch index."""
+    trainer.accumulate_grad_batches = batches
+
+
 def leave_finished_epoch(trainer: pl.Trainer) -> None:
     """Restore a checkpoint saved in ``on_train_epoch_end`` as finished, as Lightning does with ``max_epochs``.
 

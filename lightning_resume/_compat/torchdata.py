@@ -1,8 +1,8 @@
 """Every use of torchdata's private ``StatefulDataLoader`` layout, in one place (torchdata 0.11).
 
 ``StatefulDataLoader.state_dict()`` is a dict whose keys are private constants of torchdata's iterator
-and sampler classes. ``ExactResume`` reads them to describe a position (``inspect``) and to move a
-single-process position to another world size. The keys are imported from the classes that define
+and sampler classes. ``ExactResume`` reads them to describe a position (``inspect``) and to count the
+batches a position holds (an elastic resume deals out the rest of the epoch again). The keys are imported from the classes that define
 them, so a rename fails here at import, not silently in a remapped position. ``become_stateful`` and
 its siblings give an existing torch loader, batch sampler or distributed sampler the attributes torchdata's
 constructors add, so that the user's own object becomes its torchdata counterpart in place.
@@ -14,10 +14,8 @@ from typing import Any, Mapping
 
 import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import BatchSampler, StatefulDistributedSampler, _BatchSamplerIterator
+from torchdata.stateful_dataloader.sampler import BatchSampler, StatefulDistributedSampler
 from torchdata.stateful_dataloader.stateful_dataloader import (
-    _SAMPLER_ITER_STATE,
-    _SAMPLER_ITER_YIELDED,
     _StatefulMultiProcessingDataLoaderIter,
     _StatefulSingleProcessDataLoaderIter,
 )
@@ -27,9 +25,7 @@ _NUM_YIELDED = _StatefulSingleProcessDataLoaderIter._NUM_YIELDED  # stateful_dat
 _SNAPSHOT = _StatefulMultiProcessingDataLoaderIter._SNAPSHOT  # :893
 _WORKER_SNAPSHOTS = _StatefulMultiProcessingDataLoaderIter._WORKER_SNAPSHOTS  # :895
 _SNAPSHOT_STEP = _StatefulMultiProcessingDataLoaderIter._SNAPSHOT_STEP  # :896
-_SAMPLES_YIELDED = _BatchSamplerIterator._SAMPLES_YIELDED  # sampler.py:116
-_SAMPLER_STATE = _BatchSamplerIterator._SAMPLER_STATE  # sampler.py:117
-_YIELDED = StatefulDistributedSampler._YIELDED  # sampler.py:183
+_STEPS_SINCE_SNAPSHOT = _StatefulMultiProcessingDataLoaderIter._STEPS_SINCE_SNAPSHOT  # :897
 
 
 def describe_position(state: Any) -> str:
@@ -55,26 +51,13 @@ def drop_finished_sampler_position(loader: Any) -> None:
             sampler.next_yielded = None
 
 
-def distributed_samples_yielded(state: Mapping[str, Any]) -> int:
-    """Samples a single-process loader over a ``StatefulDistributedSampler`` has yielded this epoch on its rank.
-
-    ``ValueError`` for any other state (worker snapshots, no sampler counter).
-    """
-    iter_state = state.get(_SAMPLER_ITER_STATE) or {}
-    sampler_state = iter_state.get(_SAMPLER_STATE) or {}
-    if _YIELDED not in sampler_state or _SAMPLES_YIELDED not in iter_state or _SNAPSHOT in state:
-        raise ValueError("only num_workers=0 loaders with a StatefulDistributedSampler can be remapped")
-    return int(sampler_state[_YIELDED])
-
-
-def with_position(state: Mapping[str, Any], batches: int, samples: int) -> dict[str, Any]:
-    """``state`` (as accepted by :func:`distributed_samples_yielded`) moved to ``batches`` batches and
-    ``samples`` samples into the epoch."""
-    iter_state = state[_SAMPLER_ITER_STATE]
-    sampler_state = dict(iter_state[_SAMPLER_STATE], **{_YIELDED: samples})
-    new = dict(state, **{_NUM_YIELDED: batches, _SAMPLER_ITER_YIELDED: batches})
-    new[_SAMPLER_ITER_STATE] = dict(iter_state, **{_SAMPLES_YIELDED: samples, _SAMPLER_STATE: sampler_state})
-    return new
+def batches_yielded(state: Mapping[str, Any]) -> int:
+    """Batches a ``StatefulDataLoader`` had handed out in its epoch when ``state`` was taken: the iterator's
+    count (single process, stateful_dataloader.py:465), or its last snapshot's step plus the steps since
+    (multiprocess, :893-896: the snapshot holds the main process's sampler position of that step)."""
+    if _SNAPSHOT in state:
+        return int(state[_SNAPSHOT][_SNAPSHOT_STEP]) + int(state.get(_STEPS_SINCE_SNAPSHOT) or 0)
+    return int(state.get(_NUM_YIELDED) or 0)
 
 
 class WorkerDatasetLoader(StatefulDataLoader):

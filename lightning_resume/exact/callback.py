@@ -24,6 +24,7 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, snapshots
+from lightning_resume.exact import elastic as elastic_restore
 from lightning_resume.exact.capture import (
     AT_STEP_BOUNDARY,
     INSIDE_STEP,
@@ -31,6 +32,7 @@ from lightning_resume.exact.capture import (
     OUTSIDE_FIT,
     checkpoint_state,
 )
+from lightning_resume.exact.elastic import Afterwards, ElasticMode
 from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
@@ -94,10 +96,11 @@ class ExactResume(Callback):
     Args:
         generators: extra ``torch.Generator`` objects to save and restore, by name
             (e.g. a generator your augmentation draws from).
-        strict: if ``True`` (default), a checkpoint that does not fit this run (world size, loader
-            configuration, dataset length, model or optimizer structure, a fingerprint that does not
-            match after restore) raises ``ResumeMismatchError``. If ``False``, training continues
-            approximately and a warning lists what will not be exact.
+        strict: if ``True`` (default), a checkpoint that does not fit this run (world size without
+            ``elastic``, loader configuration, dataset length, model or optimizer structure, a fingerprint
+            that does not match after restore) raises ``ResumeMismatchError``. If ``False``, training
+            continues approximately and a warning lists what will not be exact (another world size is
+            then dealt out as with ``elastic=True`` where it can be).
         fingerprint: record digests of weights, optimizer, RNG and data state in each checkpoint and
             check them after restore. Costs one pass of hashing over the state at each save.
         mtbf: mean time between failures of one node: ``"observed"`` (default) estimates it from
@@ -146,6 +149,17 @@ class ExactResume(Callback):
         notice_endpoint: base URL of the metadata service instead of the cloud's own (a proxy, a test server).
         notice_interval: time between two polls (default ``"5s"``).
         notice_dmi_dir: where the DMI evidence for ``"auto"`` is read (default ``/sys/class/dmi/id``).
+        elastic: resume a checkpoint written on W ranks on W' (DDP; sharded strategies reshard the weights):
+            the samples of the interrupted epoch no old rank trained are dealt to the new ranks so that every
+            sample of the epoch is trained once (padding to an equal count per rank repeats a few, as
+            ``DistributedSampler`` does; its ``drop_last=True`` leaves them out instead); later epochs use the
+            sampler's order for W'. New rank ``r`` starts from saved rank ``r % W``'s RNG streams, re-seeded
+            from a digest of them when ``r >= W``. ``True`` keeps the per-rank batch (the global batch
+            changes); ``"keep_global_batch"`` scales ``accumulate_grad_batches`` by W / W' (refused when it does
+            not divide). Needs one map-style train loader with a distributed sampler (Lightning's, or
+            torchdata's ``StatefulDistributedSampler``). ``resume_report`` says ``exact: False``,
+            ``sample_exact: True``, both world sizes and global batches; one warning says the same. Without
+            it (default) another world size is refused.
     """
 
     def __init__(
@@ -174,6 +188,7 @@ class ExactResume(Callback):
         notice_endpoint: Optional[str] = None,
         notice_interval: Duration = "5s",
         notice_dmi_dir: str = DMI_DIR,
+        elastic: ElasticMode = False,
     ) -> None:
         check_versions()
         lc.resolve_last_through_callbacks()  # fit(ckpt_path="last"): the newest verified checkpoint of any callback
@@ -184,6 +199,7 @@ class ExactResume(Callback):
             problems.append(str(err))
             interval_s = 5.0
         problems += notice_problems(preemption_notices, on_notice, notice_endpoint, interval_s)
+        problems += elastic_restore.check_mode(elastic)
         try:  # the schedule's options, validated once (every problem with the memory tier's); passed on whole
             schedule = ScheduleConfig.from_user(
                 mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
@@ -201,6 +217,8 @@ class ExactResume(Callback):
         self.generators: dict[str, torch.Generator] = dict(generators or {})
         self.strict = strict
         self.fingerprint = fingerprint
+        self.elastic: ElasticMode = elastic
+        self._afterwards = Afterwards()
         self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
         self.notices = (
             NoticeWatch(preemption_notices, on_notice, notice_endpoint, notice_dmi_dir, interval_s)
@@ -298,10 +316,15 @@ class ExactResume(Callback):
         check_same_checkpoint(trainer, pending)
         self.resume_report = {}
         if pending is not None:
-            self.resume_report = restore(trainer, pending, self.generators, self.strict, self.fingerprint)
+            self.resume_report, self._afterwards = restore(
+                trainer, pending, self.generators, self.strict, self.fingerprint, self.elastic
+            )
         tier = self._resumed_tier(trainer, pending)
         if pending is not None:
             self.resume_report["tier"] = tier
+            if self.memory is not None and "world_size" in self.resume_report:
+                saved_world = self.resume_report["world_size"]["checkpoint"]
+                self.resume_report["memory_tier"] = f"snapshots of {saved_world} ranks not used: resumed from disk"
             if unsaved:
                 self.resume_report["exact"] = False
                 self.resume_report["differences"] = [*self.resume_report.get("differences", []), *unsaved]
@@ -368,6 +391,7 @@ class ExactResume(Callback):
         self._give_back_hooks()
 
     def _give_back_hooks(self) -> None:
+        self._afterwards.teardown()  # samplers an elastic resume planned get their own class back
         if self.memory is not None:
             self.memory.teardown()  # the snapshots stay after an exception: the next process resumes from them
         if self.preemption is not None:
@@ -428,6 +452,7 @@ class ExactResume(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._after_batch = False
+        self._afterwards.epoch_ended()  # an elastic resume's epoch length: the next epoch is Lightning's own
 
     @override
     def state_dict(self) -> dict[str, Any]:

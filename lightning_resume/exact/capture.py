@@ -13,12 +13,12 @@ from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.exact.state import rank_local
-from lightning_resume.exact.state.data import loader_signature, loader_state
+from lightning_resume.exact.state.data import loader_signature, loader_state, order_record
 from lightning_resume.exact.state.fingerprint import digest, fingerprint
 from lightning_resume.exact.state.rng import capture_rng
 
@@ -59,6 +59,7 @@ def checkpoint_state(
         "world_size": trainer.world_size,
         "signature": signature(trainer),
         "last_saved": lc.last_saved_steps(trainer),
+        "accumulate": int(trainer.accumulate_grad_batches),
         "ranks": collective.gather(local, trainer.world_size),
     }
 
@@ -74,6 +75,7 @@ def capture_rank(
         "rank": trainer.global_rank,
         "rng": capture_rng(generators),
         "loaders": states,
+        "orders": [order_record(dl) for dl in loaders],  # what an elastic resume rebuilds the epoch from
         "prefetched": prefetched,
         "epoch": trainer.current_epoch,
         "epoch_exhausted": lc.epoch_exhausted(trainer),
@@ -91,6 +93,12 @@ def replicated(trainer: pl.Trainer) -> bool:
     buffers other ranks hold differently must be kept per rank. Sharded strategies save every rank's part."""
     strategy = trainer.strategy
     return trainer.world_size > 1 and isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
+
+
+def sharded(trainer: pl.Trainer) -> bool:
+    """Each rank holds a shard of the weights and optimizer state (FSDP, model parallel, DeepSpeed): a rank's
+    fingerprint is of its shard, which another world size changes."""
+    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy))
 
 
 def decision_metrics(trainer: pl.Trainer) -> dict[str, Any]:

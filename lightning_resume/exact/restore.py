@@ -20,10 +20,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
-from lightning_resume.exact import epoch_hooks
+from lightning_resume.exact import capture, epoch_hooks
+from lightning_resume.exact import elastic as elastic_restore
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
+from lightning_resume.exact.elastic import Afterwards, ElasticMode
 from lightning_resume.exact.state import rank_local
-from lightning_resume.exact.state.data import is_resumable, load_loader_state, loader_signature, remap_position
+from lightning_resume.exact.state.data import is_resumable, load_loader_state, loader_signature
+from lightning_resume.exact.state.elastic import old_rank_for
 from lightning_resume.exact.state.fingerprint import fingerprint_mismatches, unsaved_buffer_mismatches
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
 
@@ -37,11 +40,27 @@ def restore(
     generators: Mapping[str, torch.Generator],
     strict: bool,
     check_fingerprint: bool,
-) -> dict[str, Any]:
-    """Restore ``saved`` into the running ``trainer`` (every rank calls it); return the resume report."""
-    differences = collective.agreed(differences_from(trainer, saved, generators))
+    elastic: ElasticMode = False,
+) -> tuple[dict[str, Any], Afterwards]:
+    """Restore ``saved`` into the running ``trainer`` (every rank calls it); return the resume report and what
+    the restore changed for a while (put back at the resumed epoch's end and at teardown).
+
+    Another world size is dealt out (``exact.elastic``) with ``elastic``, and with ``strict=False``."""
+    afterwards = Afterwards()
+    moved = int(saved.get("world_size", 1)) != trainer.world_size and (bool(elastic) or not strict)
+    differences = collective.agreed(differences_from(trainer, saved, generators, world_may_change=moved))
     if differences:
         refuse_or_warn(strict, trainer.ckpt_path, differences)
+    if moved and not elastic:  # strict=False: dealt out like elastic=True where it can be, else approximate
+        cannot = collective.agreed(elastic_restore.unremappable(trainer, saved, True))
+        if cannot:
+            moved = False
+            lines = [f"world size {saved.get('world_size')} -> {trainer.world_size}: {line}" for line in cannot]
+            warn_approximate([*lines, "the data position is not restored: the epoch restarts from its beginning"])
+            differences = [*differences, *lines]
+            saved = dict(
+                saved, ranks=[dict(r, loaders=[None] * len(r["loaders"]), prefetched=[]) for r in saved["ranks"]]
+            )
     mid_step = capture_point_problem(saved)
     if mid_step is not None:
         warn_approximate([mid_step])
@@ -53,11 +72,25 @@ def restore(
         differences = [*differences, *unapplied]
     lc.restore_callback_metrics(trainer, dict(mine.get("metrics") or {}))  # the next save decisions read them
     lc.restore_last_saved_steps(trainer, dict(saved.get("last_saved") or {}))  # no second save of this step
-    restored_rng = restore_position_and_rng(trainer, mine, saved, generators)
+    checked: tuple[str, ...] = CHECKED_PARTS
+    moved_report: dict[str, Any] = {}
+    if moved:
+        move, restored_rng = elastic_restore.restore_position_and_rng(
+            trainer, saved, mine, generators, elastic or True, afterwards
+        )
+        who = f"ExactResume(elastic={elastic!r})" if elastic else "ExactResume(strict=False)"
+        rank_zero_warn(f"{who}: {move.sentence()}", category=ExactResumeWarning)
+        differences = [*differences, move.sentence()]
+        moved_report = move.report()
+        checked = ("weights", "optimizer", "step") if not capture.sharded(trainer) else ()
+    else:
+        elastic_restore.keep_accumulation(trainer, saved, elastic)
+        restored_rng = restore_position_and_rng(trainer, mine, saved, generators, afterwards)
     report: dict[str, Any] = {"step": trainer.global_step, "exact": not differences, "differences": differences}
-    if check_fingerprint and "fingerprint" in mine:
+    report.update(moved_report)
+    if check_fingerprint and "fingerprint" in mine and checked:
         restored = fingerprint_of(trainer, restored_rng, None)
-        bad = collective.agreed(fingerprint_mismatches(mine["fingerprint"], restored, CHECKED_PARTS))
+        bad = collective.agreed(fingerprint_mismatches(mine["fingerprint"], restored, checked))
         report["fingerprint_ok"] = not bad
         if bad:
             refuse_or_warn(strict, trainer.ckpt_path, [f"fingerprint after restore: {line}" for line in bad])
@@ -67,7 +100,7 @@ def restore(
             warn_unsaved_buffers(unsaved)
     if mine["epoch_exhausted"]:
         start_next_epoch(trainer)  # after the check: the next epoch's start hooks may change the state
-    return report
+    return report, afterwards
 
 
 def warn_unsaved_buffers(names: list[str]) -> None:
@@ -82,34 +115,24 @@ def warn_unsaved_buffers(names: list[str]) -> None:
 
 
 def state_for_this_rank(trainer: pl.Trainer, saved: Mapping[str, Any]) -> dict[str, Any]:
-    """This rank's saved state; on another world size (``strict=False`` only), rank ``r % old``'s RNG
-    and the data position remapped so the epoch's consumed samples are skipped, not retrained."""
-    ranks, old_world = saved["ranks"], int(saved.get("world_size", 1))
-    mine = dict(ranks[trainer.global_rank % len(ranks)])
-    if old_world == trainer.world_size:
-        return mine
-    loaders, notes = [], []
-    for loader, state in zip(lc.train_loaders(trainer), mine["loaders"], strict=False):
-        try:
-            state, note = remap_position(state, old_world, trainer.world_size, loader.batch_size)
-            notes.append(note)
-        except (ValueError, TypeError, AttributeError) as err:
-            state = None
-            notes.append(f"data position not restored ({err}); the epoch restarts from its beginning")
-        loaders.append(state)
-    mine.update(loaders=loaders, prefetched=[])
-    rank_zero_warn("ExactResume(strict=False): " + "; ".join(notes), category=ExactResumeWarning)
-    return mine
+    """This rank's saved state; on another world size, saved rank ``r % W``'s (``elastic.old_rank_for``)."""
+    ranks = saved["ranks"]
+    return dict(ranks[old_rank_for(trainer.global_rank, len(ranks))])
 
 
 def restore_position_and_rng(
-    trainer: pl.Trainer, mine: Mapping[str, Any], saved: Mapping[str, Any], generators: Mapping[str, torch.Generator]
+    trainer: pl.Trainer,
+    mine: Mapping[str, Any],
+    saved: Mapping[str, Any],
+    generators: Mapping[str, torch.Generator],
+    afterwards: Afterwards,
 ) -> Any:
     """Restore in the order the uninterrupted run consumed randomness; return the RNG as restored."""
     if not mine["epoch_exhausted"]:
         # Before the RNG is restored: whatever the replayed hooks draw is put back.
         epoch_hooks.warn_not_replayed(epoch_hooks.replay_epoch_start(trainer))
     loaders = lc.train_loaders(trainer)
+    plan = elastic_restore.put_back_plan(trainer, mine, afterwards)  # an epoch an elastic resume dealt
     _load_loader_states(loaders, mine["loaders"], saved.get("signature", {}).get("loaders", []))
     if mine["epoch_exhausted"]:
         lc.apply_loader_states(loaders)
@@ -117,6 +140,8 @@ def restore_position_and_rng(
         # The sampler's epoch picks its order; the iterator Lightning made before the restore had the default.
         lc.set_sampler_epoch(loaders, trainer.current_epoch)
         lc.restart_train_iterator(trainer, mine["prefetched"])
+        if plan is not None:
+            elastic_restore.planned_length(trainer, plan, afterwards)
     restore_rng(mine["rng"], generators)
     restored_rng = capture_rng(generators)
     if mine["validation_pending"] and mine["epoch_exhausted"]:
@@ -165,19 +190,24 @@ def capture_point_problem(saved: Mapping[str, Any]) -> Optional[str]:
 
 
 def differences_from(
-    trainer: pl.Trainer, saved: Mapping[str, Any], generators: Mapping[str, torch.Generator]
+    trainer: pl.Trainer,
+    saved: Mapping[str, Any],
+    generators: Mapping[str, torch.Generator],
+    world_may_change: bool = False,
 ) -> list[str]:
-    """Every way the checkpoint does not fit this run, one line each (empty: an exact resume is possible)."""
+    """Every way the checkpoint does not fit this run, one line each (empty: an exact resume is possible).
+    ``world_may_change``: another world size is dealt out (``exact.elastic``), so it is not listed."""
     out = []
     if saved.get("format") != FORMAT_VERSION:
         out.append(f"ExactResume state format {saved.get('format')!r}, this version reads {FORMAT_VERSION}")
-    if saved.get("world_size") != trainer.world_size:
+    if saved.get("world_size") != trainer.world_size and not world_may_change:
         out.append(
             f"world size: checkpoint written by {saved.get('world_size')} processes, this run has"
-            f" {trainer.world_size} (each rank's RNG and data position cannot be mapped)"
+            f" {trainer.world_size}; pass ExactResume(elastic=True) to continue on {trainer.world_size} with every"
+            " sample of the epoch trained once (the run is then not bitwise the one on the old world size)"
         )
     ranks = saved.get("ranks", [])
-    mine = ranks[trainer.global_rank] if trainer.global_rank < len(ranks) else {}
+    mine = ranks[old_rank_for(trainer.global_rank, len(ranks))] if ranks else {}
     positions = [state is not None for state in mine.get("loaders", [])]
     out += _signature_differences(saved.get("signature", {}), signature(trainer), positions)
     if mine:

@@ -1,6 +1,6 @@
 """Resuming on another world size: refused in exact mode with what differs; with strict=False the
-weights, optimizer and schedule resume and the data position is remapped so that no sample of the
-epoch is trained twice or skipped."""
+weights, optimizer and schedule resume and the rest of the epoch is dealt out as ``elastic=True`` does
+(tests/integration/test_exact_elastic.py), so that no sample of the epoch is trained twice or skipped."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def test_changed_world_size_is_refused_in_exact_mode(two_rank_checkpoint: Path, 
     assert h.exit_code(c, tmp_path) != 0
     out = h.output(c)
     assert "ResumeMismatchError" in out and "checkpoint written by 2 processes, this run has 1" in out
+    assert "pass ExactResume(elastic=True)" in out
 
 
 def test_changed_world_size_remaps_the_data_position(two_rank_checkpoint: Path, tmp_path: Path) -> None:
@@ -45,7 +46,7 @@ def test_changed_world_size_remaps_the_data_position(two_rank_checkpoint: Path, 
     c = dict(CFG, strict=False, out=str(tmp_path / "C"), ckpt_dir=str(tmp_path / "ckpt"), resume=str(ckpt))
     h.run(c, tmp_path)
     out = h.output(c)
-    assert "data position remapped from 2 to 1 ranks: 24 samples of this epoch were trained" in out
+    assert "resumed a checkpoint of 2 ranks on 1: the 24 samples of epoch 0 not yet trained are dealt" in out
     before = [i for r in range(2) for s in h.steps(two_rank_checkpoint / "B", r) if s["step"] < 3 for i in s["ids"]]
     after = [i for s in h.steps(c["out"]) for i in s["ids"]]
     assert len(before) == 24 and len(after) == 24

@@ -31,9 +31,8 @@ from typing_extensions import override
 
 from lightning_resume._compat import lightning as lc
 from lightning_resume._compat import torchdata as td
-from lightning_resume._compat.torchdata import distributed_samples_yielded, with_position
 from lightning_resume.exact.state.rng import capture_rng, restore_rng
-from lightning_resume.exact.state.samplers import make_plain, make_resumable
+from lightning_resume.exact.state.samplers import installed_plan, make_plain, make_resumable
 
 
 class _WorkerRngState:
@@ -336,26 +335,30 @@ def loader_signature(loader: Any) -> dict[str, Any]:
     }
 
 
-def remap_position(
-    state: dict[str, Any], old_world: int, new_world: int, batch_size: int
-) -> tuple[dict[str, Any], str]:
-    """A single-process ``StatefulDataLoader`` + ``StatefulDistributedSampler`` position, moved to another
-    world size so that the samples of the epoch consumed by all old ranks are exactly the ones the new
-    ranks skip (a distributed sampler deals the same permutation out round-robin, so the first
-    ``old_world * yielded`` indices are the consumed ones whatever the world size).
+def distributed_sampler(loader: Any) -> Optional[stateful_samplers.StatefulDistributedSampler]:
+    """The loader's distributed sampler (Lightning's and torch's are made torchdata's in place by ``adopt``),
+    or ``None``: only its order can be rebuilt for another world size."""
+    sampler = _sampler_of(loader) if isinstance(loader, DataLoader) else None
+    return sampler if isinstance(sampler, stateful_samplers.StatefulDistributedSampler) else None
 
-    Returns the new state and a line saying what is not exact. Raises ``ValueError`` for a state it
-    does not recognise (worker snapshots, no sampler counter).
-    """
-    consumed = distributed_samples_yielded(state) * old_world
-    per_rank, leftover = divmod(consumed, new_world)
-    batches = per_rank // batch_size
-    per_rank = batches * batch_size  # a batch boundary: the next batch starts cleanly
-    repeated = consumed - per_rank * new_world
-    new = with_position(state, batches, per_rank)
-    note = (
-        f"data position remapped from {old_world} to {new_world} ranks: {consumed} samples of this epoch were"
-        f" trained; the new ranks skip {per_rank * new_world}"
-        + (f", so {repeated} samples are trained again" if repeated else " (none repeated or skipped)")
-    )
-    return new, note
+
+def order_record(loader: Any) -> dict[str, Any]:
+    """What an elastic resume needs to rebuild this rank's order of the current epoch: the distributed
+    sampler's arguments, its epoch and the plan it yields (``sampler`` names any other kind)."""
+    sampler = distributed_sampler(loader)
+    if sampler is None:
+        inner = _sampler_of(loader) if isinstance(loader, DataLoader) else None
+        kind = "an IterableDataset" if isinstance(getattr(loader, "dataset", None), IterableDataset) else None
+        return {"sampler": kind or type(inner if inner is not None else loader).__name__}
+    plan = installed_plan(sampler)
+    return {
+        "sampler": type(sampler).__name__,
+        "length": len(sampler.dataset),
+        "shuffle": bool(sampler.shuffle),
+        "seed": int(sampler.seed),
+        "drop_last": bool(sampler.drop_last),
+        "num_replicas": int(sampler.num_replicas),
+        "rank": int(sampler.rank),
+        "epoch": int(sampler.epoch),
+        "plan": None if plan is None else plan.to_state(),
+    }

@@ -92,3 +92,13 @@ def restore_rng(state: RngState, generators: Mapping[str, torch.Generator] | Non
     for name, g in (generators or {}).items():
         if name in state.get("generators", {}):
             g.set_state(state["generators"][name])
+
+
+def reseed(seed: int, generators: Mapping[str, torch.Generator] | None = None) -> None:
+    """Seed every stream from ``seed``: Python ``random``, NumPy, torch CPU and every CUDA device
+    (``torch.manual_seed``), and each registered generator with ``seed`` plus its position in name order."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    for offset, name in enumerate(sorted(generators or {})):
+        (generators or {})[name].manual_seed(seed + offset + 1)

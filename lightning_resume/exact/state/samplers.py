@@ -7,17 +7,22 @@ is saved, so a resumed epoch draws another order. ``ResumableRandomSampler`` is 
 iterator that makes the same draws at the same moments and remembers the epoch's seed (or its generator's
 state at the epoch's start) and how many indices it has yielded; torchdata's loader iterators save that
 state (``Stateful``) and a resumed iterator regenerates the epoch's order and skips what was yielded, without
-loading a sample. Order and generator use are torch's bit for bit, in every epoch. Mechanism only: nothing
-here knows loaders or Lightning.
+loading a sample. Order and generator use are torch's bit for bit, in every epoch.
+
+``PlannedDistributedSampler`` is the other mechanism here: a distributed sampler made, in place, to yield
+the rest of one epoch as an elastic resume dealt it (``EpochPlan``), then its own order again. Mechanism
+only: nothing here knows loaders or Lightning.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch.utils.data import RandomSampler
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 SEED = "seed"
 GENERATOR = "generator_state"
@@ -110,3 +115,71 @@ def make_resumable(sampler: RandomSampler) -> ResumableRandomSampler:
 def make_plain(sampler: RandomSampler) -> None:
     """Undo :func:`make_resumable`."""
     sampler.__class__ = RandomSampler
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The indices one rank trains in the rest of epoch ``epoch`` after an elastic resume, which began
+    ``start_batch`` batches into the epoch (the batches the saving ranks had trained)."""
+
+    epoch: int
+    indices: list[int]
+    start_batch: int
+
+    def to_state(self) -> dict[str, Any]:
+        """As a checkpoint holds it (tensors and ints: no pickle needed)."""
+        return {
+            "epoch": self.epoch,
+            "indices": torch.tensor(self.indices, dtype=torch.int64),
+            "start": self.start_batch,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> EpochPlan:
+        indices = state["indices"]
+        values = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        return cls(int(state["epoch"]), [int(i) for i in values], int(state["start"]))
+
+
+class PlannedDistributedSampler(StatefulDistributedSampler):
+    """A ``StatefulDistributedSampler`` that yields its ``plan`` in the plan's epoch and its ordinary order
+    in every other. The position (``yielded``, torchdata's state) counts indices of whichever it yields, so
+    a resume inside the planned epoch, on the same world size, continues the plan exactly."""
+
+    plan: EpochPlan
+    next_yielded: Optional[int]
+
+    def __iter__(self) -> Iterator[int]:
+        if self.plan.epoch != self.epoch:
+            return super().__iter__()
+        return self._planned()
+
+    def _planned(self) -> Iterator[int]:
+        # torchdata's order of events (sampler.py:198-206): the loaded position is taken at the first index.
+        self.yielded = self.next_yielded or 0
+        self.next_yielded = None
+        for index in self.plan.indices[self.yielded :]:
+            self.yielded += 1
+            yield index
+
+
+def install_plan(sampler: StatefulDistributedSampler, plan: EpochPlan) -> Callable[[], None]:
+    """Make ``sampler`` (itself, in place) yield ``plan`` in its epoch; return what puts its class back."""
+    original = type(sampler)
+    if original is not PlannedDistributedSampler:
+        sampler.__class__ = PlannedDistributedSampler
+    assert isinstance(sampler, PlannedDistributedSampler)
+    sampler.plan = plan
+
+    def back() -> None:
+        sampler.__dict__.pop("plan", None)
+        sampler.__class__ = original
+
+    return back
+
+
+def installed_plan(sampler: Any) -> Optional[EpochPlan]:
+    """The plan ``sampler`` yields in its current epoch, or ``None``."""
+    if isinstance(sampler, PlannedDistributedSampler) and sampler.plan.epoch == sampler.epoch:
+        return sampler.plan
+    return None

@@ -306,7 +306,8 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
         plugins=plugins,
         accelerator="cpu",
         devices=devices,
-        strategy=(DDPStrategy(**cfg.get("ddp", {})) if devices > 1 else "auto"),
+        # ``ddp`` (DDPStrategy's kwargs) also on one device: a one-process DDP run, as torchrun launches it
+        strategy=(DDPStrategy(**cfg.get("ddp") or {}) if devices > 1 or cfg.get("ddp") is not None else "auto"),
         use_distributed_sampler=cfg.get("use_distributed_sampler", False),
         max_epochs=cfg.get("max_epochs", 2),
         max_steps=cfg.get("max_steps", -1),
@@ -340,6 +341,10 @@ def main(cfg: dict) -> None:
     trainer.fit(model, ckpt_path=cfg.get("resume"))
     rank = trainer.global_rank
     torch.save(_final_state(trainer, model), out / ("final.pt" if rank == 0 else f"final-rank{rank}.pt"))
+    exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactResume)), None)
+    if exact is not None:  # what the resume said it did, for the tests to read: ``<out>/report-rank<R>.json``
+        report = {**exact.resume_report, "accumulate_grad_batches_now": trainer.accumulate_grad_batches}
+        (out / f"report-rank{rank}.json").write_text(json.dumps(report, default=str))
     if torch.distributed.is_initialized():  # close gloo before exit: its threads may otherwise abort the process
         torch.distributed.destroy_process_group()
 

@@ -1,0 +1,246 @@
+"""Resuming on another number of ranks (``ExactResume(elastic=...)``): the mechanism in a Lightning run.
+
+Every rank, inside ``restore``: rebuilds each saving rank's order of the interrupted epoch from what the
+checkpoint recorded (``capture.order_record`` per rank: the distributed sampler's arguments and epoch, or
+the plan an earlier elastic resume dealt) and the batches its loader had handed out, deals the untrained
+rest to the new ranks (``state.elastic``: every sample once, the rule there), makes this rank's sampler
+yield its part of it (``samplers.install_plan``) and tells Lightning the epoch's new length. RNG streams:
+new rank ``r`` starts from saved rank ``r % W``'s; ranks ``r >= W`` then seed every stream from
+``elastic.derived_seed`` (a digest of that state and of the move), so no two ranks draw alike and the same
+elastic resume draws the same. A checkpoint written inside a planned epoch, resumed on the same world size,
+takes the ordinary exact path with the plan put back (``put_back_plan``). Decides nothing the policy does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+from lightning_resume import collective
+from lightning_resume._compat import lightning as lc
+from lightning_resume._compat import torchdata as td
+from lightning_resume.errors import ResumeMismatchError
+from lightning_resume.exact import epoch_hooks
+from lightning_resume.exact.state import elastic as policy
+from lightning_resume.exact.state.data import distributed_sampler
+from lightning_resume.exact.state.rng import capture_rng, reseed, restore_rng
+from lightning_resume.exact.state.samplers import EpochPlan, install_plan
+
+ElasticMode = Union[bool, Literal["keep_global_batch"]]
+"""``False``: a changed world size is refused (``strict``) or resumed approximately; ``True``: resumed with
+every sample of the epoch once and the per-rank batch kept; ``"keep_global_batch"``: the same with gradient
+accumulation changed so that the global batch stays."""
+
+Undo = Callable[[], None]
+
+
+@dataclass
+class Afterwards:
+    """What a restore changed for a while: put back at the end of the resumed epoch, and at teardown."""
+
+    at_epoch_end: list[Undo] = field(default_factory=list)
+    at_teardown: list[Undo] = field(default_factory=list)
+
+    def epoch_ended(self) -> None:
+        for undo in reversed(self.at_epoch_end):
+            undo()
+        self.at_epoch_end.clear()
+
+    def teardown(self) -> None:
+        self.epoch_ended()
+        for undo in reversed(self.at_teardown):
+            undo()
+        self.at_teardown.clear()
+
+
+def check_mode(elastic: Any) -> list[str]:
+    """What is wrong with an ``elastic`` argument (empty: nothing)."""
+    if elastic is True or elastic is False or elastic == policy.KEEP_GLOBAL_BATCH:
+        return []
+    return [f"elastic={elastic!r}: pass True, False or 'keep_global_batch'"]
+
+
+FIX = (
+    "Relaunch on the checkpoint's world size, or use a map-style dataset with a distributed sampler (Lightning's"
+    " default with use_distributed_sampler=True, or torchdata's StatefulDistributedSampler) and one train loader."
+)
+
+
+def unremappable(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMode) -> list[str]:
+    """Why this checkpoint's epoch cannot be dealt to this run's ranks, one line each (empty: it can)."""
+    loaders = lc.train_loaders(trainer)
+    out = []
+    if len(loaders) != 1:
+        out.append(f"an elastic resume deals out one train loader; this run has {len(loaders)}")
+    elif distributed_sampler(loaders[0]) is None:
+        kind = type(getattr(loaders[0], "sampler", loaders[0])).__name__
+        out.append(f"train loader 0 has no distributed sampler ({kind}), so its order cannot be dealt to other ranks")
+    for rank, state in enumerate(saved["ranks"]):
+        orders = state.get("orders") or [{}]
+        if len(orders) == 1 and "length" not in orders[0]:
+            what = orders[0].get("sampler", "a checkpoint written before elastic resume existed")
+            out.append(f"saved rank {rank}: its loader's position cannot be remapped ({what})")
+            break
+    if mode == policy.KEEP_GLOBAL_BATCH:
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in callbacks):
+            out.append("elastic='keep_global_batch' cannot change a GradientAccumulationScheduler's accumulation")
+    return out
+
+
+def rank_orders(saved: Mapping[str, Any]) -> tuple[list[policy.RankOrder], int]:
+    """Every saving rank's order of the interrupted epoch with what it trained, and the batches of the epoch
+    they had trained."""
+    batch_size = int(saved["signature"]["loaders"][0]["batch_size"])
+    orders, batches = [], 0
+    world = int(saved["world_size"])
+    for rank, state in enumerate(saved["ranks"]):
+        record = state["orders"][0]
+        yielded = td.batches_yielded(state["loaders"][0] or {})
+        plan = record.get("plan")
+        if plan is not None and int(plan["epoch"]) == int(record["epoch"]):
+            epoch_plan = EpochPlan.from_state(plan)
+            indices, start = epoch_plan.indices, epoch_plan.start_batch
+        else:
+            spec = policy.OrderSpec(record["length"], record["shuffle"], record["seed"], record["drop_last"])
+            indices, start = spec.indices(world, rank, int(record["epoch"])), 0
+        orders.append(policy.RankOrder(indices, min(len(indices), yielded * batch_size)))
+        batches = max(batches, start + yielded)
+    return orders, batches
+
+
+@dataclass(frozen=True)
+class Move:
+    """A resume on another world size, as the report says it."""
+
+    old_world: int
+    new_world: int
+    accumulate: tuple[int, int]
+    batch_size: int
+    epoch: int
+    deal: Optional[policy.Deal]
+
+    def global_batch(self) -> tuple[int, int]:
+        (before, after), b = self.accumulate, self.batch_size
+        return self.old_world * before * b, self.new_world * after * b
+
+    def report(self) -> dict[str, Any]:
+        before, after = self.global_batch()
+        out: dict[str, Any] = {
+            "exact": False,
+            "sample_exact": True,
+            "world_size": {"checkpoint": self.old_world, "now": self.new_world},
+            "global_batch": {"before": before, "after": after},
+            "accumulate_grad_batches": {"before": self.accumulate[0], "after": self.accumulate[1]},
+        }
+        if self.deal is not None:
+            out.update(untrained=self.deal.untrained, repeated=len(self.deal.padded), dropped=len(self.deal.dropped))
+        return out
+
+    def sentence(self) -> str:
+        before, after = self.global_batch()
+        if self.deal is None:
+            epoch = f"epoch {self.epoch} had ended, so the next one starts in the sampler's order for {self.new_world}"
+        else:
+            extra = (
+                f"; {len(self.deal.padded)} of them trained twice so that every rank has as many"
+                if self.deal.padded
+                else f"; {len(self.deal.dropped)} left out (the sampler's drop_last)"
+                if self.deal.dropped
+                else ""
+            )
+            epoch = (
+                f"the {self.deal.untrained} samples of epoch {self.epoch} not yet trained are dealt to the"
+                f" {self.new_world} ranks, every sample of the epoch once{extra}"
+            )
+        accumulate = f", accumulate_grad_batches {self.accumulate[0]} -> {self.accumulate[1]}" * (
+            self.accumulate[0] != self.accumulate[1]
+        )
+        return (
+            f"resumed a checkpoint of {self.old_world} ranks on {self.new_world}: {epoch}; global batch {before} ->"
+            f" {after} (per-rank batch {self.batch_size}{accumulate}); not bitwise the run on {self.old_world} ranks"
+        )
+
+
+def restore_position_and_rng(
+    trainer: pl.Trainer,
+    saved: Mapping[str, Any],
+    mine: Mapping[str, Any],
+    generators: Mapping[str, torch.Generator],
+    mode: ElasticMode,
+    afterwards: Afterwards,
+) -> tuple[Move, Any]:
+    """The elastic counterpart of ``restore.restore_position_and_rng``; return the move and the RNG as restored."""
+    old_world, new_world, rank = int(saved["world_size"]), trainer.world_size, trainer.global_rank
+    problems = collective.agreed(unremappable(trainer, saved, mode))
+    if problems:
+        raise ResumeMismatchError(str(trainer.ckpt_path or "the checkpoint"), problems, FIX)
+    accumulate = _accumulation(trainer, saved, mode)
+    signature = saved["signature"]["loaders"][0]
+    batch_size = int(signature["batch_size"])
+    loader = lc.train_loaders(trainer)[0]
+    dealt = None
+    if not mine["epoch_exhausted"]:
+        epoch_hooks.warn_not_replayed(epoch_hooks.replay_epoch_start(trainer))
+        orders, batches = rank_orders(saved)
+        sampler = distributed_sampler(loader)
+        assert sampler is not None  # unremappable() said so
+        dealt = policy.deal(policy.untrained(orders), new_world, bool(sampler.drop_last))
+        plan = EpochPlan(trainer.current_epoch, dealt.per_rank[rank], batches)
+        afterwards.at_teardown.append(install_plan(sampler, plan))
+        lc.set_sampler_epoch([loader], trainer.current_epoch)
+        lc.restart_train_iterator(trainer)
+    restore_rng(mine["rng"], generators)
+    if rank >= old_world:
+        reseed(policy.derived_seed(mine["rng"], old_world, new_world, rank), generators)
+    restored_rng = capture_rng(generators)
+    if dealt is not None:
+        length = plan.start_batch + policy.epoch_batches(len(plan.indices), batch_size, bool(loader.drop_last))
+        afterwards.at_epoch_end.append(lc.set_epoch_length(trainer, length))
+    if accumulate[1] != trainer.accumulate_grad_batches:
+        lc.set_accumulation(trainer, accumulate[1])
+    move = Move(old_world, new_world, accumulate, batch_size, int(mine.get("epoch", trainer.current_epoch)), dealt)
+    return move, restored_rng
+
+
+def _accumulation(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMode) -> tuple[int, int]:
+    """Gradient accumulation in the saving run and from now on (``keep_global_batch``: the global batch kept)."""
+    before = int(saved.get("accumulate", trainer.accumulate_grad_batches))
+    if mode != policy.KEEP_GLOBAL_BATCH:
+        return before, int(trainer.accumulate_grad_batches)
+    try:
+        return before, policy.accumulation(int(saved["world_size"]), before, trainer.world_size)
+    except ValueError as err:
+        raise ResumeMismatchError(str(trainer.ckpt_path or "the checkpoint"), [str(err)], FIX) from None
+
+
+def keep_accumulation(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMode) -> None:
+    """On the same world size, ``keep_global_batch`` keeps the accumulation an earlier elastic resume chose."""
+    if mode == policy.KEEP_GLOBAL_BATCH and "accumulate" in saved:
+        lc.set_accumulation(trainer, int(saved["accumulate"]))
+
+
+def put_back_plan(trainer: pl.Trainer, mine: Mapping[str, Any], afterwards: Afterwards) -> Optional[EpochPlan]:
+    """Same world size, a checkpoint written inside an epoch an elastic resume dealt: the plan goes back on
+    this rank's sampler before its position is loaded (the position counts indices of the plan)."""
+    if mine["epoch_exhausted"]:
+        return None
+    for loader, record in zip(lc.train_loaders(trainer), mine.get("orders") or [], strict=False):
+        plan, sampler = (record or {}).get("plan"), distributed_sampler(loader)
+        if plan is not None and sampler is not None and int(plan["epoch"]) == trainer.current_epoch:
+            epoch_plan = EpochPlan.from_state(plan)
+            afterwards.at_teardown.append(install_plan(sampler, epoch_plan))
+            return epoch_plan
+    return None
+
+
+def planned_length(trainer: pl.Trainer, plan: EpochPlan, afterwards: Afterwards) -> None:
+    """Tell Lightning the planned epoch's length (after the iterator restart, which resets the fetcher's)."""
+    loader = lc.train_loaders(trainer)[0]
+    batch_size = int(getattr(loader, "batch_size", 1) or 1)
+    length = plan.start_batch + policy.epoch_batches(len(plan.indices), batch_size, bool(loader.drop_last))
+    afterwards.at_epoch_end.append(lc.set_epoch_length(trainer, length))

@@ -1,0 +1,163 @@
+"""Elastic resume, killed mid-epoch and resumed in fresh processes on another number of ranks (DDP on gloo):
+over the interrupted epoch every sample id is trained exactly once (a stated few repeated to give every rank
+as many), the next epoch follows the sampler's order for the new world size, the same elastic resume twice is
+bitwise the same run, ``keep_global_batch`` scales accumulation, and what cannot be dealt out is refused.
+
+The runs are what users write: a plain ``DataLoader(shuffle=True, num_workers=2)`` and Lightning's own
+distributed sampler (``use_distributed_sampler=True``), dropout, 96 samples in batches of 4."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import kill_resume as h
+from tests.helpers.compare import assert_bitwise
+
+N, BATCH = 96, 4
+CFG: dict[str, Any] = {
+    "n": N,
+    "batch_size": BATCH,
+    "max_epochs": 3,
+    "dropout": 0.2,
+    "shuffle": True,
+    "pipeline": "plain",
+    "use_distributed_sampler": True,
+    "num_workers": 2,
+    "ckpt": {"every_n_train_steps": 4, "save_top_k": -1, "filename": "{step}"},
+    "exact_args": {"elastic": True},
+}
+SAVED_STEP = 16
+"""The checkpoint resumed from: on 2 ranks an epoch is 12 steps, so step 16 is 4 batches into epoch 1."""
+
+
+def _launch(root: Path, name: str, devices: int, **extra: Any) -> dict[str, Any]:
+    cfg = dict(CFG, devices=devices, out=str(root / name), ckpt_dir=str(root / f"ckpt-{name}"), **extra)
+    if devices == 1:
+        cfg["ddp"] = {}  # one DDP process, as torchrun starts it, with Lightning's distributed sampler
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def killed_on_two(tmp_path_factory) -> Path:
+    """A 2-rank run SIGKILLed in epoch 1, after its checkpoint at step 16."""
+    root = tmp_path_factory.mktemp("elastic")
+    h.run_until_paused(dict(_launch(root, "B", 2), pause_before=SAVED_STEP + 2), root)
+    assert (root / "ckpt-B" / f"step={SAVED_STEP}.ckpt").exists()
+    return root
+
+
+def _ids(out: Path, ranks: int, epoch: int, keep=lambda record: True) -> list[int]:
+    return [i for r in range(ranks) for s in h.steps(out, r) if s["epoch"] == epoch and keep(s) for i in s["ids"]]
+
+
+def _before_save(out: Path, ranks: int, epoch: int, step: int) -> list[int]:
+    """The ids the killed run trained in ``epoch`` before its checkpoint at ``step``."""
+    return _ids(out, ranks, epoch, lambda s: s["step"] < step)
+
+
+def _report(out: Path, rank: int = 0) -> dict[str, Any]:
+    return json.loads((Path(out) / f"report-rank{rank}.json").read_text())
+
+
+def _resume(root: Path, name: str, devices: int, ckpt: Path, **extra: Any) -> dict[str, Any]:
+    cfg = dict(_launch(root, name, devices, **extra), resume=str(ckpt))
+    h.run(cfg, root, timeout=300)
+    return cfg
+
+
+def _assert_epoch_once(before: list[int], after: list[int], repeated: int = 0) -> None:
+    counts = Counter(before + after)
+    assert set(counts) == set(range(N)), f"never trained: {sorted(set(range(N)) - set(counts))}"
+    twice = sorted(i for i, c in counts.items() if c > 1)
+    assert len(twice) == repeated and all(counts[i] == 2 for i in twice), f"trained twice: {twice}"
+
+
+@pytest.mark.parametrize("devices", [1, 3], ids=["2_to_1", "2_to_3"])
+def test_an_interrupted_epoch_is_trained_once_on_another_world_size(
+    killed_on_two: Path, tmp_path: Path, devices: int
+) -> None:
+    ckpt = killed_on_two / "ckpt-B" / f"step={SAVED_STEP}.ckpt"
+    c = _resume(tmp_path, "C", devices, ckpt)
+    before = _before_save(killed_on_two / "B", 2, 1, SAVED_STEP)
+    assert len(before) == 2 * 4 * BATCH
+    after = _ids(Path(c["out"]), devices, 1)
+    untrained = N - len(before)
+    repeated = -untrained % devices  # DistributedSampler's rule: padded to a multiple of the world size
+    _assert_epoch_once(before, after, repeated)
+    report = _report(Path(c["out"]))
+    assert report["exact"] is False and report["sample_exact"] is True
+    assert report["world_size"] == {"checkpoint": 2, "now": devices}
+    assert report["global_batch"] == {"before": 2 * BATCH, "after": devices * BATCH}
+    assert report["untrained"] == untrained and report["repeated"] == repeated
+    out = h.output(c, tail=None)
+    assert out.count("ExactResume(elastic=True): resumed a checkpoint of 2 ranks on") == 1
+    # The next epoch: the sampler's ordinary order for the new world size, every sample once, ranks disjoint.
+    assert sorted(_ids(Path(c["out"]), devices, 2)) == list(range(N))
+    # The resumed run goes on counting steps where the killed one stopped, and saves under the same names.
+    first = min(s["step"] for r in range(devices) for s in h.steps(Path(c["out"]), r))
+    assert first == SAVED_STEP
+
+
+def test_one_rank_to_two(tmp_path: Path) -> None:
+    """1 -> 2: a one-process DDP run (Lightning's sampler for one replica) killed in epoch 1, resumed on 2."""
+    b = _launch(tmp_path, "B", 1, pause_before=24 + 6)  # an epoch is 24 steps on one rank
+    h.run_until_paused(b, tmp_path)
+    ckpt = tmp_path / "ckpt-B" / "step=28.ckpt"
+    c = _resume(tmp_path, "C", 2, ckpt)
+    before = _before_save(Path(b["out"]), 1, 1, 28)
+    assert len(before) == 4 * BATCH
+    _assert_epoch_once(before, _ids(Path(c["out"]), 2, 1))
+    assert sorted(_ids(Path(c["out"]), 2, 2)) == list(range(N))
+    assert _report(Path(c["out"]), 1)["world_size"] == {"checkpoint": 1, "now": 2}
+
+
+def test_the_same_elastic_resume_twice_is_the_same_run(killed_on_two: Path, tmp_path: Path) -> None:
+    ckpt = killed_on_two / "ckpt-B" / f"step={SAVED_STEP}.ckpt"
+    first, second = (_resume(tmp_path, name, 1, ckpt) for name in ("C1", "C2"))
+    a, b = h.steps(Path(first["out"])), h.steps(Path(second["out"]))
+    assert len(a) > 0 and a == b  # ids and loss bits of every step
+    assert_bitwise(
+        torch.load(Path(first["out"]) / "final.pt", weights_only=True),
+        torch.load(Path(second["out"]) / "final.pt", weights_only=True),
+        "final",
+    )
+
+
+def test_keep_global_batch_doubles_accumulation_on_half_the_ranks(killed_on_two: Path, tmp_path: Path) -> None:
+    ckpt = killed_on_two / "ckpt-B" / f"step={SAVED_STEP}.ckpt"
+    c = _resume(tmp_path, "C", 1, ckpt, exact_args={"elastic": "keep_global_batch"}, max_epochs=2)
+    report = _report(Path(c["out"]))
+    assert report["accumulate_grad_batches"] == {"before": 1, "after": 2}
+    assert report["global_batch"] == {"before": 8, "after": 8} and report["accumulate_grad_batches_now"] == 2
+    records = h.steps(Path(c["out"]))
+    assert len(records) * BATCH == N - 2 * 4 * BATCH  # epoch 1's rest, in batches of 4 on one rank
+    steps = [s["step"] for s in records]
+    assert steps == [SAVED_STEP + i // 2 for i in range(len(steps))]  # one optimizer step per two batches
+    final = torch.load(Path(c["out"]) / "final.pt", weights_only=True)
+    assert final["global_step"] == SAVED_STEP + 8  # the same step count the 2-rank run would have reached
+
+
+def test_without_elastic_a_changed_world_size_is_refused_naming_the_option(killed_on_two: Path, tmp_path: Path) -> None:
+    c = dict(_launch(tmp_path, "C", 1), exact_args={}, resume=str(killed_on_two / "ckpt-B" / f"step={SAVED_STEP}.ckpt"))
+    assert h.exit_code(c, tmp_path) != 0
+    out = h.output(c)
+    assert "ResumeMismatchError" in out and "checkpoint written by 2 processes, this run has 1" in out
+    assert "ExactResume(elastic=True)" in out
+
+
+def test_an_iterable_dataset_is_refused(tmp_path: Path) -> None:
+    """A stream's position cannot be dealt to other ranks: refused before anything is trained."""
+    cfg = dict(_launch(tmp_path, "B", 2), iterable=True, pause_before=6, num_workers=0)
+    cfg["ckpt"] = {"every_n_train_steps": 2, "save_top_k": -1, "filename": "{step}"}
+    h.run_until_paused(cfg, tmp_path)
+    c = dict(_launch(tmp_path, "C", 1), iterable=True, num_workers=0, resume=str(tmp_path / "ckpt-B" / "step=4.ckpt"))
+    assert h.exit_code(c, tmp_path) != 0
+    out = h.output(c)
+    assert "ResumeMismatchError" in out and "cannot be dealt to other ranks" in out
+    assert not h.steps(Path(c["out"]))  # nothing trained

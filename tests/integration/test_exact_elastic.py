@@ -117,16 +117,42 @@ def test_one_rank_to_two(tmp_path: Path) -> None:
     assert _report(Path(c["out"]), 1)["world_size"] == {"checkpoint": 1, "now": 2}
 
 
-def test_the_same_elastic_resume_twice_is_the_same_run(killed_on_two: Path, tmp_path: Path) -> None:
-    ckpt = killed_on_two / "ckpt-B" / f"step={SAVED_STEP}.ckpt"
-    first, second = (_resume(tmp_path, name, 1, ckpt) for name in ("C1", "C2"))
-    a, b = h.steps(Path(first["out"])), h.steps(Path(second["out"]))
+@pytest.fixture(scope="module")
+def dealt_on_one(killed_on_two: Path) -> Path:
+    """The 2-rank checkpoint resumed on one rank, uninterrupted to the end: ``<root>/C1``."""
+    _resume(killed_on_two, "C1", 1, killed_on_two / "ckpt-B" / f"step={SAVED_STEP}.ckpt")
+    return killed_on_two / "C1"
+
+
+def _final(out: Path) -> dict[str, Any]:
+    return torch.load(Path(out) / "final.pt", weights_only=True)
+
+
+def test_the_same_elastic_resume_twice_is_the_same_run(killed_on_two: Path, dealt_on_one: Path, tmp_path: Path):
+    second = _resume(tmp_path, "C2", 1, killed_on_two / "ckpt-B" / f"step={SAVED_STEP}.ckpt")
+    a, b = h.steps(dealt_on_one), h.steps(Path(second["out"]))
     assert len(a) > 0 and a == b  # ids and loss bits of every step
-    assert_bitwise(
-        torch.load(Path(first["out"]) / "final.pt", weights_only=True),
-        torch.load(Path(second["out"]) / "final.pt", weights_only=True),
-        "final",
-    )
+    assert_bitwise(_final(dealt_on_one), _final(Path(second["out"])), "final")
+
+
+def test_a_kill_inside_the_dealt_epoch_resumes_exactly_or_is_dealt_again(
+    killed_on_two: Path, dealt_on_one: Path, tmp_path: Path
+) -> None:
+    """The one-rank run killed inside the epoch it was dealt: on one rank again it resumes bitwise (the plan
+    goes back on the sampler); on two it is dealt out again, from the plan, still every sample once."""
+    ckpt = killed_on_two / "ckpt-B" / f"step={SAVED_STEP}.ckpt"
+    killed = dict(_launch(tmp_path, "K", 1, pause_before=6), resume=str(ckpt))  # killed after step 21
+    h.run_until_paused(killed, tmp_path)
+    second_ckpt = Path(killed["ckpt_dir"]) / "step=20.ckpt"
+    again = _resume(tmp_path, "D", 1, second_ckpt)
+    assert h.steps(Path(again["out"])) == [s for s in h.steps(dealt_on_one) if s["step"] >= 20]
+    assert_bitwise(_final(dealt_on_one), _final(Path(again["out"])), "final")
+    assert _report(Path(again["out"]))["exact"] is True
+    wider = _resume(tmp_path, "E", 2, second_ckpt)
+    before = _before_save(killed_on_two / "B", 2, 1, SAVED_STEP) + _before_save(Path(killed["out"]), 1, 1, 20)
+    assert len(before) == 2 * 4 * BATCH + 4 * BATCH
+    _assert_epoch_once(before, _ids(Path(wider["out"]), 2, 1))
+    assert sorted(_ids(Path(wider["out"]), 2, 2)) == list(range(N))
 
 
 def test_keep_global_batch_doubles_accumulation_on_half_the_ranks(killed_on_two: Path, tmp_path: Path) -> None:

@@ -209,14 +209,19 @@ def differences_from(
     ranks = saved.get("ranks", [])
     mine = ranks[old_rank_for(trainer.global_rank, len(ranks))] if ranks else {}
     positions = [state is not None for state in mine.get("loaders", [])]
-    out += _signature_differences(saved.get("signature", {}), signature(trainer), positions)
+    # Dealt out anew, an epoch's rest does not depend on the loader's workers (its saved position is not loaded).
+    ignored = ("num_workers",) if world_may_change else ()
+    out += _signature_differences(saved.get("signature", {}), signature(trainer), positions, ignored)
     if mine:
         out += rng_mismatches(mine["rng"], generators)
     return out
 
 
 def _signature_differences(
-    then: Mapping[str, Any], now: Mapping[str, Any], positions: Optional[list[bool]] = None
+    then: Mapping[str, Any],
+    now: Mapping[str, Any],
+    positions: Optional[list[bool]] = None,
+    ignored: tuple[str, ...] = (),
 ) -> list[str]:
     """What differs in the run's structure; a loader whose checkpoint holds no position (one that cannot save
     it) is not compared: nothing saved would be applied to it."""
@@ -224,7 +229,11 @@ def _signature_differences(
     for i, (a, b) in enumerate(zip(then.get("loaders", []), now["loaders"], strict=False)):
         if positions is not None and i < len(positions) and not positions[i]:
             continue
-        out += [f"train loader {i} {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in b if a.get(k) != b[k]]
+        out += [
+            f"train loader {i} {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}"
+            for k in b
+            if a.get(k) != b[k] and k not in ignored
+        ]
     if len(then.get("loaders", [])) != len(now["loaders"]):
         out.append(f"number of train loaders: checkpoint {len(then.get('loaders', []))}, now {len(now['loaders'])}")
     if then.get("model") != now["model"]:

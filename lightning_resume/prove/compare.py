@@ -448,7 +448,7 @@ LOADER_WORDS = ("loader", "dataset", "sampler", "position", "worker")
 GENERATOR_WORDS = ("generator", "randomstate", "random.random")
 BUFFER_WORDS = ("buffer", "persistent", "attribute")
 KERNEL_WORDS = ("deterministic",)
-WORLD_WORDS = ("world size", "remapped")
+WORLD_WORDS = ("world size", "elastic", "ranks on")
 STOP_WORDS = ("max_time",)
 """Words that tie a ``problems`` line (ExactResume's warnings, ``exact/state/limits.py``, ``data.py``,
 ``restore.py``) to the component it explains; matched case-insensitively."""

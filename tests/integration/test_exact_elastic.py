@@ -9,6 +9,8 @@ distributed sampler (``use_distributed_sampler=True``), dropout, 96 samples in b
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_resume.io import memory_tier
 from tests.helpers import kill_resume as h
 from tests.helpers.compare import assert_bitwise
 
@@ -105,11 +108,12 @@ def test_an_interrupted_epoch_is_trained_once_on_another_world_size(
 
 
 def test_one_rank_to_two(tmp_path: Path) -> None:
-    """1 -> 2: a one-process DDP run (Lightning's sampler for one replica) killed in epoch 1, resumed on 2."""
+    """1 -> 2: a one-process DDP run (Lightning's sampler for one replica) killed in epoch 1, resumed on 2
+    with another ``num_workers``."""
     b = _launch(tmp_path, "B", 1, pause_before=24 + 6)  # an epoch is 24 steps on one rank
     h.run_until_paused(b, tmp_path)
     ckpt = tmp_path / "ckpt-B" / "step=28.ckpt"
-    c = _resume(tmp_path, "C", 2, ckpt)
+    c = _resume(tmp_path, "C", 2, ckpt, num_workers=0)  # the workers may change too: the rest is dealt anew
     before = _before_save(Path(b["out"]), 1, 1, 28)
     assert len(before) == 4 * BATCH
     _assert_epoch_once(before, _ids(Path(c["out"]), 2, 1))
@@ -187,3 +191,29 @@ def test_an_iterable_dataset_is_refused(tmp_path: Path) -> None:
     out = h.output(c)
     assert "ResumeMismatchError" in out and "cannot be dealt to other ranks" in out
     assert not h.steps(Path(c["out"]))  # nothing trained
+
+
+def test_with_the_memory_tier_a_changed_world_size_resumes_from_disk(tmp_path: Path) -> None:
+    """Memory snapshots are per rank of the old world size: every new rank resumes from disk, named in the report."""
+    shm = Path(memory_tier.DEFAULT_MEMORY_DIR) / f"lightning-resume-test-{uuid.uuid4().hex[:8]}"
+    exact = {"elastic": True, "every_n_train_steps_max": 6, "memory_tier": True, "memory_dir": str(shm)}
+    exact["memory_every_n_train_steps_max"] = 2
+    cfg = {
+        "n": 80, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "shuffle": True, "distributed_sampler": True,
+        "safetensors": True, "ckpt": {"save_top_k": 0}, "exact_args": exact, "ckpt_dir": str(tmp_path / "ckpt"),
+        "flush_memory_tier": True,
+    }  # fmt: skip
+    try:
+        b = dict(cfg, devices=2, out=str(tmp_path / "B"), pause_before=9)  # disk: step 6; memory: step 8
+        h.run_until_paused(b, tmp_path)
+        assert len(list(shm.glob("*/*/rank-*-of-2.safetensors"))) == 2
+        c = dict(cfg, devices=1, ddp={}, out=str(tmp_path / "C"), resume="last")
+        h.run(c, tmp_path)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    report = _report(Path(c["out"]))
+    assert report["tier"] == "durable" and report["memory_tier"] == "snapshots of 2 ranks not used: resumed from disk"
+    before = _before_save(Path(b["out"]), 2, 0, 6)
+    assert len(before) == 2 * 6 * 4
+    counts = Counter(before + _ids(Path(c["out"]), 1, 0))
+    assert counts == Counter(range(80))

@@ -36,7 +36,13 @@ from lightning_resume.exact.elastic import Afterwards, ElasticMode
 from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
-from lightning_resume.exact.restore import check_same_checkpoint, restore, warn_approximate
+from lightning_resume.exact.restore import (
+    LoadedDigests,
+    check_same_checkpoint,
+    loaded_digests,
+    restore,
+    warn_approximate,
+)
 from lightning_resume.exact.state import fingerprint as fingerprints
 from lightning_resume.exact.state import rng as rng_streams
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
@@ -101,8 +107,11 @@ class ExactResume(Callback):
             that does not match after restore) raises ``ResumeMismatchError``. If ``False``, training
             continues approximately and a warning lists what will not be exact (another world size is
             then dealt out as with ``elastic=True`` where it can be).
-        fingerprint: record digests of weights, optimizer, RNG and data state in each checkpoint and
-            check them after restore. Costs one pass of hashing over the state at each save.
+        fingerprint: record digests (xxh3-128) of RNG and data state, and of weights and optimizer state, in
+            each checkpoint and check them after restore. With ``SafetensorsCheckpointIO`` the weights and
+            optimizer state are not hashed at save (the file records and verifies each tensor's digest): the
+            restored state is compared with the loaded checkpoint, once per resume. With another checkpoint
+            IO, one pass of hashing over the state at each save.
         mtbf: mean time between failures of one node: ``"observed"`` (default) estimates it from
             this run's failure history (kept in every checkpoint, extended at every start) with
             ``mtbf_prior`` as the prior; or a fixed ``"24h"``, seconds or ``timedelta``. Snapshots
@@ -219,6 +228,7 @@ class ExactResume(Callback):
         self.fingerprint = fingerprint
         self.elastic: ElasticMode = elastic
         self._afterwards = Afterwards()
+        self._loaded: Optional[LoadedDigests] = None
         self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
         self.notices = (
             NoticeWatch(preemption_notices, on_notice, notice_endpoint, notice_dmi_dir, interval_s)
@@ -317,8 +327,9 @@ class ExactResume(Callback):
         self.resume_report = {}
         if pending is not None:
             self.resume_report, self._afterwards = restore(
-                trainer, pending, self.generators, self.strict, self.fingerprint, self.elastic
+                trainer, pending, self.generators, self.strict, self.fingerprint, self.elastic, self._loaded
             )
+            self._loaded = None
         tier = self._resumed_tier(trainer, pending)
         if pending is not None:
             self.resume_report["tier"] = tier
@@ -483,6 +494,9 @@ class ExactResume(Callback):
             lc.drop_loader_state(checkpoint)  # ExactResume applies its own aligned positions (none outside fit)
         if not trainer.training:
             return  # validate/test/predict read weights only: nothing of a training position is missed
+        self._loaded = None
+        if self.fingerprint and ours and _weights_left_to_the_file(ours):
+            self._loaded = loaded_digests(checkpoint)  # once per resume, while Lightning still holds the dict
         if not ours:
             rank_zero_warn(
                 "ExactResume: this checkpoint was written without ExactResume; training resumes but these are not"
@@ -497,3 +511,8 @@ class ExactResume(Callback):
                 f" {NOT_RESTORED_WITHOUT_EXACT_RESUME}.",
                 category=ExactResumeWarning,
             )
+
+
+def _weights_left_to_the_file(state: dict[str, Any]) -> bool:
+    """Whether a rank's saved fingerprint left the weights to the file's own digests (``capture.files_prove_tensors``)."""
+    return any("fingerprint" in r and "weights" not in r["fingerprint"] for r in state.get("ranks") or [])

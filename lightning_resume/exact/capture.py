@@ -19,8 +19,9 @@ from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import loader_signature, loader_state, order_record
-from lightning_resume.exact.state.fingerprint import digest, fingerprint
+from lightning_resume.exact.state.fingerprint import HASH, digest, fingerprint
 from lightning_resume.exact.state.rng import capture_rng
+from lightning_resume.io.plugin import SafetensorsCheckpointIO
 
 FORMAT_VERSION = 1
 """Layout of the state below; a resume refuses another."""
@@ -84,8 +85,16 @@ def capture_rank(
         "buffers": rank_local.differing_from_rank_zero(trainer.lightning_module) if replicated(trainer) else {},
     }
     if with_fingerprint:
-        local["fingerprint"] = fingerprint_of(trainer, local["rng"], [states, prefetched])
+        bulk = not files_prove_tensors(trainer)  # else compared with the loaded checkpoint at restore instead
+        local["fingerprint"] = fingerprint_of(trainer, local["rng"], [states, prefetched], bulk)
     return local
+
+
+def files_prove_tensors(trainer: pl.Trainer) -> bool:
+    """The checkpoint files record every tensor's digest and verify it on load (``SafetensorsCheckpointIO``),
+    so hashing the weights and optimizer state at each save, on the training thread, would prove nothing
+    more: the restored state is compared with the loaded, verified checkpoint instead."""
+    return isinstance(trainer.strategy.checkpoint_io, SafetensorsCheckpointIO)
 
 
 def replicated(trainer: pl.Trainer) -> bool:
@@ -110,13 +119,17 @@ def decision_metrics(trainer: pl.Trainer) -> dict[str, Any]:
     }
 
 
-def fingerprint_of(trainer: pl.Trainer, rng: Any, data: Any) -> dict[str, str]:
-    """The fingerprint of this rank's weights, optimizer state, RNG, data position, step, and of each
-    module buffer checkpoints do not hold (``persistent=False``)."""
+def fingerprint_of(
+    trainer: pl.Trainer, rng: Any, data: Any, bulk: bool = True, algorithm: str = HASH
+) -> dict[str, str]:
+    """The fingerprint of this rank's weights and optimizer state (``bulk``), RNG, data position, step, and of
+    each module buffer checkpoints do not hold (``persistent=False``)."""
     module = trainer.lightning_module
     state = module.state_dict()
     unsaved = {name: buffer for name, buffer in module.named_buffers() if name not in state}
-    return fingerprint(state, [opt.state_dict() for opt in trainer.optimizers], rng, data, trainer.global_step, unsaved)
+    optimizers = [opt.state_dict() for opt in trainer.optimizers] if bulk else None
+    step = trainer.global_step
+    return fingerprint(state if bulk else None, optimizers, rng, data, step, unsaved, algorithm)
 
 
 def signature(trainer: pl.Trainer) -> dict[str, Any]:

@@ -70,6 +70,31 @@ FIX = (
 )
 
 
+def batching(loader: Any) -> tuple[Optional[int], bool]:
+    """The per-rank batch size and ``drop_last`` this loader batches with (size ``None``: no fixed size).
+
+    The loader's own, or its batch sampler's when it has none: Lightning rebuilds a ``StatefulDataLoader``
+    around its distributed sampler with ``batch_sampler=`` (torchdata's ``BatchSampler`` is not torch's class,
+    so Lightning keeps it as a custom one), which leaves ``loader.batch_size`` ``None`` and ``loader.drop_last``
+    ``False``; the batch sampler holds the loader's ``batch_size`` and ``drop_last``."""
+    size = getattr(loader, "batch_size", None)
+    if size is not None:
+        return int(size), bool(getattr(loader, "drop_last", False))
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(batch_sampler, "batch_size", None)
+    return (int(size) if isinstance(size, int) else None), bool(getattr(batch_sampler, "drop_last", False))
+
+
+def saved_batch_size(saved: Mapping[str, Any], loader: Any) -> int:
+    """The per-rank batch size of the saving run: its signature's, or, where that recorded ``None`` (the batch
+    sampler case of ``batching``), this loader's batch sampler's (made by the same loader code; ``unremappable``
+    refuses a loader without a fixed size)."""
+    recorded = saved["signature"]["loaders"][0].get("batch_size")
+    size = recorded if recorded is not None else batching(loader)[0]
+    assert size is not None  # unremappable() said so
+    return int(size)
+
+
 def unremappable(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMode) -> list[str]:
     """Why this checkpoint's epoch cannot be dealt to this run's ranks, one line each (empty: it can)."""
     loaders = lc.train_loaders(trainer)
@@ -79,6 +104,9 @@ def unremappable(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMod
     elif distributed_sampler(loaders[0]) is None:
         kind = type(getattr(loaders[0], "sampler", loaders[0])).__name__
         out.append(f"train loader 0 has no distributed sampler ({kind}), so its order cannot be dealt to other ranks")
+    elif batching(loaders[0])[0] is None:  # batches of varying size: positions in samples are unknown
+        kind = type(getattr(loaders[0], "batch_sampler", None)).__name__
+        out.append(f"train loader 0 batches with {kind}, which has no fixed batch_size, so its batches cannot be dealt")
     for rank, state in enumerate(saved["ranks"]):
         orders = state.get("orders") or [{}]
         if len(orders) == 1 and "length" not in orders[0]:
@@ -92,10 +120,9 @@ def unremappable(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMod
     return out
 
 
-def rank_orders(saved: Mapping[str, Any]) -> tuple[list[policy.RankOrder], int]:
-    """Every saving rank's order of the interrupted epoch with what it trained, and the batches of the epoch
-    they had trained."""
-    batch_size = int(saved["signature"]["loaders"][0]["batch_size"])
+def rank_orders(saved: Mapping[str, Any], batch_size: int) -> tuple[list[policy.RankOrder], int]:
+    """Every saving rank's order of the interrupted epoch with what it trained (``batch_size`` samples a
+    batch), and the batches of the epoch they had trained."""
     orders, batches = [], 0
     world = int(saved["world_size"])
     for rank, state in enumerate(saved["ranks"]):
@@ -180,13 +207,12 @@ def restore_position_and_rng(
     if problems:
         raise ResumeMismatchError(str(trainer.ckpt_path or "the checkpoint"), problems, FIX)
     accumulate = _accumulation(trainer, saved, mode)
-    signature = saved["signature"]["loaders"][0]
-    batch_size = int(signature["batch_size"])
     loader = lc.train_loaders(trainer)[0]
+    batch_size = saved_batch_size(saved, loader)  # not the signature's alone: ``batching`` says why
     dealt = None
     if not mine["epoch_exhausted"]:
         epoch_hooks.warn_not_replayed(epoch_hooks.replay_epoch_start(trainer))
-        orders, batches = rank_orders(saved)
+        orders, batches = rank_orders(saved, batch_size)
         sampler = distributed_sampler(loader)
         assert sampler is not None  # unremappable() said so
         dealt = policy.deal(policy.untrained(orders), new_world, bool(sampler.drop_last))
@@ -199,7 +225,8 @@ def restore_position_and_rng(
         reseed(policy.derived_seed(mine["rng"], old_world, new_world, rank), generators)
     restored_rng = capture_rng(generators)
     if dealt is not None:
-        length = plan.start_batch + policy.epoch_batches(len(plan.indices), batch_size, bool(loader.drop_last))
+        drop_last = batching(loader)[1]  # the batch sampler's where Lightning made one (``batching``)
+        length = plan.start_batch + policy.epoch_batches(len(plan.indices), batch_size, drop_last)
         afterwards.at_epoch_end.append(lc.set_epoch_length(trainer, length))
     if accumulate[1] != trainer.accumulate_grad_batches:
         lc.set_accumulation(trainer, accumulate[1])
@@ -241,6 +268,6 @@ def put_back_plan(trainer: pl.Trainer, mine: Mapping[str, Any], afterwards: Afte
 def planned_length(trainer: pl.Trainer, plan: EpochPlan, afterwards: Afterwards) -> None:
     """Tell Lightning the planned epoch's length (after the iterator restart, which resets the fetcher's)."""
     loader = lc.train_loaders(trainer)[0]
-    batch_size = int(getattr(loader, "batch_size", 1) or 1)
-    length = plan.start_batch + policy.epoch_batches(len(plan.indices), batch_size, bool(loader.drop_last))
+    size, drop_last = batching(loader)  # a batch sampler's, where Lightning made one (``batching``)
+    length = plan.start_batch + policy.epoch_batches(len(plan.indices), size or 1, drop_last)
     afterwards.at_epoch_end.append(lc.set_epoch_length(trainer, length))

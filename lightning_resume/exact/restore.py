@@ -27,7 +27,14 @@ from lightning_resume.exact.elastic import Afterwards, ElasticMode
 from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import is_resumable, load_loader_state, loader_signature
 from lightning_resume.exact.state.elastic import old_rank_for
-from lightning_resume.exact.state.fingerprint import fingerprint_mismatches, unsaved_buffer_mismatches
+from lightning_resume.exact.state.fingerprint import (
+    algorithm_of,
+    digest,
+    fingerprint_mismatches,
+    tensor_digests,
+    unsaved_buffer_mismatches,
+    weights_digest,
+)
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
 
 CHECKED_PARTS = ("weights", "optimizer", "rng", "step")
@@ -41,11 +48,13 @@ def restore(
     strict: bool,
     check_fingerprint: bool,
     elastic: ElasticMode = False,
+    loaded: Optional[LoadedDigests] = None,
 ) -> tuple[dict[str, Any], Afterwards]:
     """Restore ``saved`` into the running ``trainer`` (every rank calls it); return the resume report and what
     the restore changed for a while (put back at the resumed epoch's end and at teardown).
 
-    Another world size is dealt out (``exact.elastic``) with ``elastic``, and with ``strict=False``."""
+    Another world size is dealt out (``exact.elastic``) with ``elastic``, and with ``strict=False``. ``loaded``:
+    the digests of the checkpoint as loaded (``loaded_digests``), for fingerprints saved without the weights."""
     afterwards = Afterwards()
     moved = int(saved.get("world_size", 1)) != trainer.world_size and (bool(elastic) or not strict)
     differences = collective.agreed(differences_from(trainer, saved, generators, world_may_change=moved))
@@ -89,8 +98,11 @@ def restore(
     report: dict[str, Any] = {"step": trainer.global_step, "exact": not differences, "differences": differences}
     report.update(moved_report)
     if check_fingerprint and "fingerprint" in mine and checked:
-        restored = fingerprint_of(trainer, restored_rng, None)
-        bad = collective.agreed(fingerprint_mismatches(mine["fingerprint"], restored, checked))
+        saved_print = dict(mine["fingerprint"])
+        restored = fingerprint_of(trainer, restored_rng, None, algorithm=algorithm_of(saved_print))
+        if loaded is not None and "weights" not in saved_print:  # the file proved what was saved: compare with it
+            saved_print, restored = compared_with_loaded(trainer, loaded, mine, saved_print, restored)
+        bad = collective.agreed(fingerprint_mismatches(saved_print, restored, checked))
         report["fingerprint_ok"] = not bad
         if bad:
             refuse_or_warn(strict, trainer.ckpt_path, [f"fingerprint after restore: {line}" for line in bad])
@@ -101,6 +113,39 @@ def restore(
     if mine["epoch_exhausted"]:
         start_next_epoch(trainer)  # after the check: the next epoch's start hooks may change the state
     return report, afterwards
+
+
+LoadedDigests = dict[str, Any]
+"""``{"tensors": {state dict key: digest}, "optimizer": digest or None}`` of a loaded checkpoint."""
+
+
+def loaded_digests(checkpoint: Mapping[str, Any]) -> Optional[LoadedDigests]:
+    """What the restored state is compared with when the saved fingerprint left the weights to the file's own
+    digests (``capture.files_prove_tensors``): the loaded checkpoint's, taken once, while Lightning holds it."""
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, Mapping):
+        return None  # a sharded checkpoint loads in place: there is no dict to compare with
+    optimizers = checkpoint.get("optimizer_states")
+    return {"tensors": tensor_digests(state), "optimizer": None if optimizers is None else digest(list(optimizers))}
+
+
+def compared_with_loaded(
+    trainer: pl.Trainer,
+    loaded: LoadedDigests,
+    mine: Mapping[str, Any],
+    saved_print: dict[str, str],
+    restored: dict[str, str],
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The saved fingerprint completed with the loaded checkpoint's weights and optimizer digests, and the
+    restored one made comparable: the buffers this rank holds differently from rank 0 (``rank_local``, put
+    back on purpose) are left out on both sides."""
+    leave_out = set(mine.get("buffers") or {})
+    live = tensor_digests(trainer.lightning_module.state_dict())
+    expected = dict(saved_print, weights=weights_digest(loaded["tensors"], leave_out))
+    actual = dict(restored, weights=weights_digest(live, leave_out))
+    if loaded.get("optimizer") is not None:
+        expected["optimizer"] = loaded["optimizer"]
+    return expected, actual
 
 
 def warn_unsaved_buffers(names: list[str]) -> None:

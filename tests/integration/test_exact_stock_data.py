@@ -33,6 +33,7 @@ EXTENDED = frozenset(
         "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[no_shuffle_drop_last_unseeded_workers2]",
         "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[shuffle_drop_last_unseeded]",
         "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[recipe_sampler_workers2_second_epoch]",
+        "test_ddp_with_lightnings_sampler_resumes_bit_for_bit[torch_dataloader_rank_local_batchnorm_epoch_end]",
         "test_control_without_exact_resume_differs[map_workers2]",
         "test_control_without_exact_resume_differs[map_own_state_workers2]",
         "test_ddp_control_without_exact_resume_differs",
@@ -88,6 +89,25 @@ DDP_CASES = {
         },  # fmt: skip
         8,
         12,  # records: 8 micro-batches and 2 validation batches after each of 2 epochs
+    ),
+    # The same in the verified format: the saves hash no weights; rank 1's restored state is compared with the
+    # loaded checkpoint, its own BatchNorm statistics (put back on purpose) left out.
+    "torch_dataloader_rank_local_batchnorm_epoch_end_safetensors": (
+        {
+            "pipeline": "torch",
+            "shuffle": False,
+            "n": 32,
+            "max_epochs": 3,
+            "batchnorm": True,
+            "accumulate": 2,
+            "ddp": {"broadcast_buffers": False},
+            "val_check_interval": 1.0,
+            "record_validation": True,
+            "safetensors": True,
+            "ckpt": {"every_n_epochs": 1, "save_top_k": -1, "save_last": True},
+        },  # fmt: skip
+        8,
+        12,
     ),
     # The README recipe (own StatefulDistributedSampler): workers make the iterator before Lightning sets the epoch.
     "recipe_sampler_workers2_second_epoch": (

@@ -26,7 +26,7 @@ from lightning_resume._compat import torchdata as td
 from lightning_resume.errors import ResumeMismatchError
 from lightning_resume.exact import epoch_hooks
 from lightning_resume.exact.state import elastic as policy
-from lightning_resume.exact.state.data import distributed_sampler
+from lightning_resume.exact.state.data import batching, distributed_sampler
 from lightning_resume.exact.state.rng import capture_rng, reseed, restore_rng
 from lightning_resume.exact.state.samplers import EpochPlan, install_plan
 
@@ -68,21 +68,6 @@ FIX = (
     "Relaunch on the checkpoint's world size, or use a map-style dataset with a distributed sampler (Lightning's"
     " default with use_distributed_sampler=True, or torchdata's StatefulDistributedSampler) and one train loader."
 )
-
-
-def batching(loader: Any) -> tuple[Optional[int], bool]:
-    """The per-rank batch size and ``drop_last`` this loader batches with (size ``None``: no fixed size).
-
-    The loader's own, or its batch sampler's when it has none: Lightning rebuilds a ``StatefulDataLoader``
-    around its distributed sampler with ``batch_sampler=`` (torchdata's ``BatchSampler`` is not torch's class,
-    so Lightning keeps it as a custom one), which leaves ``loader.batch_size`` ``None`` and ``loader.drop_last``
-    ``False``; the batch sampler holds the loader's ``batch_size`` and ``drop_last``."""
-    size = getattr(loader, "batch_size", None)
-    if size is not None:
-        return int(size), bool(getattr(loader, "drop_last", False))
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    size = getattr(batch_sampler, "batch_size", None)
-    return (int(size) if isinstance(size, int) else None), bool(getattr(batch_sampler, "drop_last", False))
 
 
 def saved_batch_size(saved: Mapping[str, Any], loader: Any) -> int:
@@ -182,7 +167,7 @@ class Move:
             )
             epoch = (
                 f"the {self.deal.untrained} samples of epoch {self.epoch} not yet trained are dealt to the"
-                f" {self.new_world} ranks, every sample of the epoch once{extra}"
+                f" {self.new_world} rank{'s' * (self.new_world != 1)}, every sample of the epoch once{extra}"
             )
         accumulate = f", accumulate_grad_batches {self.accumulate[0]} -> {self.accumulate[1]}" * (
             self.accumulate[0] != self.accumulate[1]

@@ -262,6 +262,11 @@ def differences_from(
     return out
 
 
+UNRECORDED = ("batch_size", "drop_last")
+"""Loader fields checkpoints before this version recorded as ``None`` where Lightning had rebuilt the loader
+around a batch sampler (``data.batching``): unknown, so not compared."""
+
+
 def _signature_differences(
     then: Mapping[str, Any],
     now: Mapping[str, Any],
@@ -277,7 +282,7 @@ def _signature_differences(
         out += [
             f"train loader {i} {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}"
             for k in b
-            if a.get(k) != b[k] and k not in ignored
+            if a.get(k) != b[k] and k not in ignored and not (k in UNRECORDED and a.get(k) is None)
         ]
     if len(then.get("loaders", [])) != len(now["loaders"]):
         out.append(f"number of train loaders: checkpoint {len(then.get('loaders', []))}, now {len(now['loaders'])}")

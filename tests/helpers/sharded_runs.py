@@ -29,11 +29,22 @@ def raw(out: Path, *flags: str, timeout: float = 120) -> dict:
     return torch.load(out / "final.pt", weights_only=True)
 
 
+def start_fit(out: Path, ckpt: Optional[str] = None, *flags: str) -> subprocess.Popen:
+    """Start ``sharded_lightning_job.py OUT [CKPT] FLAGS`` (its output piped)."""
+    args = [job_script("sharded_lightning_job.py"), out, *([ckpt] if ckpt else []), *flags]
+    return processes.start(args, env=ENV)
+
+
 def fit(out: Path, ckpt: Optional[str] = None, *flags: str, timeout: float = 150) -> dict:
     """Run ``sharded_lightning_job.py OUT [CKPT] FLAGS`` to a clean exit; its ``OUT/final.pt``."""
-    args = [job_script("sharded_lightning_job.py"), out, *([ckpt] if ckpt else []), *flags]
-    processes.run(args, timeout, env=ENV)
+    processes.finish(start_fit(out, ckpt, *flags), timeout)
     return torch.load(out / "final.pt", weights_only=True)
+
+
+def fit_until_paused(out: Path, *flags: str, timeout: float = 120) -> None:
+    """Run ``sharded_lightning_job.py OUT FLAGS`` (``--pause-before K`` among them) and SIGKILL its process
+    group once it is paused."""
+    kill_when_paused(start_fit(out, None, *flags), out, timeout)
 
 
 def kill_when_paused(proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:

@@ -34,6 +34,8 @@ CFG: dict[str, Any] = {
     "num_workers": 2,
     "ckpt": {"every_n_train_steps": 4, "save_top_k": -1, "filename": "{step}"},
     "exact_args": {"elastic": True},
+    "val_check_interval": 1.0,  # a validation at each epoch's end: the dealt epoch must end where it validates
+    "record_validation": True,
 }
 SAVED_STEP = 16
 """The checkpoint resumed from: on 2 ranks an epoch is 12 steps, so step 16 is 4 batches into epoch 1."""
@@ -56,7 +58,10 @@ def killed_on_two(tmp_path_factory) -> Path:
 
 
 def _ids(out: Path, ranks: int, epoch: int, keep=lambda record: True) -> list[int]:
-    return [i for r in range(ranks) for s in h.steps(out, r) if s["epoch"] == epoch and keep(s) for i in s["ids"]]
+    return [
+        i for r in range(ranks) for s in h.steps(out, r) if "ids" in s and s["epoch"] == epoch and keep(s)
+        for i in s["ids"]
+    ]  # fmt: skip
 
 
 def _before_save(out: Path, ranks: int, epoch: int, step: int) -> list[int]:
@@ -105,15 +110,20 @@ def test_an_interrupted_epoch_is_trained_once_on_another_world_size(
     # The resumed run goes on counting steps where the killed one stopped, and saves under the same names.
     first = min(s["step"] for r in range(devices) for s in h.steps(Path(c["out"]), r))
     assert first == SAVED_STEP
+    # The dealt epoch ends after its last batch, with its validation there and nowhere else.
+    records = h.steps(Path(c["out"]))
+    last_train = max(i for i, s in enumerate(records) if "ids" in s and s["epoch"] == 1)
+    validations = [i for i, s in enumerate(records) if "val" in s and s["epoch"] == 1]
+    assert validations and validations == list(range(last_train + 1, last_train + 1 + len(validations)))
 
 
 def test_one_rank_to_two(tmp_path: Path) -> None:
-    """1 -> 2: a one-process DDP run (Lightning's sampler for one replica) killed in epoch 1, resumed on 2
-    with another ``num_workers``."""
-    b = _launch(tmp_path, "B", 1, pause_before=24 + 6)  # an epoch is 24 steps on one rank
+    """1 -> 2: a one-process DDP run (Lightning's sampler for one replica, around a ``StatefulDataLoader``,
+    which Lightning rebuilds with a batch sampler) killed in epoch 1, resumed on 2 with another ``num_workers``."""
+    b = _launch(tmp_path, "B", 1, pause_before=24 + 6, pipeline="stock")  # an epoch is 24 steps on one rank
     h.run_until_paused(b, tmp_path)
     ckpt = tmp_path / "ckpt-B" / "step=28.ckpt"
-    c = _resume(tmp_path, "C", 2, ckpt, num_workers=0)  # the workers may change too: the rest is dealt anew
+    c = _resume(tmp_path, "C", 2, ckpt, num_workers=0, pipeline="stock")  # workers may change: dealt anew
     before = _before_save(Path(b["out"]), 1, 1, 28)
     assert len(before) == 4 * BATCH
     _assert_epoch_once(before, _ids(Path(c["out"]), 2, 1))
@@ -165,7 +175,7 @@ def test_keep_global_batch_doubles_accumulation_on_half_the_ranks(killed_on_two:
     report = _report(Path(c["out"]))
     assert report["accumulate_grad_batches"] == {"before": 1, "after": 2}
     assert report["global_batch"] == {"before": 8, "after": 8} and report["accumulate_grad_batches_now"] == 2
-    records = h.steps(Path(c["out"]))
+    records = [s for s in h.steps(Path(c["out"])) if "ids" in s]
     assert len(records) * BATCH == N - 2 * 4 * BATCH  # epoch 1's rest, in batches of 4 on one rank
     steps = [s["step"] for s in records]
     assert steps == [SAVED_STEP + i // 2 for i in range(len(steps))]  # one optimizer step per two batches

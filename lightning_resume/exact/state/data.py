@@ -319,9 +319,25 @@ def loader_problems(name: str, loader: Any) -> list[str]:
     return problems
 
 
+def batching(loader: Any) -> tuple[Optional[int], bool]:
+    """The per-rank batch size and ``drop_last`` this loader batches with (size ``None``: no fixed size).
+
+    The loader's own, or its batch sampler's when it has none: Lightning rebuilds a ``StatefulDataLoader``
+    around its distributed sampler with ``batch_sampler=`` (torchdata's ``BatchSampler`` is not torch's class,
+    so Lightning keeps it as a custom one), which leaves ``loader.batch_size`` ``None`` and ``loader.drop_last``
+    ``False``; the batch sampler holds the loader's ``batch_size`` and ``drop_last``."""
+    size = getattr(loader, "batch_size", None)
+    if size is not None:
+        return int(size), bool(getattr(loader, "drop_last", False))
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(batch_sampler, "batch_size", None)
+    return (int(size) if isinstance(size, int) else None), bool(getattr(batch_sampler, "drop_last", False))
+
+
 def loader_signature(loader: Any) -> dict[str, Any]:
     """What must be equal between the saving and the resuming run for a position to mean the same."""
     dataset: Any = getattr(loader, "dataset", None)  # anything, sized or not: len() raising TypeError is handled
+    size, drop_last = batching(loader)
     try:
         length: Optional[int] = len(dataset)
     except TypeError:
@@ -329,8 +345,9 @@ def loader_signature(loader: Any) -> dict[str, Any]:
     return {
         "type": getattr(loader, "user_class", type(loader)).__name__,
         "num_workers": getattr(loader, "num_workers", None),
-        "batch_size": getattr(loader, "batch_size", None),
-        "drop_last": getattr(loader, "drop_last", None),
+        # the batch sampler's where Lightning rebuilt the loader around one (``batching``)
+        "batch_size": size,
+        "drop_last": drop_last if size is not None else getattr(loader, "drop_last", None),
         "dataset_length": length,
     }
 

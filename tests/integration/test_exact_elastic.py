@@ -37,6 +37,8 @@ CFG: dict[str, Any] = {
     "val_check_interval": 1.0,  # a validation at each epoch's end: the dealt epoch must end where it validates
     "record_validation": True,
 }
+EXTENDED = frozenset({"test_an_interrupted_epoch_is_trained_once_on_another_world_size[2_to_1]"})
+"""2 -> 1 is also what keep_global_batch, the memory tier and the determinism test resume (make test-all runs it)."""
 SAVED_STEP = 16
 """The checkpoint resumed from: on 2 ranks an epoch is 12 steps, so step 16 is 4 batches into epoch 1."""
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from lightning_resume.errors import RanksOutOfStepError
+from lightning_resume.errors import AsyncWriteError, RanksOutOfStepError
 
 T = TypeVar("T")
 
@@ -111,6 +111,59 @@ def all_arrive(what: str, timeout_s: float) -> None:
     except RuntimeError as err:
         detail = " ".join(str(err).split())
         raise RanksOutOfStepError(what, timeout_s, f"rank {dist.get_rank()}: {detail[:500]}") from err
+
+
+_waits = 0
+"""How many ``wait_for_rank_zero`` calls this process made: every rank makes them in the same order, so the
+count names the store key they meet on."""
+
+
+def wait_for_rank_zero(what: str, work: Callable[[], None], timeout_s: float, failure: Failure) -> None:
+    """Rank 0 runs ``work`` (a wait on its own I/O, such as a background write); every other rank waits until it
+    is done, on the process group's store, not in a collective: a collective has the group's timeout (NCCL's
+    watchdog, gloo's), which a slow write must not run into. An error ``work`` raises on rank 0 is raised there
+    and, as ``failure({0: description})``, on every other rank; a rank that waited ``timeout_s`` (or lost the
+    store: rank 0's process hosts it) raises ``RanksOutOfStepError``. Without a process group, ``work`` runs here."""
+    global _waits
+    if not is_distributed() or dist.get_world_size() <= 1:
+        work()
+        return
+    from lightning_resume._compat.torch_ops import default_store
+
+    _waits += 1
+    store, key = default_store(), f"lightning-resume/wait/{_waits}"
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except BaseException as err:
+            store.set(key, f"failed: {describe(err)}")
+            raise
+        store.set(key, "done")
+        return
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError as err:  # the store's timeout, or rank 0 gone (its process hosts the store)
+        raise RanksOutOfStepError(
+            what, timeout_s, f"rank {dist.get_rank()}: {' '.join(str(err).split())[:300]}"
+        ) from err
+    outcome = store.get(key).decode()
+    if outcome != "done":
+        raise failure({0: outcome.removeprefix("failed: ")})
+
+
+WRITE_WAIT_SLACK_S = 3600.0
+"""How much longer than a writer's own ``flush_timeout`` the other ranks wait for rank 0's background write
+before they raise ``RanksOutOfStepError`` (a slow bucket may take long; a dead rank 0 ends the wait at once)."""
+
+
+def wait_for_rank_zero_writes(writer: Any, what: str) -> None:
+    """``wait_for_rank_zero`` on an async checkpoint writer (``protocols.AsyncCheckpointWriter``): every rank
+    leaves once rank 0's pending writes are durable; their failure is raised on every rank."""
+
+    def failed(problems: Mapping[int, str]) -> BaseException:
+        return AsyncWriteError("of rank 0", RuntimeError(problems[0]))
+
+    wait_for_rank_zero(what, writer.wait, float(writer.flush_timeout) + WRITE_WAIT_SLACK_S, failed)
 
 
 def agreed(lines: list[str]) -> list[str]:

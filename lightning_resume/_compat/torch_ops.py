@@ -2,7 +2,8 @@
 
 Async staging copies many tensors in one call: ``torch._foreach_copy_`` (declared at
 ``torch/_C/_VariableFunctions.pyi:1847``; the optimizers' multi-tensor path uses it), which does the
-per-tensor work in C++ with the GIL released.
+per-tensor work in C++ with the GIL released. Ranks that must wait for rank 0 outside any collective meet
+on the default process group's key-value store (``distributed_c10d._get_default_store``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,15 @@ from __future__ import annotations
 from typing import List
 
 import torch
+import torch.distributed as dist
 
 
 def foreach_copy_(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
     """``dst.copy_(src)`` for every pair, in one call (``torch/_C/_VariableFunctions.pyi:1847``)."""
     torch._foreach_copy_(dsts, srcs)
+
+
+def default_store() -> dist.Store:
+    """The default process group's store (``torch/distributed/distributed_c10d.py:1433``):
+    the rendezvous ``TCPStore`` every rank reaches, whose waits have their own timeout, not the group's."""
+    return dist.distributed_c10d._get_default_store()

@@ -470,6 +470,8 @@ class ExactResume(Callback):
         trainer = self._trainer
         if trainer is None or not trainer.training and not trainer.validating:
             return {"captured_at": OUTSIDE_FIT}  # trainer.save_checkpoint() after fit: no training position
+        if self.memory is None or not self.memory.dumping:  # a durable save: rank 0's previous write must end
+            snapshots.wait_for_previous_write(trainer)
         schedule = self.scheduler.state_dict() if self.scheduler is not None else {}
         where = INSIDE_STEP if lc.inside_training_step(trainer) else AT_STEP_BOUNDARY
         where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where

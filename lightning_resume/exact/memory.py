@@ -55,6 +55,7 @@ class MemoryTier:
         self.seq = 0
         self.resumed_tier: Optional[str] = None
         self.warned_full = False
+        self.dumping = False
         self._warned_failed = False
         self.directory, self.rank, self.world_size = "", 0, 1
         self._remove_hook: Optional[Callable[[], None]] = None
@@ -130,7 +131,11 @@ class MemoryTier:
         """Every rank: snapshot the full checkpoint into its slot; the bytes written, or ``None`` (warned)
         when shared memory is too small, the root cannot be trusted or the write failed (training goes on;
         the durable tier still saves)."""
-        checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
+        self.dumping = True  # not a durable save: nothing waits for the durable tier's write
+        try:
+            checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
+        finally:
+            self.dumping = False
         if self.store is None or self.run is None:
             return None
         self.seq += 1

@@ -17,8 +17,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_resume import storage
+from lightning_resume import collective, storage
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
+from lightning_resume.exact.capture import sharded
 from lightning_resume.io.atomic import (
     atomic_write,
     fsync_directory,
@@ -28,6 +29,18 @@ from lightning_resume.io.atomic import (
 from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget, StagingCheckpointIO
 
 SNAPSHOT_PREFIX = "last-snapshot-step="
+
+
+def wait_for_previous_write(trainer: pl.Trainer) -> None:
+    """Before a durable save's snapshot, every rank waits until rank 0's previous background write is done (its
+    staging memory is reused), outside any collective (``collective.wait_for_rank_zero``). Otherwise only rank 0
+    waits, inside its save, while the others sit in the next collective (the barrier after the save, the next
+    gradient all-reduce) under the process group's timeout, which a write slower than it ends (NCCL's watchdog).
+    Replicated strategies only: a sharded one writes its own shards on every rank."""
+    writer = trainer.strategy.checkpoint_io
+    if trainer.world_size <= 1 or not isinstance(writer, AsyncCheckpointWriter) or sharded(trainer):
+        return
+    collective.wait_for_rank_zero_writes(writer, "the end of rank 0's previous checkpoint write")
 
 
 def snapshot_target(trainer: pl.Trainer) -> Optional[SnapshotTarget]:

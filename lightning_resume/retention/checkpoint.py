@@ -20,10 +20,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_resume import storage
+from lightning_resume import collective, storage
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration, parse_duration
@@ -155,6 +156,10 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     def _save_retained(self, trainer: pl.Trainer, monitor_candidates: dict, tag: str) -> str:
         """Save, make durable, then prune: a crash in between leaves extra files only."""
         path = self._rolling_path(trainer.global_step)
+        writer = trainer.strategy.checkpoint_io
+        if trainer.world_size > 1 and isinstance(writer, AsyncCheckpointWriter) and _replicated(trainer):
+            # before the collectives below: the others would wait in them, under the group's timeout, for rank 0
+            collective.wait_for_rank_zero_writes(writer, "the end of rank 0's previous checkpoint write")
         # rank 0's clock and metric, so every rank holds the same records and decides the same
         now, metric = trainer.strategy.broadcast((time.time(), self._metric_of(monitor_candidates)))
         record = CheckpointRecord(
@@ -173,7 +178,6 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         self.current_score = None if metric is None else torch.tensor(metric)
         self._update_best_from_records()  # part of the state written into this very file
         lc.save_checkpoint_file(self, trainer, path)
-        writer = trainer.strategy.checkpoint_io
         if isinstance(writer, AsyncCheckpointWriter):
             self._settle_async_writes(trainer, writer)
         else:
@@ -189,7 +193,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         super().on_train_end(trainer, pl_module)
         writer = trainer.strategy.checkpoint_io
         if self.policy.active and isinstance(writer, AsyncCheckpointWriter):
-            writer.wait()
+            # every rank waits with rank 0 outside a collective: the broadcast below would time out (NCCL's watchdog)
+            collective.wait_for_rank_zero_writes(writer, "the end of rank 0's last checkpoint write")
             self._settle_async_writes(trainer, writer)
             self._apply_retention(trainer)
 
@@ -358,3 +363,8 @@ def _records_from_state(state: object) -> list:
 def _canonical(path: str) -> str:
     """The resume source as records name it: a real local path, or the URL unchanged (scheme kept)."""
     return str(path) if "://" in str(path) else os.path.realpath(path)
+
+
+def _replicated(trainer: pl.Trainer) -> bool:
+    """Only rank 0 writes (DDP): the others must wait for its writes. A sharded strategy's ranks each write."""
+    return isinstance(trainer.strategy, DDPStrategy) and not isinstance(trainer.strategy, DeepSpeedStrategy)

@@ -14,6 +14,7 @@ import os
 import struct
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -293,11 +294,40 @@ def _callbacks(cfg: dict, out: Path) -> list[Callback]:
         callbacks.append(FlushMemoryTier())
     if cfg.get("pause_before") is not None:
         callbacks.append(PauseBefore(out, cfg["pause_before"]))
+    if cfg.get("collective_timeout_s"):
+        callbacks.append(CollectiveTimeout(cfg["collective_timeout_s"]))
     return callbacks
+
+
+def _slow_writes(seconds: float) -> None:
+    """Every durable write of ``SafetensorsCheckpointIO`` takes ``seconds`` longer (on its worker thread): a
+    slow disk or bucket, for the tests of ranks that must not wait on rank 0's I/O inside a collective."""
+    from lightning_resume.io import plugin
+
+    commit = plugin.commit_staged
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return commit(*args, **kwargs)
+
+    plugin.commit_staged = slow
+
+
+class CollectiveTimeout(Callback):
+    """Once every rank has joined (a short timeout at the rendezvous would fail a slow start), the process
+    group's collectives time out after ``seconds`` (torch's ``_set_pg_timeout``, as gloo and NCCL apply it)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=self.seconds))
 
 
 def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
     devices = cfg.get("devices", 1)
+    if cfg.get("slow_write"):
+        _slow_writes(cfg["slow_write"])
     plugins: list = [SafetensorsCheckpointIO(async_save=cfg.get("async", False))] if cfg.get("safetensors") else []
     if cfg.get("slurm_auto_requeue") is not None:
         plugins.append(SLURMEnvironment(auto_requeue=cfg["slurm_auto_requeue"]))

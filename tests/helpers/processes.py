@@ -92,3 +92,8 @@ def kill_when(
 
 def _tail(proc: subprocess.Popen, log: Callable[[], str]) -> str:
     return (log() or output(proc))[-TAIL:]
+
+
+def log_tail(directory: Path, prefix: str, chars: int = 3000) -> str:
+    """The last ``chars`` of each ``<prefix>*.log`` under ``directory`` (launcher logs, e.g. one per torchrun node)."""
+    return "\n".join(p.read_text()[-chars:] for p in sorted(Path(directory).glob(f"{prefix}*.log")))

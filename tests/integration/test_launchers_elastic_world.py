@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers.kill_resume import steps
 from tests.helpers.paths import REPO_ROOT, free_port, job_script
-from tests.integration.test_launchers_torchrun import log_tail
+from tests.helpers.processes import log_tail
 
 pytestmark = [
     pytest.mark.slow,

@@ -23,6 +23,7 @@ import torch
 from tests.helpers.compare import assert_bitwise
 from tests.helpers.kill_resume import steps
 from tests.helpers.paths import REPO_ROOT, free_port, job_script
+from tests.helpers.processes import log_tail
 
 # Outside `make test` (see tests/integration/conftest.py): the one-node restart covers torchelastic.
 EXTENDED = frozenset({"test_two_nodes_one_killed_relaunched_resume_exactly_with_the_mtbf_of_two_nodes"})
@@ -61,10 +62,6 @@ def wait_all(procs: list[subprocess.Popen], tmp_path: Path, name: str, timeout: 
         for proc in procs:
             proc.kill()
             proc.wait()
-
-
-def log_tail(tmp_path: Path, name: str) -> str:
-    return "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob(f"{name}*.log")))
 
 
 def last_per_step(out: str, rank: int) -> list[dict]:

@@ -193,8 +193,10 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         super().on_train_end(trainer, pl_module)
         writer = trainer.strategy.checkpoint_io
         if self.policy.active and isinstance(writer, AsyncCheckpointWriter):
-            # every rank waits with rank 0 outside a collective: the broadcast below would time out (NCCL's watchdog)
-            collective.wait_for_rank_zero_writes(writer, "the end of rank 0's last checkpoint write")
+            if _replicated(trainer):  # every rank waits with rank 0, outside the broadcast below (NCCL's watchdog)
+                collective.wait_for_rank_zero_writes(writer, "the end of rank 0's last checkpoint write")
+            else:  # a sharded writer: each rank its own writes (and their commit agreement)
+                writer.wait()
             self._settle_async_writes(trainer, writer)
             self._apply_retention(trainer)
 

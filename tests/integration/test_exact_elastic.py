@@ -37,8 +37,16 @@ CFG: dict[str, Any] = {
     "val_check_interval": 1.0,  # a validation at each epoch's end: the dealt epoch must end where it validates
     "record_validation": True,
 }
-EXTENDED = frozenset({"test_an_interrupted_epoch_is_trained_once_on_another_world_size[2_to_1]"})
-"""2 -> 1 is also what keep_global_batch, the memory tier and the determinism test resume (make test-all runs it)."""
+EXTENDED = frozenset(
+    {
+        "test_an_interrupted_epoch_is_trained_once_on_another_world_size[2_to_1]",
+        "test_one_rank_to_two",
+        "test_an_iterable_dataset_is_refused",
+        "test_with_the_memory_tier_a_changed_world_size_resumes_from_disk",
+    }
+)
+"""In make test-all only: 2 -> 1 is also what keep_global_batch and the determinism test resume; 1 -> 2, the
+iterable refusal and the memory tier are their own paths, each a few fresh processes."""
 SAVED_STEP = 16
 """The checkpoint resumed from: on 2 ranks an epoch is 12 steps, so step 16 is 4 batches into epoch 1."""
 

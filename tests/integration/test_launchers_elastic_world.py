@@ -60,6 +60,9 @@ RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_aliv
 """Fast membership change: a node without a heartbeat for 3 s is dead; a round with fewer than 2 nodes closes
 2 s after the first joined (so both nodes must join the first round within 2 s of each other)."""
 
+EXTENDED = frozenset({"test_a_node_gone_the_survivor_rendezvouses_alone_and_trains_the_rest_of_the_epoch_once"})
+"""In make test-all: two torchrun agents (the DDP deal itself is in make test)."""
+
 
 def agent(cfg: dict, tmp_path: Path, endpoint: str, node: int, is_host: bool) -> subprocess.Popen:
     """Node ``node``'s torchrun agent, in a session of its own; its output in ``node-<node>.log``."""

@@ -47,8 +47,8 @@ def _report(out: Path, rank: int) -> dict[str, Any]:
     return json.loads((out / f"report-rank{rank}.json").read_text())
 
 
-EXTENDED = frozenset({"test_a_sharded_run_killed_on_two_ranks_resumes_on_three_with_every_sample_once[plain]"})
-"""The StatefulDataLoader case covers the plain one's path and more (Lightning's batch sampler)."""
+EXTENDED = frozenset({"test_a_sharded_run_killed_on_two_ranks_resumes_on_three_with_every_sample_once"})
+"""Both cases in make test-all (five fresh processes each); make test covers the deal with DDP."""
 
 
 @pytest.mark.parametrize("loader", ["plain", "stateful"])

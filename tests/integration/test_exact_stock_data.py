@@ -62,6 +62,22 @@ SINGLE = {
 }
 
 DDP = {"devices": 2, "use_distributed_sampler": True}
+BATCHNORM_EPOCH_END = {
+    "pipeline": "torch",
+    "shuffle": False,
+    "n": 32,
+    "max_epochs": 3,
+    "batchnorm": True,
+    "accumulate": 2,
+    "ddp": {"broadcast_buffers": False},
+    "val_check_interval": 1.0,
+    "record_validation": True,
+    "ckpt": {"every_n_epochs": 1, "save_top_k": -1, "save_last": True},
+}
+"""BatchNorm statistics each rank keeps (no broadcast_buffers), so rank 1's validation uses its own (only rank 0's
+are in Lightning's checkpoint); a plain loader without shuffle, gradient accumulation, the checkpoint at the epoch's
+end after validation (a num_workers=0 StatefulDistributedSampler), resumed in epoch 2. Records: 8 micro-batches and
+2 validation batches after each of 2 epochs."""
 DDP_CASES = {
     "shuffle_seeded_workers0": ({}, 7, 6),
     "no_shuffle_drop_last_unseeded_workers2": (
@@ -71,41 +87,11 @@ DDP_CASES = {
     ),
     "shuffle_drop_last_unseeded": ({"drop_last": True, "n": 42, "seed_everything": False}, 7, 6),
     "torch_dataloader_shuffle_workers2": ({"pipeline": "torch", "num_workers": 2}, 7, 6),
-    # BatchNorm statistics each rank keeps (no broadcast_buffers), so rank 1's validation uses its own (only
-    # rank 0's are in Lightning's checkpoint); a plain loader without shuffle, gradient accumulation, the checkpoint
-    # at the epoch's end after validation (a num_workers=0 StatefulDistributedSampler), resumed in epoch 2.
-    "torch_dataloader_rank_local_batchnorm_epoch_end": (
-        {
-            "pipeline": "torch",
-            "shuffle": False,
-            "n": 32,
-            "max_epochs": 3,
-            "batchnorm": True,
-            "accumulate": 2,
-            "ddp": {"broadcast_buffers": False},
-            "val_check_interval": 1.0,
-            "record_validation": True,
-            "ckpt": {"every_n_epochs": 1, "save_top_k": -1, "save_last": True},
-        },  # fmt: skip
-        8,
-        12,  # records: 8 micro-batches and 2 validation batches after each of 2 epochs
-    ),
+    "torch_dataloader_rank_local_batchnorm_epoch_end": (BATCHNORM_EPOCH_END, 8, 12),
     # The same in the verified format: the saves hash no weights; rank 1's restored state is compared with the
     # loaded checkpoint, its own BatchNorm statistics (put back on purpose) left out.
     "torch_dataloader_rank_local_batchnorm_epoch_end_safetensors": (
-        {
-            "pipeline": "torch",
-            "shuffle": False,
-            "n": 32,
-            "max_epochs": 3,
-            "batchnorm": True,
-            "accumulate": 2,
-            "ddp": {"broadcast_buffers": False},
-            "val_check_interval": 1.0,
-            "record_validation": True,
-            "safetensors": True,
-            "ckpt": {"every_n_epochs": 1, "save_top_k": -1, "save_last": True},
-        },  # fmt: skip
+        {**BATCHNORM_EPOCH_END, "safetensors": True},
         8,
         12,
     ),

@@ -294,6 +294,16 @@ def skip_validation_fast_forward(trainer: pl.Trainer) -> None:
     val_loop.increment_progress_to_evaluation_end = once  # type: ignore[method-assign]
 
 
+def run_due_validation(trainer: pl.Trainer, epoch_exhausted: bool, epoch: int) -> None:
+    """The validation that was due right after the saved step (Lightning skips it on resume), once the RNG is
+    restored: run now after a save at the end of epoch ``epoch`` (Lightning already counts that epoch finished;
+    the validation still belongs to it), else left to the restarted epoch loop."""
+    if epoch_exhausted:
+        run_validation(trainer, epoch=epoch)
+    else:
+        defer_validation_to_loop(trainer)
+
+
 def run_validation(trainer: pl.Trainer, epoch: int) -> None:
     """Run the validation that was due right after the saved step, as epoch_loop.on_advance_end does
     (training_epoch_loop.py:396-408); Lightning skips it on resume (training_epoch_loop.py:281-292).

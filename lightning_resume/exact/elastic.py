@@ -210,9 +210,9 @@ def restore_position_and_rng(
         reseed(policy.derived_seed(mine["rng"], old_world, new_world, rank), generators)
     restored_rng = capture_rng(generators)
     if dealt is not None:
-        drop_last = batching(loader)[1]  # the batch sampler's where Lightning made one (``batching``)
-        length = plan.start_batch + policy.epoch_batches(len(plan.indices), batch_size, drop_last)
-        afterwards.at_epoch_end.append(lc.set_epoch_length(trainer, length))
+        planned_length(trainer, plan, afterwards)
+    if mine["validation_pending"]:  # due right after the saved step, on every rank as on the old ones
+        lc.run_due_validation(trainer, mine["epoch_exhausted"], int(mine.get("epoch", trainer.current_epoch)))
     if accumulate[1] != trainer.accumulate_grad_batches:
         lc.set_accumulation(trainer, accumulate[1])
     move = Move(old_world, new_world, accumulate, batch_size, int(mine.get("epoch", trainer.current_epoch)), dealt)

@@ -189,11 +189,8 @@ def restore_position_and_rng(
             elastic_restore.planned_length(trainer, plan, afterwards)
     restore_rng(mine["rng"], generators)
     restored_rng = capture_rng(generators)
-    if mine["validation_pending"] and mine["epoch_exhausted"]:
-        # Lightning already counts the saved epoch finished; the validation still belongs to it.
-        lc.run_validation(trainer, epoch=mine.get("epoch", trainer.current_epoch))
-    elif mine["validation_pending"]:
-        lc.defer_validation_to_loop(trainer)
+    if mine["validation_pending"]:
+        lc.run_due_validation(trainer, mine["epoch_exhausted"], mine.get("epoch", trainer.current_epoch))
     return restored_rng
 
 

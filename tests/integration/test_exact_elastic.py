@@ -237,3 +237,17 @@ def test_with_the_memory_tier_a_changed_world_size_resumes_from_disk(tmp_path: P
     assert len(before) == 2 * 6 * 4
     counts = Counter(before + _ids(Path(c["out"]), 1, 0))
     assert counts == Counter(range(80))
+
+
+def test_a_validation_due_after_the_saved_step_runs_on_the_new_world_size(tmp_path: Path) -> None:
+    """Validation every 4 batches and a checkpoint every 4 steps: the one at step 16 was written before the
+    validation due right after it, which Lightning skips on resume; the elastic resume runs it first."""
+    b = _launch(tmp_path, "B", 2, val_check_interval=4, pause_before=SAVED_STEP + 2)
+    h.run_until_paused(b, tmp_path)
+    killed = h.steps(Path(b["out"]))
+    after_save = [s for s in killed if s["step"] == SAVED_STEP]
+    assert "val" in after_save[0]  # the uninterrupted order: the validation, then the next batch
+    c = _resume(tmp_path, "C", 1, tmp_path / "ckpt-B" / f"step={SAVED_STEP}.ckpt", val_check_interval=4)
+    records = h.steps(Path(c["out"]))
+    assert [("val" in s, s["step"]) for s in records[:2]] == [(True, SAVED_STEP), (True, SAVED_STEP)]
+    assert "ids" in records[2] and records[2]["step"] == SAVED_STEP

@@ -293,7 +293,8 @@ def compare(a: Trace, b: Trace, *, require_relaunch: bool = True, ignore: Sequen
     resumed_at = {rank: cut.resumed_at for rank, cut in sorted(cuts.items())}
     findings, compared = [], {}
     for rank in sorted(set(a) | set(b)):
-        finding, compared[rank] = _first_finding(rank, _compared_records(a.get(rank, ())), cuts.get(rank, _Cut()))
+        a_rank = _compared_records(a.get(rank, ()))
+        finding, compared[rank] = _first_finding(rank, a_rank, _sources_kept(cuts.get(rank, _Cut()), a_rank))
         findings += [finding] if finding is not None else []
     summary: dict[str, Any] = {"launches": launches, "resumed_at": resumed_at, "compared": compared}
     lone = [rank for rank, n in launches.items() if n < 2] if launches else [0]
@@ -334,6 +335,30 @@ def _without(cut: _Cut, ignore: Sequence[str]) -> _Cut:
         restores={launch: position(i) for launch, i in cut.restores.items()},
         problems=tuple(replace(p, position=position(p.position)) for p in cut.problems),
     )
+
+
+def _sources_kept(cut: _Cut, a: Sequence[Record]) -> _Cut:
+    """``cut`` with its ``end`` records' ``files`` lacking each file a relaunch resumed from that A does not
+    have at its end: neither Lightning's ``ModelCheckpoint`` nor retention deletes the checkpoint a run resumed
+    from (model_checkpoint.py:1021-1023), so a relaunch from a file the uninterrupted run pruned later (killed
+    between a top-k save and ``last.ckpt``, or resumed from an epoch-end file) keeps it, by rule, not by defect."""
+    sources = {_basename(str(s["resumed_from"])) for s in cut.starts if s.get("resumed_from")}
+    a_files = {name for r in a if r.get("kind") == "end" for name in r.get("files") or ()}
+    kept = sources - a_files
+    if not kept:
+        return cut
+
+    def without_sources(record: Record) -> Record:
+        if record.get("kind") != "end" or not isinstance(record.get("files"), list):
+            return record
+        return {**record, "files": [name for name in record["files"] if name not in kept]}
+
+    return replace(cut, records=tuple(without_sources(r) for r in cut.records))
+
+
+def _basename(path: str) -> str:
+    """The last part of a local path or a URL (``s3://b/run/x.ckpt``: ``x.ckpt``), as ``end.files`` lists it."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _compared_records(records: Sequence[Record]) -> list[Record]:

@@ -245,6 +245,25 @@ def test_checkpoint_files_differ_at_the_end():
     assert "only in the uninterrupted run ['step=8.ckpt']" in compare({0: run()}, {0: fewer}).cause
 
 
+def test_the_file_a_relaunch_resumed_from_is_kept_by_rule_not_a_difference():
+    """A relaunch from a file A pruned later keeps it (Lightning never deletes the file a run resumed from):
+    not a difference; any other extra file, or the source when it is not a relaunch's, still is."""
+    a = [{**r, "files": ["last.ckpt", "step=12.ckpt"]} if r["kind"] == "end" else r for r in run()]
+    kept = ["last.ckpt", "step=12.ckpt", "step=4.ckpt"]
+    resumed = [
+        {**r, "resumed_from": "/ckpts/step=4.ckpt"} if r["kind"] == "start" and r["step"] == 4 else r for r in run((5,))
+    ]
+    b = [{**r, "files": kept} if r["kind"] == "end" else r for r in resumed]
+    assert compare({0: a}, {0: b}).exact
+    url = [{**r, "resumed_from": "s3://bucket/ckpts/step=4.ckpt"} if r.get("resumed_from") else r for r in b]
+    assert compare({0: a}, {0: url}).exact
+    from_last = [{**r, "files": kept} if r["kind"] == "end" else r for r in run((5,))]  # resumed from last.ckpt
+    verdict = compare({0: a}, {0: from_last})
+    assert verdict.component == "files" and "only in the killed run ['step=4.ckpt']" in verdict.cause
+    more = [{**r, "files": [*kept, "step=8.ckpt"]} if r["kind"] == "end" else r for r in resumed]
+    assert "only in the killed run ['step=8.ckpt']" in compare({0: a}, {0: more}).cause
+
+
 def test_fewer_steps_are_missing_records():
     verdict = compare({0: run()}, {0: run((5,), last=10)})
     assert (verdict.component, verdict.step) == ("missing", 10)

@@ -1,14 +1,16 @@
 """The async save protocol: snapshot on the caller's thread, commit on one ordered worker.
 
 Two phases, in order. On the caller's (training) thread, :class:`AsyncSaver` encodes the checkpoint
-(an unencodable value fails there, before any file is touched) and copies its tensors into the
-reusable host pool of ``buffers.HostBuffers``; once :meth:`AsyncSaver.save` returns nothing the next
-optimizer step mutates is referenced. On the worker (``worker.OrderedWriter``) the staged bytes are
-committed (:func:`commit_staged`: ``write.commit``, atomic and checksummed, with direct I/O from the
-pool where the filesystem allows), then the deletions asked for after it run, in order. At most one
-save is in flight (the next waits for it, and that wait is measured); a worker's error is handed to the
-caller's thread at the next save, at :meth:`AsyncSaver.wait` or at :meth:`AsyncSaver.close`, never
-lost. This module knows tensors, threads and files, not Lightning.
+(an unencodable value fails there, before any file is touched; ``codec.TreeEncoder`` reuses the last
+save's encoding while the tree keeps its signature) and copies its tensors into the reusable host pool
+of ``buffers.HostBuffers`` (while a tree is encoded in full, the last save's tensors are copied again
+meanwhile, on a helper thread, and taken where they are still the same memory); once
+:meth:`AsyncSaver.save` returns nothing the next optimizer step mutates is referenced. On the worker
+(``worker.OrderedWriter``) the staged bytes are committed (:func:`commit_staged`: ``write.commit``,
+atomic and checksummed, with direct I/O from the pool where the filesystem allows), then the deletions
+asked for after it run, in order. At most one save is in flight (the next waits for it, and that wait is
+measured); a worker's error is handed to the caller's thread at the next save, at :meth:`AsyncSaver.wait`
+or at :meth:`AsyncSaver.close`, never lost. This module knows tensors, threads and files, not Lightning.
 """
 
 from __future__ import annotations
@@ -16,19 +18,17 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.io import write
 from lightning_resume.io.buffers import HostBuffers, StagedTensors
+from lightning_resume.io.codec import TreeEncoder, TreeText
 from lightning_resume.io.worker import Job, OrderedWriter
 
 log = logging.getLogger(__name__)
-
-Encoded = Tuple[str, Dict[str, torch.Tensor]]
-"""A checkpoint as ``write.encode_tree`` gives it: the tree's JSON text and its tensors by name."""
 
 WriteFn = Callable[[str, str, StagedTensors], None]
 """``commit(path, tree_json, staged)``: the durable commit (:func:`commit_staged` with a digest), reading
@@ -56,6 +56,7 @@ class AsyncSaver:
         self.on_error = on_error
         self.overlap = overlap
         self.buffers = HostBuffers()
+        self.encoder = TreeEncoder()
         self.writer = OrderedWriter()
         self._last_write: Optional[Job] = None
         self.last_wait_seconds = 0.0
@@ -76,40 +77,45 @@ class AsyncSaver:
         Returns once every tensor is copied, so the caller may then change its state freely. With
         ``overlap`` the commit is queued before the copy starts and follows it chunk by chunk.
         """
-        self._save(path, lambda: write.encode_tree(checkpoint))
+        self._save(path, checkpoint=checkpoint)
 
     def save_encoded(self, tree_json: str, tensors: Dict[str, torch.Tensor], path: str) -> None:
         """:meth:`save` of a checkpoint the caller has encoded already (``write.encode_tree``), e.g. to size it
         first: the same wait, snapshot and commit, without encoding it a second time."""
-        self._save(path, lambda: (tree_json, tensors))
+        self._save(path, encoded=TreeText(tree_json, tensors))
 
-    def _save(self, path: str, encode: Callable[[], Encoded]) -> None:
+    def _save(self, path: str, checkpoint: Optional[dict] = None, encoded: Optional[TreeText] = None) -> None:
         started = time.monotonic()
         self.writer.wait(self.writer.outstanding())  # the pool is reused: the previous write must be done
         snapshot_start = time.monotonic()
         self.last_wait_seconds = snapshot_start - started
         self.report()
-        recopy = None if self.overlap else self.buffers.recopy_last()  # the same tensors, copied meanwhile
-        try:
-            tree_json, tensors = encode()  # unencodable values fail here, before any file
-        finally:
-            if recopy is not None:
-                recopy.join()  # nothing touches the pool while it is being copied into
-        staged = self.buffers.prepare(tensors)
+        recopy = None
+        if encoded is None:
+            encoded = self.encoder.reuse(checkpoint)  # the usual save: only its tensor-free subtrees encoded
+        if encoded is None:  # encoded in full: long Python work, so the same tensors are copied meanwhile
+            recopy = None if self.overlap else self.buffers.recopy_last()
+            try:
+                encoded = self.encoder.encode_in_full(checkpoint)  # unencodable values fail here, before any file
+            finally:
+                if recopy is not None:
+                    recopy.join()  # nothing touches the pool while it is being copied into
+        tree_json, tensors = encoded.tree_json, encoded.tensors
+        staged = self.buffers.prepare(tensors, encoded.layout)
         job = Job("write", path, lambda: self._commit(path, tree_json, staged))
         if self.overlap:
-            self._fill_while_writing(staged, tensors, job)
+            self._fill_while_writing(staged, encoded, job)
         else:
             if not self.buffers.adopt(recopy, staged, tensors):
-                self.buffers.fill(staged, tensors)
+                self.buffers.fill(staged, tensors, encoded.pointers, encoded.plain)
             self.writer.submit(job)
         self.last_blocked_seconds = time.monotonic() - snapshot_start
         self._last_write = job
 
-    def _fill_while_writing(self, staged: StagedTensors, tensors: Mapping[str, torch.Tensor], job: Job) -> None:
+    def _fill_while_writing(self, staged: StagedTensors, encoded: TreeText, job: Job) -> None:
         self.writer.submit(job)
         try:
-            self.buffers.fill(staged, tensors)
+            self.buffers.fill(staged, encoded.tensors, encoded.pointers, encoded.plain)
         except BaseException:
             self.writer.wait([job])  # the write stops at the first byte not copied and leaves no file
             self.writer.discard(job)  # the caller gets the copy's own error, now; not a second one later

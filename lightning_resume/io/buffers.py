@@ -4,18 +4,22 @@
 the tensors of the file's data section, in file order (pinned, with non-blocking copies and one
 synchronisation per device, when a source is on CUDA), so a writer can write it with direct I/O and
 nothing the next optimizer step mutates is referenced. :class:`StagedTensors` tells a reader which
-tensors are copied yet, so a write may follow the copy tensor by tensor. A save of the same tensors as
-the last one (the usual case) can be copied on a helper thread while the caller encodes the tree
-(:meth:`HostBuffers.recopy_last`), and is taken only if every tensor is still the same memory seen the
-same way (:meth:`HostBuffers.adopt`). This module knows tensors and memory: no files, no threads of its
-own beyond that one copy, no Lightning.
+tensors are copied yet, so a write may follow the copy tensor by tensor. Small tensors that stay in the
+same memory from save to save (the usual case: the same model) are copied by one ``torch.cat`` per run
+of them, from byte views kept between saves, so the copy costs no per-tensor work beyond the memcpy. While
+the caller encodes a tree in full (long Python work), the last save's tensors can be copied again on a
+helper thread (:meth:`HostBuffers.recopy_last`), and that copy is taken for every tensor still the same
+memory seen the same way (:meth:`HostBuffers.adopt`). This module knows tensors and memory: no files, no
+threads of its own beyond that one copy, no Lightning.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from dataclasses import dataclass
+from itertools import compress
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -94,7 +98,7 @@ class StagedTensors(Dict[str, torch.Tensor]):
             self._cv.notify_all()
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Layout:
     """The pool carved for one state shape: reused by every save of a state with the same signature."""
 
@@ -102,6 +106,18 @@ class _Layout:
     views: Dict[str, torch.Tensor]
     index: Dict[str, int]
     image: memoryview
+    names: List[str]
+    """The tensors' names in file order (the order of ``views``)."""
+    dsts: List[torch.Tensor]
+    """``views``' values, in file order."""
+    bounds: List[Tuple[int, int]]
+    """Each tensor's byte range in the pool, in file order."""
+    cuda: bool
+    """Whether a source is on an accelerator (then copied by :class:`_Filler`, queued non-blocking)."""
+    key: Optional[object] = None
+    """The encoder's layout key last found to describe this signature (``codec.TreeText.layout``)."""
+    order: Optional[List[int]] = None
+    """With ``key``: where each tensor, in file order, is among the values of the mapping given with it."""
 
 
 def _signature(tensors: Mapping[str, torch.Tensor], is_cuda: Callable[[torch.Tensor], bool]) -> Tuple:
@@ -115,7 +131,9 @@ class HostBuffers:
     The pool is allocated on the first save and again only if a later state needs more bytes, or
     needs pinning and the pool is not pinned; ``allocations`` counts that. The views of the pool, the
     file layout and the name index are rebuilt only when the state's signature (names, dtypes,
-    shapes) changes, so a save of the same model costs one tuple comparison before the copy.
+    shapes) changes, so a save of the same model costs one tuple comparison before the copy, or none when
+    the encoder vouches for the signature (``prepare``'s ``key``). From the third save of the same tensors
+    on, their copy is one ``torch.cat`` per run of small tensors (:class:`_Sources`).
     ``devices``: how sources on an accelerator are recognised, pinned memory allocated and copies awaited.
     """
 
@@ -127,10 +145,12 @@ class HostBuffers:
         self.layouts = 0
         """How many times views were carved (first save, and each save whose signature changed)."""
         self._layout: Optional[_Layout] = None
-        self._last: Optional[Tuple[_Layout, List[torch.Tensor], List[torch.Tensor]]] = None
-        """The layout, destinations and sources of the last CPU-only fill: what :meth:`recopy_last` copies."""
+        self._sources: Optional[_Sources] = None
+        """The sources of the last CPU-only fill, and their byte views: what :meth:`recopy_last` copies."""
         self.adopted = 0
         """Saves whose copy was made by :meth:`recopy_last` during their encoding (no copy after it)."""
+        self.partly_adopted = 0
+        """Saves that took the recopy but copied some tensors again after it (those in other memory now)."""
 
     @property
     def capacity(self) -> int:
@@ -146,22 +166,30 @@ class HostBuffers:
         self.fill(staged, tensors)
         return staged
 
-    def prepare(self, tensors: Mapping[str, torch.Tensor]) -> StagedTensors:
+    def prepare(self, tensors: Mapping[str, torch.Tensor], key: Optional[object] = None) -> StagedTensors:
         """Views of the pool laid out as the file's data section, in file order, not yet holding their bytes.
 
         The views of the previous save are reused when the signature is the same (the usual case: the
-        same model every time), which keeps their construction off the training thread's clock.
+        same model every time), which keeps their construction off the training thread's clock. ``key``
+        (``codec.TreeText.layout``): an object that is the same only for tensors with the same names,
+        dtypes, shapes and devices in the same order; when it is the key the layout was last checked
+        against, the signature is not computed at all.
         """
-        signature = _signature(tensors, self.devices.is_cuda)
         layout = self._layout
-        if layout is None or layout.signature != signature:
-            layout = self._carve(signature, tensors)
+        if key is None or layout is None or layout.key is not key:
+            signature = _signature(tensors, self.devices.is_cuda)
+            if layout is None or layout.signature != signature:
+                layout = self._carve(signature, tensors)
+            layout.key = key
+            position = {name: i for i, name in enumerate(tensors)}
+            layout.order = None if key is None else list(map(position.__getitem__, layout.names))
         return StagedTensors(layout.views, layout.image, layout.index)
 
     def _carve(self, signature: Tuple, tensors: Mapping[str, torch.Tensor]) -> _Layout:
         entries = framing.layout(tensors)
         size = _blocks(entries[-1].end if entries else 0)
-        self._ensure(size, pinned=any(cuda for *_, cuda in signature))
+        cuda = any(c for *_, c in signature)
+        self._ensure(size, pinned=cuda)
         views = {}
         for e in entries:
             t = tensors[e.name]
@@ -171,7 +199,18 @@ class HostBuffers:
                 else torch.empty(t.shape, dtype=t.dtype)
             )
         image = memoryview(self._pool_bytes(size).numpy().data)
-        self._layout = _Layout(signature, views, {name: i for i, name in enumerate(views)}, image)
+        names = list(views)
+        self._layout = _Layout(
+            signature,
+            views,
+            {name: i for i, name in enumerate(views)},
+            image,
+            names,
+            list(views.values()),
+            [(e.begin, e.end) for e in entries],
+            cuda,
+        )
+        self._sources = None
         self.layouts += 1
         return self._layout
 
@@ -179,60 +218,89 @@ class HostBuffers:
         assert self._pool is not None
         return self._pool[:n]
 
-    def fill(self, staged: StagedTensors, tensors: Mapping[str, torch.Tensor]) -> None:
+    def fill(
+        self,
+        staged: StagedTensors,
+        tensors: Mapping[str, torch.Tensor],
+        pointers: Optional[List[int]] = None,
+        plain: bool = False,
+    ) -> None:
         """Copy ``tensors`` into ``staged`` in file order, releasing each stretch to readers as it is copied.
 
         CPU tensors are copied in batches of up to ``NOTIFY_BYTES`` with one call each (no Python work
-        per tensor beyond a list entry); CUDA copies are queued non-blocking and released together
-        after one synchronisation per device. If a copy raises, readers get ``StagingAborted`` and the
-        error propagates here.
+        per tensor beyond a list entry; runs of small tensors in the same memory as the last save's, one
+        ``torch.cat`` each); CUDA copies are queued non-blocking and released together after one
+        synchronisation per device. If a copy raises, readers get ``StagingAborted`` and the error
+        propagates here. ``pointers``: the data pointers of ``tensors``' values in order, when the caller
+        has them (``codec.TreeText.pointers``, with the ``key`` :meth:`prepare` was given); ``plain``: the
+        caller found every one contiguous CPU memory with no conjugate or negative bit (``TreeText.plain``).
         """
-        self._last = None
+        layout = self._layout
+        sources = self._sources
         try:
             with torch.no_grad():
-                filler = _Filler(staged, self.devices)
-                filler.run(tensors)
+                if layout is None or layout.cuda or sources is None or sources.layout is not layout:
+                    self._sources = None
+                    filler = _Filler(staged, self.devices)
+                    filler.run(tensors)
+                    if not filler.sources and layout is not None and not layout.cuda and self._pool is not None:
+                        self._sources = _Sources(layout, self._pool, tensors)
+                else:
+                    sources.refresh(tensors, pointers, plain)
+                    sources.copy(staged)
         except BaseException as err:
+            self._sources = None
             staged._abort(err)
             raise
         staged._copied_up_to(len(staged), notify=True)
-        if not filler.sources and self._layout is not None:
-            self._last = (self._layout, list(staged.values()), [tensors[name] for name in staged])
 
     def recopy_last(self) -> Optional[_Recopy]:
         """Start copying the sources of the last fill into the same places again, on a helper thread.
 
         Meant to run while the caller encodes the next checkpoint (Python work that holds the GIL; the
-        copy is one C call that releases it): a model saved again usually has the very same tensors, so
+        copy is C calls that release it): a model saved again usually has the very same tensors, so
         :meth:`adopt` can then take this copy instead of copying after the encoding. ``None`` when there
-        is nothing to recopy (first save, CUDA sources). The caller must not touch the pool before
-        :meth:`adopt` (or ``join``) returns.
+        is nothing to recopy (first save, CUDA sources). Worth it only while the encoding is long (a tree
+        encoded in full): the copy then competes with little, where a short encoding would gain little and
+        share the cores with it. The caller must not touch the pool before :meth:`adopt` (or ``join``) returns.
         """
-        return None if self._last is None else _Recopy(*self._last)
+        sources = self._sources
+        if sources is None or sources.layout is not self._layout:
+            return None
+        return _Recopy(sources)
 
     def adopt(self, recopy: Optional[_Recopy], staged: StagedTensors, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """Wait for ``recopy``; if it copied exactly what :meth:`fill` of ``tensors`` would, mark ``staged``
-        copied and return ``True``; else ``False`` (the caller then fills).
+        """Wait for ``recopy``; if it copied into the layout of ``staged``, copy again only the tensors it could
+        not have copied exactly, mark ``staged`` copied and return ``True``; else ``False`` (the caller then fills).
 
-        Exactly: the same layout object (same names, dtypes, shapes) and, per tensor, the same memory
-        seen the same way (data pointer, strides, conjugate and negative bits). The sources of the last
-        fill are kept referenced, so a pointer equal to one of theirs cannot be reused memory.
+        Exactly: per tensor, the same memory seen the same way (data pointer, contiguous on the CPU, no
+        conjugate or negative bit) as the source the recopy read. The sources of the last fill are kept
+        referenced, so a pointer equal to one of theirs cannot be reused memory.
         """
         if recopy is None:
             return False
         recopy.join()
-        if not recopy.ok or recopy.layout is not self._layout or len(tensors) != len(recopy.srcs):
+        sources = self._sources
+        if not recopy.ok or sources is None or recopy.sources is not sources or sources.layout is not self._layout:
             return False
-        for old, name in zip(recopy.srcs, staged, strict=True):
-            new = tensors[name]
-            if not _same_view(old, new):
-                return False
+        try:
+            with torch.no_grad():
+                moved = sources.refresh(tensors)
+                if moved:
+                    _copy_batch([sources.layout.dsts[i] for i in moved], [sources.srcs[i] for i in moved])
+        except BaseException as err:
+            self._sources = None
+            staged._abort(err)
+            raise
         staged._copied_up_to(len(staged), notify=True)
-        self.adopted += 1
+        if moved:
+            self.partly_adopted += 1
+        else:
+            self.adopted += 1
         return True
 
     def release(self) -> None:
-        self._pool, self._layout, self._last = None, None, None
+        self._pool, self._layout, self._sources = None, None, None
 
     def reserve(self, nbytes: int, pinned: bool = False) -> None:
         """Allocate the pool for a data section of about ``nbytes`` and touch every page of it now.
@@ -243,7 +311,7 @@ class HostBuffers:
         size = _blocks(nbytes)
         if self._pool is not None and self.capacity >= size and (self.pinned or not pinned):
             return
-        self._layout = None
+        self._layout, self._sources = None, None
         self._ensure(size, pinned)
         assert self._pool is not None
         self._pool.zero_()
@@ -251,14 +319,184 @@ class HostBuffers:
     def _ensure(self, nbytes: int, pinned: bool) -> None:
         if self._pool is not None and self.capacity >= nbytes and (self.pinned or not pinned):
             return
-        self._pool, self._layout = None, None  # drop the old pool before allocating the new one: never two at once
+        # drop the old pool (and every view of it) before allocating the new one: never two at once
+        self._pool, self._layout, self._sources = None, None, None
         self._pool = _block_aligned(self.devices.allocate(nbytes + BLOCK, pinned), nbytes)
         self.pinned = pinned
         self.allocations += 1
 
 
+CAT_MAX_BYTES = 256 << 10
+"""Largest tensor a run copy (``torch.cat`` into the pool) takes: smaller ones cost more in per-tensor
+overhead than in bytes; larger ones are copied one ``copy_`` each (which may split them across threads)."""
+
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_IS_NEG = torch.Tensor.is_neg
+_IS_CONJ = torch.Tensor.is_conj
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
+class _Sources:
+    """The sources of the last CPU fill of one layout, in file order, and how to copy them again cheaply.
+
+    They stay referenced, so a data pointer equal to one of theirs is their memory, not memory freed and
+    reused. A small source that is plain (contiguous CPU memory, no conjugate or negative bit) and held
+    the same memory at two fills in a row gets a 1-D byte view, kept while that holds; each run of such
+    views is copied by one ``torch.cat`` into the pool, so the per-tensor cost left is the memcpy's.
+    """
+
+    def __init__(self, layout: _Layout, pool: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.layout, self.pool = layout, pool
+        self.small = [0 < end - begin <= CAT_MAX_BYTES for begin, end in layout.bounds]
+        self.complex = [i for i, t in enumerate(layout.dsts) if t.is_complex()]  # the conj bit exists only there
+        self.views: List[Optional[torch.Tensor]] = [None] * len(layout.names)
+        self.unviewed = {i for i, small in enumerate(self.small) if small}  # small, without a view yet
+        self.srcs: List[torch.Tensor] = []
+        self.ptrs: List[int] = []
+        self.plain: Optional[List[bool]] = None
+        self._take(tensors)
+        self._segments: Optional[List[_Segment]] = None
+
+    def _take(
+        self, tensors: Mapping[str, torch.Tensor], pointers: Optional[List[int]] = None, plain: bool = False
+    ) -> None:
+        order = self.layout.order
+        if pointers is not None and order is not None and len(pointers) == len(order):
+            values = list(tensors.values())
+            self.srcs = list(map(values.__getitem__, order))
+            self.ptrs = list(map(pointers.__getitem__, order))
+            self.plain = None if plain else self._plain(self.srcs)
+        else:
+            self.srcs = list(map(tensors.__getitem__, self.layout.names))
+            self.ptrs = list(map(_DATA_PTR, self.srcs))
+            self.plain = self._plain(self.srcs)
+
+    def _plain(self, srcs: List[torch.Tensor]) -> Optional[List[bool]]:
+        """``None`` when every source is plain (the usual case, checked in C); else which are."""
+        if (
+            all(map(_IS_CPU, srcs))
+            and all(map(_IS_CONTIGUOUS, srcs))
+            and not any(map(_IS_NEG, srcs))
+            and not any(_IS_CONJ(srcs[i]) for i in self.complex)
+        ):
+            return None
+        return [t.is_cpu and t.is_contiguous() and not t.is_neg() and not t.is_conj() for t in srcs]
+
+    def refresh(
+        self, tensors: Mapping[str, torch.Tensor], pointers: Optional[List[int]] = None, plain: bool = False
+    ) -> List[int]:
+        """Take ``tensors`` as the sources from now on (``pointers``, ``plain``: as :meth:`HostBuffers.fill`),
+        and return the places whose source is not the same plain memory as the last fill's (what a recopy
+        of the last fill did not copy exactly)."""
+        old_srcs, old_ptrs, old_plain = self.srcs, self.ptrs, self.plain
+        self._take(tensors, pointers, plain)
+        ptrs, new_plain = self.ptrs, self.plain
+        if old_plain is None and new_plain is None:  # the usual case: every source plain, then and now
+            moved = [] if ptrs == old_ptrs else list(compress(range(len(ptrs)), map(operator.ne, ptrs, old_ptrs)))
+        else:  # a strided, conjugate or negative source is the same only if seen the same way
+            same = list(map(operator.eq, ptrs, old_ptrs))
+            for i in range(len(same)):
+                if same[i] and not (_flag(old_plain, i) and _flag(new_plain, i)):
+                    same[i] = _same_view(old_srcs[i], self.srcs[i])
+            moved = list(compress(range(len(same)), map(operator.not_, same)))
+        views, unviewed = self.views, self.unviewed
+        for i in moved:
+            if views[i] is not None:  # a view of the old memory: drop it (and the memory it holds)
+                views[i] = None
+                self._segments = None
+        if unviewed:  # small, without a view: one if plain in the same memory two fills in a row
+            still = set(moved)
+            for i in [i for i in unviewed if i not in still and _flag(new_plain, i)]:
+                unviewed.discard(i)
+                try:
+                    views[i] = self.srcs[i].view(-1).view(torch.uint8)
+                except RuntimeError as err:  # not seen as bytes after all: stays copied source by source
+                    log.debug("no byte view of tensor %s: %s", self.layout.names[i], err)
+                self._segments = None
+        unviewed.update(i for i in moved if self.small[i])
+        return moved
+
+    def segments(self) -> List[_Segment]:
+        """The copy in file order: runs of views (one ``torch.cat`` each) and batches of the other sources,
+        each at most ``NOTIFY_BYTES`` unless one tensor is larger."""
+        if self._segments is None:
+            segments: List[_Segment] = []
+            bounds, views = self.layout.bounds, self.views
+            start, nbytes = 0, 0
+            for i in range(len(views) + 1):
+                if i == len(views) or (
+                    i > start and ((views[i] is None) != (views[start] is None) or nbytes >= NOTIFY_BYTES)
+                ):
+                    if i > start:
+                        run = [v for v in views[start:i] if v is not None] if views[start] is not None else None
+                        out = self.pool[bounds[start][0] : bounds[i - 1][1]] if run is not None else None
+                        segments.append(_Segment(start, i, nbytes, run, out))
+                    start, nbytes = i, 0
+                if i < len(views):
+                    nbytes += bounds[i][1] - bounds[i][0]
+            self._segments = segments
+        return self._segments
+
+    def copy(self, staged: StagedTensors) -> None:
+        """Copy the current sources into ``staged`` in file order, releasing each stretch to readers."""
+        dsts, srcs = self.layout.dsts, self.srcs
+        unreleased = 0
+        for seg in self.segments():
+            _copy_segment(seg, dsts, srcs)
+            unreleased += seg.nbytes
+            notify = unreleased >= NOTIFY_BYTES
+            staged._copied_up_to(seg.end, notify)
+            unreleased = 0 if notify else unreleased
+
+    def recopy(self) -> None:
+        """:meth:`copy` again from the same sources, releasing nothing (:meth:`HostBuffers.adopt` does)."""
+        dsts, srcs = self.layout.dsts, self.srcs
+        for seg in self.segments():
+            _copy_segment(seg, dsts, srcs)
+
+
+def _flag(flags: Optional[List[bool]], i: int) -> bool:
+    return flags is None or flags[i]
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same CPU memory seen the same way (a copy of either gives the same bytes)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.stride() == b.stride()
+        and a.is_conj() == b.is_conj()
+        and a.is_neg() == b.is_neg()
+        and a.is_cpu
+        and b.is_cpu
+    )
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Places ``[start, end)`` of a layout: a run of byte views copied into ``out`` by one ``torch.cat``, or
+    (``views`` ``None``) a batch copied source by source."""
+
+    start: int
+    end: int
+    nbytes: int
+    views: Optional[List[torch.Tensor]]
+    out: Optional[torch.Tensor]
+
+
+def _copy_segment(seg: _Segment, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+    if seg.views is not None:
+        try:
+            torch.cat(seg.views, out=seg.out)
+            return
+        except RuntimeError as err:  # e.g. a source overlapping the pool: copy it the general way
+            log.debug("run copy of tensors %d-%d failed, copying them one by one: %s", seg.start, seg.end, err)
+    _copy_batch(dsts[seg.start : seg.end], srcs[seg.start : seg.end])
+
+
 class _Filler:
-    """One :meth:`HostBuffers.fill`: batches of CPU copies, queued CUDA copies, in-order release."""
+    """One :meth:`HostBuffers.fill` of a new layout or of CUDA sources: batches of CPU copies, queued CUDA
+    copies, in-order release."""
 
     def __init__(self, staged: StagedTensors, devices: Devices) -> None:
         self.staged, self.api = staged, devices
@@ -300,28 +538,18 @@ class _Filler:
             self.unreleased = 0 if notify else self.unreleased
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.stride() == b.stride()
-        and a.is_conj() == b.is_conj()
-        and a.is_neg() == b.is_neg()
-        and not b.is_cuda
-    )
-
-
 class _Recopy:
-    """:meth:`HostBuffers.recopy_last` in flight: one batched copy on a helper thread."""
+    """:meth:`HostBuffers.recopy_last` in flight: the last fill's copy again, on a helper thread."""
 
-    def __init__(self, layout: _Layout, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-        self.layout, self.srcs, self.ok = layout, srcs, False
-        self._thread = threading.Thread(target=self._run, args=(dsts, srcs), name="lightning-resume-recopy")
+    def __init__(self, sources: _Sources) -> None:
+        self.sources, self.ok = sources, False
+        self._thread = threading.Thread(target=self._run, name="lightning-resume-recopy")
         self._thread.start()
 
-    def _run(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+    def _run(self) -> None:
         try:
             with torch.no_grad():
-                _copy_batch(dsts, srcs)
+                self.sources.recopy()
             self.ok = True
         except BaseException as err:  # noqa: BLE001 - the caller then copies the usual way
             log.debug("recopy of the last snapshot failed, copying after encoding instead: %s", err)
@@ -334,7 +562,7 @@ def _copy_batch(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
     """``dst.copy_(src)`` for each pair; many pairs in one call (the per-tensor cost is then in C++)."""
     if len(dsts) == 1:
         dsts[0].copy_(srcs[0])
-    else:
+    elif dsts:
         foreach_copy_(dsts, srcs)
 
 

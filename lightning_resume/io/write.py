@@ -17,7 +17,6 @@ import errno
 import fcntl
 import functools
 import io
-import json
 import mmap as mmap_module
 import os
 import sys
@@ -29,7 +28,7 @@ import torch
 
 from lightning_resume.io import framing, integrity
 from lightning_resume.io.atomic import atomic_write
-from lightning_resume.io.codec import encode
+from lightning_resume.io.codec import encode, to_json
 from lightning_resume.io.framing import BLOCK, FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.worker import Background
 
@@ -43,8 +42,7 @@ def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = integrity.
 def encode_tree(checkpoint: Dict[str, Any]) -> Tuple[str, Dict[str, torch.Tensor]]:
     """The typed JSON text of ``checkpoint`` and its tensors by name (the tensors are not copied)."""
     encoded = encode(checkpoint)
-    tree_json = json.dumps(encoded.tree, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
-    return tree_json, encoded.tensors
+    return to_json(encoded.tree), encoded.tensors
 
 
 def commit(

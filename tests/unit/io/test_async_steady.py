@@ -166,7 +166,7 @@ def test_the_next_save_of_the_same_tensors_is_copied_while_encoding_and_holds_th
     buffers = io._saver.buffers
     for t in (state["w"], state["m"]["a"]):
         t.add_(3)  # changed in place between saves: the recopy reads them at the second save
-    state["step"] = 2
+    state["epoch"] = 2  # a new key: the tree is encoded in full (the recopy runs during full encodings only)
     loaded = _saver_roundtrip(tmp_path, io, state, "b.ckpt")
     assert buffers.adopted == 1
     assert_same(loaded, state)
@@ -177,10 +177,12 @@ def test_a_tensor_replaced_between_saves_is_not_taken_from_the_recopy(tmp_path):
     state = {"w": torch.randn(64, 3), "v": torch.randn(9)}
     _saver_roundtrip(tmp_path, io, state, "a.ckpt")
     state["w"] = torch.randn(64, 3)  # same name, dtype and shape; other memory (e.g. a rebuilt optimizer state)
+    state["b"] = 1  # new keys: each save encoded in full, so the recopy runs
     loaded = _saver_roundtrip(tmp_path, io, state, "b.ckpt")
-    assert io._saver.buffers.adopted == 0
+    assert io._saver.buffers.adopted == 0 and io._saver.buffers.partly_adopted == 1  # "w" copied again
     assert_same(loaded, state)
     state["w"].mul_(2)
+    state["c"] = 1
     loaded = _saver_roundtrip(tmp_path, io, state, "c.ckpt")  # same tensors as the save before: recopied
     assert io._saver.buffers.adopted == 1
     assert_same(loaded, state)

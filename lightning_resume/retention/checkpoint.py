@@ -14,7 +14,7 @@ import uuid
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, Optional, Union, cast
+from typing import Callable, Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -35,14 +35,18 @@ from lightning_resume.errors import (
 )
 from lightning_resume.io.atomic import fsync_file_and_dir
 from lightning_resume.io.resolve import candidates
-from lightning_resume.io.verify import problem
+from lightning_resume.io.verify import precheck, problem
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.retention.last import OncePerFit, resumed_from
+from lightning_resume.retention.mirror import Mirror, Outcome
 from lightning_resume.retention.naming import parse_rolling_name, rolling_name
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
 from lightning_resume.retention.records import owned_record, read_checkpoint_callback_state
+from lightning_resume.retention.tiers import AnchorUpload, TieredPolicy, local_keep_last_problems
 
 _STATE = "retention"
+MIRROR_FLUSH_S = 600.0
+"""At the end of training, the longest wait for the mirror's uploads (and again for its deletions)."""
 
 
 class RetentionCheckpoint(lc.ModelCheckpointExtension):
@@ -53,6 +57,15 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     the resume source, the newest verified checkpoint, saves in flight and files this callback did not
     write are never deleted. ``fit(ckpt_path="last")`` then resolves to the newest file in ``dirpath``
     that verifies. ``save_top_k`` and ``filename`` are replaced by these rules and must stay unset.
+
+    Local first, then the object store: with ``mirror="s3://bucket/run"`` (any fsspec URL, or another local
+    directory) each checkpoint is written and made durable in ``dirpath``, then uploaded there in the
+    background (the training thread never waits on the network). Retention runs per tier: the keep rules
+    decide what the mirror keeps, ``local_keep_last`` how many of the most recent stay on local disk (default:
+    the same rules), and a local copy is never deleted before the mirror has it. ``mirror_anchors="sync"``
+    makes a save that becomes an anchor wait for its upload. A failed upload is named in a
+    ``RetentionWarning`` and tried again (training goes on); "last" is the newest checkpoint that verifies
+    in either tier, so a node with an empty local disk resumes from the mirror.
     """
 
     def __init__(
@@ -76,6 +89,9 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         keep_best: Optional[int] = None,
         anchor_every_n_steps: Optional[int] = None,
         anchor_every: Optional[Duration] = None,
+        mirror: Optional[str] = None,
+        local_keep_last: Optional[int] = None,
+        mirror_anchors: Literal["async", "sync"] = "async",
     ) -> None:
         check_versions()
         lc.resolve_last_through_callbacks()
@@ -96,7 +112,15 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
-        self.policy = self._build_policy(filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every)
+        rules = (keep_last, keep_best, anchor_every_n_steps, anchor_every)
+        mirror_problems = _mirror_problems(mirror, dirpath, local_keep_last, mirror_anchors, rules)
+        self.policy = self._build_policy(
+            filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every, mirror_problems
+        )
+        self.tiers = TieredPolicy(self.policy, local_keep_last) if mirror is not None else None
+        self.mirror_anchors = AnchorUpload(mirror_anchors)
+        self._mirror = Mirror(str(mirror)) if mirror is not None else None
+        self._mirror_records: dict = {}  # the mirror's checkpoints, by URL; the local ones are ``_records``
         self._records: dict = {}
         self._resume_source: Optional[str] = None
         self._last = OncePerFit()
@@ -104,8 +128,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         # state; a resumed run takes the id back from the checkpoint, so it still owns its earlier files.
         self._run_id: str = uuid.uuid4().hex
 
-    def _build_policy(self, filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every):
-        problems = []
+    def _build_policy(self, filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every, problems):
         seconds = None
         if anchor_every is not None:
             try:
@@ -184,6 +207,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             if trainer.is_global_zero:
                 fsync_file_and_dir(path)
             self._records[path] = replace(record, verified=True, in_flight=False)
+        self._mirror_new(trainer, record)
         self._apply_retention(trainer)
         return path
 
@@ -199,6 +223,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
                 writer.wait()
             self._settle_async_writes(trainer, writer)
             self._apply_retention(trainer)
+        if self._mirror is not None:
+            self._flush_mirror(trainer)
 
     def _settle_async_writes(self, trainer: pl.Trainer, writer: AsyncCheckpointWriter) -> None:
         """Async IO: a file stays in flight (never deleted, never "newest verified") until its atomic
@@ -227,26 +253,116 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     # ---- pruning ------------------------------------------------------------------------------
 
     def _apply_retention(self, trainer: pl.Trainer) -> None:
-        """Ask the policy; tag new anchors; delete the rest oldest first (only rank 0 touches files)."""
+        """Ask the policy (per tier with a mirror); tag new anchors; delete the rest oldest first (only rank 0
+        touches files: Strategy.remove_checkpoint locally, the mirror's queue remotely)."""
         records = list(self._records.values())
-        anchors = {r.path for r in self.policy.anchors(records)}
-        for decision in self.policy.decide(records, self._resume_source):
+        if self.tiers is None:
+            decisions, anchors = self.policy.decide(records, self._resume_source), self.policy.anchors(records)
+        else:
+            self._settle_mirror(trainer)
+            decisions = self.tiers.decide_local(records, self._on_mirror(), self._resume_source)
+            anchors = self.tiers.local_anchors(records)
+        self._carry_out(decisions, anchors, self._records, lambda path: lc.remove_checkpoint_file(self, trainer, path))
+        if self.tiers is not None:
+            mirrored = list(self._mirror_records.values())
+            decisions = self.tiers.decide_mirror(mirrored, self._resume_source)
+            remove = self._mirror_remover(trainer)
+            self._carry_out(decisions, self.tiers.mirror.anchors(mirrored), self._mirror_records, remove)
+        self._update_best_from_records()
+
+    def _carry_out(self, decisions: list, anchors: list, records: dict, remove: Callable[[str], None]) -> None:
+        """Delete what ``decisions`` drop (oldest first) from one tier's files and ``records``; tag new anchors."""
+        anchor_paths = {r.path for r in anchors}
+        for decision in decisions:
             record = decision.record
             if not decision.keep:
-                lc.remove_checkpoint_file(self, trainer, record.path)  # Strategy.remove_checkpoint: rank 0 only
-                del self._records[record.path]
-            elif record.path in anchors and ANCHOR not in record.tags:
-                self._records[record.path] = replace(record, tags=record.tags | {ANCHOR})
+                remove(record.path)
+                del records[record.path]
+            elif record.path in anchor_paths and ANCHOR not in record.tags:
+                records[record.path] = replace(record, tags=record.tags | {ANCHOR})
             if self.verbose and not decision.keep:
                 rank_zero_warn(
                     f"RetentionCheckpoint deleted {record.path}: {'; '.join(decision.reasons)}",
                     category=RetentionWarning,
                 )
-        self._update_best_from_records()
+
+    # ---- mirroring ----------------------------------------------------------------------------
+
+    def _mirror_new(self, trainer: pl.Trainer, record: CheckpointRecord) -> None:
+        """Queue the upload of a new save (rank 0) once its local file is durable; with
+        ``mirror_anchors="sync"``, wait for it when it becomes an anchor of the mirror."""
+        if self._mirror is None or self.tiers is None or not trainer.is_global_zero:
+            return
+        io = trainer.strategy.checkpoint_io
+        writer = io if isinstance(io, AsyncCheckpointWriter) else None
+        target = self._mirror.upload(record.path, lambda: writer is None or not writer.write_in_flight(record.path))
+        landing = replace(record, path=target)
+        if self.tiers.upload_first(list(self._mirror_records.values()), landing, self.mirror_anchors):
+            if writer is not None:
+                writer.wait(record.path)  # the local write first; its failure is raised here, per on_error
+            self._mirror.wait(record.path)
+
+    def _settle_mirror(self, trainer: pl.Trainer) -> None:
+        """Count what the mirror now holds (rank 0's uploads, one broadcast), name each upload that failed,
+        and queue again the failed ones whose wait is over."""
+        mirror = cast(Mirror, self._mirror)
+        outcomes = mirror.settle() if trainer.is_global_zero else []
+        for outcome in outcomes:
+            if outcome.error is not None:
+                rank_zero_warn(_upload_failure(mirror, outcome), category=RetentionWarning)
+        landed = [(o.source, o.target) for o in outcomes if o.error is None and not o.source_gone]
+        for source, target in trainer.strategy.broadcast(landed):
+            local = self._records.get(source)
+            if local is not None:  # else its local write failed: there is nothing to count
+                self._mirror_records[target] = replace(local, path=target, verified=True, in_flight=False)
+        if trainer.is_global_zero:
+            mirror.retry_due()
+
+    def _on_mirror(self) -> set:
+        """The base names of the checkpoints the mirror holds, verified."""
+        return {storage.basename(p) for p, r in self._mirror_records.items() if r.verified and not r.in_flight}
+
+    def _mirror_remover(self, trainer: pl.Trainer) -> Callable[[str], None]:
+        mirror = cast(Mirror, self._mirror)
+        return mirror.remove if trainer.is_global_zero else lambda path: None
+
+    def _upload_missing(self, trainer: pl.Trainer) -> None:
+        """At train start (rank 0): queue the upload of every local checkpoint the mirror lacks, oldest first
+        (a run killed mid-upload, or one that ended before its uploads did)."""
+        if self._mirror is None or not trainer.is_global_zero:
+            return
+        on_mirror = self._on_mirror()
+        for record in sorted(self._records.values(), key=lambda r: r.recency):
+            if record.verified and not record.in_flight and storage.basename(record.path) not in on_mirror:
+                self._mirror.upload(record.path)
+
+    def _flush_mirror(self, trainer: pl.Trainer) -> None:
+        """At the end of training: wait (at most ``MIRROR_FLUSH_S``) for the uploads, count them and prune both
+        tiers, then wait for the mirror's deletions. A local copy the mirror lacks stays, named in a warning;
+        the next start with this ``dirpath`` uploads it."""
+        mirror = cast(Mirror, self._mirror)
+        if trainer.is_global_zero:
+            mirror.wait(timeout=MIRROR_FLUSH_S)
+        self._apply_retention(trainer)
+        if not trainer.is_global_zero:
+            return
+        mirror.wait(timeout=MIRROR_FLUSH_S)
+        on_mirror = self._on_mirror()
+        missing = sorted(
+            storage.basename(p) for p, r in self._records.items() if r.verified and storage.basename(p) not in on_mirror
+        )
+        if missing:
+            rank_zero_warn(
+                f"RetentionCheckpoint: the mirror {mirror.directory} does not have {', '.join(missing)} yet; the"
+                f" local copies in {self.dirpath} are kept, and the next start with this dirpath uploads them",
+                category=RetentionWarning,
+            )
 
     def _update_best_from_records(self) -> None:
         """Mirror the records into ``ModelCheckpoint``'s best-k fields (``best_model_path``...)."""
-        candidates = [r for r in self._records.values() if r.verified or r.in_flight]
+        by_name = {storage.basename(r.path): r for r in self._mirror_records.values()}
+        by_name.update((storage.basename(r.path), r) for r in self._records.values())  # the local copy first
+        candidates = [r for r in by_name.values() if r.verified or r.in_flight]
         ranked = self.policy.ranked_by_metric([replace(r, verified=True, in_flight=False) for r in candidates])
         if not ranked:
             return
@@ -271,6 +387,14 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
                     " safely with it; use plugins=[SafetensorsCheckpointIO(async_save=True)] instead"
                 ],
             )
+        if self._mirror is not None and trainer.world_size > 1 and not _replicated(trainer):
+            raise ConfigurationError(
+                type(self).__name__,
+                [
+                    f"mirror={self._mirror.directory!r} copies single-file checkpoints, and this strategy writes"
+                    " a sharded directory per save; remove mirror, or save single files (DDP)"
+                ],
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -280,22 +404,30 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         resume = resumed_from(trainer)  # a fallback when the newest failed its hash while loading
         self._resume_source = _canonical(resume) if resume else None
         self._run_id = trainer.strategy.broadcast(self._run_id)  # one run, one id on every rank
-        records = self._reconciled_records(trainer) if trainer.is_global_zero else []  # rank 0's is broadcast
-        self._records = {r.path: r for r in trainer.strategy.broadcast(records)}
+        io = trainer.strategy.checkpoint_io
+        self._records = self._reconciled_tier(trainer, str(self.dirpath), self._records, lambda p: problem(p, io))
+        if self._mirror is not None:  # an object listed was committed whole: its header is checked, not every byte
+            check = lambda p: problem(p, check=precheck)
+            self._mirror_records = self._reconciled_tier(trainer, self._mirror.directory, self._mirror_records, check)
+            self._upload_missing(trainer)
         self._apply_retention(trainer)
 
-    def _reconciled_records(self, trainer: pl.Trainer) -> list:
-        """Records from the state, checked against the files now in ``dirpath`` (rank 0 reads disk)."""
-        io = trainer.strategy.checkpoint_io
+    def _reconciled_tier(self, trainer: pl.Trainer, directory: str, saved: dict, check: Callable) -> dict:
+        """Rank 0's reconciled records of one tier, broadcast, so that every rank holds the same."""
+        records = self._reconciled(directory, saved, check) if trainer.is_global_zero else []
+        return {r.path: r for r in trainer.strategy.broadcast(records)}
+
+    def _reconciled(self, directory: str, saved: dict, check: Callable[[str], Optional[str]]) -> list:
+        """One tier's records from the state, checked against the files now in ``directory`` (rank 0 reads)."""
         records = []
-        for path in (e.path for e in candidates(str(self.dirpath), (self.FILE_EXTENSION,))):
+        for path in (e.path for e in candidates(directory, (self.FILE_EXTENSION,))):
             if parse_rolling_name(path, self.FILE_EXTENSION) is None:
                 continue  # not our naming: never ours to delete, not ours to track
-            known = self._records.get(path) or self._record_from_file(path)
+            known = saved.get(path) or self._record_from_file(path)
             if known is None:
                 continue  # no record of this run names it: another callback's or another run's file
-            if known.in_flight or path not in self._records:
-                why = None if path == self._resume_source else problem(path, io)
+            if known.in_flight or path not in saved:
+                why = None if path == self._resume_source else check(path)
                 if why is not None:
                     rank_zero_warn(
                         f"RetentionCheckpoint: {path} does not verify ({why}); it is kept, not counted.",
@@ -318,6 +450,11 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             return None  # a record this version cannot read proves nothing: the file is not tracked
 
     @property
+    def mirror_directory(self) -> Optional[str]:
+        """Where this callback mirrors its checkpoints (``mirror``), or ``None``."""
+        return None if self._mirror is None else self._mirror.directory
+
+    @property
     def resolves_last(self) -> bool:
         """With a retention rule, ``ckpt_path="last"`` is the newest checkpoint that verifies (``retention.last``);
         without one, Lightning's own rule (the drop-in promise)."""
@@ -335,6 +472,9 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         if self.policy.active:
             records = [r.to_state() for r in sorted(self._records.values(), key=lambda r: r.recency)]
             state[_STATE] = {"run_id": self._run_id, "records": records}
+            if self._mirror is not None:
+                mirrored = sorted(self._mirror_records.values(), key=lambda r: r.recency)
+                state[_STATE]["mirror"] = [r.to_state() for r in mirrored]
         return state
 
     @override
@@ -344,6 +484,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         if self.policy.active and same_dir and _STATE in state_dict:
             saved = _records_from_state(state_dict[_STATE])
             self._records = {r.path: r for r in saved}
+            mirrored = _records_from_state({"records": state_dict[_STATE].get("mirror")})
+            self._mirror_records = {r.path: r for r in mirrored} if self._mirror is not None else {}
             self._run_id = str(state_dict[_STATE].get("run_id") or self._run_id)  # resuming continues the run
 
 
@@ -360,6 +502,44 @@ def _records_from_state(state: object) -> list:
                 f"RetentionCheckpoint: ignoring a saved record it cannot read ({err})", category=RetentionWarning
             )
     return records
+
+
+def _upload_failure(mirror: Mirror, outcome: Outcome) -> str:
+    """The warning for a failed upload: what, why, and what happens next."""
+    wait = mirror.retry.delay(outcome.failures)
+    return (
+        f"RetentionCheckpoint: mirror {outcome.error} (failure {outcome.failures} in a row). Training goes on;"
+        f" the local copy is kept until the mirror has it, and the upload is tried again at a save {wait:.0f}s"
+        " from now or later."
+    )
+
+
+def _mirror_problems(
+    mirror: Optional[str], dirpath: object, local_keep_last: Optional[int], mirror_anchors: str, rules: tuple
+) -> list:
+    """Every problem with the mirror options, each naming the option, the value and the fix."""
+    problems = local_keep_last_problems(local_keep_last, mirror is not None)
+    if mirror_anchors not in ("async", "sync"):
+        problems.append(f"mirror_anchors={mirror_anchors!r} is not supported; use 'async' or 'sync'")
+    if mirror is None:
+        if mirror_anchors == "sync":
+            problems.append("mirror_anchors='sync' uploads anchors to the mirror; set mirror='s3://...' or remove it")
+        return problems
+    if not isinstance(mirror, str) or not mirror.strip():
+        return problems + [f"mirror={mirror!r} is not a location; use a URL such as 's3://bucket/run' or a directory"]
+    if all(rule is None for rule in rules):
+        problems.append(
+            f"mirror={mirror!r} needs a retention rule to apply per tier; set keep_last (e.g. keep_last=3),"
+            " keep_best or an anchor rule"
+        )
+    if mirror_anchors == "sync" and rules[2] is None and rules[3] is None:
+        problems.append(
+            "mirror_anchors='sync' waits for the upload of anchors, but no anchor rule is set;"
+            " set anchor_every_n_steps or anchor_every, or use mirror_anchors='async'"
+        )
+    if dirpath is not None and _canonical(mirror).rstrip("/") == _canonical(str(dirpath)).rstrip("/"):
+        problems.append(f"mirror={mirror!r} is dirpath itself; use another location (the mirror is a second copy)")
+    return problems
 
 
 def _canonical(path: str) -> str:

@@ -7,7 +7,9 @@ trains from step 0, and a corrupt newest file is loaded blindly. With ``ExactRes
 progress, that verifies among those the run's checkpoint callbacks write: every candidate
 (``io.resolve.candidates``) with a callback's file extension in that callback's directory, for every
 checkpoint callback at once, so that Lightning, which asks each callback and then takes the newest file
-by time, gets one answer from all of them. Each candidate passed over is named in a warning; the choice,
+by time, gets one answer from all of them. A callback that mirrors its files (``Mirrored``) adds its
+mirror's checkpoints: the local copy of a checkpoint is read first, its mirror copy only if the local one
+is missing or does not verify. Each candidate passed over is named in a warning; the choice,
 or that there is none, in one info line.
 
 When the trainer's ``CheckpointIO`` hashes every byte as it loads (``protocols.ResolvingCheckpointIO``),
@@ -23,15 +25,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_resume import storage
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import NoLoadableCheckpointError, SkippedCheckpointWarning
-from lightning_resume.io.resolve import candidates, newest_verified
+from lightning_resume.io.resolve import candidates, newest_verified, step_in_name
 from lightning_resume.io.verify import verify
 from lightning_resume.protocols import ResolvingCheckpointIO
 
@@ -66,13 +69,49 @@ def choose_last(trainer: pl.Trainer) -> LastChoice:
         directory = lc.checkpoint_dir(callback, trainer)
         directories[directory] = None
         paths.update((e.path, None) for e in candidates(directory, (callback.FILE_EXTENSION,)))
+    twins = _mirror_copies(callbacks, directories, paths)
     io = trainer.strategy.checkpoint_io
     skipped: list[str] = []
+    path = _newest(io, list(paths), skipped)
+    chosen = -1 if path is None else step_in_name(path) or -1
+    passed = [p for p in twins if (step_in_name(p) or -1) > chosen]
+    if passed:  # a newer local copy did not verify: its mirror copy, before anything older
+        older = [p for p in paths if path is not None and (step_in_name(p) or -1) <= chosen]
+        path = _newest(io, [twins[p] for p in passed] + older, skipped)
+    return LastChoice(path, tuple(directories), len(paths) + len(twins), tuple(skipped))
+
+
+def _newest(io: object, paths: list[str], skipped: list[str]) -> Optional[str]:
     if isinstance(io, ResolvingCheckpointIO):
-        path = io.resolve_newest(list(paths), skipped=skipped.append)
-    else:
-        path = newest_verified(list(paths), lambda p: verify(p, io), skipped=skipped.append)
-    return LastChoice(path, tuple(directories), len(paths), tuple(skipped))
+        return io.resolve_newest(paths, skipped=skipped.append)
+    return newest_verified(paths, lambda p: verify(p, io), skipped=skipped.append)
+
+
+@runtime_checkable
+class Mirrored(Protocol):
+    """A checkpoint callback that keeps a second copy of its files in ``mirror_directory`` (``None``: none)."""
+
+    @property
+    def mirror_directory(self) -> Optional[str]: ...
+
+
+def _mirror_copies(callbacks: list, directories: dict[str, None], paths: dict[str, None]) -> dict[str, str]:
+    """Add the mirrors' checkpoints to ``paths`` and ``directories``: each one whose name no local file has
+    (a new node's empty disk, a local copy pruned). Returns the others, as local path -> mirror copy: the
+    local copy is read first (it is the same checkpoint, nearer), its mirror copy only if it does not verify."""
+    local = {storage.basename(p): p for p in paths}
+    twins: dict[str, str] = {}
+    for callback in callbacks:
+        mirror = callback.mirror_directory if isinstance(callback, Mirrored) else None
+        if mirror is None:
+            continue
+        directories[mirror] = None
+        for entry in candidates(mirror, (callback.FILE_EXTENSION,)):
+            if entry.name in local:
+                twins[local[entry.name]] = entry.path
+            else:
+                paths[entry.path] = None
+    return twins
 
 
 def report(choice: LastChoice) -> set[str]:

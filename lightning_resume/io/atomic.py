@@ -8,7 +8,9 @@ later. ``<owner>`` identifies where ``<pid>`` means something: host, boot and PI
 container, another host over NFS or a process after a reboot has another owner, so its pid is never
 looked up here (it could name anything).
 
-Remote fsspec paths (``s3://``, ``gs://``, ``memory://``...): upload, then commit. The bytes go to the
+Remote fsspec paths (``s3://``, ``gs://``, ``memory://``...): upload, then commit. On S3 a checkpoint
+(:func:`atomic_upload`) goes up in parallel parts, each retried on its own, completed only when all are in
+and aborted otherwise (``io.multipart``). Elsewhere, and for :func:`atomic_write`, the bytes go to the
 final key with ``autocommit=False``; the object appears only at ``commit()`` (a one-shot PUT or the
 completion of a multi-part upload), whole; on any failure ``discard()`` aborts the multi-part upload,
 so no partial object ever appears under a final name and "last" can never resolve one. A killed
@@ -28,11 +30,12 @@ import re
 import secrets
 import socket
 import time
-from typing import Any, BinaryIO, Callable, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, List, Optional, Sequence, Tuple
 
 import fsspec
 
 from lightning_resume import storage
+from lightning_resume.io import multipart
 from lightning_resume.io.private import read_small
 from lightning_resume.storage import is_local, local_path
 
@@ -107,6 +110,24 @@ def _local_atomic_write(path: str, write: Callable[[BinaryIO], object], mode: in
             os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def atomic_upload(
+    path: str, segments: Sequence[multipart.Segment], options: multipart.UploadOptions = multipart.DEFAULT_UPLOAD
+) -> None:
+    """Commit the concatenation of ``segments`` as the remote object ``path``, whole or not at all.
+
+    Where the store has a multi-part API (S3), parts cut from the segments upload ``options.concurrency`` at
+    a time, each retried on its own, and the object appears when the last is in (``io.multipart``); any
+    other filesystem gets the single-stream upload of :func:`atomic_write`."""
+    path = str(path)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    client = multipart.client_for(fs, fs_path)
+    if client is None:
+        _remote_write_then_move(path, lambda f: [f.write(s.data()) for s in segments])
+        return
+    multipart.upload(path, client, segments, options)
+    fs.invalidate_cache(fs_path.rsplit("/", 1)[0] if "/" in fs_path else "")
 
 
 def _remote_write_then_move(path: str, write: Callable[[BinaryIO], object]) -> None:

@@ -4,8 +4,9 @@ Encode the whole tree first (so an unencodable value fails before any file is to
 through ``atomic_write``, write the tensor bytes after a placeholder header while a thread hashes
 them, and the real header last; one fsync. Locally the bytes go straight from tensor memory to the
 file descriptor, with writeback started as they go; an async snapshot (one block-aligned image of
-the data section) is written with direct I/O instead, where the filesystem allows. This module knows
-files and tensors, not Lightning.
+the data section) is written with direct I/O instead, where the filesystem allows. A remote file is
+uploaded as segments (header, then each tensor) while it is hashed, through ``atomic_upload``: in parallel
+parts on S3 (``io.multipart``), the header's part last. This module knows files and tensors, not Lightning.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import ctypes
 import errno
 import fcntl
 import functools
-import io
 import mmap as mmap_module
 import os
 import sys
@@ -26,17 +26,23 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tupl
 
 import torch
 
-from lightning_resume.io import framing, integrity
-from lightning_resume.io.atomic import atomic_write
+from lightning_resume import storage
+from lightning_resume.io import framing, integrity, multipart
+from lightning_resume.io.atomic import atomic_upload, atomic_write
 from lightning_resume.io.codec import encode, to_json
 from lightning_resume.io.framing import BLOCK, FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.worker import Background
 
 
-def save_file(checkpoint: Dict[str, Any], path: str, algorithm: str = integrity.DEFAULT_ALGORITHM) -> None:
-    """Encode ``checkpoint`` and commit it atomically at ``path``."""
+def save_file(
+    checkpoint: Dict[str, Any],
+    path: str,
+    algorithm: str = integrity.DEFAULT_ALGORITHM,
+    upload: multipart.UploadOptions = multipart.DEFAULT_UPLOAD,
+) -> None:
+    """Encode ``checkpoint`` and commit it atomically at ``path`` (``upload``: see :func:`commit`)."""
     tree_json, tensors = encode_tree(checkpoint)  # fails on an unencodable value before any file exists
-    commit(path, tree_json, tensors, algorithm)
+    commit(path, tree_json, tensors, algorithm, upload=upload)
 
 
 def encode_tree(checkpoint: Dict[str, Any]) -> Tuple[str, Dict[str, torch.Tensor]]:
@@ -53,6 +59,7 @@ def commit(
     ready: Optional[Callable[[str], None]] = None,
     image: Optional[memoryview] = None,
     mode: int = 0o666,
+    upload: multipart.UploadOptions = multipart.DEFAULT_UPLOAD,
 ) -> None:
     """Write an encoded checkpoint (from :func:`encode_tree`) atomically at ``path``, hashing while writing.
 
@@ -61,7 +68,8 @@ def commit(
     ``image``, when given, is the data section as one buffer (the tensors are views of it, back to
     back in file order; start and length multiples of ``BLOCK``): a local file is then written from it
     with direct I/O, no page-cache copy, where the filesystem allows. The file is the same either way.
-    ``mode``: a local file's permissions (``atomic_write``).
+    ``mode``: a local file's permissions (``atomic_write``). ``upload``: part size and concurrency of an upload
+    to a store with a multi-part API (``io.multipart``); a remote file is uploaded while it is hashed.
     """
     wait = ready if ready is not None else _always_ready
     entries = framing.layout(tensors)
@@ -72,16 +80,45 @@ def commit(
         meta = {FORMAT_KEY: FORMAT_VALUE, TREE_KEY: tree_json, INTEGRITY_KEY: record}
         return framing.header_bytes(entries, meta, align)
 
-    def write(f: BinaryIO) -> None:
+    def write(f: BinaryIO) -> None:  # a local temporary file (``atomic_write``)
         data = _Data(entries, views, wait)
-        if not _is_local_file(f):
-            f.write(header(Background(_digests, algorithm, data).result()))
-            for view in views:
-                f.write(view)
-        elif image is None or not _write_direct(f, header, data, image, algorithm):
+        if image is None or not _write_direct(f, header, data, image, algorithm):
             _write_hashing_during_flush(f, header, data, algorithm)
 
-    atomic_write(path, write, mode)
+    if storage.is_remote(path):
+        _upload_hashing_during_upload(path, header, _Data(entries, views, wait), algorithm, upload)
+    else:
+        atomic_write(path, write, mode)
+
+
+def _upload_hashing_during_upload(
+    path: str, header: Callable[..., bytes], data: _Data, algorithm: str, options: multipart.UploadOptions
+) -> None:
+    """Upload the file as segments (the header, then each tensor's bytes as it is ready) while a thread
+    hashes them: the header's segment, which waits for the digests, is the one ``io.multipart`` sends last."""
+    hasher = Background(_digests, algorithm, data)
+    blank = "0" * len(integrity.digest(algorithm, b""))
+    size = len(header(defaultdict(lambda: blank)))
+
+    def final_header() -> bytes:
+        final = header(hasher.result())
+        if len(final) != size:
+            raise RuntimeError("internal error: header length changed between placeholder and final header")
+        return final
+
+    def tensor(e: framing.Entry, view: memoryview) -> multipart.Segment:
+        def ready_bytes() -> memoryview:
+            data.wait(e.name)
+            return view
+
+        return multipart.Segment(len(view), ready_bytes)
+
+    segments = [multipart.Segment(size, final_header)]
+    segments += [tensor(e, view) for e, view in zip(data.entries, data.views, strict=True)]
+    try:
+        atomic_upload(path, segments, options)
+    finally:
+        hasher.join()  # on a failed upload too: the hasher reads memory the caller may reuse once we return
 
 
 def _always_ready(name: str) -> None:
@@ -287,11 +324,3 @@ def _sync_file_range() -> Optional[Callable[..., int]]:
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
     return fn
-
-
-def _is_local_file(f: Any) -> bool:
-    try:
-        f.fileno()
-    except (AttributeError, OSError, io.UnsupportedOperation):
-        return False
-    return f.seekable()

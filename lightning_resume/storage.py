@@ -24,7 +24,7 @@ import io
 import os
 import shutil
 import time
-from typing import IO, Any, Callable, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import IO, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -149,6 +149,31 @@ def _mtime(fs: fsspec.AbstractFileSystem, info: dict) -> float:
         return float(fs.modified(info["name"]).timestamp())
     except (OSError, NotImplementedError, KeyError):
         return 0.0
+
+
+def file_sizes(dirpath: str) -> Dict[str, int]:
+    """The regular files directly in ``dirpath`` by name, with their sizes, from one listing (one LIST on an
+    object store, uncached); ``{}`` if it does not exist. Local links and special files are left out."""
+    dirpath = str(dirpath)
+    if is_local(dirpath):
+        out = {}
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(local_path(dirpath)) as it:
+            for item in it:
+                with contextlib.suppress(FileNotFoundError):
+                    if item.is_file(follow_symlinks=False):
+                        out[item.name] = item.stat(follow_symlinks=False).st_size
+        return out
+    fs, fs_path = fsspec.core.url_to_fs(dirpath)
+    fs.invalidate_cache(fs_path)
+    try:
+        infos = with_retries(lambda: fs.ls(fs_path, detail=True), dirpath, "list")
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    return {
+        str(i["name"]).rstrip("/").rsplit("/", 1)[-1]: int(i.get("size") or 0)
+        for i in infos
+        if i.get("type") == "file" and str(i["name"]).rstrip("/") != fs_path.rstrip("/")
+    }
 
 
 def exists(path: str) -> bool:
@@ -369,22 +394,6 @@ def remove(path: str) -> None:
             fs.rm(fs_path, recursive=True)
 
     with_retries(rm, path, "delete")
-
-
-def require_local(path: str, owner: str) -> None:
-    """Refuse a remote ``path`` where only local directories are supported (sharded checkpoints for now:
-    their commit marker protocol renames directories, which object stores cannot do atomically)."""
-    if is_remote(str(path)):
-        from lightning_resume.errors import ConfigurationError
-
-        raise ConfigurationError(
-            owner,
-            [
-                f"{path} is a remote URL; sharded checkpoints are written to local (or mounted shared)"
-                " directories only for now: use a local dirpath, or a single-file checkpoint"
-                " (SafetensorsCheckpointIO) for remote storage"
-            ],
-        )
 
 
 # ------------------------------------------------------------------------------------------ retries

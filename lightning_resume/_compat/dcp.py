@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as _FsspecReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as _FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -25,8 +27,16 @@ EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner
 StorageInfo = _StorageInfo
 """Where one chunk or value lives in a ``FileSystemWriter`` directory: file, offset, length (filesystem.py:75)."""
 
+FsspecWriter = _FsspecWriter
+"""``FileSystemWriter`` over any fsspec URL, scheme kept (_fsspec_filesystem.py:96)."""
+
+FsspecReader = _FsspecReader
+"""``FileSystemReader`` over any fsspec URL (_fsspec_filesystem.py:154)."""
+
 __all__ = [
     "EmptyStateDictLoadPlanner",
+    "FsspecReader",
+    "FsspecWriter",
     "StorageInfo",
     "host_dtensor",
     "load_without_template",

@@ -31,12 +31,13 @@ This module owns only those readers and checks; it does not decide what to load 
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
 import stat
 import zipfile
-from typing import IO, Any, Dict, List, Mapping, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -50,7 +51,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from typing_extensions import override
 
-from lightning_resume._compat.dcp import StorageInfo, metadata_path, set_nested
+from lightning_resume import storage
+from lightning_resume._compat.dcp import FsspecReader, StorageInfo, metadata_path, set_nested
 from lightning_resume.errors import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_resume.io.legacy import check_tree, check_zip
 from lightning_resume.io.marker import DCP_METADATA, MARKER, FileDigest, read_marker
@@ -104,48 +106,68 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(path: str) -> Metadata:
-    """Read a DCP ``.metadata`` file with the allowlist; any malformed content is ``UnsafeCheckpointError``."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size > MAX_METADATA_BYTES:
-            raise CheckpointCorruptError(
-                path,
-                "DCP metadata is larger than MAX_METADATA_BYTES (raise lightning_resume.io.safe_pickle."
-                "MAX_METADATA_BYTES to read it)",
-                MAX_METADATA_BYTES,
-                size,
-            )
-        try:
-            metadata = MetadataUnpickler(handle, str(path)).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as err:  # a truncated or garbled pickle: refuse, never half-load
-            raise UnsafeCheckpointError(str(path), f"DCP metadata does not unpickle: {err}") from err
+    """Read a DCP ``.metadata`` file (a local path or a URL) with the allowlist; any malformed content is
+    ``UnsafeCheckpointError``."""
+    path = str(path)
+    if storage.is_local(path):
+        with open(storage.local_path(path), "rb") as handle:
+            _check_metadata_size(path, os.fstat(handle.fileno()).st_size)
+            return _unpickle_metadata(handle, path)
+    size = storage.size(path)
+    if size is None:
+        raise CheckpointCorruptError(path, "DCP metadata is missing")
+    _check_metadata_size(path, size)
+    return _unpickle_metadata(io.BytesIO(storage.read_range(path, 0, MAX_METADATA_BYTES + 1)), path)
+
+
+def _check_metadata_size(path: str, size: int) -> None:
+    if size > MAX_METADATA_BYTES:
+        raise CheckpointCorruptError(
+            path,
+            "DCP metadata is larger than MAX_METADATA_BYTES (raise lightning_resume.io.safe_pickle."
+            "MAX_METADATA_BYTES to read it)",
+            MAX_METADATA_BYTES,
+            size,
+        )
+
+
+def _unpickle_metadata(handle: IO[bytes], path: str) -> Metadata:
+    try:
+        metadata = MetadataUnpickler(handle, path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:  # a truncated or garbled pickle: refuse, never half-load
+        raise UnsafeCheckpointError(path, f"DCP metadata does not unpickle: {err}") from err
     if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(str(path), f"DCP metadata holds a {type(metadata).__name__}, not a Metadata")
+        raise UnsafeCheckpointError(path, f"DCP metadata holds a {type(metadata).__name__}, not a Metadata")
     return metadata
 
 
 def load_checked_metadata(directory: str, files: Optional[Mapping[str, FileDigest]] = None) -> Metadata:
-    """The ``.metadata`` of a committed ``directory``, refused unless :func:`check_storage` accepts it.
+    """The ``.metadata`` in ``directory`` (where a committed checkpoint's files are: ``CommitRecord.location``),
+    refused unless :func:`check_storage` accepts it.
 
-    ``files`` is what the commit marker lists (read from the marker when not given).
+    ``files`` is what the commit marker lists (read from the marker in ``directory`` when not given).
     """
-    metadata = load_metadata(os.path.join(directory, DCP_METADATA))
+    metadata = load_metadata(storage.join(directory, DCP_METADATA))
     check_storage(directory, metadata, read_marker(directory).files if files is None else files)
     return metadata
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` uses :func:`load_metadata` instead of ``pickle.load``,
-    and hands DCP only metadata whose every storage reference :func:`check_storage` accepts."""
+class _SafeMetadata:
+    """``read_metadata`` through :func:`load_metadata` (never ``pickle.load``), handing DCP only metadata whose
+    every storage reference :func:`check_storage` accepts against ``files`` (the verified commit marker's)."""
 
-    @override
+    location: str
+    files: Optional[Mapping[str, FileDigest]]
+    load_id: Any
+    checkpoint_id: Any
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = str(metadata_path(self, kwargs.get("rank")))
+        path = str(metadata_path(self, kwargs.get("rank")))  # type: ignore[arg-type]  # a FileSystemReader
         metadata = load_metadata(path)
-        directory = os.path.dirname(path)
-        check_storage(directory, metadata, read_marker(directory).files)
+        files = self.files if self.files is not None else read_marker(self.location).files
+        check_storage(self.location, metadata, files)
         # getattr: metadata pickled by an older torch may lack the attribute
         storage_meta: Optional[StorageMeta] = getattr(metadata, "storage_meta", None)
         if storage_meta is None:
@@ -154,6 +176,29 @@ class SafeFileSystemReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         storage_meta.checkpoint_id = self.checkpoint_id  # saved as the staging dir: name the real one
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """``FileSystemReader`` (a local directory) with the checked metadata of ``_SafeMetadata``."""
+
+    def __init__(self, path: str, files: Optional[Mapping[str, FileDigest]] = None) -> None:
+        super().__init__(path)
+        self.location, self.files = str(path), files
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """DCP's fsspec reader (any URL, scheme kept) with the checked metadata of ``_SafeMetadata``."""
+
+    def __init__(self, path: str, files: Optional[Mapping[str, FileDigest]] = None) -> None:
+        super().__init__(path)
+        self.location, self.files = str(path), files
+
+
+def safe_reader(location: str, files: Optional[Mapping[str, FileDigest]] = None) -> FileSystemReader:
+    """The pickle-restricted DCP reader for the files at ``location`` (a local directory or a URL)."""
+    if storage.is_local(location):
+        return SafeFileSystemReader(storage.local_path(location), files)
+    return SafeFsspecReader(location, files)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -179,8 +224,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
     def _checkpoint_id(self) -> str:
-        storage = getattr(self.metadata, "storage_meta", None)
-        return str(getattr(storage, "checkpoint_id", None) or "DCP checkpoint")
+        meta = getattr(self.metadata, "storage_meta", None)
+        return str(getattr(meta, "checkpoint_id", None) or "DCP checkpoint")
 
 
 # ------------------------------------------------------------------------------ storage references
@@ -192,24 +237,24 @@ def check_storage(directory: str, metadata: Metadata, files: Mapping[str, FileDi
     ``files`` maps the names the commit marker lists to their size (``verify_committed`` checked each
     is a regular file of that size). Raises ``CheckpointCorruptError`` naming the ``.metadata`` file.
     """
-    where = os.path.join(directory, DCP_METADATA)
-    storage = _typed(where, metadata.storage_data, dict, "storage_data")
+    where = storage.join(directory, DCP_METADATA)
+    stored = _typed(where, metadata.storage_data, dict, "storage_data")
     entries = _typed(where, metadata.state_dict_metadata, dict, "state_dict_metadata")
     ranges: Dict[str, List[Tuple[int, int, str]]] = {}
-    for index, info in storage.items():
+    for index, info in stored.items():
         fqn = _typed(where, getattr(index, "fqn", None), str, "a storage key")
         _typed(where, info, StorageInfo, f"storage of {fqn!r}")
         name, begin, end = _storage_range(where, fqn, info, files)
         ranges.setdefault(name, []).append((begin, end, fqn))
     for name, spans in ranges.items():
         _check_disjoint(where, name, spans)
-        _check_uncompressed(where, os.path.join(directory, name), spans)
+        _check_uncompressed(where, storage.join(directory, name), spans)
     for fqn, entry in entries.items():
         _typed(where, fqn, str, "a state key")
         if isinstance(entry, TensorStorageMetadata):
-            _check_tensor(where, fqn, entry, storage)
+            _check_tensor(where, fqn, entry, stored)
         elif isinstance(entry, BytesStorageMetadata):
-            if MetadataIndex(fqn) not in storage:
+            if MetadataIndex(fqn) not in stored:
                 raise CheckpointCorruptError(where, f"value {fqn!r} has no storage reference")
         else:
             raise CheckpointCorruptError(where, f"entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes")
@@ -249,11 +294,12 @@ def _check_disjoint(where: str, name: str, spans: List[Tuple[int, int, str]]) ->
 
 
 class _Window(io.RawIOBase):
-    """The bytes ``[begin, begin + length)`` of an open file, as a seekable file of their own."""
+    """The bytes ``[begin, begin + length)`` of a file, as a seekable file of their own; ``pread(n, offset)``
+    reads the file (``os.pread`` on a descriptor, or a ranged GET)."""
 
-    def __init__(self, fd: int, begin: int, length: int) -> None:
+    def __init__(self, pread: Callable[[int, int], bytes], begin: int, length: int) -> None:
         super().__init__()
-        self._fd, self._begin, self._length, self._pos = fd, begin, length, 0
+        self._pread, self._begin, self._length, self._pos = pread, begin, length, 0
 
     @override
     def readable(self) -> bool:
@@ -276,7 +322,7 @@ class _Window(io.RawIOBase):
     @override
     def readinto(self, buffer: Any) -> int:
         n = max(0, min(len(buffer), self._length - self._pos))
-        data = os.pread(self._fd, n, self._begin + self._pos)
+        data = self._pread(n, self._begin + self._pos)
         buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -285,17 +331,32 @@ class _Window(io.RawIOBase):
 def _check_uncompressed(where: str, path: str, spans: List[Tuple[int, int, str]]) -> None:
     """Each stored item is a ``torch.save`` zip within the bounds of ``io.legacy.check_zip``: no deflated
     record (torch's reader would inflate a bomb whole), a bounded pickle without hash-flooding numbers."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if a FIFO replaced the file
+    if not storage.is_local(path):  # an object store has no links, FIFOs or devices
+        for begin, end, fqn in spans:
+            if end - begin <= _WHOLE_ITEM_BYTES:  # one GET for a small item, not one per zip structure
+                _check_item(where, fqn, io.BytesIO(storage.read_range(path, begin, end)))
+            else:
+                ranged = _Window(lambda n, at: storage.read_range(path, at, at + n), begin, end - begin)
+                _check_item(where, fqn, io.BufferedReader(ranged, _REMOTE_BUFFER))
+        return
+    fd = os.open(storage.local_path(path), os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even for a FIFO
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CheckpointCorruptError(path, "shard is not a regular file (a link, FIFO or device?)")
         for begin, end, fqn in spans:
-            item = io.BufferedReader(_Window(fd, begin, end - begin))
-            if not zipfile.is_zipfile(item):
-                raise CheckpointCorruptError(where, f"storage of {fqn!r} is not a torch.save archive")
-            check_zip(f"{where} (storage of {fqn!r})", item)
+            _check_item(where, fqn, io.BufferedReader(_Window(functools.partial(os.pread, fd), begin, end - begin)))
     finally:
         os.close(fd)
+
+
+_WHOLE_ITEM_BYTES = 1 << 20
+_REMOTE_BUFFER = 256 << 10
+
+
+def _check_item(where: str, fqn: str, item: IO[bytes]) -> None:
+    if not zipfile.is_zipfile(item):
+        raise CheckpointCorruptError(where, f"storage of {fqn!r} is not a torch.save archive")
+    check_zip(f"{where} (storage of {fqn!r})", item)
 
 
 def _check_tensor(where: str, fqn: str, entry: TensorStorageMetadata, storage: Mapping[Any, Any]) -> None:

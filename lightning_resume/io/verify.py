@@ -59,7 +59,7 @@ def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
     record = verify_committed(directory, digests)
     if DCP_METADATA not in record.files:
         raise CheckpointCorruptError(directory, f"commit marker does not list {DCP_METADATA}")
-    load_checked_metadata(directory, record.files)
+    load_checked_metadata(record.location, record.files)  # where the files are: the directory or its data prefix
     return record
 
 

@@ -2,20 +2,22 @@
 
 Every rank writes its own shards in parallel (DCP's ``FileSystemWriter``) into a staging directory
 that rank 0 created and named, digests the files it wrote, and rank 0 commits the marker and swaps
-the directory in once all have finished. Everything that can fail on one rank alone (encoding the
+the directory in once all have finished (on an object store: DCP's fsspec writer into a versioned
+sub-prefix, and the marker's one PUT is the commit; ``commit.py``). Everything that can fail on one rank alone (encoding the
 non-sharded part, rank 0's file operations) is followed by an exchange of outcomes, so a failure
 raises the same ``ShardedSaveError`` on every rank instead of leaving the others at a barrier until
 the process-group timeout. Loading verifies the
 marker and digests first, then reads with the pickle-restricted reader and planner of
 ``safe_pickle.py``; DCP reshards, so the world size at load may differ from the one at save. Works
-with or without an initialised process group (one process: ``no_dist``). No Lightning here.
+with or without an initialised process group (one process: ``no_dist``). Every path is a local directory
+or an fsspec URL, through ``storage`` (a URL keeps its scheme). No Lightning here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -36,7 +38,7 @@ from lightning_resume.io.codec import encode
 from lightning_resume.io.marker import DCP_METADATA, META_FILE
 from lightning_resume.io.read import load_file
 from lightning_resume.io.resolve import candidates, newest_verified
-from lightning_resume.io.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
+from lightning_resume.io.safe_pickle import SafeLoadPlanner, safe_reader
 from lightning_resume.io.verify import verify_directory
 from lightning_resume.io.write import save_file
 from lightning_resume.sharded import commit as commits
@@ -54,6 +56,34 @@ class RecordingWriter(FileSystemWriter):
         future = super().write_data(plan, planner)
         self.written = sorted({result.storage_data.relative_path for result in future.wait()})
         return future
+
+
+class RecordingFsspecWriter(dcp_compat.FsspecWriter):
+    """:class:`RecordingWriter` for a URL: DCP's fsspec writer (an object is durable once its upload ends:
+    no fsync, whose fallback would be ``os.sync`` of the whole machine per file)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, sync_files=False)
+        self.written: List[str] = []
+
+    @override
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.wait()})
+        return future
+
+
+def recording_writer(staging: str) -> Union[RecordingWriter, RecordingFsspecWriter]:
+    """The DCP writer for ``staging``: the file-system one locally, the fsspec one for a URL."""
+    if storage.is_local(staging):
+        return RecordingWriter(storage.local_path(staging))
+    return RecordingFsspecWriter(staging)
+
+
+def checkpoint_path(path: str) -> str:
+    """``path`` as every rank names it: a local path made absolute, a URL as given (scheme kept)."""
+    path = str(path)
+    return path.rstrip("/") if "://" in path and storage.is_remote(path) else os.path.abspath(storage.local_path(path))
 
 
 class _SafeFullLoadPlanner(SafeLoadPlanner, dcp_compat.EmptyStateDictLoadPlanner):
@@ -90,7 +120,7 @@ def _stage(directory: str, meta: Optional[Dict[str, Any]]) -> str:
     staging = commits.stage(directory)
     try:
         if meta is not None:
-            save_file(meta, os.path.join(staging, META_FILE))
+            save_file(meta, storage.join(staging, META_FILE))
     except BaseException:
         commits.discard(staging)
         raise
@@ -106,8 +136,7 @@ def save_sharded(state: Dict[str, Any], directory: str, step: int, meta: Optiona
     untouched. When this returns on any rank, ``directory`` is committed; when it raises (the same
     ``ShardedSaveError`` on every rank), the previous ``directory`` is still there.
     """
-    storage.require_local(directory, "save_sharded")
-    directory = os.path.abspath(directory)
+    directory = checkpoint_path(directory)
     rank, world = collective.rank_and_world()
     collective.on_every_rank(lambda: _check_meta(meta), failure(directory, "encode the non-sharded state"))
     staging = collective.on_rank_zero(
@@ -134,9 +163,9 @@ def rank_zero_files(with_meta: bool) -> List[str]:
     return [DCP_METADATA, META_FILE] if with_meta else [DCP_METADATA]
 
 
-def _write_shards(state: Dict[str, Any], staging: str, directory: str) -> RecordingWriter:
+def _write_shards(state: Dict[str, Any], staging: str, directory: str) -> Union[RecordingWriter, RecordingFsspecWriter]:
     """DCP's collective write; DCP itself gathers every rank's exception and raises on all of them."""
-    writer = RecordingWriter(staging)
+    writer = recording_writer(staging)
     try:
         dcp.save(state, storage_writer=writer, no_dist=not collective.is_distributed())
     except CheckpointException as err:
@@ -146,8 +175,9 @@ def _write_shards(state: Dict[str, Any], staging: str, directory: str) -> Record
 
 
 def commit_and_publish(record: marker.CommitRecord, directory: str) -> None:
+    replaced = commits.current_version(directory)  # an object store's version the commit replaces
     commits.commit(record)
-    commits.publish(record.path, directory)
+    commits.publish(record.path, directory, replaced)
 
 
 def discard_quietly(staging: str) -> None:
@@ -188,36 +218,38 @@ def load_sharded(state_template: Dict[str, Any], directory: str, digests: bool =
     The template's tensors/DTensors give the layout wanted now; the world size may differ from the
     one that saved. Returns the commit record (step, world size at save).
     """
-    storage.require_local(directory, "load_sharded")
-    directory = os.path.abspath(directory)
+    directory = checkpoint_path(directory)
     record = _verified_everywhere(directory, digests)
-    with _domain_errors():
+    with _domain_errors():  # only the files of the version this record names, whatever is saved meanwhile
         dcp.load(
             state_template,
-            storage_reader=SafeFileSystemReader(directory),
+            storage_reader=safe_reader(record.location, record.files),
             planner=SafeLoadPlanner(),
             no_dist=not collective.is_distributed(),
         )
     return record
 
 
-def load_meta(directory: str) -> Optional[Dict[str, Any]]:
+def load_meta(directory: str, record: Optional[marker.CommitRecord] = None) -> Optional[Dict[str, Any]]:
     """The ``meta`` dict given to :func:`save_sharded` (``None`` if it had none), checksums verified.
 
     Verify the directory first (:func:`verify_sharded`); this reads only the marker and the meta file.
+    ``record``: the one :func:`load_sharded` returned, so that both read the same save (on an object store
+    a re-save under the same name may commit in between).
     """
-    if META_FILE not in marker.read_marker(directory).files:
+    record = marker.read_marker(checkpoint_path(directory)) if record is None else record
+    if META_FILE not in record.files:
         return None
-    return load_file(os.path.join(directory, META_FILE)).checkpoint
+    return load_file(storage.join(record.location, META_FILE)).checkpoint
 
 
 def load_full(directory: str, digests: bool = True) -> Dict[str, Any]:
     """The whole state of ``directory`` as plain tensors and values, in this one process (no template)."""
-    directory = os.path.abspath(directory)
-    verify_sharded(directory, digests)  # includes every storage reference of the metadata
+    record = verify_sharded(checkpoint_path(directory), digests)  # every storage reference of the metadata too
     state: Dict[str, Any] = {}
     with _domain_errors():
-        dcp_compat.load_without_template(state, SafeFileSystemReader(directory), _SafeFullLoadPlanner())
+        reader = safe_reader(record.location, record.files)
+        dcp_compat.load_without_template(state, reader, _SafeFullLoadPlanner())
     return state
 
 

@@ -26,7 +26,6 @@ No Lightning here.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import time
 import warnings
@@ -40,18 +39,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from lightning_resume import collective
+from lightning_resume import collective, storage
 from lightning_resume._compat.dcp import host_dtensor
 from lightning_resume.errors import ShardedCheckpointWarning, ShardedSaveError, UnencodableValueError
 from lightning_resume.io import marker, write
 from lightning_resume.io.marker import META_FILE
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import (
-    RecordingWriter,
+    checkpoint_path,
     commit_and_publish,
     discard_quietly,
     failure,
     rank_zero_files,
+    recording_writer,
 )
 
 Path = Tuple[Any, ...]
@@ -128,7 +128,7 @@ class _Write:
         self.committed = False
         self._args: Tuple[Any, ...] = (staged, meta, group)  # _write_local's arguments; emptied once written
         self._thread = threading.Thread(
-            target=self._run, name=f"sharded-write {os.path.basename(directory)}", daemon=True
+            target=self._run, name=f"sharded-write {storage.basename(directory)}", daemon=True
         )  # a killed run leaves a hidden staging dir, nothing else
 
     def start(self) -> None:
@@ -158,12 +158,12 @@ def _write_local(
 ) -> Dict[str, marker.FileDigest]:
     """The background part: DCP's collective write first (on ``group``, so no rank skips it), then rank 0's
     non-sharded file, then the digests of this rank's files."""
-    writer = RecordingWriter(staging)
+    writer = recording_writer(staging)
     dcp.save(staged, storage_writer=writer, process_group=group, no_dist=not collective.is_distributed())
     own = list(writer.written)
     if collective.rank_and_world()[0] == 0:
         if meta is not None:
-            write.commit(os.path.join(staging, META_FILE), *meta)
+            write.commit(storage.join(staging, META_FILE), *meta)
         own += rank_zero_files(meta is not None)
     return marker.digest_files(staging, own)
 
@@ -216,7 +216,7 @@ class AsyncShardedSaver:
         self.wait()
         staging_started = time.monotonic()
         self.last_wait_seconds = staging_started - started
-        directory = os.path.abspath(directory)
+        directory = checkpoint_path(directory)
         write = self._stage(state, directory, int(step), meta)
         write.start()
         self._pending = write
@@ -265,7 +265,7 @@ class AsyncShardedSaver:
             return False
         if path is None:
             return write.running()
-        return os.path.abspath(str(path)) == write.directory
+        return checkpoint_path(str(path)) == write.directory
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait for every rank's write and commit it; raise its failure. ``False`` (nothing committed) on timeout."""

@@ -10,7 +10,18 @@ committed inside it, and only then is it swapped under the final name (one atomi
 :func:`clean_uncommitted` restoring a committed one if a crash fell between the two renames). The
 replaced directory is then deleted. So a crash at any instant leaves the old or the new committed
 directory under the final name, plus at most hidden leftovers that :func:`clean_uncommitted`
-removes. This module knows files and JSON; it knows nothing of DCP, process groups or Lightning.
+removes.
+
+On an object store (any fsspec URL; ``s3://``) nothing can be renamed atomically, so nothing is: every
+rank writes into a fresh versioned sub-prefix of the final name, ``<final>/.v-<owner>-<pid>-<8 hex>``
+(named by rank 0, as ``io.atomic`` names its temporaries), and the commit is one PUT of
+``<final>/COMMITTED`` (format ``/3``) naming that version and every object in it with its size and
+SHA-256. A reader reads the marker once and then only the version it names, so a directory re-saved
+under the same name is seen old or new, never a mix; the version the marker named before is deleted
+after the PUT. A deletion removes the marker first. Versions no marker names are removed by
+:func:`clean_uncommitted` by owner and age (a dead pid of this host at once, anything else after
+``io.atomic.STALE_AFTER_S``). This module knows files, objects and JSON; it knows nothing of DCP,
+process groups or Lightning.
 """
 
 from __future__ import annotations
@@ -21,12 +32,15 @@ import json
 import os
 import secrets
 import shutil
+import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError, ShardedCheckpointWarning
-from lightning_resume.io.atomic import atomic_write, fsync_directory
+from lightning_resume.io.atomic import STALE_AFTER_S, atomic_write, fsync_directory, owner_token, pid_alive
 from lightning_resume.io.marker import (
+    DATA,
     DCP_METADATA,
     DELETED,
     FORMAT,
@@ -36,8 +50,10 @@ from lightning_resume.io.marker import (
     META_FILE,
     REPLACED,
     STAGING,
+    VERSIONED_FORMAT,
     CommitRecord,
     pick_newest,
+    read_marker,
     verify_committed,
 )
 
@@ -49,7 +65,11 @@ def hidden_sibling(final: str, kind: str) -> str:
 
 
 def stage(final: str) -> str:
-    """Create the empty staging directory every rank writes into; ``final`` itself is not touched."""
+    """Create the empty staging directory every rank writes into; ``final`` itself is not touched.
+
+    On an object store: a fresh versioned sub-prefix of ``final`` (nothing is created; the objects are)."""
+    if storage.is_remote(final):
+        return storage.join(final, f".v-{owner_token()}-{os.getpid()}-{secrets.token_hex(4)}")
     os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
     staging = hidden_sibling(final, STAGING)
     os.makedirs(staging)
@@ -57,19 +77,44 @@ def stage(final: str) -> str:
 
 
 def commit(record: CommitRecord) -> None:
-    """Write the marker inside the (staging) directory ``record.path``: from here on it is a checkpoint."""
+    """Write the marker inside the (staging) directory ``record.path``: from here on it is a checkpoint.
+
+    On an object store ``record.path`` is a versioned sub-prefix: the marker goes to its parent (the final
+    name) and names it; that one PUT is the commit."""
     body = {
         "format": FORMAT,
         "step": record.step,
         "world_size": record.world_size,
         "files": {name: {"size": d.size, "sha256": d.sha256} for name, d in sorted(record.files.items())},
     }
+    where = record.path
+    if storage.is_remote(record.path):
+        where, version = storage.split(record.path)
+        body.update(format=VERSIONED_FORMAT, data=version)
     data = json.dumps(body, indent=1).encode()
-    atomic_write(os.path.join(record.path, MARKER), lambda handle: handle.write(data))
+    atomic_write(storage.join(where, MARKER), lambda handle: handle.write(data))
 
 
-def publish(staging: str, final: str) -> None:
-    """Put the committed ``staging`` directory under the name ``final``, replacing what was there."""
+def current_version(final: str) -> Optional[str]:
+    """On an object store, the versioned sub-prefix the marker of ``final`` names now (read before a commit
+    replaces it, so that :func:`publish` can delete it); ``None`` locally or when there is no readable marker."""
+    if storage.is_local(final):
+        return None
+    try:
+        return read_marker(final).data or None
+    except CheckpointCorruptError:
+        return None
+
+
+def publish(staging: str, final: str, replaced: Optional[str] = None) -> None:
+    """Put the committed ``staging`` directory under the name ``final``, replacing what was there.
+
+    On an object store the commit already did (the marker names ``staging``): the version ``replaced``
+    (:func:`current_version` before the commit) is deleted."""
+    if storage.is_remote(final):
+        if replaced and replaced != storage.basename(staging):
+            _discard_replaced(storage.join(final, replaced))
+        return
     parent = os.path.dirname(os.path.abspath(final))
     if not os.path.lexists(final):
         os.rename(staging, final)
@@ -125,8 +170,14 @@ def discard(path: str) -> None:
     """Delete a checkpoint directory so that no crash leaves a half-deleted one under its name.
 
     It is first renamed to a hidden ``.deleted-`` sibling (atomic), then removed; a crash during the
-    removal leaves only that hidden sibling, which :func:`clean_uncommitted` removes (never restores).
+    removal leaves only that hidden sibling, which :func:`clean_uncommitted` removes (never restores). On an
+    object store the marker goes first (from then on nothing is committed there), then the rest.
     """
+    if storage.is_remote(path):
+        if not DATA.match(storage.basename(path)):
+            storage.remove(storage.join(path, MARKER))
+        storage.remove(path)
+        return
     if not os.path.lexists(path):
         return
     match = HIDDEN.match(os.path.basename(path))
@@ -144,14 +195,17 @@ def _newest(records: List[CommitRecord]) -> Optional[CommitRecord]:
     return pick_newest(records, {r.path: os.path.getmtime(os.path.join(r.path, MARKER)) for r in records})
 
 
-def clean_uncommitted(root: str, keep: Iterable[str] = ()) -> List[str]:
+def clean_uncommitted(root: str, keep: Iterable[str] = (), now: Optional[float] = None) -> List[str]:
     """Finish or undo what killed saves left under ``root``; return the paths removed.
 
     A final name left absent by a crash between the two renames of :func:`publish` gets back its
     newest committed staging or replaced sibling; every other hidden directory is removed, and so
     is a directory with ``IN_PROGRESS`` and no marker. Call it only when no save is in flight (at
-    the start of a run, before the first save).
+    the start of a run, before the first save). On an object store: the versions no marker names, by owner
+    and age (:func:`_stale_version`; ``now``: the clock, ``time.time()``).
     """
+    if storage.is_remote(root):
+        return _clean_remote(root, {str(p).rstrip("/") for p in keep}, now)
     _restore_missing_finals(root)
     kept = {os.path.abspath(p) for p in keep}
     removed = []
@@ -167,6 +221,42 @@ def clean_uncommitted(root: str, keep: Iterable[str] = ()) -> List[str]:
                 continue
             removed.append(path)
     return removed
+
+
+def _clean_remote(root: str, kept: Iterable[str], now: Optional[float] = None) -> List[str]:
+    now = time.time() if now is None else now
+    removed = []
+    for entry in storage.list_dir(root):
+        if not entry.is_dir or entry.path in kept or entry.name.startswith("."):
+            continue
+        try:
+            named = read_marker(entry.path).data
+        except CheckpointCorruptError:
+            if storage.exists(storage.join(entry.path, MARKER)):
+                continue  # a marker that cannot be read now (or a hostile one): touch nothing it may name
+            named = ""
+        for version in storage.list_dir(entry.path):
+            if version.is_dir and version.name != named and _stale_version(version.path, now):
+                try:
+                    storage.remove(version.path)
+                except OSError as err:
+                    warnings.warn(f"could not remove {version.path} ({err})", ShardedCheckpointWarning, stacklevel=3)
+                    continue
+                removed.append(version.path)
+    return removed
+
+
+def _stale_version(path: str, now: float) -> bool:
+    """An unnamed version is a killed save's when its owner is this host and its pid is dead, or, where its
+    pid means nothing here (another host, container, boot), when no object in it is younger than
+    ``STALE_AFTER_S``: a save in flight elsewhere is never touched."""
+    match = DATA.match(storage.basename(path))
+    if match is None:
+        return False  # not ours: never removed
+    if match["owner"] == owner_token():
+        return not pid_alive(int(match["pid"]))
+    newest = max((e.mtime for e in storage.list_dir(path)), default=0.0)
+    return now - newest > STALE_AFTER_S
 
 
 _SAVE_FILE_NAMES = frozenset({IN_PROGRESS, DCP_METADATA, META_FILE})

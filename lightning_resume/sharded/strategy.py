@@ -4,14 +4,13 @@ Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel, the sharded stra
 CPU; ``FSDPStrategy`` requires CUDA) writes DCP shards but bypasses ``CheckpointIO``, has no commit
 point, stores the rest of the checkpoint as a pickle (``meta.pt``) and reads ``.metadata`` with plain
 ``pickle``. This subclass keeps its sharding and replaces only the two checkpoint methods with
-``save_sharded`` / ``load_sharded``. Its ``checkpoint_io`` verifies and removes directories, so
-callbacks that prune or verify through the strategy work unchanged. With ``async_save=True`` saves go
+``save_sharded`` / ``load_sharded``, on a local directory or any fsspec URL (``s3://``). Its
+``checkpoint_io`` verifies and removes directories, so callbacks that prune or verify through the strategy work unchanged. With ``async_save=True`` saves go
 through ``background.AsyncShardedSaver`` and the ``checkpoint_io`` is also an ``AsyncCheckpointWriter``
 (``lightning_resume.protocols``), so ``ExactResume`` and ``RetentionCheckpoint`` treat the directory as in
 flight until its commit. Thin: all logic is in ``api`` and ``background``.
 """
 
-import os
 import sys
 from datetime import timedelta
 from typing import Any, Dict, Literal, Optional, Union
@@ -27,6 +26,7 @@ from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
 from lightning_resume.io.verify import verify_directory
 from lightning_resume.sharded import commit as commits
+from lightning_resume.sharded.api import checkpoint_path as sharded_path  # load_checkpoint's argument has the name
 from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded
 from lightning_resume.sharded.background import AsyncShardedSaver
 
@@ -43,7 +43,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     @override
     def remove_checkpoint(self, path: Any) -> None:
         path = str(path)
-        if os.path.isdir(path):
+        if storage.is_dir(path):
             commits.discard(path)  # renamed away first: a half-removed directory is never "last"
         else:
             super().remove_checkpoint(path)
@@ -132,9 +132,8 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        storage.require_local(str(filepath), type(self).__name__)
-        path = os.path.abspath(str(self.broadcast(str(filepath))))
-        self._clean_once(os.path.dirname(path))
+        path = sharded_path(str(self.broadcast(str(filepath))))
+        self._clean_once(storage.split(path)[0])
         state = {"state_dict": checkpoint.pop("state_dict")}
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{idx}"] = optim_state
@@ -173,7 +172,7 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        path = os.path.abspath(str(self.broadcast(str(checkpoint_path))))
+        path = sharded_path(str(self.broadcast(str(checkpoint_path))))
         self.wait_for_checkpoint()  # a directory still being written is not loadable yet
         module = self.model
         # Lightning restores a checkpoint into this strategy only after setup (restore_checkpoint_after_setup)
@@ -181,12 +180,12 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         state: Dict[str, Any] = {"state_dict": get_model_state_dict(module)}  # model and optimizer states
         for idx, optimizer in enumerate(self.optimizers):
             state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, optimizer)
-        load_sharded(state, path, self.verify_digests)
+        record = load_sharded(state, path, self.verify_digests)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
         for idx, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{idx}"])
-        meta = load_meta(path)
+        meta = load_meta(path, record)  # the same save as the shards, even if "last" was re-saved meanwhile
         if meta is None:
             raise CheckpointCorruptError(
                 path,

@@ -111,18 +111,6 @@ def test_stale_temporaries_of_dead_writers_are_removed_live_and_foreign_kept(s3_
     assert sorted(e.name for e in storage.list_dir(f"{s3_bucket}/run")) == sorted([live, "keep.ckpt"])
 
 
-def test_sharded_checkpoints_to_a_url_are_refused_clearly_before_anything_is_written(tmp_path, monkeypatch) -> None:
-    from lightning_resume.errors import ConfigurationError
-    from lightning_resume.sharded.api import load_sharded, save_sharded
-
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigurationError, match="s3://bucket/run/step-1 is a remote URL"):
-        save_sharded({"w": torch.zeros(2)}, "s3://bucket/run/step-1", 1)
-    with pytest.raises(ConfigurationError, match="remote URL"):
-        load_sharded({"w": torch.zeros(2)}, "s3://bucket/run/step-1")
-    assert list(tmp_path.iterdir()) == []  # no local folder named "s3:"
-
-
 def test_async_save_to_s3_uploads_in_the_background_in_order(s3_bucket: str) -> None:
     io = SafetensorsCheckpointIO(async_save=True)
     try:

@@ -17,6 +17,7 @@ Knows files (through ``storage`` and ``io.atomic``) and threads; decides nothing
 
 from __future__ import annotations
 
+import random
 import shutil
 import threading
 import time
@@ -35,6 +36,29 @@ READY_POLL_S = 0.02
 
 Ready = Callable[[], bool]
 """Whether the local file is durable (its write, maybe on another worker, has finished)."""
+
+_JITTER = random.Random()
+"""botocore's own generator for the jitter of its retries (:func:`isolate_retry_jitter`)."""
+
+
+def isolate_retry_jitter() -> None:
+    """Give botocore (under s3fs) a random generator of its own for the jitter of its retry backoff.
+
+    botocore draws that jitter from Python's global ``random``: ``botocore/retryhandler.py`` ``delay_exponential``
+    (``random.random()``, legacy retry mode, s3fs's default) and ``botocore/retries/standard.py``
+    ``ExponentialBackoff.__init__`` (``random=random.random``, standard mode). One retried request on the
+    uploader thread would move the training's random stream after ``ExactResume`` captured it, and the resumed
+    run would no longer continue the uninterrupted one bit for bit. Idempotent; a no-op without botocore.
+    """
+    try:
+        from botocore import retryhandler
+        from botocore.retries import standard
+    except ImportError:
+        return
+    retryhandler.random = _JITTER  # type: ignore[assignment]  # the module's only use: random.random()
+    init = standard.ExponentialBackoff.__init__
+    if init.__defaults__ is not None:
+        init.__defaults__ = tuple(_JITTER.random if d is random.random else d for d in init.__defaults__)
 
 
 class UploadFailed(OSError):
@@ -95,6 +119,8 @@ class Mirror:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = str(directory)
+        if storage.is_remote(self.directory):
+            isolate_retry_jitter()
         self.retry = retry if retry is not None else UploadRetry()
         self._transfer = transfer
         self._clock = clock

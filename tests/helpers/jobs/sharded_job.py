@@ -21,6 +21,8 @@ OUT/async-<rank>.json (in flight right after each save returned, blocked seconds
 ``--async-faults`` (after training): background writes that fail on rank 1 must raise the same
 error on every rank at the next save and at ``close``; results in OUT/async-faults-<rank>.json.
 
+``--root URL`` checkpoints there instead of OUT/ckpt (an ``s3://`` prefix: the environment names the server).
+
 ``--resave PHASE`` (one process, no process group): commit ROOT/last at step 1, then re-save it at
 step 2 and pause at PHASE (announced in OUT/paused) to be SIGKILLed there.
 """
@@ -284,9 +286,12 @@ def main(argv=None) -> None:
     p.add_argument("--slow-write", type=float, default=0.0)
     p.add_argument("--stall-async-at", type=int, default=-1)
     p.add_argument("--async-faults", action="store_true")
+    p.add_argument("--root", help="checkpoint root (a URL) instead of OUT/ckpt")
     args = p.parse_args(argv)
-    args.root = os.path.join(args.out, "ckpt")
-    os.makedirs(args.root, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    if args.root is None:
+        args.root = os.path.join(args.out, "ckpt")
+        os.makedirs(args.root, exist_ok=True)
     if args.resave:
         return resave(args)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -15,7 +15,8 @@ For the elastic tests (every default above unchanged without them): ``--devices 
 ``DataLoader``, which ExactResume adopts, instead of torchdata's), ``--num-workers N``, ``--max-epochs N``
 (instead of ``max_steps``), ``--every N`` (checkpoint interval), ``--pause-before K`` (block at batch K
 after writing OUT/paused, for the test to SIGKILL the process group) and ``--dump-start`` (rank 0 writes
-the full weights as training starts, after the restore resharded them, to OUT/start.pt). Every sample
+the full weights as training starts, after the restore resharded them, to OUT/start.pt); ``--ckpt-dir URL``
+checkpoints there instead of OUT/ckpt. Every sample
 carries its id: each rank appends one line per step (epoch, global step, ids) to OUT/steps-rank<R>.jsonl,
 and a resumed run writes ``ExactResume.resume_report`` to OUT/report-rank<R>.json.
 """
@@ -124,7 +125,7 @@ def main(a: Any) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     L.seed_everything(7)
     model = Tiny(a.samples, a.shuffle, a.plain_loader, a.num_workers)
-    ckpt_dir = os.path.join(out, "ckpt")
+    ckpt_dir = a.ckpt_dir or os.path.join(out, "ckpt")
     saver = (
         RetentionCheckpoint(dirpath=ckpt_dir, every_n_train_steps=a.every, keep_last=2)
         if a.retention
@@ -190,4 +191,5 @@ if __name__ == "__main__":
     p.add_argument("--every", type=int, default=2, help="checkpoint every N training steps")
     p.add_argument("--pause-before", type=int, default=None, help="block at this batch after writing OUT/paused")
     p.add_argument("--dump-start", action="store_true", help="rank 0 writes OUT/start.pt at on_train_start")
+    p.add_argument("--ckpt-dir", help="checkpoint directory (a URL) instead of OUT/ckpt")
     main(p.parse_args())

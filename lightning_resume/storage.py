@@ -119,8 +119,8 @@ def list_dir(dirpath: str) -> List[Entry]:
 def _list_remote(dirpath: str) -> List[Entry]:
     fs, fs_path = fsspec.core.url_to_fs(dirpath)
     fs.invalidate_cache(fs_path)  # another process (or a background upload) may have changed it
-    try:
-        infos = fs.ls(fs_path, detail=True)
+    try:  # a refused listing names the URL (a raw botocore error names nothing); transient ones are retried
+        infos = with_retries(lambda: fs.ls(fs_path, detail=True), dirpath, "list")
     except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
@@ -394,6 +394,36 @@ def remove(path: str) -> None:
             fs.rm(fs_path, recursive=True)
 
     with_retries(rm, path, "delete")
+
+
+def check_writable(dirpath: str) -> None:
+    """Fail now, naming ``dirpath``, if checkpoints can be neither written nor listed under it (a missing bucket,
+    a bucket or prefix without permission), instead of at the first save, maybe an epoch later. Remote only
+    (a local directory is created by the first save). On S3 a multi-part upload is begun and aborted under
+    the prefix (``s3:PutObject``, nothing ever visible); elsewhere an empty ``.lightning-resume-probe-<pid>``
+    is written and removed. Then the prefix is listed (what ``ckpt_path="last"`` does; an empty prefix is
+    fine). Transient errors are retried as transfers are; a permanent one raises at once."""
+    dirpath = str(dirpath)
+    if is_local(dirpath):
+        return
+    fs, fs_path = fsspec.core.url_to_fs(dirpath)
+    probe = fs_path.rstrip("/") + f"/.lightning-resume-probe-{os.getpid()}"
+
+    def write_probe() -> None:
+        if hasattr(fs, "call_s3"):
+            bucket, key, _ = fs.split_path(probe)
+            upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"])
+        else:
+            fs.pipe_file(probe, b"")
+            fs.rm(probe)
+
+    def list_prefix() -> None:
+        with contextlib.suppress(FileNotFoundError):  # nothing saved there yet
+            fs.ls(fs_path, refresh=True)
+
+    with_retries(write_probe, dirpath, "write checkpoints under")
+    with_retries(list_prefix, dirpath, "list checkpoints under")
 
 
 # ------------------------------------------------------------------------------------------ retries

@@ -17,6 +17,7 @@ Knows files (through ``storage`` and ``io.atomic``) and threads; decides nothing
 
 from __future__ import annotations
 
+import importlib
 import random
 import shutil
 import threading
@@ -51,11 +52,11 @@ def isolate_retry_jitter() -> None:
     run would no longer continue the uninterrupted one bit for bit. Idempotent; a no-op without botocore.
     """
     try:
-        from botocore import retryhandler
-        from botocore.retries import standard
+        retryhandler = importlib.import_module("botocore.retryhandler")
+        standard = importlib.import_module("botocore.retries.standard")
     except ImportError:
         return
-    retryhandler.random = _JITTER  # type: ignore[assignment]  # the module's only use: random.random()
+    setattr(retryhandler, "random", _JITTER)  # noqa: B010 - replaces the module botocore imported; its only use: random()
     init = standard.ExponentialBackoff.__init__
     if init.__defaults__ is not None:
         init.__defaults__ = tuple(_JITTER.random if d is random.random else d for d in init.__defaults__)

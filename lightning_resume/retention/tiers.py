@@ -89,7 +89,7 @@ class TieredPolicy:
             record = by_path[decision.record.path]
             if not decision.keep and _name(record.path) not in on_mirror:
                 decision = KeepDecision(record, True, (NOT_ON_MIRROR,))
-            decisions.append(decision._replace(record=record))
+            decisions.append(KeepDecision(record, decision.keep, decision.reasons))
         return decisions
 
     def local_anchors(self, records: Sequence[CheckpointRecord]) -> list[CheckpointRecord]:

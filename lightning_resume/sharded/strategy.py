@@ -13,7 +13,7 @@ flight until its commit. Thin: all logic is in ``api`` and ``background``.
 
 import sys
 from datetime import timedelta
-from typing import Any, Dict, Literal, Optional, Union
+from typing import Any, Callable, Dict, Literal, Optional, Sequence, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -24,21 +24,51 @@ from lightning_resume import storage
 from lightning_resume._compat import check_versions
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
-from lightning_resume.io.verify import verify_directory
+from lightning_resume.io.marker import MARKER
+from lightning_resume.io.resolve import newest_verified
+from lightning_resume.io.verify import verify, verify_directory
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import checkpoint_path as sharded_path  # load_checkpoint's argument has the name
 from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded
 from lightning_resume.sharded.background import AsyncShardedSaver
 
 
+def lightning_path(directory: str) -> str:
+    """What ``ckpt_path="last"`` hands Lightning for a checkpoint directory: the directory itself, or on an
+    object store its commit marker.
+
+    Lightning takes the newest of its "last" candidates by ``fs.modified(path)``, which an object store has
+    only for an object, never for a prefix (s3fs raises ``IsADirectoryError``); the marker is the object
+    that makes the prefix a checkpoint, and its time is the commit's. :func:`directory_of` maps it back."""
+    return storage.join(directory, MARKER) if storage.is_remote(directory) and storage.is_dir(directory) else directory
+
+
+def directory_of(path: str) -> str:
+    """The checkpoint a path from :func:`lightning_path` names (any other path unchanged)."""
+    parent, name = storage.split(str(path))
+    return parent if name == MARKER and storage.is_remote(str(path)) else str(path)
+
+
 class ShardedCheckpointIO(TorchCheckpointIO):
-    """Verification and removal of sharded checkpoint directories (writing is collective: the strategy does it)."""
+    """Verification and removal of sharded checkpoint directories (writing is collective: the strategy does it).
+
+    Also a ``ResolvingCheckpointIO``: "last" is the newest candidate that verifies in full, named for Lightning
+    by :func:`lightning_path`; ``loaded_path`` names the directory again (the resume source retention keeps).
+    """
 
     def __init__(self, digests: bool = True) -> None:
         self.digests = digests
 
     def verify_checkpoint(self, path: str) -> None:
         verify_directory(str(path), self.digests)
+
+    def resolve_newest(self, paths: Sequence[str], skipped: Callable[[str], None]) -> Optional[str]:
+        """The newest of ``paths`` that verifies (``io.resolve.newest_verified``), as Lightning can time it."""
+        path = newest_verified(paths, lambda p: verify(p, self, self.digests), skipped=skipped)
+        return None if path is None else lightning_path(path)
+
+    def loaded_path(self, path: str) -> str:
+        return directory_of(path)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -172,7 +202,7 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        path = sharded_path(str(self.broadcast(str(checkpoint_path))))
+        path = sharded_path(directory_of(str(self.broadcast(str(checkpoint_path)))))
         self.wait_for_checkpoint()  # a directory still being written is not loadable yet
         module = self.model
         # Lightning restores a checkpoint into this strategy only after setup (restore_checkpoint_after_setup)

@@ -120,6 +120,7 @@ def test_lightning_retention_and_last_on_s3_resume_bitwise(tmp_path, s3_bucket, 
     fs.rm(f"{root}/step=000000006.ckpt/{MARKER}"[len("s3://") :])  # as if killed before its commit
     fs.pipe_file(f"{root}/step=000000009.ckpt"[len("s3://") :], b"\x00" * 64)  # a newer file that is corrupt
     resumed = fit(tmp_path / "resumed", env, "last", "--retention", "--ckpt-dir", root)
+    assert not list((tmp_path / "resumed").glob("error-*.txt")), (tmp_path / "resumed" / "error-0.txt").read_text()
     assert len(resumed["losses"]) == 2  # resumed at step 4, trained 5 and 6
     assert torch.equal(torch.stack(full["losses"][4:]), torch.stack(resumed["losses"]))
     assert_bitwise(full["model"], resumed["model"])

@@ -245,3 +245,17 @@ def test_an_async_sharded_save_to_s3_is_committed_at_wait(s3_bucket):
     record = read_marker(final)
     assert record.step == 5 and load_meta(final, record) == {"global_step": 5}
     assert torch.equal(loaded(final)["model"]["w"], state(5.0)["model"]["w"])
+
+
+def test_last_is_handed_to_lightning_as_the_marker_object_which_it_can_time_and_maps_back(s3_bucket):
+    """Lightning times every "last" candidate with ``fs.modified``, which a prefix lacks on S3."""
+    root = f"{s3_bucket}/run"
+    save_sharded(state(4.0), f"{root}/step=4.ckpt", 4)
+    io = ShardedCheckpointIO()
+    fs = fsspec.filesystem("s3")
+    with pytest.raises(IsADirectoryError):
+        fs.modified(fs_key(f"{root}/step=4.ckpt"))
+    chosen = io.resolve_newest([e.path for e in candidates(root)], skipped=print)
+    assert chosen == f"{root}/step=4.ckpt/{MARKER}" and fs.modified(fs_key(chosen))
+    assert io.loaded_path(chosen) == f"{root}/step=4.ckpt"
+    assert io.loaded_path(f"{root}/step=2.ckpt") == f"{root}/step=2.ckpt"

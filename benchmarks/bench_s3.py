@@ -10,7 +10,9 @@ training thread's blocked time and the total until the upload is committed; (6) 
 tensors into preallocated buffers (the floor for the blocked time). Medians (min-max) and throughput ratios
 to the baselines of the same run, with the load average. The server runs in a child process (``--server
 thread``: in this one, sharing the client's GIL, as the tests run it); it shares the machine's cores with
-the client either way, so absolute figures say little; the ratios are what to read.
+the client either way, so absolute figures say little; the ratios are what to read. On 127.0.0.1 one stream is
+as fast as the server's CPU, so parallel parts gain little; ``--stream-mbps`` caps each connection (a thread
+server, ``Throttle``) as a distant store's link does, which is where parallel parts pay.
 
 Usage: ``python benchmarks/bench_s3.py --size-mb 256 --repeats 3`` (needs ``moto[server]`` and ``s3fs``).
 """
@@ -42,18 +44,49 @@ from tests.helpers.s3 import S3Server, s3_env
 def main() -> None:
     parser = size_parser(__doc__, size_mb=64, repeats=3)
     parser.add_argument("--server", choices=("thread", "process"), default="process")
+    parser.add_argument("--stream-mbps", type=float, default=0.0, help=Throttle.__doc__)
     args = parser.parse_args()
-    with s3_endpoint(args.server) as endpoint:
+    where = "thread" if args.stream_mbps else args.server
+    with s3_endpoint(where, args.stream_mbps) as endpoint:
         os.environ.update(s3_env(endpoint))
-        run(args.size_mb, args.repeats, args.server)
+        run(
+            args.size_mb, args.repeats, where if not args.stream_mbps else f"thread, {args.stream_mbps:g} MB/s a stream"
+        )
+
+
+class Throttle:
+    """Emulated per-connection bandwidth (MB/s, a thread server only): each request's body (PUT, POST) and each
+    GET's answer is held ``bytes / rate`` s, sleeping, so a stream moves at most that rate, as one connection to
+    a distant store does, and only parallel streams go faster. 0: off."""
+
+    def __init__(self, mbps: float) -> None:
+        self.rate = mbps * (1 << 20)
+
+    def wrap(self, app):
+        def middleware(environ, start_response):
+            method = environ.get("REQUEST_METHOD")
+            if method in ("PUT", "POST"):
+                time.sleep(int(environ.get("CONTENT_LENGTH") or 0) / self.rate)
+            body = app(environ, start_response)
+            if method != "GET":
+                return body
+            chunks = list(body)
+            time.sleep(sum(map(len, chunks)) / self.rate)
+            return chunks
+
+        return middleware
 
 
 @contextlib.contextmanager
-def s3_endpoint(where: str) -> Iterator[str]:
-    """A moto server on 127.0.0.1: in a thread of this process (``tests/helpers/s3.py``) or a child process."""
+def s3_endpoint(where: str, stream_mbps: float = 0.0) -> Iterator[str]:
+    """A moto server on 127.0.0.1: in a thread of this process (``tests/helpers/s3.py``, throttled per stream
+    with ``stream_mbps``) or a child process."""
     if where == "thread":
         server = S3Server()
         server.start()
+        if stream_mbps:
+            wsgi = server._server._server
+            wsgi.app = Throttle(stream_mbps).wrap(wsgi.app)
         try:
             yield server.endpoint
         finally:

@@ -322,6 +322,8 @@ class _Window(io.RawIOBase):
     @override
     def readinto(self, buffer: Any) -> int:
         n = max(0, min(len(buffer), self._length - self._pos))
+        if n == 0:
+            return 0  # at the end: no read (a ranged GET of nothing is an error on S3)
         data = self._pread(n, self._begin + self._pos)
         buffer[: len(data)] = data
         self._pos += len(data)

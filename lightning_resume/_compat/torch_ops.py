@@ -23,3 +23,17 @@ def default_store() -> dist.Store:
     """The default process group's store (``torch/distributed/distributed_c10d.py:1433``):
     the rendezvous ``TCPStore`` every rank reaches, whose waits have their own timeout, not the group's."""
     return dist.distributed_c10d._get_default_store()
+
+
+def function_mode_on_top(mode: object) -> bool:
+    """Whether ``mode`` is the innermost ``TorchFunctionMode`` of this thread, so leaving it pops it and no
+    other (``torch/overrides.py:2105`` ``_get_current_function_mode``; the stack is thread-local)."""
+    from torch.overrides import _get_current_function_mode
+
+    return _get_current_function_mode() is mode
+
+
+def version(t: torch.Tensor) -> int:
+    """The version counter of ``t``'s data (``Tensor._version``, ``torch/_C/__init__.pyi``): every in-place
+    write through autograd's dispatch adds one; a ``.detach()`` shares it, a ``.data`` alias does not."""
+    return t._version

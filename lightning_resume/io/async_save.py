@@ -26,6 +26,7 @@ from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.io import write
 from lightning_resume.io.buffers import HostBuffers, StagedTensors
 from lightning_resume.io.codec import TreeEncoder, TreeText
+from lightning_resume.io.overlap import CopyStats, OptimizerWatch, OverlappedCopy, copy_now
 from lightning_resume.io.worker import Job, OrderedWriter
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,27 @@ class AsyncSaver:
     ``AsyncWriteError`` (``on_error="raise"``) or warned (``"warn"``).
     """
 
-    def __init__(self, commit: WriteFn, on_error: str = "raise", overlap: bool = False) -> None:
+    def __init__(
+        self,
+        commit: WriteFn,
+        on_error: str = "raise",
+        overlap: bool = False,
+        overlap_copy: bool = False,
+        check_versions: bool = True,
+    ) -> None:
         self._commit = commit
         self.on_error = on_error
         self.overlap = overlap
+        self.overlap_copy = overlap_copy
+        self.check_versions = check_versions
+        self.watch = OptimizerWatch() if overlap_copy else None
+        self._copy: Optional[OverlappedCopy] = None
+        self.last_copy: Optional[CopyStats] = None
+        """The newest overlapped copy that ended (``overlap_copy``): bytes deferred, barrier time, recopies."""
+        self.guarded = 0
+        """In-place writes the copy-on-write guard held for a copy in flight, over every save (``overlap_copy``)."""
+        self.recopied = 0
+        """Tensors copied again at a barrier (changed unseen before their copy ended), over every save."""
         self.buffers = HostBuffers()
         self.encoder = TreeEncoder()
         self.writer = OrderedWriter()
@@ -86,6 +104,7 @@ class AsyncSaver:
 
     def _save(self, path: str, checkpoint: Optional[dict] = None, encoded: Optional[TreeText] = None) -> None:
         started = time.monotonic()
+        self.end_copy()  # the previous snapshot's deferred copy (normally ended by the optimizer step before)
         self.writer.wait(self.writer.outstanding())  # the pool is reused: the previous write must be done
         snapshot_start = time.monotonic()
         self.last_wait_seconds = snapshot_start - started
@@ -94,7 +113,7 @@ class AsyncSaver:
         if encoded is None:
             encoded = self.encoder.reuse(checkpoint)  # the usual save: only its tensor-free subtrees encoded
         if encoded is None:  # encoded in full: long Python work, so the same tensors are copied meanwhile
-            recopy = None if self.overlap else self.buffers.recopy_last()
+            recopy = None if self.overlap or self.overlap_copy else self.buffers.recopy_last()
             try:
                 encoded = self.encoder.encode_in_full(checkpoint)  # unencodable values fail here, before any file
             finally:
@@ -103,7 +122,9 @@ class AsyncSaver:
         tree_json, tensors = encoded.tree_json, encoded.tensors
         staged = self.buffers.prepare(tensors, encoded.layout)
         job = Job("write", path, lambda: self._commit(path, tree_json, staged))
-        if self.overlap:
+        if self.overlap_copy:
+            self._copy_overlapped(staged, tensors, job)
+        elif self.overlap:
             self._fill_while_writing(staged, encoded, job)
         else:
             if not self.buffers.adopt(recopy, staged, tensors):
@@ -111,6 +132,39 @@ class AsyncSaver:
             self.writer.submit(job)
         self.last_blocked_seconds = time.monotonic() - snapshot_start
         self._last_write = job
+
+    def _copy_overlapped(self, staged: StagedTensors, tensors: Dict[str, torch.Tensor], job: Job) -> None:
+        """Copy now what may change before the next optimizer step; defer the rest (``io.overlap``)."""
+        assert self.watch is not None
+        now, later = self.watch.split(staged, tensors)
+        names = list(staged)
+        try:
+            copy_now([staged[names[i]] for i in now], [tensors[names[i]] for i in now], self.buffers.devices)
+        except BaseException as err:
+            staged._abort(err)
+            raise
+        staged._copied_up_to(later[0] if later else len(staged), notify=True)  # the writer may start
+        if later:
+            copy = OverlappedCopy(
+                staged, [tensors[names[i]] for i in later], later, self.buffers.devices, self.check_versions
+            )
+            copy.on_end = self._copy_ended
+            copy.stats.sync_bytes = sum(staged[names[i]].numel() * staged[names[i]].element_size() for i in now)
+            copy.start()
+            self._copy = copy
+        self.writer.submit(job)
+
+    def end_copy(self) -> Optional[CopyStats]:
+        """The barrier of the snapshot whose copy is still running (``overlap_copy``): wait for it, copy again
+        what changed unseen; its stats, or ``None`` when no copy was running. Also run by the next optimizer
+        step, save, :meth:`wait` and :meth:`close`."""
+        copy, self._copy = self._copy, None
+        return None if copy is None else copy.finish()
+
+    def _copy_ended(self, stats: CopyStats) -> None:
+        self.last_copy = stats
+        self.guarded += stats.guarded
+        self.recopied += len(stats.recopied)
 
     def _fill_while_writing(self, staged: StagedTensors, encoded: TreeText, job: Job) -> None:
         self.writer.submit(job)
@@ -148,6 +202,7 @@ class AsyncSaver:
     def wait(self, path: Optional[str] = None, timeout: Optional[float] = None, on_error: Optional[str] = None) -> bool:
         """Until ``path``'s writes (or every job) are done, then :meth:`report` (per ``on_error`` when given);
         ``False`` on timeout."""
+        self.end_copy()
         jobs = self.writer.outstanding(path, kind="write") if path is not None else self.writer.outstanding()
         done = self.writer.wait(jobs, timeout)
         self.report(on_error)

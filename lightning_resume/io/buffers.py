@@ -20,7 +20,7 @@ import operator
 import threading
 from dataclasses import dataclass
 from itertools import compress
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -38,7 +38,7 @@ NOTIFY_BYTES = 8 << 20
 class Devices:
     """What the pool asks of the accelerator: which sources are on CUDA, page-locked memory, waiting for copies.
 
-    The default is torch's CUDA. A subclass can stand in for another accelerator, or, in a test on a machine
+    The default is torch's CUDA (one side stream per device for overlapped copies). A subclass can stand in for another accelerator, or, in a test on a machine
     without one, treat CPU tensors as CUDA sources to exercise the pinned, non-blocking path.
     """
 
@@ -51,6 +51,33 @@ class Devices:
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
+
+    def copy_on_side_stream(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> Any:
+        """Queue ``dst.copy_(src)`` for each pair on a side stream of the sources' device, after the work queued
+        so far on the current stream; the event recorded after them (an overlapped snapshot's CUDA copy).
+        The sources are recorded on the side stream, so their memory is not reused before it has read them."""
+        device = srcs[0].device
+        current = torch.cuda.current_stream(device)
+        streams: Dict[torch.device, Any] = self.__dict__.setdefault("_side_streams", {})
+        side = streams.get(device)
+        if side is None:
+            side = streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side), torch.no_grad():
+            for dst, src in zip(dsts, srcs, strict=True):
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(side)
+            event = torch.cuda.Event()
+            event.record(side)
+        return event
+
+    def wait_event(self, event: Any) -> None:
+        """Order the current stream's later work after ``event`` (the host does not wait)."""
+        torch.cuda.current_stream().wait_event(event)
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the calling thread until ``event`` completed."""
+        event.synchronize()
 
 
 class StagedTensors(Dict[str, torch.Tensor]):

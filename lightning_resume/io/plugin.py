@@ -41,6 +41,7 @@ from lightning_resume.io.async_save import AsyncSaver, commit_staged
 from lightning_resume.io.atomic import clean_stale_temporaries
 from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
+from lightning_resume.io.overlap import CopyStats
 from lightning_resume.io.resolve import Skipped, is_last_name, newest_first, newest_verified, siblings, warn_skipped
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.io.verify import verify as verify_file
@@ -71,6 +72,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
             after the whole snapshot: durable sooner by about the copy time, but the write competes with
             the copy, so training is blocked longer (benchmarks/RESULTS.md, "Async saving", has the figures). Worth it
             where saves are back to back and cores are spare.
+        overlap_copy: with ``async_save``, copy at the save only what may change before the next optimizer step
+            (buffers a forward updates, frozen parameters, every tensor no optimizer steps) and copy the
+            parameters and optimizer state the optimizers step while the next forward and backward run; the
+            next optimizer step (of any ``torch.optim`` optimizer: automatic or manual optimization, several
+            optimizers, ``GradScaler``, after ``accumulate_grad_batches`` micro-batches) waits for what is left.
+            Exact: until then an in-place write through torch to a tensor not copied yet copies it first, and a
+            write torch's Python API did not see is found by the version counter, copied again and warned about
+            (``io/overlap.py``; docs/async-saving.md, "Overlapped copy"). Off by default (see there why).
         on_error: what a failed background write does at the next save, ``wait`` or teardown:
             ``"raise"`` an ``AsyncWriteError`` naming the file (default), or ``"warn"`` and go on.
         flush_timeout: longest wait for a pending write when the run ends by an exception,
@@ -90,6 +99,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         mmap: bool = False,
         async_save: bool = False,
         overlap_write: bool = False,
+        overlap_copy: bool = False,
         on_error: Literal["raise", "warn"] = "raise",
         flush_timeout: Duration = "10min",
         max_remote_load_bytes: Optional[int] = None,
@@ -104,6 +114,15 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if overlap_write and not async_save:
             problems.append(
                 "overlap_write=True overlaps the background write with the snapshot copy; it needs async_save=True"
+            )
+        if overlap_copy and not async_save:
+            problems.append(
+                "overlap_copy=True copies the optimizer-written state while the next step runs; it needs async_save=True"
+            )
+        if overlap_copy and overlap_write:
+            problems.append(
+                "overlap_copy=True and overlap_write=True: the overlapped copy already lets the write start on what"
+                " is copied at the save; pass one of them"
             )
         if on_error not in ("raise", "warn"):
             problems.append(f"on_error={on_error!r} is not supported; use 'raise' or 'warn'")
@@ -128,7 +147,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._loaded: Dict[str, str] = {}  # a path asked for -> the file its load read
         self._saver: Optional[AsyncSaver] = None
         if async_save:
-            self._saver = AsyncSaver(self._commit, on_error, overlap=overlap_write)
+            self._saver = AsyncSaver(self._commit, on_error, overlap=overlap_write, overlap_copy=overlap_copy)
             atexit.register(_flush_at_exit, weakref.ref(self))
 
     @property
@@ -260,6 +279,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
     def last_blocked_seconds(self) -> Optional[float]:
         """Training-thread time of the newest async save: encoding the tree and copying the tensors."""
         return None if self._saver is None else self._saver.last_blocked_seconds
+
+    @property
+    def last_copy_stats(self) -> Optional[CopyStats]:
+        """With ``overlap_copy``: the newest overlapped copy that ended (bytes deferred and copied at the save,
+        seconds blocked at the barrier, tensors the guard copied and tensors copied again)."""
+        return None if self._saver is None else self._saver.last_copy
 
     @property
     def last_wait_seconds(self) -> Optional[float]:

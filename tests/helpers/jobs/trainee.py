@@ -156,6 +156,7 @@ class Model(pl.LightningModule):
             nn.Linear(DIM, 32), *norm, nn.ReLU(), nn.Dropout(cfg.get("dropout", 0.0)), nn.Linear(32, 1)
         )
         self.log_file = None
+        self.automatic_optimization = not cfg.get("manual")  # manual: two optimizers stepped in training_step
 
     def _record(self, **rec) -> None:
         """One line of ``<out>/steps-rank<R>.jsonl``."""
@@ -173,6 +174,13 @@ class Model(pl.LightningModule):
             time.sleep(self.cfg["slow"])
         loss = nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
         self._log_step(batch, loss)
+        if self.cfg.get("manual"):
+            first, second = self.optimizers()
+            self.manual_backward(loss)
+            first.step()
+            second.step()
+            first.zero_grad()
+            second.zero_grad()
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -186,6 +194,10 @@ class Model(pl.LightningModule):
         self._record(val=batch_idx, epoch=self.current_epoch, step=self.global_step, loss=loss_bits(loss))
 
     def configure_optimizers(self):
+        if self.cfg.get("manual"):  # the first layer and the rest, each its own optimizer
+            first = list(self.net[0].parameters())
+            rest = [p for p in self.parameters() if all(p is not q for q in first)]
+            return torch.optim.AdamW(first, lr=self.cfg.get("lr", 1e-2)), torch.optim.SGD(rest, lr=0.1, momentum=0.9)
         opt = torch.optim.AdamW(self.parameters(), lr=self.cfg.get("lr", 1e-2))
         if not self.cfg.get("scheduler"):
             return opt
@@ -241,6 +253,33 @@ class PauseBefore(Callback):
         self.seen += 1
 
 
+class EditWeights(Callback):
+    """An EMA-style edit of the weights in place at every batch start: between a save and the next optimizer
+    step, so an overlapped snapshot copy must save them as they were at the save (not idempotent: x0.999)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.mul_(0.999)
+
+
+def _slow_copies(seconds: float) -> None:
+    """Every deferred copy of an overlapped snapshot (``overlap_copy``) starts ``seconds`` late on its helper
+    thread, so the training thread's next writes come first (the copy-on-write guard must catch them)."""
+    import threading
+
+    from lightning_resume.io import overlap
+
+    copy = overlap._copy_batch
+
+    def slow(dsts, srcs):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+        return copy(dsts, srcs)
+
+    overlap._copy_batch = slow
+
+
 class FlushMemoryTier(Callback):
     """Waits at each batch start until ExactResume's memory-tier write is committed, so that a kill at a
     known point finds the memory snapshot taken before it (its write is otherwise on a worker thread)."""
@@ -292,6 +331,8 @@ def _callbacks(cfg: dict, out: Path) -> list[Callback]:
         callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **exact_args))
     if cfg.get("flush_memory_tier"):
         callbacks.append(FlushMemoryTier())
+    if cfg.get("edit_weights"):
+        callbacks.append(EditWeights())
     if cfg.get("pause_before") is not None:
         callbacks.append(PauseBefore(out, cfg["pause_before"]))
     if cfg.get("collective_timeout_s"):
@@ -328,7 +369,10 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
     devices = cfg.get("devices", 1)
     if cfg.get("slow_write"):
         _slow_writes(cfg["slow_write"])
-    plugins: list = [SafetensorsCheckpointIO(async_save=cfg.get("async", False))] if cfg.get("safetensors") else []
+    if cfg.get("slow_copy"):
+        _slow_copies(cfg["slow_copy"])
+    io_args = {"async_save": cfg.get("async", False), "overlap_copy": cfg.get("overlap_copy", False)}
+    plugins: list = [SafetensorsCheckpointIO(**io_args)] if cfg.get("safetensors") else []
     if cfg.get("slurm_auto_requeue") is not None:
         plugins.append(SLURMEnvironment(auto_requeue=cfg["slurm_auto_requeue"]))
     return pl.Trainer(
@@ -374,6 +418,9 @@ def main(cfg: dict) -> None:
     exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactResume)), None)
     if exact is not None:  # what the resume said it did, for the tests to read: ``<out>/report-rank<R>.json``
         report = {**exact.resume_report, "accumulate_grad_batches_now": trainer.accumulate_grad_batches}
+        saver = getattr(trainer.strategy.checkpoint_io, "_saver", None)
+        if getattr(saver, "overlap_copy", False):  # what the overlapped copies did, for the tests to check
+            report["overlap_copy"] = {"guarded": saver.guarded, "recopied": saver.recopied}
         (out / f"report-rank{rank}.json").write_text(json.dumps(report, default=str))
     if torch.distributed.is_initialized():  # close gloo before exit: its threads may otherwise abort the process
         torch.distributed.destroy_process_group()

@@ -1,0 +1,429 @@
+"""Overlapped snapshot copies: what only the optimizer step writes is copied while the next step computes.
+
+An async save (``async_save.AsyncSaver`` with ``overlap_copy``) copies on the caller's thread only the
+tensors that something other than an optimizer step may change (buffers a forward updates, such as
+BatchNorm statistics; frozen parameters; every other tensor of the checkpoint), and defers the ones an
+optimizer step writes (its parameters and its state, found by :class:`OptimizerWatch`) to a copy that runs
+on a helper thread (CPU; torch's copy kernels release the GIL) or on a side CUDA stream, while the next
+forward and backward run. The copy must be over before anything writes those tensors, so:
+
+* the **barrier** (:meth:`OverlappedCopy.finish`) runs before the next optimizer step of any optimizer in
+  the process (``torch.optim``'s global step pre-hook; a step given a closure, as Lightning's automatic
+  optimization and ``GradScaler`` do, waits after the closure, so the copy still overlaps the forward and
+  backward the closure runs), and before the next save, ``wait`` and ``close``;
+* until then an in-place write through torch's Python API (``p.mul_()``, ``p.data.copy_()``,
+  ``p[...] = x``, ``torch._foreach_*_``, ``out=``) to a tensor not copied yet first copies it on the
+  caller's thread (:class:`_CopyOnWrite`, a ``TorchFunctionMode`` on that thread only): an EMA-style
+  callback that edits weights between the save and the next step is saved with the values it had at
+  the save, and counted (``guarded``);
+* at the barrier each deferred tensor's version counter (``tensor._version``) is compared with its value
+  at the save: one that changed before its copy ended, by a write the guard did not see (C++ code,
+  code run with torch functions disabled), is copied again, synchronously, counted (``recopied``) and
+  warned about: its bytes are then its value at the barrier, not at the save.
+
+The writer reads a deferred tensor only after the barrier, so it never reads bytes a recopy rewrites.
+Knows tensors, threads and accelerators; no files, no Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
+
+from lightning_resume._compat.torch_ops import function_mode_on_top, version
+from lightning_resume.errors import AsyncWriteWarning
+from lightning_resume.io.buffers import NOTIFY_BYTES, Devices, StagedTensors, _copy_batch
+
+log = logging.getLogger(__name__)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class OptimizerWatch:
+    """The optimizers that stepped in this process (weakly held), and the storages their steps write.
+
+    One ``torch.optim`` global step post-hook, installed while a watch is open; an optimizer is known from
+    its first step on, so a save before any step defers nothing (everything is copied at the save).
+    """
+
+    def __init__(self) -> None:
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        ref = weakref.ref(self)
+
+        def seen(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            watch = ref()
+            if watch is not None:
+                watch.optimizers.add(optimizer)
+
+        self._handle = register_optimizer_step_post_hook(seen)
+        weakref.finalize(self, self._handle.remove)
+
+    def written_storages(self) -> Set[int]:
+        """The storages an optimizer step writes: every known optimizer's parameters and state tensors."""
+        out: Set[int] = set()
+        for opt in list(self.optimizers):
+            for group in opt.param_groups:
+                out.update(_storage(p) for p in group["params"] if p.numel())
+            for state in opt.state.values():
+                out.update(_storage(t) for t in state.values() if isinstance(t, torch.Tensor) and t.numel())
+        return out
+
+    def split(self, staged: StagedTensors, tensors: Dict[str, torch.Tensor]) -> Tuple[List[int], List[int]]:
+        """The positions in ``staged`` (file order) of the tensors to copy now and of those to defer: deferred
+        are the ones whose memory an optimizer step writes, and only that."""
+        written = self.written_storages()
+        now: List[int] = []
+        later: List[int] = []
+        for i, name in enumerate(staged):
+            t = tensors[name]
+            (later if written and t.numel() and _storage(t) in written else now).append(i)
+        return now, later
+
+
+def copy_now(dsts: List[torch.Tensor], srcs: List[torch.Tensor], devices: Devices) -> None:
+    """Copy each pair on the caller's thread (CUDA sources queued non-blocking, one synchronisation per device)."""
+    cuda = [i for i, t in enumerate(srcs) if devices.is_cuda(t)]
+    with torch.no_grad():
+        for i in cuda:
+            dsts[i].copy_(srcs[i], non_blocking=True)
+        taken = set(cuda)
+        _copy_batch(
+            [d for i, d in enumerate(dsts) if i not in taken], [t for i, t in enumerate(srcs) if i not in taken]
+        )
+    for device in {srcs[i].device for i in cuda}:
+        devices.synchronize(device)
+
+
+@dataclass
+class CopyStats:
+    """One overlapped snapshot's copy, as the metrics report it."""
+
+    deferred_bytes: int = 0
+    """Bytes copied after the save returned (while training went on)."""
+    sync_bytes: int = 0
+    """Bytes copied at the save, on the caller's thread."""
+    barrier_seconds: float = 0.0
+    """Caller's time blocked at the barrier, waiting for the deferred copy (and any recopy)."""
+    guarded: int = 0
+    """In-place writes the copy-on-write guard held until their tensors were copied (by it, or by the helper
+    thread it waited for): each saved as it was at the save."""
+    recopied: List[str] = field(default_factory=list)
+    """Tensors copied again at the barrier: changed, unseen by the guard, before their copy ended."""
+
+
+_PENDING, _CLAIMED, _DONE = 0, 1, 2
+
+
+class OverlappedCopy:
+    """One snapshot's deferred copy: started by :meth:`start`, ended by :meth:`finish` (the barrier).
+
+    ``places``: the positions, in file order, of the deferred tensors among ``staged``'s; every other
+    tensor of ``staged`` must hold its bytes already. ``check_versions=False`` turns the version-counter
+    check off (tests prove it is what catches an unseen write).
+    """
+
+    def __init__(
+        self,
+        staged: StagedTensors,
+        sources: Sequence[torch.Tensor],
+        places: Sequence[int],
+        devices: Devices,
+        check_versions: bool = True,
+    ) -> None:
+        names = list(staged)
+        self.staged, self.devices, self.check_versions = staged, devices, check_versions
+        self.names = [names[i] for i in places]
+        self.dsts = [staged[n] for n in self.names]
+        self.srcs = list(sources)
+        self.state = [_PENDING] * len(self.srcs)
+        self.versions = [version(t) for t in self.srcs]
+        self.after_copy: List[Optional[int]] = [None] * len(self.srcs)
+        self.by_storage: Dict[int, List[int]] = {}
+        for i, t in enumerate(self.srcs):
+            self.by_storage.setdefault(_storage(t), []).append(i)
+        self.stats = CopyStats(deferred_bytes=sum(d.numel() * d.element_size() for d in self.dsts))
+        self._cv = threading.Condition()
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._event: Any = None
+        self._owner = threading.get_ident()
+        self._guard: Optional[_CopyOnWrite] = None
+        self._hook: Any = None
+        self.finished = False
+        self.on_end: Optional[Callable[[CopyStats], None]] = None
+        """Called with the stats once the barrier passed."""
+        self._copied = self._passed = self._released = False
+        self._ordered: Set[int] = set()  # CUDA sources whose writes the guard queued after the side copy
+
+    # ---- the copy --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the copy (helper thread; CUDA sources are queued on a side stream first), then guard the
+        caller's thread and hook the next optimizer step."""
+        cuda = [i for i, t in enumerate(self.srcs) if self.devices.is_cuda(t)]
+        if cuda:
+            self._event = self.devices.copy_on_side_stream([self.dsts[i] for i in cuda], [self.srcs[i] for i in cuda])
+        self._thread = threading.Thread(target=self._run, args=(set(cuda),), name="lightning-resume-copy", daemon=True)
+        self._thread.start()
+        self._guard = _CopyOnWrite(self)
+        self._guard.__enter__()
+        self._hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def _run(self, cuda: Set[int]) -> None:
+        try:
+            start = 0
+            while start < len(self.srcs):
+                batch = self._claim(start, cuda)
+                if batch:
+                    with torch.no_grad():
+                        _copy_batch([self.dsts[i] for i in batch], [self.srcs[i] for i in batch])
+                    self._done(batch)
+                start = batch[-1] + 1 if batch else len(self.srcs)
+            if self._event is not None:
+                self.devices.synchronize_event(self._event)  # the queued CUDA copies are over
+                self._done(sorted(cuda), versions=[self.versions[i] for i in sorted(cuda)])
+        except BaseException as err:  # noqa: BLE001 - the barrier raises it on the caller's thread
+            with self._cv:
+                self._error = err
+                self._cv.notify_all()
+        self._release(copied=True)
+
+    def _claim(self, start: int, cuda: Set[int]) -> List[int]:
+        """The next pending CPU tensors from ``start`` (up to ``NOTIFY_BYTES``), claimed for the helper thread."""
+        batch: List[int] = []
+        nbytes = 0
+        with self._cv:
+            for i in range(start, len(self.srcs)):
+                if self.state[i] != _PENDING or i in cuda:
+                    if batch:
+                        break
+                    continue
+                self.state[i] = _CLAIMED
+                batch.append(i)
+                nbytes += self.dsts[i].numel() * self.dsts[i].element_size()
+                if nbytes >= NOTIFY_BYTES:
+                    break
+        return batch
+
+    def _done(self, batch: List[int], versions: Optional[List[int]] = None) -> None:
+        """Mark ``batch`` copied, with the version each source had once its copy ended (``versions``: a
+        CUDA copy reads what its stream ordered, so the versions at the save)."""
+        after = versions if versions is not None else [version(self.srcs[i]) for i in batch]
+        with self._cv:
+            for i, v in zip(batch, after, strict=True):
+                self.state[i] = _DONE
+                self.after_copy[i] = v
+            self._cv.notify_all()
+
+    def _release(self, copied: bool = False, barrier: bool = False) -> None:
+        """Hand every tensor to the writer once both the copy and the barrier are over (whichever is last)."""
+        with self._cv:
+            self._copied = self._copied or copied
+            self._passed = self._passed or barrier
+            ready = self._copied and self._passed and self._error is None and not self._released
+            self._released = self._released or ready
+            error = self._error if self._copied and self._passed else None
+        if ready:
+            self.staged._copied_up_to(len(self.staged), notify=True)
+        elif error is not None:
+            self.staged._abort(error)
+
+    # ---- the guard -------------------------------------------------------------------------------
+
+    def before_write(self, targets: Sequence[Any]) -> None:
+        """Called by the guard before an in-place write to ``targets``: copy those not copied yet, now."""
+        hit: List[int] = []
+        for t in targets:
+            if isinstance(t, torch.Tensor):
+                hit += self.by_storage.get(_storage(t), ())
+        if not hit:
+            return
+        mine: List[int] = []
+        with self._cv:
+            met = any(self.state[i] != _DONE for i in hit)
+            for i in hit:
+                if self.state[i] == _PENDING:
+                    self.state[i] = _CLAIMED
+                    mine.append(i)
+        self.stats.guarded += met
+        if mine:
+            if self._event is not None and any(self.devices.is_cuda(self.srcs[i]) for i in mine):
+                self.devices.wait_event(self._event)  # the write is queued after the side stream's copies
+            with torch.no_grad():
+                _copy_batch([self.dsts[i] for i in mine], [self.srcs[i] for i in mine])
+            self._done(mine)
+        cuda = [i for i in hit if self.devices.is_cuda(self.srcs[i])]
+        if cuda:
+            self.devices.wait_event(self._event)
+            self._ordered.update(cuda)
+        with self._cv:  # those the helper thread is copying: the write waits for that copy
+            while any(self.state[i] != _DONE for i in hit) and self._error is None:
+                self._cv.wait()
+
+    def _before_step(self, optimizer: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The global step pre-hook: the barrier now, or after the closure when the step is given one."""
+        if "closure" in kwargs and kwargs["closure"] is not None:
+            return args, {**kwargs, "closure": self._after(kwargs["closure"])}
+        if len(args) > 1 and args[1] is not None:
+            return (args[0], self._after(args[1]), *args[2:]), kwargs
+        self.finish()
+        return None
+
+    def _after(self, closure: Any) -> Any:
+        def closure_then_barrier() -> Any:
+            result = closure()
+            self.finish()
+            return result
+
+        return closure_then_barrier
+
+    # ---- the barrier -----------------------------------------------------------------------------
+
+    def finish(self) -> CopyStats:
+        """The barrier: wait for the CPU copies (the caller's CUDA stream, not the host, waits for the CUDA
+        ones), copy again what changed unseen, hand the tensors to the writer once copied; unguard.
+
+        Idempotent. Raises the copy's error (the writer then gets ``StagingAborted``)."""
+        if self.finished:
+            return self.stats
+        self.finished = True
+        started = time.monotonic()
+        try:
+            self._unguard()
+            if self._event is not None:
+                self.devices.wait_event(self._event)
+            cpu = [i for i, t in enumerate(self.srcs) if not self.devices.is_cuda(t)]
+            with self._cv:  # what the helper thread has not claimed yet is copied here, alongside it
+                mine = [i for i in cpu if self.state[i] == _PENDING]
+                for i in mine:
+                    self.state[i] = _CLAIMED
+            if mine:
+                with torch.no_grad():
+                    _copy_batch([self.dsts[i] for i in mine], [self.srcs[i] for i in mine])
+                self._done(mine)
+            with self._cv:
+                while any(self.state[i] != _DONE for i in cpu) and self._error is None:
+                    self._cv.wait()
+                error = self._error
+            if error is not None:
+                raise error
+            if self.check_versions:
+                self._recopy_changed()
+        except BaseException as err:
+            with self._cv:
+                self._error = self._error or err
+            self._release(barrier=True)
+            raise
+        finally:
+            self.stats.barrier_seconds = time.monotonic() - started
+        self._release(barrier=True)
+        if self.on_end is not None:
+            self.on_end(self.stats)
+        return self.stats
+
+    def join(self) -> None:
+        """Until the helper thread is done (the CUDA copies included): for tests and teardown."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def _recopy_changed(self) -> None:
+        is_cuda = self.devices.is_cuda
+        changed = [
+            i
+            for i, t in enumerate(self.srcs)
+            if version(t) != self.versions[i]
+            and (i not in self._ordered if is_cuda(t) else self.after_copy[i] != self.versions[i])
+        ]
+        if not changed:
+            return
+        cuda = {self.srcs[i].device for i in changed if self.devices.is_cuda(self.srcs[i])}
+        if cuda:
+            self.join()  # the side stream's copy is over before the same bytes are written again
+        with torch.no_grad():
+            _copy_batch([self.dsts[i] for i in changed], [self.srcs[i] for i in changed])
+        for device in cuda:
+            self.devices.synchronize(device)
+        names = [self.names[i] for i in changed]
+        self.stats.recopied += names
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        warnings.warn(
+            f"overlapped snapshot: {shown} changed in place between the save and the next optimizer step through"
+            " a path the copy-on-write guard does not see (C++ code, torch functions disabled); copied again, so"
+            " the checkpoint holds its value at that optimizer step, not at the save, and a resume from it is not"
+            " exact for these tensors. Make that change through torch's Python API, or save with overlap_copy=False.",
+            AsyncWriteWarning,
+            stacklevel=4,
+        )
+
+    def _unguard(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        guard, self._guard = self._guard, None
+        if guard is None:
+            return
+        guard.copy = None  # a guard that cannot be popped here passes everything through from now on
+        if threading.get_ident() == self._owner and function_mode_on_top(guard):
+            guard.__exit__(None, None, None)
+        else:
+            _STRANDED.append((self._owner, guard))
+        pop_stranded()
+
+
+_STRANDED: List[Tuple[int, TorchFunctionMode]] = []
+"""Guards a barrier on another thread (or under another mode) could not pop: popped on their own thread later."""
+
+
+def pop_stranded() -> None:
+    """Pop the disarmed guards of this thread that are on top of its mode stack (innermost first)."""
+    me = threading.get_ident()
+    for owner, guard in reversed(list(_STRANDED)):
+        if owner == me and function_mode_on_top(guard):
+            guard.__exit__(None, None, None)
+            _STRANDED.remove((owner, guard))
+
+
+_WRITE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                            "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                            "__imatmul__", "__set__"})  # fmt: skip
+
+
+class _CopyOnWrite(TorchFunctionMode):
+    """On the saving thread until the barrier: before an in-place write, copy its target if it is deferred."""
+
+    def __init__(self, copy: OverlappedCopy) -> None:
+        super().__init__()
+        self.copy: Optional[OverlappedCopy] = copy
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        copy = self.copy
+        if copy is not None:
+            targets = _written(func, args, kwargs)
+            if targets:
+                copy.before_write(targets)
+        return func(*args, **kwargs)
+
+
+def _written(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Any]:
+    """The tensors ``func(*args, **kwargs)`` writes in place (an in-place method, ``_foreach_*_``, ``out=``)."""
+    out: List[Any] = []
+    name = getattr(func, "__name__", "")
+    if args and ((name.endswith("_") and not name.endswith("__")) or name in _WRITE_DUNDERS):
+        first = args[0]
+        out += list(first) if isinstance(first, (list, tuple)) else [first]
+    given = kwargs.get("out")
+    if given is not None:
+        out += list(given) if isinstance(given, (list, tuple)) else [given]
+    return out

@@ -1,0 +1,312 @@
+"""Overlapped snapshot copies (``io.overlap`` through ``AsyncSaver(overlap_copy=True)``): what is deferred,
+the barrier before the next optimizer step, the copy-on-write guard and the version-counter recopy, the
+mocked CUDA path. The helper thread's copy is held back (``held``) so the training thread's writes come first."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from lightning_resume import SafetensorsCheckpointIO
+from lightning_resume.errors import AsyncWriteWarning, ConfigurationError
+from lightning_resume.io import overlap, read
+from lightning_resume.io.async_save import AsyncSaver, commit_staged
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """An event: the helper thread claims nothing until it is set (the guard and the barrier still copy)."""
+    gate = threading.Event()
+    real = overlap.OverlappedCopy._claim
+
+    def gated(self, start, cuda):
+        gate.wait(10)
+        return real(self, start, cuda)
+
+    monkeypatch.setattr(overlap.OverlappedCopy, "_claim", gated)
+    yield gate
+    gate.set()
+
+
+def _setup(frozen=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    if frozen:
+        model[2].requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    x = torch.randn(8, 16)
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()  # the optimizer is known from its first step, and has state
+    return model, opt, x
+
+
+def _saver(**kw):
+    return AsyncSaver(lambda p, j, s: commit_staged(p, j, s, "xxh3-128"), overlap_copy=True, **kw)
+
+
+def _checkpoint(model, opt):
+    return {"state_dict": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+
+
+def _clone(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    return tree
+
+
+def _assert_saved(path, expected):
+    got = read.load_file(str(path), True, None).checkpoint
+    for k, v in expected["state_dict"].items():
+        assert torch.equal(got["state_dict"][k], v), k
+    for pid, state in expected["optimizer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(got["optimizer"]["state"][pid][k], v), (pid, k)
+
+
+def test_only_what_an_optimizer_steps_is_deferred_buffers_and_frozen_weights_are_copied_at_the_save(held, tmp_path):
+    saver = _saver()  # first: it knows the optimizers that step after it exists
+    model, opt, x = _setup(frozen=True)
+    expected = _clone(_checkpoint(model, opt))
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    deferred = set(saver._copy.names)
+    stepped = {f"state_dict.{m}.{p}" for m in (0, 1) for p in ("weight", "bias")}  # layer 2 is frozen
+    moments = {f"optimizer.state.{i}.{k}" for i in range(4) for k in ("exp_avg", "exp_avg_sq", "step")}
+    assert deferred == stepped | moments  # BatchNorm's statistics and the frozen layer: copied at the save
+    model.train()
+    model(x)  # the forward updates BatchNorm's statistics in place: copied at the save already
+    held.set()
+    opt.step()  # the barrier
+    assert saver.last_copy is not None and saver.last_copy.deferred_bytes > 0
+    saver.wait()
+    _assert_saved(tmp_path / "a.ckpt", expected)
+
+
+def test_a_save_before_any_optimizer_step_defers_nothing(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    saver = _saver()
+    saver.save({"state_dict": model.state_dict()}, str(tmp_path / "a.ckpt"))
+    assert saver._copy is None
+    saver.close()
+
+
+EDITS = {
+    "mul_": lambda p: p.mul_(0.5),
+    "data.copy_": lambda p: p.data.copy_(torch.zeros_like(p)),
+    "setitem": lambda p: p.__setitem__(0, 7.0),
+    "iadd": lambda p: p.__iadd__(1.0),
+    "foreach": lambda p: torch._foreach_add_([p], 1.0),
+    "out=": lambda p: torch.add(p, 1.0, out=p),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_in_place_edit_before_the_copy_is_saved_as_it_was_at_the_save(held, tmp_path, edit):
+    saver = _saver()
+    model, opt, _ = _setup()
+    expected = _clone(_checkpoint(model, opt))
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    with torch.no_grad():
+        EDITS[edit](model[0].weight)  # an EMA-style callback between the save and the next step
+    held.set()
+    saver.wait()
+    _assert_saved(tmp_path / "a.ckpt", expected)
+    assert saver.guarded == 1 and saver.recopied == 0
+
+
+def test_without_the_guard_the_edit_would_reach_the_file(held, tmp_path, monkeypatch):
+    """The test above can fail: with the guard passing writes through, the file holds the edited weight."""
+    monkeypatch.setattr(overlap, "_written", lambda *a: [])
+    saver = _saver()
+    model, opt, _ = _setup()
+    before = model[0].weight.detach().clone()
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    held.set()
+    saver.wait()
+    got = read.load_file(str(tmp_path / "a.ckpt"), True, None).checkpoint["state_dict"]["0.weight"]
+    assert torch.equal(got, before * 0.5)
+
+
+@pytest.mark.parametrize("check_versions", [True, False])
+def test_a_write_the_guard_cannot_see_is_found_by_the_version_counter_and_copied_again(held, tmp_path, check_versions):
+    saver = _saver(check_versions=check_versions)
+    model, opt, _ = _setup()
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    with torch.no_grad(), torch._C.DisableTorchFunction():  # as C++ code would: no torch function runs
+        model[0].weight.mul_(0.5)
+    copy = saver._copy
+    held.set()
+    copy.join()  # the helper copied after the edit, and saw the version change once it was done
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        saver.wait()
+    named = [w for w in caught if issubclass(w.category, AsyncWriteWarning) and "0.weight" in str(w.message)]
+    assert (saver.recopied, len(named)) == ((1, 1) if check_versions else (0, 0))
+
+
+def test_a_write_after_the_copy_ended_keeps_the_copy(tmp_path):
+    saver = _saver()
+    model, opt, _ = _setup()
+    expected = _clone(_checkpoint(model, opt))
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    saver._copy.join()
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        model[0].weight.mul_(0.5)
+    saver.wait()
+    _assert_saved(tmp_path / "a.ckpt", expected)
+    assert saver.recopied == 0
+
+
+@pytest.mark.parametrize("closure", [False, True])
+def test_the_next_optimizer_step_waits_for_the_copy_after_its_closure(held, tmp_path, closure):
+    saver = _saver()
+    model, opt, x = _setup()
+    expected = _clone(_checkpoint(model, opt))
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    copy, seen = saver._copy, []
+
+    def forward_backward():
+        seen.append(copy.finished)  # the closure (forward and backward) runs before the barrier
+        held.set()
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    if closure:
+        opt.step(forward_backward)
+    else:
+        forward_backward()
+        opt.step()
+    assert seen == [False] and copy.finished and saver.last_copy is copy.stats
+    assert not torch.equal(model[0].weight, expected["state_dict"]["0.weight"])  # the step did happen
+    saver.wait()
+    _assert_saved(tmp_path / "a.ckpt", expected)
+
+
+def test_two_optimizers_the_first_step_is_the_barrier_for_both(held, tmp_path):
+    saver = _saver()
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), torch.optim.Adam(b.parameters())
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        b(a(x)).sum().backward()
+        opt_a.step()
+        opt_b.step()
+    ckpt = {"a": a.state_dict(), "b": b.state_dict(), "oa": opt_a.state_dict(), "ob": opt_b.state_dict()}
+    expected = _clone(ckpt)
+    saver.save(ckpt, str(tmp_path / "a.ckpt"))
+    assert len(saver._copy.names) == 4 + 2 + 3 * 2  # four parameters, momentum of two, moments and step of two
+    b(a(x)).sum().backward()
+    held.set()
+    opt_a.step()
+    assert saver._copy.finished
+    opt_b.step()
+    saver.wait()
+    got = read.load_file(str(tmp_path / "a.ckpt"), True, None).checkpoint
+    for key in ("a", "b"):
+        for k, v in expected[key].items():
+            assert torch.equal(got[key][k], v), (key, k)
+    for key in ("oa", "ob"):
+        for pid, state in expected[key]["state"].items():
+            for k, v in state.items():
+                assert torch.equal(got[key]["state"][pid][k], v), (key, pid, k)
+
+
+def test_the_guard_leaves_the_thread_at_the_barrier(held, tmp_path):
+    saver = _saver()
+    model, opt, _ = _setup()
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    assert torch._C._len_torch_function_stack() == 1
+    held.set()
+    saver.wait()
+    assert torch._C._len_torch_function_stack() == 0
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # after the barrier nothing is intercepted
+    assert saver.guarded == 0
+
+
+def test_a_failed_copy_is_raised_at_the_barrier_and_leaves_no_file(tmp_path, monkeypatch):
+    def broken(dsts, srcs):
+        if threading.current_thread().name == "lightning-resume-copy":
+            raise RuntimeError("copy failed")
+        torch._foreach_copy_(dsts, srcs)
+
+    monkeypatch.setattr(overlap, "_copy_batch", broken)
+    saver = _saver(on_error="warn")
+    model, opt, _ = _setup()
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        saver.end_copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saver.wait()
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+class SideStream(overlap.Devices):
+    """CPU tensors stand in for CUDA ones: side-stream copies are queued and run when their event is awaited."""
+
+    def __init__(self):
+        self.queued, self.log = [], []
+
+    def is_cuda(self, t):
+        return True
+
+    def allocate(self, nbytes, pinned):
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def synchronize(self, device):
+        self.log.append("synchronize")
+
+    def copy_on_side_stream(self, dsts, srcs):
+        self.log.append(("side", len(dsts)))
+        self.queued.append((list(dsts), list(srcs)))
+        return len(self.queued) - 1
+
+    def _run(self, event):
+        if self.queued[event] is not None:
+            dsts, srcs = self.queued[event]
+            torch._foreach_copy_(dsts, srcs)
+            self.queued[event] = None
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", threading.current_thread() is threading.main_thread()))
+        self._run(event)  # the caller's stream is ordered after the copies: they are done before its work
+
+    def synchronize_event(self, event):
+        self.log.append(("synchronize_event", threading.current_thread() is threading.main_thread()))
+        self._run(event)
+
+
+def test_cuda_sources_are_copied_on_a_side_stream_and_the_barrier_does_not_block_the_host(tmp_path):
+    saver = _saver()
+    model, opt, _ = _setup()
+    devices = saver.buffers.devices = SideStream()
+    expected = _clone(_checkpoint(model, opt))
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    assert devices.log[:2] == ["synchronize", ("side", len(saver._copy.names))]  # buffers now, the rest queued
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # the guard orders the edit after the side stream's copy
+    assert ("wait_event", True) in devices.log
+    saver.end_copy()
+    assert ("synchronize_event", True) not in devices.log  # the training thread never waited on the host
+    saver.wait()
+    _assert_saved(tmp_path / "a.ckpt", expected)
+
+
+def test_overlap_copy_needs_async_save():
+    with pytest.raises(ConfigurationError, match="overlap_copy=True .* needs async_save=True"):
+        SafetensorsCheckpointIO(overlap_copy=True)
+    with pytest.raises(ConfigurationError, match="pass one of them"):
+        SafetensorsCheckpointIO(async_save=True, overlap_copy=True, overlap_write=True)

@@ -589,6 +589,66 @@ def measure_fits(root: str, every: int, steps: int, width: int, repeats: int) ->
 # ---------------------------------------------------------------------------------------- main
 
 
+def overlap_rows(size_mb: float, saves: int, root: str) -> List[str]:
+    """``overlap_copy``: per save, the caller's time blocked at the save and at the barrier (the next optimizer
+    step), against a memcpy of the same bytes measured just before it. The state is a real model and AdamW
+    (so the optimizer watch defers it); between the save and the step, a forward/backward-sized CPU matmul."""
+    torch.manual_seed(0)
+    width = 1024
+    layers = max(1, int(size_mb * 1e6 / 3 / (width * width * 4)))  # weights + two AdamW moments ~ size_mb
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    io = SafetensorsCheckpointIO(async_save=True, overlap_copy=True)
+    plain = SafetensorsCheckpointIO(async_save=True)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, width)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    step()
+    tensors = [*model.state_dict().values()] + [t for st in opt.state.values() for t in st.values() if t.numel() > 1]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    buffers = [torch.empty_like(t) for t in tensors]
+    rows: Dict[str, List[float]] = {"save": [], "barrier": [], "save+barrier": [], "async (no overlap)": []}
+    for i in range(saves + 1):
+        for b in buffers:
+            b.zero_()
+        t0 = time.perf_counter()
+        for dst, src in zip(buffers, tensors, strict=True):
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+        memcpy = time.perf_counter() - t0
+        ckpt = {"state_dict": model.state_dict(), "optimizer": opt.state_dict()}
+        t0 = time.perf_counter()
+        plain.save_checkpoint(ckpt, os.path.join(root, "plain.ckpt"))
+        plain_blocked = time.perf_counter() - t0
+        plain.wait()
+        t0 = time.perf_counter()
+        io.save_checkpoint(ckpt, os.path.join(root, "overlap.ckpt"))
+        blocked = time.perf_counter() - t0
+        model(x).sum().backward()  # the next forward/backward, overlapped with the copy
+        stats = io._saver.end_copy() if io._saver is not None else None
+        opt.step()
+        io.wait()
+        barrier = stats.barrier_seconds if stats is not None else 0.0
+        if i:  # the first save allocates the pools
+            rows["save"].append(blocked / memcpy)
+            rows["barrier"].append(barrier / memcpy)
+            rows["save+barrier"].append((blocked + barrier) / memcpy)
+            rows["async (no overlap)"].append(plain_blocked / memcpy)
+    io.teardown()
+    plain.teardown()
+    load = os.getloadavg()
+    out = [f"overlap_copy, {nbytes / 1e6:.0f} MB (model + AdamW), {saves} saves, load {load[0]:.2f} {load[1]:.2f}:"]
+    for name, ratios in rows.items():
+        ratios.sort()
+        out.append(
+            f"  {name:<20} median {statistics.median(ratios):.3f}x memcpy  (range {ratios[0]:.3f}-{ratios[-1]:.3f})"
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=float, default=48.0)
@@ -603,7 +663,9 @@ def main() -> None:
     parser.add_argument("--many-tensors", type=int, default=10_000, help="tensors in the small-tensor state")
     parser.add_argument("--tiny-mb", type=float, default=1.0, help="size of the tiny state")
     parser.add_argument("--tiny-tensors", type=int, default=84, help="tensors in the tiny state")
-    parser.add_argument("--only", choices=["all", "small"], default="all", help="small: the small-tensor rows alone")
+    parser.add_argument(
+        "--only", choices=["all", "small", "overlap"], default="all", help="small / overlap: those rows alone"
+    )
     parser.add_argument("--fit-repeats", type=int, default=None, help="fit runs per kind (default: repeats // 2)")
     parser.add_argument("--memory-probe", choices=MEMORY_PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -612,6 +674,12 @@ def main() -> None:
         print(f"RSS {rss} BLOCKED {blocked}")
         return
     root = tempfile.mkdtemp(prefix="bench_async_", dir=args.dir)
+    if args.only == "overlap":
+        try:
+            print("\n".join(overlap_rows(args.size_mb, args.saves, root)))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     if args.only == "small":
         try:
             small_rows(args, root)

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
+from lightning_resume._compat.botocore import isolate_retry_jitter
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, snapshots
@@ -201,6 +202,7 @@ class ExactResume(Callback):
     ) -> None:
         check_versions()
         lc.resolve_last_through_callbacks()  # fit(ckpt_path="last"): the newest verified checkpoint of any callback
+        isolate_retry_jitter()  # a retried S3 request must not draw from the random stream this callback saves
         problems = _memory_tier_problems(memory_tier, process_mtbf, memory_dir, memory_every_n_train_steps_max)
         try:
             interval_s = parse_duration(notice_interval, "notice_interval")

@@ -17,8 +17,6 @@ Knows files (through ``storage`` and ``io.atomic``) and threads; decides nothing
 
 from __future__ import annotations
 
-import importlib
-import random
 import shutil
 import threading
 import time
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional
 
 from lightning_resume import storage
+from lightning_resume._compat.botocore import isolate_retry_jitter
 from lightning_resume.io.atomic import atomic_write
 from lightning_resume.io.worker import Job, OrderedWriter
 from lightning_resume.retention.tiers import UploadRetry
@@ -37,29 +36,6 @@ READY_POLL_S = 0.02
 
 Ready = Callable[[], bool]
 """Whether the local file is durable (its write, maybe on another worker, has finished)."""
-
-_JITTER = random.Random()
-"""botocore's own generator for the jitter of its retries (:func:`isolate_retry_jitter`)."""
-
-
-def isolate_retry_jitter() -> None:
-    """Give botocore (under s3fs) a random generator of its own for the jitter of its retry backoff.
-
-    botocore draws that jitter from Python's global ``random``: ``botocore/retryhandler.py`` ``delay_exponential``
-    (``random.random()``, legacy retry mode, s3fs's default) and ``botocore/retries/standard.py``
-    ``ExponentialBackoff.__init__`` (``random=random.random``, standard mode). One retried request on the
-    uploader thread would move the training's random stream after ``ExactResume`` captured it, and the resumed
-    run would no longer continue the uninterrupted one bit for bit. Idempotent; a no-op without botocore.
-    """
-    try:
-        retryhandler = importlib.import_module("botocore.retryhandler")
-        standard = importlib.import_module("botocore.retries.standard")
-    except ImportError:
-        return
-    setattr(retryhandler, "random", _JITTER)  # noqa: B010 - replaces the module botocore imported; its only use: random()
-    init = standard.ExponentialBackoff.__init__
-    if init.__defaults__ is not None:
-        init.__defaults__ = tuple(_JITTER.random if d is random.random else d for d in init.__defaults__)
 
 
 class UploadFailed(OSError):

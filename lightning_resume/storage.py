@@ -16,6 +16,7 @@ tensors or Lightning.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import errno
@@ -24,7 +25,7 @@ import io
 import os
 import shutil
 import time
-from typing import IO, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import IO, Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -303,34 +304,45 @@ def read_into(path: str, into: memoryview, start: int = 0, streams: Optional[int
 
 
 READER_WINDOW = 8 * READ_CHUNK
-"""Most bytes a :class:`RangedReader` fetches at a time, one ranged GET of ``READ_CHUNK`` per stream."""
+"""Most bytes a :class:`RangedReader` has in flight, one ranged GET of ``READ_CHUNK`` per stream."""
 
 
 def reader_window(size: int) -> int:
-    """The window of a :class:`RangedReader` over a file of ``size`` bytes: about 1/8 of it, whole chunks,
-    from one chunk to ``READER_WINDOW``."""
+    """The bytes a :class:`RangedReader` over a file of ``size`` bytes keeps in flight: about 1/8 of it, whole
+    chunks, from one chunk to ``READER_WINDOW``."""
     return max(READ_CHUNK, min(READER_WINDOW, size // 8 // READ_CHUNK * READ_CHUNK))
 
 
+def reader_streams(size: int) -> int:
+    """Ranged GETs a :class:`RangedReader` over a file of ``size`` bytes keeps in flight (``reader_window`` of them)."""
+    return reader_window(size) // READ_CHUNK
+
+
 def reader_overhead(size: int) -> int:
-    """Host bytes a :class:`RangedReader` holds beside what its reader builds: its window, and each stream's
-    chunk while it arrives (the client holds it about twice)."""
-    window = reader_window(size)
-    return window + 2 * window
+    """Host bytes a :class:`RangedReader` holds beside what its reader builds: each stream's chunk while it
+    arrives (the client holds it about twice), and the chunk being read."""
+    return (2 * reader_streams(size) + 1) * READ_CHUNK
 
 
 class RangedReader(io.RawIOBase):
-    """A read-only, seekable file over a remote object of known ``size``, served from one reused window
-    (``reader_window``: at most ``READER_WINDOW`` bytes) that ``read_into`` refills (parallel ranged GETs,
-    each retried): a
-    reader copies the bytes it asks for straight into its own memory (``readinto``), so reading a whole
-    checkpoint holds the window beside what is built from it, never the file."""
+    """A read-only, seekable file over a remote object of known ``size``: ranged GETs of ``READ_CHUNK`` bytes
+    (each retried), ``reader_streams`` of them always in flight ahead of the read position, so the network
+    never waits for the reader to copy, nor the reader for a batch of GETs to finish (a read-ahead pipeline:
+    the same requests, at the same concurrency, as a raw parallel download). A reader copies the bytes it
+    asks for straight from the chunk that holds them into its own memory (``readinto``), so reading a whole
+    checkpoint holds ``reader_overhead`` bytes beside what is built from it, never the file. A seek away from
+    the next bytes drops what was read ahead and starts again there."""
 
     def __init__(self, path: str, size: int) -> None:
         super().__init__()
         self.path, self.size = str(path), int(size)
-        self._window = memoryview(bytearray(min(reader_window(self.size), max(self.size, 1))))
-        self._start, self._len, self._pos = 0, 0, 0
+        self.streams = reader_streams(self.size)
+        self._fs, self._fs_path = fsspec.core.url_to_fs(self.path)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.streams, thread_name_prefix="lightning-resume-read")
+        self._ahead: Deque[Tuple[int, concurrent.futures.Future]] = collections.deque()
+        self._next = 0  # the start of the next chunk to request
+        self._chunk_start, self._chunk = 0, memoryview(b"")
+        self._pos = 0
 
     def readable(self) -> bool:
         return True
@@ -341,20 +353,38 @@ class RangedReader(io.RawIOBase):
     def readinto(self, b: Any) -> int:
         out, done = memoryview(b).cast("B"), 0
         while done < len(out) and self._pos < self.size:
-            if not self._start <= self._pos < self._start + self._len:
-                self._fill(self._pos)
-                if self._len == 0:
-                    break  # the object is shorter than its listed size: the caller sees a short read
-            at = self._pos - self._start
-            n = min(len(out) - done, self._len - at)
-            out[done : done + n] = self._window[at : at + n]
+            if not self._chunk_start <= self._pos < self._chunk_start + len(self._chunk) and not self._advance():
+                break  # the object is shorter than its listed size: the caller sees a short read
+            at = self._pos - self._chunk_start
+            n = min(len(out) - done, len(self._chunk) - at)
+            out[done : done + n] = self._chunk[at : at + n]
             done, self._pos = done + n, self._pos + n
         return done
 
-    def _fill(self, at: int) -> None:
-        want = min(len(self._window), self.size - at)
-        streams = len(self._window) // READ_CHUNK  # one ranged GET per chunk of the window, all at once
-        self._start, self._len = at, read_into(self.path, self._window[:want], start=at, streams=streams)
+    def _advance(self) -> bool:
+        """Make the chunk that holds the read position current; ``False`` if the object ends before it."""
+        start = self._pos - self._pos % READ_CHUNK
+        while self._ahead and self._ahead[0][0] < start:
+            self._ahead.popleft()[1].cancel()  # passed over by a seek forward
+        if not self._ahead or self._ahead[0][0] != start:
+            self._drop_ahead()
+            self._next = start
+        self._request()
+        self._chunk_start, future = self._ahead.popleft()
+        self._chunk = memoryview(future.result())
+        self._request()  # keep ``streams`` GETs in flight while this chunk is read
+        return self._pos < self._chunk_start + len(self._chunk)
+
+    def _request(self) -> None:
+        while len(self._ahead) < self.streams and self._next < self.size:
+            at, end = self._next, min(self._next + READ_CHUNK, self.size)
+            get = functools.partial(self._fs.cat_file, self._fs_path, start=at, end=end)
+            self._ahead.append((at, self._pool.submit(with_retries, get, self.path, "read")))
+            self._next = end
+
+    def _drop_ahead(self) -> None:
+        while self._ahead:
+            self._ahead.popleft()[1].cancel()  # one already running only fills its own bytes, then is dropped
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
@@ -365,6 +395,13 @@ class RangedReader(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+    def close(self) -> None:
+        if not self.closed:
+            self._drop_ahead()
+            self._chunk = memoryview(b"")
+            self._pool.shutdown(wait=True, cancel_futures=True)  # no GET outlives the reader
+        super().close()
 
 
 def _arrived(starts: range, lengths: Iterator[int], total: int) -> int:

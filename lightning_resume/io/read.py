@@ -5,8 +5,8 @@ length, a ``torch.save`` zip or pickle goes to the weights-only loader of ``lega
 is refused. Local files are read chunk by chunk into each tensor's fresh memory, each chunk hashed
 right after it is read, still in cache (or, with ``mmap=True``, memory-mapped copy-on-write and hashed
 from the map by a thread). A remote file is read the same way, through a ``storage.RangedReader``: parallel
-ranged GETs into one reused window, copied into each tensor's own memory (a ``torch.save`` file is read
-through it by ``torch.load``), so the load holds what it builds plus the window, never a copy of the file,
+ranged GETs kept in flight ahead of the read, each chunk copied into the tensors' own memory (a ``torch.save``
+file is read through it by ``torch.load``), so the load holds what it builds plus those chunks, never a copy of the file,
 and nothing of the download outlives it. Before any of its data is read, the load is refused (``RemoteLoadMemoryError``) if what it would hold exceeds the memory the host has left or the cap
 (``io.remote_budget`` decides, ``io.host_memory`` measures). This module knows files and tensors, not
 Lightning.
@@ -162,7 +162,7 @@ def _map(path: str) -> Tuple[Any, int]:
 
 def _load_remote(path: str, opts: ReadOptions) -> Loaded:
     """A remote file read as a local one is (each tensor straight into its own memory), through a
-    ``storage.RangedReader``: beside what is built, only its window of parallel ranged GETs is held. Refused
+    ``storage.RangedReader``: beside what is built, only its chunks of parallel ranged GETs are held. Refused
     first, after reading only its size and its first 9 bytes (the format), if the load would hold more memory
     than ``remote_budget`` allows."""
     size = storage.size(path)

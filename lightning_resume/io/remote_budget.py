@@ -5,7 +5,7 @@ Knows no files, no fsspec, no torch, no Lightning.
 
 A remote file is read through a ``storage.RangedReader``: each tensor lands in its own memory (our format)
 or is built by ``torch.load`` from the reader (a ``torch.save`` file), so what the load holds at its peak is
-the state it builds plus the reader's window and the chunks in flight (``storage.reader_overhead``), which
+the state it builds plus the reader's chunks in flight and the one being read (``storage.reader_overhead``), which
 the caller passes as ``in_flight``. Unknown memory (no ``/proc/meminfo``, no cgroup limit) is no bound: only
 the cap, if any, applies.
 """
@@ -21,9 +21,9 @@ from lightning_resume.io.host_memory import Available
 Format = Literal["safetensors", "torch.save"]
 
 LOAD_FACTOR: Mapping[Format, float] = {"safetensors": 1.0, "torch.save": 1.0}
-"""Host bytes a remote load holds per byte of the file, beside the reader's window, measured with
+"""Host bytes a remote load holds per byte of the file, beside the reader's chunks, measured with
 ``benchmarks/bench_remote_load.py`` (peak RSS added, fresh interpreter, ``memory://`` and a local S3 server):
-1.15-1.18x for both formats at 64 and 256 MB, the window and chunks in flight (``in_flight``) included."""
+1.15-1.18x for both formats at 64 and 256 MB, the chunks in flight (``in_flight``) included."""
 
 
 def held_bytes(size: int, fmt: Format, in_flight: int) -> int:

@@ -317,6 +317,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--s3", action="store_true")
     parser.add_argument("--memory-mb", type=int, default=0)
+    parser.add_argument("--no-first-step", action="store_true", help="only the throughput and memory figures")
     parser.add_argument(
         "--stream-mbps",
         type=float,
@@ -326,7 +327,10 @@ def main() -> None:
     args = parser.parse_args()
     _register_local_protocol(args.stream_mbps)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        print_first_step("local disk", args.size_mb, first_step(tmp, args.size_mb, args.repeats, {}))
+        if args.no_first_step:
+            spawn(["fit", "prepare", os.path.join(tmp, "ckpt"), str(args.size_mb)], {})
+        else:
+            print_first_step("local disk", args.size_mb, first_step(tmp, args.size_mb, args.repeats, {}))
         local_url = f"{PROTOCOL}://{newest(os.path.join(tmp, 'ckpt'))}"
         print_throughput(
             "local file through the remote code path (benchlocal://)", local_url, throughput(local_url, args.repeats)
@@ -356,8 +360,11 @@ def _with_s3(args: argparse.Namespace, tmp: str) -> None:
         fsspec.filesystem("s3").mkdir(bucket)
         if args.s3:
             base = f"s3://{bucket}/first-step"
-            m = first_step(base, args.size_mb, args.repeats, env, server.traffic)
-            print_first_step("S3 (moto on 127.0.0.1, in the parent)", args.size_mb, m)
+            if args.no_first_step:
+                spawn(["fit", "prepare", f"{base}/ckpt", str(args.size_mb)], env)
+            else:
+                m = first_step(base, args.size_mb, args.repeats, env, server.traffic)
+                print_first_step("S3 (moto on 127.0.0.1, in the parent)", args.size_mb, m)
             url = newest(f"{base}/ckpt")
             print_throughput("S3 (moto)", url, throughput(url, args.repeats))
         if args.memory_mb:

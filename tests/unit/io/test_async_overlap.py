@@ -246,6 +246,7 @@ def test_a_failed_copy_is_raised_at_the_barrier_and_leaves_no_file(tmp_path, mon
     saver = _saver(on_error="warn")
     model, opt, _ = _setup()
     saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    saver._copy.join()  # the helper thread failed (else the barrier could copy everything first, and succeed)
     with pytest.raises(RuntimeError, match="copy failed"):
         saver.end_copy()
     with warnings.catch_warnings():

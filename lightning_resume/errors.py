@@ -137,6 +137,25 @@ class AsyncWriteError(LightningResumeError, OSError):
         )
 
 
+class WriterProcessDied(LightningResumeError, OSError):
+    """The checkpoint writer process (``SafetensorsCheckpointIO(writer="process")``) ended during or before a
+    write; the cause of the ``AsyncWriteError`` of that write, naming the process and how it ended."""
+
+    def __init__(self, pid: int, returncode: int | None, path: str) -> None:
+        self.pid, self.returncode, self.path = pid, returncode, path
+        if returncode is None:
+            how = "closed its pipe"
+        elif returncode < 0:
+            how = f"was killed by signal {-returncode}"
+        else:
+            how = f"exited with status {returncode}"
+        super().__init__(
+            f"the checkpoint writer process (pid {pid}) {how} before it reported the commit of {path}; its"
+            " temporary was removed, so the file under that name is the previous checkpoint (or the new one,"
+            " whole, if the rename had happened). The next save starts a new writer process"
+        )
+
+
 class StagingAborted(LightningResumeError):
     """The snapshot copy failed on the training thread; the write waiting for its bytes stops (no file)."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Literal, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ from lightning_resume.io.buffers import HostBuffers, StagedTensors
 from lightning_resume.io.codec import TreeEncoder, TreeText
 from lightning_resume.io.overlap import CopyStats, OptimizerWatch, OverlappedCopy, copy_now
 from lightning_resume.io.worker import Job, OrderedWriter
+from lightning_resume.io.writer_process import SharedMemory, WriterProcess, refuse_process_local
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,18 @@ WriteFn = Callable[[str, str, StagedTensors], None]
 each tensor only after ``staged.wait(name)``: it may start while the snapshot is still being copied."""
 
 
+WriterKind = Literal["thread", "process"]
+"""Where an async save's commit runs: on the saver's worker thread, or in a writer process of its own
+(``io.writer_process``: the training process then shares its GIL with no hashing or writing)."""
+
+
 def commit_staged(path: str, tree_json: str, staged: StagedTensors, algorithm: str, mode: int = 0o666) -> None:
-    """Commit a snapshot at ``path``: each tensor once copied, from the pool's image with direct I/O where allowed."""
-    write.commit(path, tree_json, staged, algorithm, ready=staged.wait, image=staged.image, mode=mode)
+    """Commit a snapshot at ``path``: each tensor once copied, from the pool's image with direct I/O where allowed;
+    in the writer process that maps the pool when the snapshot has one (``staged.writer``), once all is copied."""
+    if staged.writer is not None:
+        staged.writer.commit(path, tree_json, staged, algorithm, mode)
+    else:
+        write.commit(path, tree_json, staged, algorithm, ready=staged.wait, image=staged.image, mode=mode)
 
 
 class AsyncSaver:
@@ -50,6 +60,11 @@ class AsyncSaver:
     longer. Off by default: blocking is what training pays. A failed job is reported on the caller's
     thread by the next :meth:`save`, :meth:`wait`, :meth:`report` or :meth:`close`: raised as
     ``AsyncWriteError`` (``on_error="raise"``) or warned (``"warn"``).
+
+    ``writer="process"``: the pool is shared memory and ``commit_staged`` hands each write to a writer
+    process (``io.writer_process``), started with the saver and again after it ended; the worker thread
+    only waits for it. The write then starts once the whole snapshot is copied (after the barrier, with
+    ``overlap_copy``), so ``overlap`` is refused with it. :meth:`close` ends the writer process too.
     """
 
     def __init__(
@@ -59,7 +74,12 @@ class AsyncSaver:
         overlap: bool = False,
         overlap_copy: bool = False,
         check_versions: bool = True,
+        writer: WriterKind = "thread",
     ) -> None:
+        if writer not in ("thread", "process"):
+            raise ValueError(f"writer={writer!r} is not supported; use 'thread' or 'process'")
+        if writer == "process" and overlap:
+            raise ValueError("overlap=True follows the copy with the write on a thread; it needs writer='thread'")
         self._commit = commit
         self.on_error = on_error
         self.overlap = overlap
@@ -73,7 +93,15 @@ class AsyncSaver:
         """In-place writes the copy-on-write guard held for a copy in flight, over every save (``overlap_copy``)."""
         self.recopied = 0
         """Tensors copied again at a barrier (changed unseen before their copy ended), over every save."""
-        self.buffers = HostBuffers()
+        self.process: Optional[WriterProcess] = None
+        """With ``writer="process"``: the handle on the writer process (its ``pid``, how many were ``started``)."""
+        if writer == "process":
+            shared = SharedMemory()
+            self.buffers = HostBuffers(shared)
+            self.process = WriterProcess(shared)
+            self.process.start()  # it imports torch while training goes on; the first write waits for it
+        else:
+            self.buffers = HostBuffers()
         self.encoder = TreeEncoder()
         self.writer = OrderedWriter()
         self._last_write: Optional[Job] = None
@@ -103,6 +131,8 @@ class AsyncSaver:
         self._save(path, encoded=TreeText(tree_json, tensors))
 
     def _save(self, path: str, checkpoint: Optional[dict] = None, encoded: Optional[TreeText] = None) -> None:
+        if self.process is not None:
+            refuse_process_local(path)
         started = time.monotonic()
         self.end_copy()  # the previous snapshot's deferred copy (normally ended by the optimizer step before)
         self.writer.wait(self.writer.outstanding())  # the pool is reused: the previous write must be done
@@ -121,6 +151,7 @@ class AsyncSaver:
                     recopy.join()  # nothing touches the pool while it is being copied into
         tree_json, tensors = encoded.tree_json, encoded.tensors
         staged = self.buffers.prepare(tensors, encoded.layout)
+        staged.writer = self.process
         job = Job("write", path, lambda: self._commit(path, tree_json, staged))
         if self.overlap_copy:
             self._copy_overlapped(staged, tensors, job)
@@ -209,8 +240,13 @@ class AsyncSaver:
         return done
 
     def close(self) -> None:
-        """Wait for every job, report a failure, and give the pool's memory back (the next save allocates again)."""
-        self.wait()
+        """Wait for every job, report a failure, and give the pool's memory back (the next save allocates again);
+        a writer process exits (the next save starts another)."""
+        try:
+            self.wait()
+        finally:
+            if self.process is not None and not self.writer.outstanding():
+                self.process.close()  # idle: it unmaps the pool and exits
         self.buffers.release()
 
     def report(self, on_error: Optional[str] = None) -> None:

@@ -15,6 +15,7 @@ threads of its own beyond that one copy, no Lightning.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import threading
@@ -92,11 +93,17 @@ class StagedTensors(Dict[str, torch.Tensor]):
         views: Dict[str, torch.Tensor],
         image: Optional[memoryview] = None,
         index: Optional[Dict[str, int]] = None,
+        placement: Optional[Placement] = None,
     ) -> None:
         super().__init__(views)
         self.image = image
         """The data section as one buffer: the tensors' bytes back to back in file order, start and length
         a multiple of ``BLOCK`` (the tail past the last tensor is padding)."""
+        self.placement = placement
+        """Where the image and each tensor are in memory (for a writer in another process that maps the pool)."""
+        self.writer: Any = None
+        """Where the commit runs (``async_save.commit_staged``): ``None`` on the calling thread, or the
+        ``writer_process.WriterProcess`` that maps the pool."""
         self._index = index if index is not None else {name: i for i, name in enumerate(views)}
         self._copied = 0  # tensors [0, _copied) hold their bytes; only the filling thread writes it
         self._error: Optional[BaseException] = None
@@ -125,6 +132,21 @@ class StagedTensors(Dict[str, torch.Tensor]):
             self._cv.notify_all()
 
 
+_PLACEMENTS = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One layout of the pool, as a reader that maps the same memory elsewhere rebuilds it: ``key`` is unique in
+    this process, ``pointer`` the address of the image's first byte, ``size`` its length (a multiple of
+    ``BLOCK``), ``entries`` each tensor in file order as (name, dtype, shape, begin, end) bytes in the image."""
+
+    key: int
+    pointer: int
+    size: int
+    entries: Tuple[Tuple[str, torch.dtype, Tuple[int, ...], int, int], ...]
+
+
 @dataclass
 class _Layout:
     """The pool carved for one state shape: reused by every save of a state with the same signature."""
@@ -145,6 +167,7 @@ class _Layout:
     """The encoder's layout key last found to describe this signature (``codec.TreeText.layout``)."""
     order: Optional[List[int]] = None
     """With ``key``: where each tensor, in file order, is among the values of the mapping given with it."""
+    placement: Optional[Placement] = None
 
 
 def _signature(tensors: Mapping[str, torch.Tensor], is_cuda: Callable[[torch.Tensor], bool]) -> Tuple:
@@ -210,7 +233,7 @@ class HostBuffers:
             layout.key = key
             position = {name: i for i, name in enumerate(tensors)}
             layout.order = None if key is None else list(map(position.__getitem__, layout.names))
-        return StagedTensors(layout.views, layout.image, layout.index)
+        return StagedTensors(layout.views, layout.image, layout.index, layout.placement)
 
     def _carve(self, signature: Tuple, tensors: Mapping[str, torch.Tensor]) -> _Layout:
         entries = framing.layout(tensors)
@@ -227,6 +250,12 @@ class HostBuffers:
             )
         image = memoryview(self._pool_bytes(size).numpy().data)
         names = list(views)
+        placement = Placement(
+            next(_PLACEMENTS),
+            self._pool_bytes(size).data_ptr(),
+            size,
+            tuple((e.name, tensors[e.name].dtype, tuple(tensors[e.name].shape), e.begin, e.end) for e in entries),
+        )
         self._layout = _Layout(
             signature,
             views,
@@ -236,6 +265,7 @@ class HostBuffers:
             list(views.values()),
             [(e.begin, e.end) for e in entries],
             cuda,
+            placement=placement,
         )
         self._sources = None
         self.layouts += 1

@@ -37,7 +37,7 @@ from lightning_resume.errors import (
     SkippedCheckpointWarning,
 )
 from lightning_resume.io import read, write
-from lightning_resume.io.async_save import AsyncSaver, commit_staged
+from lightning_resume.io.async_save import AsyncSaver, WriterKind, commit_staged
 from lightning_resume.io.atomic import clean_stale_temporaries
 from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
@@ -80,6 +80,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
             Exact: until then an in-place write through torch to a tensor not copied yet copies it first, and a
             write torch's Python API did not see is found by the version counter, copied again and warned about
             (``io/overlap.py``; docs/async-saving.md, "Overlapped copy"). Off by default (see there why).
+        writer: with ``async_save``, where the write and its hashing run: ``"thread"`` (default), a worker thread
+            of the training process; ``"process"``, a writer process of its own that maps the staging memory
+            (shared, anonymous), so training's Python thread shares the GIL with nothing that hashes or
+            writes. A write in flight when the training process dies is still completed and committed by the
+            writer; a writer that dies fails its write with an ``AsyncWriteError`` naming its pid at the next
+            save or teardown (no partial file; the next save starts a new writer). The write starts once the
+            snapshot is copied, so it excludes ``overlap_write``; ``memory://`` URLs need ``"thread"``
+            (docs/async-saving.md, "Writer process").
         on_error: what a failed background write does at the next save, ``wait`` or teardown:
             ``"raise"`` an ``AsyncWriteError`` naming the file (default), or ``"warn"`` and go on.
         flush_timeout: longest wait for a pending write when the run ends by an exception,
@@ -100,6 +108,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         async_save: bool = False,
         overlap_write: bool = False,
         overlap_copy: bool = False,
+        writer: WriterKind = "thread",
         on_error: Literal["raise", "warn"] = "raise",
         flush_timeout: Duration = "10min",
         max_remote_load_bytes: Optional[int] = None,
@@ -124,6 +133,15 @@ class SafetensorsCheckpointIO(CheckpointIO):
                 "overlap_copy=True and overlap_write=True: the overlapped copy already lets the write start on what"
                 " is copied at the save; pass one of them"
             )
+        if writer not in ("thread", "process"):
+            problems.append(f"writer={writer!r} is not supported; use 'thread' or 'process'")
+        elif writer == "process" and not async_save:
+            problems.append("writer='process' runs the background write in another process; it needs async_save=True")
+        elif writer == "process" and overlap_write:
+            problems.append(
+                "writer='process' and overlap_write=True: the writer process starts once the snapshot is copied;"
+                " pass one of them"
+            )
         if on_error not in ("raise", "warn"):
             problems.append(f"on_error={on_error!r} is not supported; use 'raise' or 'warn'")
         if max_remote_load_bytes is not None and (type(max_remote_load_bytes) is not int or max_remote_load_bytes < 1):
@@ -147,7 +165,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._loaded: Dict[str, str] = {}  # a path asked for -> the file its load read
         self._saver: Optional[AsyncSaver] = None
         if async_save:
-            self._saver = AsyncSaver(self._commit, on_error, overlap=overlap_write, overlap_copy=overlap_copy)
+            self._saver = AsyncSaver(
+                self._commit, on_error, overlap=overlap_write, overlap_copy=overlap_copy, writer=writer
+            )
             atexit.register(_flush_at_exit, weakref.ref(self))
 
     @property
@@ -167,7 +187,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
             write.save_file(checkpoint, str(path), algorithm=self.checksum)
 
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
-        """The background write of an async save (on the worker thread): atomic, checksummed, at ``path``."""
+        """The background write of an async save (on the worker thread): atomic, checksummed, at ``path``; with
+        ``writer="process"`` the writer process writes and this returns once it has committed."""
         commit_staged(path, tree_json, staged, self.checksum)
 
     @override

@@ -29,7 +29,6 @@ import torch
 from lightning_resume import storage
 from lightning_resume.io import framing, integrity, multipart
 from lightning_resume.io.atomic import atomic_upload, atomic_write
-from lightning_resume.io.codec import encode, to_json
 from lightning_resume.io.framing import BLOCK, FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.worker import Background
 
@@ -47,6 +46,8 @@ def save_file(
 
 def encode_tree(checkpoint: Dict[str, Any]) -> Tuple[str, Dict[str, torch.Tensor]]:
     """The typed JSON text of ``checkpoint`` and its tensors by name (the tensors are not copied)."""
+    from lightning_resume.io.codec import encode, to_json  # imports Lightning: not needed by a commit alone
+
     encoded = encode(checkpoint)
     return to_json(encoded.tree), encoded.tensors
 

@@ -1,32 +1,44 @@
 """Time a save costs a Lightning fit, as users run it: ``ExactResume`` + ``ModelCheckpoint`` + a CheckpointIO.
 
-One process. A Lightning fit of an MLP whose fp32 weights are ``--params-mb`` (AdamW: three times that in
-state) on CPU, one thread, saving every ``--every`` steps. Each step's wall time is taken from one batch
-start to the next; "time lost per save" is the sum, over the step that saved and the ``--window - 1``
-steps after it, of (step time - the median step time of the same fit's steps outside any save window),
-and is reported as a ratio to a memcpy of the state's bytes measured in the same process just before
-each fit (``ctypes.memmove`` into preallocated, touched buffers: the least any snapshot can block).
-The first save of each fit is left out (its staging memory is new). Median and spread over the saves of
-``--repeats`` fits per configuration, configurations interleaved.
+A Lightning fit of an MLP whose fp32 weights are ``--params-mb`` (AdamW: three times that in state) on CPU,
+one thread, saving every ``--every`` steps; each fit runs in a fresh process of its own (no thread, pool or
+process group of one fit reaches the next). Each step's wall time is taken from one batch start to the next.
+A save's window is the step that saved and the steps after it up to ``--window`` steps, longer while its
+write is still in flight; "time lost per save" is the sum over the window of (step time - the median step
+time of the same fit's steps outside any window), reported as a ratio to a memcpy of the state's bytes
+measured in the same process after the first step (``ctypes.memmove`` into preallocated, touched buffers:
+the least any snapshot can block). The first save of each fit is left out (its staging memory is new).
+Median and spread over the saves of ``--repeats`` fits per configuration, configurations interleaved.
 
-Also ExactResume's own part of each save (its ``state_dict``, on the training thread), over the same memcpy.
+Also per configuration: ExactResume's own part of each save (its ``state_dict``, on the training thread)
+over the same memcpy; the training step while a write runs (steps that start with a write in flight, the
+saving step left out) over the undisturbed step; and the fit's steps/s over whole save periods (from the
+second save's step to the last's) against the floor: the same fit through Lightning's checkpoint path with a
+``CheckpointIO`` that writes nothing.
 
-Configurations: ``SafetensorsCheckpointIO(async_save=True)`` with and without ``ExactResume``, Lightning's
-``AsyncCheckpointIO`` with ``ExactResume``, and Lightning's default ``TorchCheckpointIO`` with it.
+Configurations: ``SafetensorsCheckpointIO(async_save=True)`` with and without ``overlap_copy`` and
+``ExactResume``; Lightning's ``AsyncCheckpointIO`` and default ``TorchCheckpointIO`` with ``ExactResume``;
+``torch.distributed.checkpoint.async_save`` of the model and optimizer every ``--every`` steps from a
+callback (thread staging; process staging, which needs a process group: a one-rank gloo group in that
+fit's process), the peer as its users run it, without ``ExactResume``; the null-IO floor; no checkpoints.
 
-Usage: ``python benchmarks/bench_save_in_fit.py --params-mb 300 --repeats 2`` (defaults are small).
+Usage: ``python benchmarks/bench_save_in_fit.py --params-mb 300 --steps 61 --repeats 2`` (defaults are small).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -34,13 +46,19 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning.pytorch as pl  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_resume import ExactResume, SafetensorsCheckpointIO  # noqa: E402
+
+FLOOR = "ExactResume + null CheckpointIO (Lightning's checkpoint path, writes nothing: the floor)"
+NONE = "no checkpoints"
 
 
 class Wide(pl.LightningModule):
@@ -52,11 +70,11 @@ class Wide(pl.LightningModule):
         self.net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
         self.width = width
 
-    def training_step(self, batch, _):  # type: ignore[no-untyped-def]
+    def training_step(self, batch, _):
         (x,) = batch
         return self.net(x).square().mean()
 
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+    def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     def train_dataloader(self) -> DataLoader:
@@ -64,27 +82,30 @@ class Wide(pl.LightningModule):
 
 
 class StepClock(Callback):
-    """Every batch start's time, and the global steps at which a checkpoint was written."""
+    """Every batch start's time, whether a write was in flight then (``probe``), and the batches that saved."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: Callable[[pl.Trainer], bool]) -> None:
         self.starts: List[float] = []
+        self.in_flight: List[bool] = []
         self.saves: List[int] = []
+        self.probe = probe
 
-    def on_train_batch_start(self, *args) -> None:  # type: ignore[no-untyped-def]
+    def on_train_batch_start(self, trainer, *args) -> None:
         self.starts.append(time.perf_counter())
+        self.in_flight.append(self.probe(trainer))
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self.saves.append(len(self.starts) - 1)  # the batch index whose end saved
 
 
 class TimedExactResume(ExactResume):
     """``ExactResume`` whose part of each save (its ``state_dict``, on the training thread) is timed."""
 
-    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.seconds: List[float] = []
 
-    def state_dict(self):  # type: ignore[no-untyped-def]
+    def state_dict(self):
         t0 = time.perf_counter()
         out = super().state_dict()
         self.seconds.append(time.perf_counter() - t0)
@@ -109,52 +130,201 @@ class MemcpyAfterFirstStep(Callback):
     def __init__(self) -> None:
         self.seconds: Optional[float] = None
 
-    def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # type: ignore[no-untyped-def]
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         if self.seconds is None:
             self.seconds = memcpy_seconds(pl_module, trainer.optimizers[0])
 
 
-def fit(io: Callable[[], object], exact: bool, root: str, params_mb: int, steps: int, every: int) -> Dict:
-    clock, baseline = StepClock(), MemcpyAfterFirstStep()
-    callbacks: List[Callback] = [
-        clock,
-        baseline,
-        ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1),
-    ]
+class NullCheckpointIO(TorchCheckpointIO):
+    """Writes nothing: Lightning's checkpoint path (``dump_checkpoint``, ModelCheckpoint's bookkeeping,
+    ExactResume's part) before any CheckpointIO runs, the floor of every row."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        return None
+
+    def remove_checkpoint(self, path) -> None:
+        return None
+
+
+class CountedTorchIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO``, counting the writes queued and not yet done (for ``AsyncCheckpointIO``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = 0
+
+    def save_checkpoint(self, *args, **kwargs) -> None:
+        try:
+            super().save_checkpoint(*args, **kwargs)
+        finally:
+            self.pending -= 1
+
+
+class CountedAsyncIO(AsyncCheckpointIO):
+    def __init__(self) -> None:
+        self.counted = CountedTorchIO()
+        super().__init__(self.counted)
+
+    def save_checkpoint(self, *args, **kwargs) -> None:
+        self.counted.pending += 1
+        super().save_checkpoint(*args, **kwargs)
+
+
+class DcpEvery(Callback):
+    """``dcp.async_save`` of the model and optimizer every ``every`` steps, one save in flight (the next
+    waits for it, as ours does): how a DCP user checkpoints a fit."""
+
+    def __init__(self, root: str, every: int, kind: AsyncCheckpointerType, clock: StepClock) -> None:
+        self.root, self.every, self.kind, self.clock = root, every, kind, clock
+        self.future: Any = None
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step % self.every:
+            return
+        self.wait()
+        state = {"model": pl_module.state_dict(), "optim": trainer.optimizers[0].state_dict()}
+        path = os.path.join(self.root, f"step{trainer.global_step}.dcp")
+        process = self.kind == AsyncCheckpointerType.PROCESS
+        self.future = dcp.async_save(state, checkpoint_id=path, no_dist=not process, async_checkpointer_type=self.kind)
+        self.clock.saves.append(len(self.clock.starts) - 1)
+
+    def in_flight(self) -> bool:
+        return self.future is not None and not self.future.done()
+
+    def wait(self) -> None:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+
+    def on_train_end(self, *args) -> None:
+        self.wait()
+
+
+@dataclass(frozen=True)
+class Config:
+    io: Optional[Callable[[], Any]]
+    """The CheckpointIO plugin (with a ``ModelCheckpoint``), or ``None``: none (a DCP callback, or no saves)."""
+    exact: bool = True
+    dcp: Optional[AsyncCheckpointerType] = None
+
+
+def _in_flight(trainer: pl.Trainer) -> bool:
+    io = trainer.strategy.checkpoint_io
+    if isinstance(io, SafetensorsCheckpointIO):
+        return io.write_in_flight()
+    if isinstance(io, CountedAsyncIO):
+        return io.counted.pending > 0
+    dcp_cb = next((c for c in trainer.callbacks if isinstance(c, DcpEvery)), None)  # type: ignore[attr-defined]
+    return dcp_cb is not None and dcp_cb.in_flight()
+
+
+CONFIGS: Dict[str, Config] = {
+    "ExactResume + SafetensorsCheckpointIO(async_save=True, overlap_copy=True)": Config(
+        lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True)
+    ),
+    "ExactResume + SafetensorsCheckpointIO(async_save=True)": Config(lambda: SafetensorsCheckpointIO(async_save=True)),
+    "SafetensorsCheckpointIO(async_save=True, overlap_copy=True), no ExactResume": Config(
+        lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True), exact=False
+    ),
+    "ExactResume + Lightning AsyncCheckpointIO": Config(CountedAsyncIO),
+    "ExactResume + Lightning TorchCheckpointIO (default)": Config(TorchCheckpointIO),
+    "dcp.async_save, thread staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.THREAD),
+    "dcp.async_save, process staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.PROCESS),
+    FLOOR: Config(NullCheckpointIO),
+    NONE: Config(None, exact=False),
+}
+
+
+def fit(name: str, root: str, params_mb: int, steps: int, every: int) -> Dict:
+    config = CONFIGS[name]
+    clock, baseline = StepClock(_in_flight), MemcpyAfterFirstStep()
+    callbacks: List[Callback] = [clock, baseline]
+    if config.io is not None:
+        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1))
+    if config.dcp is not None:
+        if config.dcp == AsyncCheckpointerType.PROCESS:
+            _one_rank_group()
+        callbacks.append(DcpEvery(root, every, config.dcp, clock))
     timed = TimedExactResume(mtbf=None, preemption_signals=None)
-    if exact:
+    if config.exact:
         callbacks.insert(0, timed)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, plugins=[io()], logger=False,
+        accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks,
+        plugins=[config.io()] if config.io is not None else None, logger=False, enable_checkpointing=config.io is not None,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
     )  # fmt: skip
     torch.manual_seed(0)
     trainer.fit(Wide(params_mb))
     trainer.strategy.checkpoint_io.teardown()
-    return {"starts": clock.starts, "saves": clock.saves, "memcpy": baseline.seconds, "exact": timed.seconds[1:]}
+    return {
+        "starts": clock.starts,
+        "in_flight": clock.in_flight,
+        "saves": clock.saves,
+        "memcpy": baseline.seconds,
+        "exact": timed.seconds[1:],
+    }
 
 
-def lost_per_save(run: Dict, window: int) -> List[float]:
-    """Time lost to each save but the first, in units of the run's memcpy."""
-    steps = [b - a for a, b in zip(run["starts"], run["starts"][1:])]
-    disturbed = {i for s in run["saves"] for i in range(s, s + window)}
-    calm = statistics.median(t for i, t in enumerate(steps) if i not in disturbed and i > 0)
+def _one_rank_group() -> None:
+    """A gloo process group of this process alone: DCP's process staging asks the group for its rank."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def windows(run: Dict, window: int) -> List[range]:
+    """Each save's window: its step and the next ``window - 1``, longer while its write is in flight, never
+    past the next save's step."""
+    n = len(run["starts"]) - 1  # steps with a measured time
+    saves, flight = run["saves"], run["in_flight"]
     out = []
-    for s in run["saves"][1:]:
-        lost = sum(steps[i] - calm for i in range(s, min(s + window, len(steps))))
-        out.append(lost / run["memcpy"])
+    for k, s in enumerate(saves):
+        end = min(s + window, n)
+        stop = saves[k + 1] if k + 1 < len(saves) else n
+        while end < stop and flight[end]:
+            end += 1
+        out.append(range(s, min(end, stop)))
     return out
 
 
-CONFIGS: Dict[str, tuple] = {
-    "ExactResume + SafetensorsCheckpointIO(async_save=True)": (lambda: SafetensorsCheckpointIO(async_save=True), True),
-    "SafetensorsCheckpointIO(async_save=True), no ExactResume": (
-        lambda: SafetensorsCheckpointIO(async_save=True),
-        False,
-    ),
-    "ExactResume + Lightning AsyncCheckpointIO": (lambda: AsyncCheckpointIO(TorchCheckpointIO()), True),
-    "ExactResume + Lightning TorchCheckpointIO": (lambda: TorchCheckpointIO(), True),
-}
+def analyse(run: Dict, window: int, every: int) -> Dict[str, Any]:
+    """Per save but the first: time lost / memcpy; the steps during a write over the calm step; steps/s."""
+    starts = run["starts"]
+    steps = [b - a for a, b in zip(starts, starts[1:])]
+    spans = windows(run, window)
+    disturbed = {i for w in spans for i in w} | {i for i, f in enumerate(run["in_flight"][: len(steps)]) if f}
+    calm = statistics.median(t for i, t in enumerate(steps) if i not in disturbed and i > 0)
+    lost = [sum(steps[i] - calm for i in w) / run["memcpy"] for w in spans[1:]]
+    saving = set(run["saves"])
+    during = [
+        steps[i] / calm for i, f in enumerate(run["in_flight"][: len(steps)]) if f and i not in saving and i > every
+    ]
+    first, last = 2 * every - 1, (len(starts) - 1) // every * every - 1  # whole save periods: second save to last
+    rate = (last - first) / (starts[last] - starts[first]) if last > first else float("nan")
+    return {"lost": lost, "during": during, "rate": rate, "memcpy": run["memcpy"], "exact": run["exact"]}
+
+
+def _child(args: argparse.Namespace) -> None:
+    run = fit(args.child, args.root, args.params_mb, args.steps, args.every)
+    print("RESULT " + json.dumps(run))
+
+
+def _spawn(name: str, root: str, a: argparse.Namespace) -> Dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--root", root]
+    cmd += ["--params-mb", str(a.params_mb), "--steps", str(a.steps), "--every", str(a.every)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"fit {name!r} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(line[len("RESULT ") :])
+
+
+def _med(v: List[float], fmt: str = "{:.2f}") -> str:
+    if not v:
+        return "-"
+    return (fmt + "x (" + fmt + "-" + fmt + ")").format(statistics.median(v), min(v), max(v))
 
 
 def main() -> None:
@@ -164,32 +334,51 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--only", default=None, help="run only the configurations whose name contains this")
+    p.add_argument("--only", default=None, help="run only the configurations whose name contains this (and the floor)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--root", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    names = [n for n in CONFIGS if a.only is None or a.only in n]
-    results: Dict[str, List[float]] = {n: [] for n in names}
-    memcpys: Dict[str, List[float]] = {n: [] for n in names}
-    exact_parts: Dict[str, List[float]] = {n: [] for n in names}
+    if a.child is not None:
+        _child(a)
+        return
+    names = [n for n in CONFIGS if a.only is None or a.only in n or n in (FLOOR, NONE)]
+    got: Dict[str, List[Dict[str, Any]]] = {n: [] for n in names}
+    loads = [os.getloadavg()]
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
         for r in range(a.repeats):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                io, exact = CONFIGS[name]
-                run = fit(io, exact, os.path.join(root, f"{r}-{len(results[name])}"), a.params_mb, a.steps, a.every)
-                results[name] += lost_per_save(run, a.window)
-                memcpys[name].append(run["memcpy"])
-                exact_parts[name] += [t / run["memcpy"] for t in run["exact"]]
+                run = _spawn(name, os.path.join(root, f"{r}-{names.index(name)}"), a)
+                got[name].append(analyse(run, a.window, a.every))
+                loads.append(os.getloadavg())
+    report(got, a, loads)
+
+
+def report(got: Dict[str, List[Dict[str, Any]]], a: argparse.Namespace, loads: List[Any]) -> None:
     state_mb = 3 * a.params_mb
-    print(f"state ~{state_mb} MB (weights {a.params_mb} MB + AdamW moments), save every {a.every} steps,")
-    print(f"time lost per save over {a.window} steps / memcpy of the state (median, min-max over saves):")
-    for name in names:
-        v = results[name]
-        memcpy = statistics.median(memcpys[name])
-        print(
-            f"  {name}: {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f}), {len(v)} saves, memcpy {memcpy:.3f}s"
-        )
-        if exact_parts[name]:
-            e = exact_parts[name]
-            print(f"    of which ExactResume's state_dict: {statistics.median(e):.3f}x ({min(e):.3f}-{max(e):.3f})")
+    floor = statistics.median(x["rate"] for x in got[FLOOR]) if FLOOR in got else float("nan")
+    one = [x[0] for x in loads]
+    print(
+        f"state ~{state_mb} MB (weights {a.params_mb} MB + AdamW moments), save every {a.every} steps, {a.steps} steps,"
+    )
+    print(f"{a.repeats} fits per row; load average (1 min) {min(one):.2f}-{max(one):.2f} during the run")
+    print("| configuration | time lost per save / memcpy | step during a write / calm step | steps/s vs floor"
+          " | ExactResume.state_dict / memcpy | saves | memcpy (s) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, runs in got.items():
+        lost = [v for x in runs for v in x["lost"]]
+        during = [v for x in runs for v in x["during"]]
+        rates = [x["rate"] / floor for x in runs]
+        exact = [t / x["memcpy"] for x in runs for t in x["exact"]]
+        memcpy = statistics.median(x["memcpy"] for x in runs)
+        cells = [
+            _med(lost) if name != NONE else "-",
+            _med(during, "{:.3f}"),
+            _med(rates, "{:.3f}"),
+            _med(exact, "{:.3f}"),
+            str(len(lost)),
+            f"{memcpy:.3f}",
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

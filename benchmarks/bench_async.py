@@ -30,7 +30,9 @@ writer at lowered priority (the default) and at training's; and steps/s of a rea
 saving every ``--every`` steps.
 
 Usage: ``python benchmarks/bench_async.py --size-mb 600 --repeats 5`` (defaults are small);
-``--only small`` measures the small-tensor and tiny-state rows alone (``--size-mb`` sizes the first).
+``--only small`` measures the small-tensor and tiny-state rows alone (``--size-mb`` sizes the first);
+``--only writer`` the step-time row alone, for the writer thread against the writer process
+(``writer="process"``), ``--rounds`` rounds of each, interleaved.
 """
 
 from __future__ import annotations
@@ -479,18 +481,28 @@ def _dcp_once(state: Dict, root: str) -> float:
 # ---------------------------------------------------------------------------------------- training
 
 
-def step_slowdown(state: Dict, root: str, rounds: int = 8, block: int = 15) -> Dict[str, Tuple[float, float]]:
+def step_slowdown(
+    state: Dict, root: str, rounds: int = 8, block: int = 15, writers: bool = False, small: bool = False
+) -> Dict[str, Tuple[float, float, float, float]]:
     """CPU training-step times with and without our background write of ``state`` in flight.
 
     Per round: ``block`` steps with no write, then a save and steps until its write is durable; the
     two kinds of block alternate, so a change in the machine's load hits both alike. Returns, for the
-    writer at lowered priority (the default) and at the training thread's, the median step time without
-    a write and the median ratio of each round's steps during the write to that round's steps without.
+    writer at lowered priority (the default) and at the training thread's (``writers``: for the writer
+    thread and the writer process, both at lowered priority), the median step time without a write, the
+    median ratio of each round's steps during the write to that round's steps without, and the lowest and
+    highest of those ratios. ``small``: a step of many small operators (12 layers of width 64, batch 8,
+    about a millisecond), bound by Python and torch's dispatcher rather than by arithmetic, where sharing
+    the GIL with a writer thread would show most.
     """
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+    if small:
+        model = nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(64, 64), nn.ReLU())])
+        x = torch.randn(8, 64)
+    else:
+        model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+        x = torch.randn(64, 512)
     opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(64, 512)
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -501,10 +513,20 @@ def step_slowdown(state: Dict, root: str, rounds: int = 8, block: int = 15) -> D
 
     for _ in range(10):
         step()
-    ios = {"lowered priority (default)": SafetensorsCheckpointIO(async_save=True)}
-    same = SafetensorsCheckpointIO(async_save=True)
-    same._saver.writer.nice = 0  # type: ignore[union-attr]  # the comparison: a writer at training's priority
-    ios["training's priority"] = same
+    if writers:
+        ios = {
+            "thread (default)": SafetensorsCheckpointIO(async_save=True),
+            "process": SafetensorsCheckpointIO(async_save=True, writer="process"),
+        }
+    else:
+        ios = {"lowered priority (default)": SafetensorsCheckpointIO(async_save=True)}
+        same = SafetensorsCheckpointIO(async_save=True)
+        same._saver.writer.nice = 0  # type: ignore[union-attr]  # the comparison: a writer at training's priority
+        ios["training's priority"] = same
+    for io in ios.values():  # warm-up: the pool allocated, the writer process started
+        io.save_checkpoint(state, os.path.join(root, "warm.ckpt"))
+        io.wait()
+    os.remove(os.path.join(root, "warm.ckpt"))
     alone: Dict[str, List[float]] = {k: [] for k in ios}
     ratios: Dict[str, List[float]] = {k: [] for k in ios}
     for r in range(rounds):
@@ -518,7 +540,27 @@ def step_slowdown(state: Dict, root: str, rounds: int = 8, block: int = 15) -> D
             alone[key].append(quiet)
             ratios[key].append(statistics.median(during) / quiet)
             os.remove(os.path.join(root, f"bg{r}.ckpt"))
-    return {k: (statistics.median(alone[k]), statistics.median(ratios[k])) for k in ios}
+    for io in ios.values():
+        io.teardown()
+    return {k: (statistics.median(alone[k]), statistics.median(ratios[k]), min(ratios[k]), max(ratios[k])) for k in ios}
+
+
+def writer_rows(size_mb: float, root: str, rounds: int) -> List[str]:
+    """The step-time row for the writer thread against the writer process (``--only writer``)."""
+    state = make_state(size_mb)
+    nbytes = sum(t.numel() * t.element_size() for t in every_tensor(state))
+    lines = [
+        f"training step (CPU, 1 thread) while a background write of {nbytes / 1e6:.0f} MB runs, vs without"
+        f" (interleaved, {rounds} rounds, medians; range of the per-round ratios):"
+    ]
+    for small, step in ((False, "MLP 512-1024-512, batch 64"), (True, "12 small layers, batch 8")):
+        lines.append(f"{step} (load average {os.getloadavg()[0]:.2f} at the start):")
+        for key, (alone, ratio, low, high) in step_slowdown(state, root, rounds, writers=True, small=small).items():
+            lines.append(
+                f"- writer {key}: {alone * 1e3:.2f} ms alone, {ratio:.3f}x during a write (range {low:.3f}-{high:.3f})"
+            )
+    lines.append(f"(load average {os.getloadavg()[0]:.2f} at the end)")
+    return lines
 
 
 class Fit(L.LightningModule):
@@ -664,8 +706,12 @@ def main() -> None:
     parser.add_argument("--tiny-mb", type=float, default=1.0, help="size of the tiny state")
     parser.add_argument("--tiny-tensors", type=int, default=84, help="tensors in the tiny state")
     parser.add_argument(
-        "--only", choices=["all", "small", "overlap"], default="all", help="small / overlap: those rows alone"
+        "--only",
+        choices=["all", "small", "overlap", "writer"],
+        default="all",
+        help="small / overlap / writer (step time during a write: writer thread vs process): those rows alone",
     )
+    parser.add_argument("--rounds", type=int, default=8, help="writer: rounds of steps with and without a write")
     parser.add_argument("--fit-repeats", type=int, default=None, help="fit runs per kind (default: repeats // 2)")
     parser.add_argument("--memory-probe", choices=MEMORY_PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -677,6 +723,12 @@ def main() -> None:
     if args.only == "overlap":
         try:
             print("\n".join(overlap_rows(args.size_mb, args.saves, root)))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
+    if args.only == "writer":
+        try:
+            print("\n".join(writer_rows(args.size_mb, root, args.rounds)))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         return
@@ -707,7 +759,7 @@ def main() -> None:
             " background after the first optimizer step, as ExactResume has it done; ours_async_reused is every later save)"
         )
         print("\ntraining step (CPU MLP, 1 thread) while our background write runs, vs without (interleaved):")
-        for key, (alone, ratio) in step_slowdown(state, root).items():
+        for key, (alone, ratio, _, _) in step_slowdown(state, root).items():
             print(f"- writer at {key}: {alone * 1e3:.2f} ms alone, {ratio:.2f}x during a write")
         fit_repeats = args.fit_repeats or max(1, args.repeats // 2)
         fits = measure_fits(root, args.every, args.fit_steps, args.fit_width, fit_repeats)

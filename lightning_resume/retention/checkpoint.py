@@ -14,7 +14,7 @@ import uuid
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Literal, Optional, Union, cast
+from typing import Callable, Literal, Mapping, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -291,16 +291,29 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     def _mirror_new(self, trainer: pl.Trainer, record: CheckpointRecord) -> None:
         """Queue the upload of a new save (rank 0) once its local file is durable; with
         ``mirror_anchors="sync"``, wait for it when it becomes an anchor of the mirror."""
-        if self._mirror is None or self.tiers is None or not trainer.is_global_zero:
+        mirror = self._mirror
+        if mirror is None or self.tiers is None:
             return
         io = trainer.strategy.checkpoint_io
         writer = io if isinstance(io, AsyncCheckpointWriter) else None
-        target = self._mirror.upload(record.path, lambda: writer is None or not writer.write_in_flight(record.path))
-        landing = replace(record, path=target)
-        if self.tiers.upload_first(list(self._mirror_records.values()), landing, self.mirror_anchors):
+        if trainer.is_global_zero:
+            mirror.upload(record.path, lambda: writer is None or not writer.write_in_flight(record.path))
+        landing = replace(record, path=mirror.target(record.path))  # the records are the same on every rank
+        if not self.tiers.upload_first(list(self._mirror_records.values()), landing, self.mirror_anchors):
+            return
+
+        def upload_first() -> None:
             if writer is not None:
                 writer.wait(record.path)  # the local write first; its failure is raised here, per on_error
-            self._mirror.wait(record.path)
+            mirror.wait(record.path, timeout=MIRROR_FLUSH_S)
+
+        def failed(problems: Mapping[int, str]) -> BaseException:
+            return RuntimeError(f"rank 0 failed while its save of {record.path} was uploaded first: {problems[0]}")
+
+        # every rank waits with rank 0 on the store, not in the next collective (the group's timeout)
+        collective.wait_for_rank_zero(
+            f"rank 0's upload of {record.path} to the mirror", upload_first, MIRROR_FLUSH_S + 60, failed
+        )
 
     def _settle_mirror(self, trainer: pl.Trainer) -> None:
         """Count what the mirror now holds (rank 0's uploads, one broadcast), name each upload that failed,

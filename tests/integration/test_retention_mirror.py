@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,7 +26,12 @@ RULES = {"keep_last": 2, "anchor_every_n_steps": 9, "local_keep_last": 1, "every
 """Saves at steps 3, 6, ..., 18. The bucket keeps the 2 most recent and an anchor per 9 steps (9, 18); the
 local disk keeps the newest (and the resume source)."""
 
-EXTENDED = frozenset({"test_a_new_node_with_an_empty_local_disk_resumes_from_the_bucket_bit_for_bit"})
+EXTENDED = frozenset(
+    {
+        "test_a_new_node_with_an_empty_local_disk_resumes_from_the_bucket_bit_for_bit",
+        "test_ddp_with_sync_anchors_waits_on_the_store_and_resumes_bit_for_bit",
+    }
+)
 
 
 class HoldUpload:
@@ -127,3 +133,38 @@ def test_a_new_node_with_an_empty_local_disk_resumes_from_the_bucket_bit_for_bit
 
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def test_ddp_with_sync_anchors_waits_on_the_store_and_resumes_bit_for_bit(
+    tmp_path: Path, s3_bucket: str, s3_server: S3Server
+) -> None:
+    """DDP x2, ``mirror_anchors="sync"``, a process group timeout of 3 s and every upload of an anchor slowed to
+    8 s: rank 0 uploads the anchor before its save counts while rank 1 waits on the store, not in a collective
+    (which would time out); killed after the anchor of step 9 and resumed bit for bit."""
+    env = s3_env(s3_server.endpoint)
+    wsgi = s3_server._server._server  # the werkzeug server under moto's ThreadedMotoServer (as tests/helpers/s3.py)
+    original = wsgi.app
+
+    def slow_anchors(environ: dict, start_response: Callable) -> Any:
+        path = urllib.parse.unquote(environ.get("PATH_INFO", ""))
+        if environ.get("REQUEST_METHOD") in ("PUT", "POST") and path.endswith(("=000000009.ckpt", "=000000018.ckpt")):
+            time.sleep(8.0)
+        return original(environ, start_response)
+
+    wsgi.app = slow_anchors
+    try:
+        sync = {"n": 80, "devices": 2, "collective_timeout_s": 3}
+        a_cfg = _cfg(f"{s3_bucket}/A")
+        a_cfg = dict(a_cfg, **sync, retention={**a_cfg["retention"], "mirror_anchors": "sync"})
+        a = h.uninterrupted(dict(a_cfg, env=env), tmp_path)
+        assert _names(f"{s3_bucket}/A") == ["step=000000009.ckpt", "step=000000015.ckpt", "step=000000018.ckpt"]
+        cfg = _cfg(f"{s3_bucket}/run")
+        cfg = dict(cfg, **sync, retention={**cfg["retention"], "mirror_anchors": "sync"})
+        b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"), pause_before=10, env=env)
+        paused = Path(b["out"]) / "paused"
+        h.run_and_kill_when(b, tmp_path, lambda: paused.exists())
+        assert "step=000000009.ckpt" in _names(f"{s3_bucket}/run")  # uploaded before the save counted
+        c = h.resumed(cfg, tmp_path, b["ckpt_dir"], env=env)
+        h.assert_exact_resume(a["out"], c["out"], resumed_after=9)
+    finally:
+        wsgi.app = original

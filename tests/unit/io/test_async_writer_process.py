@@ -170,3 +170,14 @@ def test_writer_options_are_checked_at_construction():
         SafetensorsCheckpointIO(async_save=True, writer="process", overlap_write=True)
     with pytest.raises(ConfigurationError, match="writer='fork' is not supported"):
         SafetensorsCheckpointIO(async_save=True, writer="fork")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(120)
+def test_the_writer_process_uploads_urls_through_the_same_storage_layer(s3_bucket):
+    io = SafetensorsCheckpointIO(async_save=True, writer="process")  # started after the endpoint is set
+    url = f"{s3_bucket}/run/step=1.ckpt"
+    w = torch.randn(64, 8)
+    io.save_checkpoint({"w": w, "global_step": 1}, url)
+    io.teardown()
+    loaded = SafetensorsCheckpointIO().load_checkpoint(url)  # verifies every checksum
+    assert torch.equal(loaded["w"], w) and loaded["global_step"] == 1

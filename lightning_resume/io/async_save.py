@@ -99,6 +99,7 @@ class AsyncSaver:
             shared = SharedMemory()
             self.buffers = HostBuffers(shared)
             self.process = WriterProcess(shared)
+            shared.before_allocate = self.process.drop_pools
             self.process.start()  # it imports torch while training goes on; the first write waits for it
         else:
             self.buffers = HostBuffers()

@@ -38,7 +38,7 @@ import warnings
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -98,8 +98,12 @@ class SharedMemory(Devices):
 
     def __init__(self) -> None:
         self._mappings: weakref.WeakValueDictionary[int, _Mapping] = weakref.WeakValueDictionary()
+        self.before_allocate: Optional[Callable[[], None]] = None
+        """Called before each new pool (``WriterProcess.drop_pools``: never two pools' memory at once)."""
 
     def allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if self.before_allocate is not None:
+            self.before_allocate()
         fd = _anonymous_file(max(nbytes, 1))
         try:
             mapping = _Mapping(fd, max(nbytes, 1))
@@ -143,6 +147,7 @@ class WriterProcess:
     def __init__(self, devices: SharedMemory, nice: int = WRITER_NICE) -> None:
         self.devices, self.nice = devices, nice
         self._lock = threading.Lock()
+        self._talk = threading.Lock()  # one conversation on the pipe at a time
         self._proc: Optional[subprocess.Popen] = None
         self._conn: Optional[Connection] = None
         self._segments: Set[int] = set()  # pool descriptors this writer was handed
@@ -189,9 +194,10 @@ class WriterProcess:
         proc, conn = self._proc, self._conn
         assert proc is not None and conn is not None
         try:
-            self._describe(conn, placement)
-            conn.send(("write", path, tree_json, algorithm, mode, placement.key))
-            answer = conn.recv()
+            with self._talk:
+                self._describe(conn, placement)
+                conn.send(("write", path, tree_json, algorithm, mode, placement.key))
+                answer = conn.recv()
         except (EOFError, OSError) as err:
             raise self._died(proc, path) from err
         if answer[0] == "error":
@@ -208,6 +214,17 @@ class WriterProcess:
         if placement.key not in self._layouts:
             conn.send(("layout", placement.key, mapping.key, offset, placement.size, placement.entries))
             self._layouts.add(placement.key)
+
+    def drop_pools(self) -> None:
+        """Have the writer unmap the pools it was handed (the trainer is about to allocate another, with no
+        write in flight), so their memory is freed now rather than at the next write."""
+        with self._talk:
+            conn = self._conn
+            if conn is None or not self._segments:
+                return
+            with contextlib.suppress(OSError):  # a dead writer: the next commit finds out and says so
+                conn.send(("drop",))
+            self._segments, self._layouts = set(), set()
 
     def _died(self, proc: subprocess.Popen, path: str) -> WriterProcessDied:
         """The writer is gone: reap it, remove its temporary, forget it (the next write starts another)."""
@@ -296,6 +313,9 @@ class _Writer:
                 self.layouts[message[1]] = message[2:]
             elif kind == "write":
                 self._answer(self._write(*message[1:]))
+            elif kind == "drop":
+                self.pools.clear()
+                self.layouts.clear()
 
     def _map(self, key: int, nbytes: int, fd: int) -> None:
         self.pools.clear()  # the trainer has one pool at a time: drop the last one's memory

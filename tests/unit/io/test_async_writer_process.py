@@ -181,3 +181,23 @@ def test_the_writer_process_uploads_urls_through_the_same_storage_layer(s3_bucke
     io.teardown()
     loaded = SafetensorsCheckpointIO().load_checkpoint(url)  # verifies every checksum
     assert torch.equal(loaded["w"], w) and loaded["global_step"] == 1
+
+
+def _staging_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("/memfd:lightning-resume-staging" in line for line in f)
+
+
+def test_the_writer_unmaps_the_old_pool_before_the_trainer_allocates_a_larger_one(tmp_path):
+    io = SafetensorsCheckpointIO(async_save=True, writer="process")
+    io.save_checkpoint({"w": torch.ones(1000)}, tmp_path / "a.ckpt")
+    io.wait()
+    pid = _writer(io).pid
+    assert _staging_maps(pid) == 1
+    io.reserve(64 << 20)  # a larger pool, allocated on the worker: the writer lets the old one go first
+    io.wait()
+    _wait_until(lambda: _staging_maps(pid) == 0, timeout=10)
+    io.save_checkpoint({"w": torch.ones(1000), "v": torch.zeros(1 << 20)}, tmp_path / "b.ckpt")
+    io.wait()
+    assert _staging_maps(pid) == 1 and read.load_file(str(tmp_path / "b.ckpt")).checkpoint["v"].numel() == 1 << 20
+    io.teardown()

@@ -559,8 +559,41 @@ def writer_rows(size_mb: float, root: str, rounds: int) -> List[str]:
             lines.append(
                 f"- writer {key}: {alone * 1e3:.2f} ms alone, {ratio:.3f}x during a write (range {low:.3f}-{high:.3f})"
             )
+    lines.append(
+        f"save of the same state, blocked and until durable (medians of {rounds}, interleaved, after a warm-up):"
+    )
+    for key, (blocked, durable) in writer_save_times(state, root, rounds).items():
+        lines.append(
+            f"- writer {key}: blocked {_median_range(blocked, 1e3)} ms, durable {_median_range(durable, 1e3)} ms"
+        )
     lines.append(f"(load average {os.getloadavg()[0]:.2f} at the end)")
     return lines
+
+
+def writer_save_times(state: Dict, root: str, rounds: int) -> Dict[str, Tuple[List[float], List[float]]]:
+    """Each writer's blocked and durable seconds per save of ``state`` (the first save of each untimed)."""
+    ios = {
+        "thread": SafetensorsCheckpointIO(async_save=True),
+        "process": SafetensorsCheckpointIO(async_save=True, writer="process"),
+    }
+    out: Dict[str, Tuple[List[float], List[float]]] = {k: ([], []) for k in ios}
+    for r in range(rounds + 1):
+        for key, io in ios.items():
+            path = os.path.join(root, f"{key}.ckpt")
+            started = time.perf_counter()
+            io.save_checkpoint(state, path)
+            blocked = time.perf_counter() - started
+            io.wait()
+            if r:
+                out[key][0].append(blocked)
+                out[key][1].append(time.perf_counter() - started)
+    for io in ios.values():
+        io.teardown()
+    return out
+
+
+def _median_range(xs: List[float], scale: float) -> str:
+    return f"{statistics.median(xs) * scale:.1f} (range {min(xs) * scale:.1f}-{max(xs) * scale:.1f})"
 
 
 class Fit(L.LightningModule):

@@ -116,25 +116,26 @@ class SharedMemory(Devices):
         mapping.base = pool.data_ptr()
         self._mappings[mapping.key] = mapping
         if pinned and nbytes:
-            _register_pinned(pool)
+            _register_pinned(pool, mapping)
         return pool
 
     def find(self, pointer: int) -> Tuple[_Mapping, int]:
         """The mapping holding address ``pointer``, and the offset of it there."""
         for mapping in list(self._mappings.values()):
-            if mapping.base <= pointer < mapping.base + len(mapping) or pointer == mapping.base:
+            if mapping.base <= pointer < mapping.base + len(mapping):
                 return mapping, pointer - mapping.base
         raise LookupError(f"address {pointer:#x} is in no shared staging pool")
 
 
-def _register_pinned(pool: torch.Tensor) -> None:
-    """Page-lock ``pool`` for DMA from CUDA (unregistered when it is freed); a no-op without CUDA."""
+def _register_pinned(pool: torch.Tensor, mapping: _Mapping) -> None:
+    """Page-lock ``pool`` for DMA from CUDA, unregistered when ``mapping`` goes (before it is unmapped: a
+    weak reference's callback runs before the object is freed); a no-op without CUDA. Not yet run on a GPU."""
     if not torch.cuda.is_available():
         return
     cudart = torch.cuda.cudart()
     if int(cudart.cudaHostRegister(pool.data_ptr(), pool.numel(), 0)) != 0:
         return  # stays pageable: still correct
-    weakref.finalize(pool.untyped_storage(), cudart.cudaHostUnregister, pool.data_ptr())
+    weakref.finalize(mapping, cudart.cudaHostUnregister, pool.data_ptr())
 
 
 class WriterProcess:
@@ -150,7 +151,7 @@ class WriterProcess:
         self._talk = threading.Lock()  # one conversation on the pipe at a time
         self._proc: Optional[subprocess.Popen] = None
         self._conn: Optional[Connection] = None
-        self._segments: Set[int] = set()  # pool descriptors this writer was handed
+        self._segments: Set[int] = set()  # keys of the pools this writer was handed
         self._layouts: Set[int] = set()  # placement keys this writer was told
         self.started = 0
         """How many writer processes this handle started (1 unless one died or was closed)."""

@@ -19,6 +19,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_resume import SafetensorsCheckpointIO
@@ -95,6 +96,7 @@ def _check(out: Path, step: int) -> None:
     assert _temporaries(out) == {}, "a temporary was left"
 
 
+@pytest.mark.slow
 def test_writer_process_commits_after_the_trainer_dies_and_its_own_death_is_named(tmp_path):
     # the trainer dies during a durable write: the writer process completes and commits it alone
     out = tmp_path / "trainer-killed"

@@ -388,6 +388,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero:  # before Lightning lists dirpath (a bare "Access Denied")
+            self._check_writable(lc.checkpoint_dir(self, trainer))
         super().setup(trainer, pl_module, stage)
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if self.policy.active and isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
@@ -408,6 +410,21 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
                     " a sharded directory per save; remove mirror, or save single files (DDP)"
                 ],
             )
+
+    def _check_writable(self, dirpath: str) -> None:
+        """A remote ``dirpath`` that cannot be written or listed (a missing bucket, a denied prefix) fails the fit
+        now, naming it, not at the first save; a mirror that cannot is warned about, and training goes on (its
+        uploads are retried and named as they fail)."""
+        storage.check_writable(dirpath)
+        if self._mirror is not None:
+            try:
+                storage.check_writable(self._mirror.directory)
+            except OSError as err:
+                rank_zero_warn(
+                    f"RetentionCheckpoint: the mirror {self._mirror.directory} cannot be written now ({err}); training"
+                    " goes on, local checkpoints are kept until the mirror has them",
+                    category=RetentionWarning,
+                )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

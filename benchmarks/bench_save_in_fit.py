@@ -350,6 +350,7 @@ def main() -> None:
                 run = _spawn(name, os.path.join(root, f"{r}-{names.index(name)}"), a)
                 got[name].append(analyse(run, a.window, a.every))
                 loads.append(os.getloadavg())
+                print(f"fit {r + 1}/{a.repeats} {name}: done, load {loads[-1][0]:.2f}", file=sys.stderr, flush=True)
     report(got, a, loads)
 
 

@@ -311,3 +311,54 @@ def test_overlap_copy_needs_async_save():
         SafetensorsCheckpointIO(overlap_copy=True)
     with pytest.raises(ConfigurationError, match="pass one of them"):
         SafetensorsCheckpointIO(async_save=True, overlap_copy=True, overlap_write=True)
+
+
+def test_every_save_uses_the_one_copy_thread_of_the_process(tmp_path):
+    """No save starts a thread (a new one waits to be scheduled, milliseconds on a loaded machine)."""
+    saver = _saver()
+    model, opt, x = _setup()
+    helper = overlap._HELPER._thread
+    assert helper is not None and helper.is_alive()  # started with the saver's optimizer watch
+    for i in range(3):
+        expected = _clone(_checkpoint(model, opt))
+        saver.save(_checkpoint(model, opt), str(tmp_path / f"{i}.ckpt"))
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()  # the barrier
+        saver.wait()
+        _assert_saved(tmp_path / f"{i}.ckpt", expected)
+    assert overlap._HELPER._thread is helper
+    assert [t for t in threading.enumerate() if t.name == overlap._Helper.NAME] == [helper]
+
+
+def test_a_process_without_the_copy_thread_starts_one(tmp_path, monkeypatch):
+    """After a fork the child has no copy thread: it is started again (seen here as another pid)."""
+    saver = _saver()
+    model, opt, _ = _setup()
+    before = overlap._HELPER._thread
+    monkeypatch.setattr(overlap._HELPER, "_pid", -1)
+    expected = _clone(_checkpoint(model, opt))
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    saver._copy.join()
+    assert overlap._HELPER._thread is not before and overlap._HELPER._thread.is_alive()
+    saver.wait()
+    _assert_saved(tmp_path / "a.ckpt", expected)
+
+
+def test_a_view_at_an_offset_into_a_parameter_is_copied_at_the_save(held, tmp_path):
+    """Deferred are only tensors that begin where an optimizer-written one does; a slice further in is
+    copied at the save (always exact) and holds its value at the save."""
+    saver = _saver()
+    model, opt, x = _setup()
+    ckpt = {**_checkpoint(model, opt), "tail": model[0].weight.detach()[1:]}
+    expected = _clone(ckpt)
+    saver.save(ckpt, str(tmp_path / "a.ckpt"))
+    assert "state_dict.0.weight" in saver._copy.names and "tail" not in saver._copy.names
+    held.set()
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    saver.wait()
+    got = read.load_file(str(tmp_path / "a.ckpt"), True, None).checkpoint
+    assert torch.equal(got["tail"], expected["tail"])
+    _assert_saved(tmp_path / "a.ckpt", expected)

@@ -53,6 +53,7 @@ _SOURCES: dict[str, str] = {
     "UnknownTypeError": "lightning_resume.errors",
     "UnsafeCheckpointError": "lightning_resume.errors",
     "VersionWarning": "lightning_resume.errors",
+    "WriterProcessDied": "lightning_resume.errors",
     "daly_interval": "lightning_resume.schedule.formulas",
     "expected_waste": "lightning_resume.schedule.formulas",
     "load_full": "lightning_resume.sharded.api",
@@ -114,6 +115,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         UnknownTypeError,
         UnsafeCheckpointError,
         VersionWarning,
+        WriterProcessDied,
     )
     from lightning_resume.exact.callback import ExactResume
     from lightning_resume.exact.state.data import ResumableDataset, ResumableIterableDataset

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Literal, Optional
 import torch
 
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
-from lightning_resume.io import write
+from lightning_resume.io import multipart, write
 from lightning_resume.io.buffers import HostBuffers, StagedTensors
 from lightning_resume.io.codec import TreeEncoder, TreeText
 from lightning_resume.io.overlap import CopyStats, OptimizerWatch, OverlappedCopy, copy_now
@@ -42,13 +42,23 @@ WriterKind = Literal["thread", "process"]
 (``io.writer_process``: the training process then shares its GIL with no hashing or writing)."""
 
 
-def commit_staged(path: str, tree_json: str, staged: StagedTensors, algorithm: str, mode: int = 0o666) -> None:
+def commit_staged(
+    path: str,
+    tree_json: str,
+    staged: StagedTensors,
+    algorithm: str,
+    mode: int = 0o666,
+    upload: multipart.UploadOptions = multipart.DEFAULT_UPLOAD,
+) -> None:
     """Commit a snapshot at ``path``: each tensor once copied, from the pool's image with direct I/O where allowed;
-    in the writer process that maps the pool when the snapshot has one (``staged.writer``), once all is copied."""
+    in the writer process that maps the pool when the snapshot has one (``staged.writer``), once all is copied.
+    ``upload``: part size and concurrency of a multi-part upload to an object store."""
     if staged.writer is not None:
-        staged.writer.commit(path, tree_json, staged, algorithm, mode)
+        staged.writer.commit(path, tree_json, staged, algorithm, mode, (upload.part_size, upload.concurrency))
     else:
-        write.commit(path, tree_json, staged, algorithm, ready=staged.wait, image=staged.image, mode=mode)
+        write.commit(
+            path, tree_json, staged, algorithm, ready=staged.wait, image=staged.image, mode=mode, upload=upload
+        )
 
 
 class AsyncSaver:

@@ -36,7 +36,7 @@ from lightning_resume.errors import (
     ConfigurationError,
     SkippedCheckpointWarning,
 )
-from lightning_resume.io import read, write
+from lightning_resume.io import multipart, read, write
 from lightning_resume.io.async_save import AsyncSaver, WriterKind, commit_staged
 from lightning_resume.io.atomic import clean_stale_temporaries
 from lightning_resume.io.buffers import StagedTensors
@@ -97,6 +97,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
             format, 2.0x for a ``torch.save`` file). ``None`` (default): no cap. Either way a load that would
             hold more than the host (or its cgroup) has left is refused with ``RemoteLoadMemoryError``
             before anything is downloaded, instead of running out of memory half-way. Local loads are unaffected.
+        upload_part_size: bytes of one part of a multi-part upload to an object store (S3; at least 5 MiB;
+            default 16 MiB). ``upload_concurrency``: most parts in flight at once (default 8); an upload holds at
+            most ``upload_part_size * upload_concurrency`` bytes beside the state (``io.multipart``).
     """
 
     def __init__(
@@ -112,6 +115,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         on_error: Literal["raise", "warn"] = "raise",
         flush_timeout: Duration = "10min",
         max_remote_load_bytes: Optional[int] = None,
+        upload_part_size: int = multipart.DEFAULT_UPLOAD.part_size,
+        upload_concurrency: int = multipart.DEFAULT_UPLOAD.concurrency,
     ) -> None:
         check_versions()
         resolve_last_through_callbacks()
@@ -152,6 +157,11 @@ class SafetensorsCheckpointIO(CheckpointIO):
             self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
         except ValueError as err:
             problems.append(str(err))
+        try:
+            self.upload = multipart.UploadOptions(upload_part_size, upload_concurrency)
+        except ConfigurationError as err:
+            problems += [p.replace("part_size=", "upload_part_size=").replace("concurrency=", "upload_concurrency=")
+                         for p in err.problems]  # fmt: skip
         if problems:
             raise ConfigurationError("SafetensorsCheckpointIO", problems)
         self.verify = verify
@@ -184,12 +194,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if self._saver is not None:
             self._saver.save(checkpoint, str(path))
         else:
-            write.save_file(checkpoint, str(path), algorithm=self.checksum)
+            write.save_file(checkpoint, str(path), algorithm=self.checksum, upload=self.upload)
 
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
         """The background write of an async save (on the worker thread): atomic, checksummed, at ``path``; with
         ``writer="process"`` the writer process writes and this returns once it has committed."""
-        commit_staged(path, tree_json, staged, self.checksum)
+        commit_staged(path, tree_json, staged, self.checksum, upload=self.upload)
 
     @override
     def load_checkpoint(

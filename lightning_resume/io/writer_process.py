@@ -180,11 +180,20 @@ class WriterProcess:
             self._segments, self._layouts = set(), set()
             self.started += 1
 
-    def commit(self, path: str, tree_json: str, staged: StagedTensors, algorithm: str, mode: int) -> None:
+    def commit(
+        self,
+        path: str,
+        tree_json: str,
+        staged: StagedTensors,
+        algorithm: str,
+        mode: int,
+        upload: Tuple[int, int] = (16 << 20, 8),
+    ) -> None:
         """Once ``staged`` is copied, have the writer commit it at ``path``; return when it is durable.
 
         Raises the writer's own error for a write that failed there, and ``WriterProcessDied`` when the
-        writer ended before it answered (its temporary removed)."""
+        writer ended before it answered (its temporary removed). ``upload``: part size and concurrency of a
+        multi-part upload (``io.multipart.UploadOptions``), rebuilt in the writer."""
         names = list(staged)
         if names:
             staged.wait(names[-1])  # every tensor copied: the writer reads the pool, it cannot wait on a copy
@@ -197,7 +206,7 @@ class WriterProcess:
         try:
             with self._talk:
                 self._describe(conn, placement)
-                conn.send(("write", path, tree_json, algorithm, mode, placement.key))
+                conn.send(("write", path, tree_json, algorithm, mode, placement.key, upload))
                 answer = conn.recv()
         except (EOFError, OSError) as err:
             raise self._died(proc, path) from err
@@ -330,8 +339,10 @@ class _Writer:
             warnings.simplefilter("ignore", UserWarning)
             self.pools[key] = (mapped, torch.frombuffer(mapped, dtype=torch.uint8))
 
-    def _write(self, path: str, tree_json: str, algorithm: str, mode: int, layout_key: int) -> Tuple[Any, ...]:
-        from lightning_resume.io import write
+    def _write(
+        self, path: str, tree_json: str, algorithm: str, mode: int, layout_key: int, upload: Tuple[int, int]
+    ) -> Tuple[Any, ...]:
+        from lightning_resume.io import multipart, write
 
         started = time.monotonic()
         try:
@@ -345,7 +356,8 @@ class _Writer:
                     else torch.empty(shape, dtype=dtype)
                 )
             image = memoryview(mapped)[offset : offset + size]
-            write.commit(path, tree_json, tensors, algorithm, image=image, mode=mode)
+            options = multipart.UploadOptions(*upload)
+            write.commit(path, tree_json, tensors, algorithm, image=image, mode=mode, upload=options)
         except Exception as err:  # noqa: BLE001 - handed to the trainer, which raises it at the next save
             return ("error", _transferable(err))
         return ("done", time.monotonic() - started)

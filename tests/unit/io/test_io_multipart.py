@@ -222,3 +222,38 @@ def test_a_permanent_part_failure_on_s3_aborts_names_the_url_and_keeps_the_previ
     assert _load(url)["global_step"] == 3  # the previous object, whole
     assert _uploads(url) == []  # aborted: no incomplete upload left behind
     assert [e.name for e in storage.list_dir(f"{s3_bucket}/run")] == ["last.ckpt"]
+
+
+def _parts_of(url: str) -> int:
+    """How many parts the object was uploaded in: S3's ETag of a multi-part object ends with ``-N``."""
+    fs, key = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    etag = str(fs.info(key)["ETag"]).strip('"')
+    return int(etag.rsplit("-", 1)[1]) if "-" in etag else 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_the_plugin_options_set_the_part_size_in_every_writer(s3_bucket: str, mode: str) -> None:
+    """``upload_part_size`` reaches the upload on the training thread, the writer thread and the writer process:
+    16 MB in 5 MiB parts is 4 parts; the default 16 MiB part makes it 1 (one PUT)."""
+    kwargs = {} if mode == "sync" else {"async_save": True, "writer": mode}
+    small = SafetensorsCheckpointIO(upload_part_size=MIN_PART_SIZE, upload_concurrency=2, **kwargs)
+    default = SafetensorsCheckpointIO(**kwargs)
+    try:
+        for io, name in ((small, "small"), (default, "default")):
+            io.save_checkpoint(_state(3), f"{s3_bucket}/{mode}/{name}.ckpt")
+            if io.async_save:
+                io.wait()
+    finally:
+        small.teardown()
+        default.teardown()
+    assert _parts_of(f"{s3_bucket}/{mode}/small.ckpt") == 4
+    assert _parts_of(f"{s3_bucket}/{mode}/default.ckpt") == 1
+    assert torch.equal(_load(f"{s3_bucket}/{mode}/small.ckpt")["state_dict"]["w"], _state(3)["state_dict"]["w"])
+
+
+def test_the_plugin_names_bad_upload_options() -> None:
+    with pytest.raises(ConfigurationError) as err:
+        SafetensorsCheckpointIO(upload_part_size=1024, upload_concurrency=0)
+    assert "upload_part_size=1024 must be an int >= 5242880" in str(err.value)
+    assert "upload_concurrency=0 must be an int >= 1" in str(err.value)

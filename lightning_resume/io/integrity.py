@@ -191,7 +191,8 @@ class DataCheck:
         actual, expected = self._current.hexdigest(), self._record["tensors"][entry.name][2]
         self._current = hasher(self._algorithm)
         if actual != expected:
-            raise CheckpointCorruptError(self.path, f"tensor '{entry.name}': checksum mismatch", expected, actual)
+            where = f"tensor '{entry.name}' (data bytes {entry.begin}-{entry.end}, after the header)"
+            raise CheckpointCorruptError(self.path, f"{where}: checksum mismatch", expected, actual)
         self._parts.append(actual)
 
     def finish(self) -> None:

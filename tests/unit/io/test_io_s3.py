@@ -149,3 +149,27 @@ def test_incomplete_uploads_of_dead_writers_are_aborted_once_a_day_old(s3_bucket
     removed = atomic.clean_stale_temporaries(f"{s3_bucket}/run", now=started + 2 * atomic.STALE_AFTER_S)
     assert removed == [f"{s3_bucket}/run/step=7.ckpt (incomplete upload)"]
     assert fs.list_multipart_uploads(bucket) == []
+
+
+def test_a_ranged_get_that_fails_once_during_a_load_is_retried(s3_bucket: str, s3_server, monkeypatch) -> None:
+    """One 500 on a GET of the load's ranged reads: retried, and the load is bitwise (the fault was seen)."""
+    monkeypatch.setattr(storage, "RETRY_BASE_S", 0.0)
+    url = f"{s3_bucket}/run/step=4.ckpt"
+    SafetensorsCheckpointIO().save_checkpoint(_state(4), url)
+    s3_server.faults.fail(1, methods=("GET",))
+    loaded = SafetensorsCheckpointIO().load_checkpoint(url)
+    assert s3_server.faults.seen == 1
+    assert torch.equal(loaded["state_dict"]["w"], _state(4)["state_dict"]["w"])
+
+
+def test_a_corrupt_range_is_refused_naming_the_url_and_where_in_the_object(s3_bucket: str) -> None:
+    url = f"{s3_bucket}/run/step=5.ckpt"
+    SafetensorsCheckpointIO().save_checkpoint(_state(5), url)
+    fs, key = fsspec.core.url_to_fs(url)
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(key, bytes(data))
+    with pytest.raises(CheckpointCorruptError) as err:
+        SafetensorsCheckpointIO().load_checkpoint(url)
+    message = str(err.value)
+    assert url in message and "tensor 'state_dict.w' (data bytes " in message, message

@@ -44,6 +44,11 @@ from lightning_resume.io.write import save_file
 from lightning_resume.sharded import commit as commits
 
 
+def _written(future: Any) -> List[str]:
+    """The files a DCP ``write_data`` future wrote, sorted (it has completed once this returns)."""
+    return sorted({result.storage_data.relative_path for result in future.wait()})
+
+
 class RecordingWriter(FileSystemWriter):
     """Remembers which files this rank wrote, so it can digest exactly those."""
 
@@ -54,7 +59,7 @@ class RecordingWriter(FileSystemWriter):
     @override
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
-        self.written = sorted({result.storage_data.relative_path for result in future.wait()})
+        self.written = _written(future)
         return future
 
 
@@ -69,7 +74,7 @@ class RecordingFsspecWriter(dcp_compat.FsspecWriter):
     @override
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
-        self.written = sorted({result.storage_data.relative_path for result in future.wait()})
+        self.written = _written(future)
         return future
 
 

@@ -19,8 +19,8 @@ from lightning_resume import SafetensorsCheckpointIO
 class Logged(SafetensorsCheckpointIO):
     """Each background write logged around the plugin's documented ``_commit`` hook."""
 
-    def __init__(self, events: str) -> None:
-        super().__init__(async_save=True)
+    def __init__(self, events: str, writer: str = "thread") -> None:
+        super().__init__(async_save=True, writer=writer)
         self.log = open(events, "a", buffering=1)
 
     def _commit(self, path, tree_json, tensors):

@@ -14,25 +14,13 @@ import sys
 
 import torch
 
-from lightning_resume import AsyncWriteError, SafetensorsCheckpointIO
-
-
-class Logged(SafetensorsCheckpointIO):
-    """Each background write logged around the plugin's documented ``_commit`` hook."""
-
-    def __init__(self, events: str) -> None:
-        super().__init__(async_save=True, writer="process")
-        self.log = open(events, "a", buffering=1)
-
-    def _commit(self, path, tree_json, tensors):
-        self.log.write(f"begin {int(tensors['w'][0])}\n")
-        super()._commit(path, tree_json, tensors)
-        self.log.write(f"end {int(tensors['w'][0])}\n")
+from lightning_resume import AsyncWriteError
+from tests.helpers.jobs.async_save_loop import Logged  # each write logged around ``_commit``
 
 
 def main(events: str, target: str, numel: int) -> int:
     torch.set_num_threads(1)
-    io = Logged(events)
+    io = Logged(events, writer="process")
     w = torch.zeros(numel)
     try:
         for step in range(1, 100_000):

@@ -39,6 +39,7 @@ CFG: dict[str, Any] = {
 }
 EXTENDED = frozenset(
     {
+        "test_a_kill_inside_the_dealt_epoch_resumes_exactly_or_is_dealt_again",
         "test_an_interrupted_epoch_is_trained_once_on_another_world_size[2_to_1]",
         "test_one_rank_to_two",
         "test_an_iterable_dataset_is_refused",

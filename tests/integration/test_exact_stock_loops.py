@@ -24,6 +24,7 @@ from tests.helpers import kill_resume as h
 # validation epoch, SWA starting mid-epoch, the epoch-interval scheduler, the named hook and one control.
 EXTENDED = frozenset(
     {
+        "test_plain_lightning_differs[max_steps_epoch_end]",
         "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-no_validation-max_steps]",
         "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-no_validation-max_epochs]",
         "test_stock_checkpoint_resumes_bit_for_bit[epoch_end_checkpoint-validation_at_epoch_end-max_epochs]",

@@ -18,6 +18,13 @@ from lightning_resume.schedule import history
 from lightning_resume.schedule.state import Tier
 from tests.helpers import kill_resume as h
 
+EXTENDED = frozenset(
+    {
+        "test_kill_resumes_from_memory_or_disk_exactly",
+    }
+)
+"""In make test-all only: one process: the DDP test resumes from memory and from disk too, on both ranks."""
+
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 """Durable snapshots every 6 steps, memory ones every 2: killed at step 9, disk has step 6, memory step 8."""
 

@@ -20,10 +20,11 @@ from tests.helpers.processes import child_env
 TARGET = REPO_ROOT / "tests" / "helpers" / "jobs" / "prove_target.py"
 EXAMPLE = REPO_ROOT / "examples" / "resume_proof.py"
 
-# Outside `make test` (see tests/integration/conftest.py): the subset keeps the example (EXACT, with --json),
-# one defect of each diagnosis family (an RNG stream, the data position, no checkpoint loaded) and the crash.
+# Outside `make test` (see tests/integration/conftest.py): the subset keeps the example (EXACT, with --json), a
+# kill inside a validation, an RNG-stream defect, a relaunch that loaded no checkpoint, and the crash.
 EXTENDED = frozenset(
     {
+        "test_a_defect_is_found_at_the_right_step_and_named[loader_subclass]",
         "test_a_defect_is_found_at_the_right_step_and_named[numpy_generator]",
         "test_a_defect_is_found_at_the_right_step_and_named[buffer]",
         "test_ddp_two_ranks_prove_exact",

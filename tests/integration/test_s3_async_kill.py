@@ -20,6 +20,13 @@ from lightning_resume import SafetensorsCheckpointIO
 from tests.helpers.kill_writes import durable_steps, kill_during_writes
 from tests.helpers.s3 import s3_env
 
+EXTENDED = frozenset(
+    {
+        "test_sigkill_during_background_uploads_leaves_last_whole",
+    }
+)
+"""In make test-all only: make test kills uploads mid-way in test_s3_multipart (the previous object stays whole) and test_retention_mirror, and an async run on S3 in test_s3_resume."""
+
 N = 14_000_000  # 56 MB: past s3fs's 50 MB block, so each upload is multi-part
 
 

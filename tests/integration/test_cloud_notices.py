@@ -17,6 +17,14 @@ import pytest
 from tests.helpers import kill_resume as h
 from tests.helpers.metadata import FakeMetadata, fake_dmi, serving
 
+EXTENDED = frozenset(
+    {
+        "test_a_notice_mid_epoch_stops_after_a_durable_snapshot_and_the_relaunch_is_exact",
+    }
+)
+"""In make test-all only: the DDP case does the same on two ranks (a notice, a durable snapshot, a clean stop
+at the same step, a relaunch compared bitwise), against an AWS server instead of GCE."""
+
 BASE = {
     "n": 40, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "augment": True, "shuffle": True, "slow": 0.08,
     "ckpt": {"save_top_k": 0},

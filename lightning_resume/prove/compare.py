@@ -170,7 +170,9 @@ def _cut(records: Sequence[Record]) -> _Cut:
         if n > 1:
             resumed_at.append(int(start.get("step") or 0))
             restores[n] = len(kept)
-        kept += [(r, n) for r in body if r.get("kind") in COMPARED_KINDS]
+        for record in body:
+            if _compared(kept[-1][0] if kept and kept[-1][1] == n else None, record):  # within one launch
+                kept.append((record, n))
         saved_before += [int(r.get("step") or 0) for r in body if r.get("kind") == "saved"]
     return _Cut(
         records=tuple(r for r, _ in kept), origins=tuple(n for _, n in kept), starts=tuple(starts),
@@ -362,7 +364,24 @@ def _basename(path: str) -> str:
 
 
 def _compared_records(records: Sequence[Record]) -> list[Record]:
-    return [r for r in records if r.get("kind") in COMPARED_KINDS]
+    out: list[Record] = []
+    for record in records:
+        if _compared(out[-1] if out else None, record):
+            out.append(record)
+    return out
+
+
+def _compared(previous: Optional[Record], record: Record) -> bool:
+    """``record`` is compared, following ``previous`` (the record kept before it): a kind in ``COMPARED_KINDS``,
+    and not a ``saved`` record equal to the ``saved`` record right before it: a second file of the same
+    state (a top-k file, then ``last.ckpt``; two checkpoint callbacks) within one launch, counted once in both
+    runs. A kill between the two files leaves a relaunch that resumed from the first one, and no run redoes the
+    second: by rule, not a difference. A relaunch that saves its resume step again is still an extra record."""
+    if record.get("kind") not in COMPARED_KINDS:
+        return False
+    if previous is None or record.get("kind") != "saved" or previous.get("kind") != "saved":
+        return True
+    return not all(previous.get(k) == record.get(k) for k in set(previous) | set(record) if k not in IGNORED_FIELDS)
 
 
 def _first_finding(rank: int, a: Sequence[Record], cut: _Cut) -> tuple[Optional[_Finding], int]:

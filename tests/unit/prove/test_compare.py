@@ -152,6 +152,22 @@ def test_a_relaunch_resumed_from_a_checkpoint_saved_two_launches_ago():
     assert compare({0: run()}, {0: records}).resumed_at == {0: (4, 4)}
 
 
+def test_a_kill_between_the_top_k_file_and_last_ckpt_of_one_step_is_exact():
+    """A saves step 4 twice (``save_last=True``: the top-k file, then ``last.ckpt``); B's launch 1 is killed
+    between the two, its relaunch resumes from the first and never writes the second (CI, stop 33)."""
+    twice = lambda records: [x for r in records for x in ([r, r] if r["kind"] == "saved" else [r])]
+    a = twice(run())
+    launch_1 = [start(), *twice(steps(0, 4))[:-1]]  # killed before its second save of step 4
+    b = [*launch_1, start(4, PATH, pid=101), *twice(steps(4, STEPS)), end()]
+    verdict = compare({0: a}, {0: b})
+    assert verdict.exact, verdict
+    assert verdict.compared == {0: len(compared_only(run()))}, "the same state saved twice is counted once"
+    other = [{**r, "params": "p-other"} if r["kind"] == "saved" and r["step"] == 8 else r for r in b]
+    other[[i for i, r in enumerate(other) if r["kind"] == "saved" and r["step"] == 8][0]]["params"] = "p0-8"
+    verdict = compare({0: a}, {0: other})
+    assert (verdict.component, verdict.step) == ("extra", 8), "a second save of other weights is still compared"
+
+
 # ------------------------------------------------------------------------------------- diagnoses
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_resume.prove import compare, runner
-from tests.helpers import processes
+from tests.helpers import preloaded, processes
 from tests.helpers.compare import assert_bitwise
 from tests.helpers.paths import JOBS_DIR
 
@@ -31,15 +31,16 @@ def trace_dir(cfg: dict[str, Any]) -> Path:
     return Path(cfg["out"]).parent / f"trace-{hashlib.sha1(str(cfg['ckpt_dir']).encode()).hexdigest()[:8]}"
 
 
-def start(cfg: dict[str, Any], workdir: Path) -> subprocess.Popen:
+def start(cfg: dict[str, Any], workdir: Path) -> preloaded.PreloadedProcess:
     """Start the trainee on ``cfg`` (written to ``<out>/config.json``), its output to ``<out>/stdout.txt``,
-    recording its trace (weights digests at every step)."""
+    recording its trace (weights digests at every step); forked with torch and Lightning imported
+    (``processes.start_preloaded``)."""
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(cfg))
     env = {**runner.trace_environment(trace_dir(cfg), digest_every=1), **(cfg.get("env") or {})}
-    return processes.start([TRAINEE, cfg_path], env=env, cwd=workdir, log=out / "stdout.txt")
+    return processes.start_preloaded(TRAINEE, [cfg_path], env=env, cwd=workdir, log=out / "stdout.txt")
 
 
 def output(cfg: dict[str, Any], tail: Optional[int] = 6000) -> str:

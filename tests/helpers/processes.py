@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from lightning_resume.prove import runner
+from tests.helpers import preloaded
 from tests.helpers.paths import REPO_ROOT
 
 TAIL = 3000
@@ -39,6 +40,22 @@ def start(
     """``python ARGS`` in a new session (``lightning_resume.prove.runner.start_process``, the one ``prove``
     uses); stdout and stderr together into ``log``, or a text pipe without one."""
     return runner.start_process([sys.executable, *map(str, args)], cwd, child_env(env), log)
+
+
+def start_preloaded(
+    script: Union[str, Path],
+    args: Sequence[object],
+    env: Optional[dict[str, str]] = None,
+    cwd: Union[str, Path] = REPO_ROOT,
+    log: Optional[Path] = None,
+) -> preloaded.PreloadedProcess:
+    """``python SCRIPT ARGS`` as ``start`` runs it (a new session, ``child_env``, output into ``log``), forked
+    from a server that imported torch and Lightning once (``tests/helpers/preloaded.py``): about 4 s less
+    per launch. For job scripts that start from nothing but their arguments; a test of what a new interpreter
+    imports uses ``start``."""
+    if log is None:
+        raise ValueError("a preloaded child writes its output into a log file: pass log=")
+    return preloaded.start(script, [str(a) for a in args], cwd, child_env(env), log)
 
 
 def output(proc: subprocess.Popen) -> str:

@@ -49,6 +49,7 @@ from lightning_resume.exact.state import rng as rng_streams
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
+from lightning_resume.io.plugin import loaded_in_place, offer_module
 from lightning_resume.prove import trace
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.schedule.config import (
@@ -271,6 +272,7 @@ class ExactResume(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
+        offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
         if stage == "fit":
             self._trace = self._trace_from_environment(trainer)
         if stage == "fit" and self._stop_replacing_loaders is None:
@@ -500,7 +502,8 @@ class ExactResume(Callback):
             return  # validate/test/predict read weights only: nothing of a training position is missed
         self._loaded = None
         if self.fingerprint and ours and _weights_left_to_the_file(ours):
-            self._loaded = loaded_digests(checkpoint)  # once per resume, while Lightning still holds the dict
+            # once per resume, while Lightning still holds the dict
+            self._loaded = loaded_digests(checkpoint, loaded_in_place(trainer))
         if not ours:
             rank_zero_warn(
                 "ExactResume: this checkpoint was written without ExactResume; training resumes but these are not"

@@ -11,6 +11,7 @@ trainer only through ``_compat.lightning``.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
 
 import lightning.pytorch as pl
@@ -36,6 +37,8 @@ from lightning_resume.exact.state.fingerprint import (
     weights_digest,
 )
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
+from lightning_resume.io import integrity
+from lightning_resume.io.framing import host_bytes
 
 CHECKED_PARTS = ("weights", "optimizer", "rng", "step")
 """Fingerprint parts compared after a restore (the data part is compared through the loader states)."""
@@ -119,14 +122,39 @@ LoadedDigests = dict[str, Any]
 """``{"tensors": {state dict key: digest}, "optimizer": digest or None}`` of a loaded checkpoint."""
 
 
-def loaded_digests(checkpoint: Mapping[str, Any]) -> Optional[LoadedDigests]:
+InPlace = Mapping[str, tuple[str, str]]
+"""Weights a load read straight into the module (``SafetensorsCheckpointIO.loaded_in_place``): state-dict
+name -> the file's recorded ``(algorithm, digest)`` of their bytes."""
+
+
+def loaded_digests(checkpoint: Mapping[str, Any], in_place: InPlace = MappingProxyType({})) -> Optional[LoadedDigests]:
     """What the restored state is compared with when the saved fingerprint left the weights to the file's own
-    digests (``capture.files_prove_tensors``): the loaded checkpoint's, taken once, while Lightning holds it."""
+    digests (``capture.files_prove_tensors``): the loaded checkpoint's, taken once, while Lightning holds it.
+    A weight read in place is the module's own memory, so hashing it here would prove nothing: the file's
+    recorded digest of it stands in, and the module is hashed the file's way after the restore."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, Mapping):
         return None  # a sharded checkpoint loads in place: there is no dict to compare with
+    in_place = {name: in_place[name] for name in state if name in in_place}
+    held = tensor_digests({name: value for name, value in state.items() if name not in in_place})
+    tensors = {**held, **{name: _as_file_digest(*pair) for name, pair in in_place.items()}}
     optimizers = checkpoint.get("optimizer_states")
-    return {"tensors": tensor_digests(state), "optimizer": None if optimizers is None else digest(list(optimizers))}
+    return {
+        "tensors": tensors, "in_place": in_place, "optimizer": None if optimizers is None else digest(list(optimizers))
+    }  # fmt: skip
+
+
+def _as_file_digest(algorithm: str, value: str) -> str:
+    return f"file:{algorithm}:{value}"
+
+
+def _module_digests(state: Mapping[str, Any], in_place: InPlace) -> dict[str, str]:
+    """``tensor_digests`` of a module's state, the weights read in place hashed as the file hashed them."""
+    held = tensor_digests({name: value for name, value in state.items() if name not in in_place})
+    for name, (algorithm, _) in in_place.items():
+        if name in state:
+            held[name] = _as_file_digest(algorithm, integrity.digest(algorithm, host_bytes(state[name])))
+    return held
 
 
 def compared_with_loaded(
@@ -140,7 +168,7 @@ def compared_with_loaded(
     restored one made comparable: the buffers this rank holds differently from rank 0 (``rank_local``, put
     back on purpose) are left out on both sides."""
     leave_out = set(mine.get("buffers") or {})
-    live = tensor_digests(trainer.lightning_module.state_dict())
+    live = _module_digests(trainer.lightning_module.state_dict(), loaded.get("in_place") or {})
     expected = dict(saved_print, weights=weights_digest(loaded["tensors"], leave_out))
     actual = dict(restored, weights=weights_digest(live, leave_out))
     if loaded.get("optimizer") is not None:

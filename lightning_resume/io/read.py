@@ -17,14 +17,14 @@ from __future__ import annotations
 import mmap as mmap_module
 import os
 import stat
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
 from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import framing, host_memory, integrity, remote_budget
+from lightning_resume.io import framing, host_memory, in_place, integrity, remote_budget
 from lightning_resume.io.codec import decode, parse_tree
 from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
 from lightning_resume.io.legacy import load_legacy
@@ -34,11 +34,14 @@ from lightning_resume.storage import is_local, local_path
 
 @dataclass
 class Loaded:
-    """A parsed file: the checkpoint tree and, for our format, its header (``None`` for legacy)."""
+    """A parsed file: the checkpoint tree and, for our format, its header (``None`` for legacy). ``in_place``:
+    the tree path of each tensor read into a destination the caller offered (``ReadOptions.into``), with the
+    file's recorded ``(algorithm, digest)`` of its bytes."""
 
     checkpoint: Dict[str, Any]
     header: Optional[framing.Header]
     size: int
+    in_place: Dict[in_place.TreePath, Tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,19 @@ class ReadOptions:
     file and rename it over the name, so a mapping keeps the old file); use ``mmap=False`` (the default)
     for files something else may rewrite in place.
     ``max_remote_load_bytes``: the most host memory a load from a URL may hold (``None``: no cap; the memory
-    the host has left always bounds it); see ``io.remote_budget``."""
+    the host has left always bounds it); see ``io.remote_budget``.
+    ``into``: tensors the caller already holds, by their place in the checkpoint's tree, to read the file's
+    tensors straight into (``io.in_place.plan`` says which fit; the others load into new memory). The loaded
+    tree then holds those very tensors. Not with ``mmap`` or a ``map_location`` device other than the CPU;
+    a ``torch.save`` file loads as always. If the load fails a checksum, the destinations read before the
+    failure hold the file's bytes (the error says so)."""
 
     verify: bool = True
     map_location: Any = None
     lenient: bool = False
     mmap: bool = False
     max_remote_load_bytes: Optional[int] = None
+    into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None
 
 
 def load_file(
@@ -70,10 +79,12 @@ def load_file(
     lenient: bool = False,
     mmap: bool = False,
     max_remote_load_bytes: Optional[int] = None,
+    into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None,
 ) -> Loaded:
     """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong, and
-    ``RemoteLoadMemoryError`` before downloading a remote file whose load would not fit in memory."""
-    path, opts = str(path), ReadOptions(verify, map_location, lenient, mmap, max_remote_load_bytes)
+    ``RemoteLoadMemoryError`` before downloading a remote file whose load would not fit in memory.
+    ``into``: see ``ReadOptions``."""
+    path, opts = str(path), ReadOptions(verify, map_location, lenient, mmap, max_remote_load_bytes, into)
     check_regular_file(path)
     if not is_local(path):
         return _load_remote(path, opts)
@@ -210,10 +221,17 @@ def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: A
     n = framing.header_length(path, head, size)
     header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
     record, tree_json = _checked_metadata(path, header)
-    tensors = _read_tensors(path, f, header, record, opts.verify)
-    device = _device(opts.map_location)
+    tree, device = _parse_tree(path, tree_json), _device(opts.map_location)
+    offered = opts.into if opts.into and (device is None or device.type == "cpu") else {}
+    targets = in_place.plan(tree, header.entries, offered) if offered else {}
+    tensors = _read_tensors(path, f, header, record, opts.verify, targets)
     tensors = tensors if device is None else {k: t.to(device) for k, t in tensors.items()}
-    return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
+    filled = {
+        where: (str(record["algorithm"]), str(record["tensors"][key][2]))
+        for where in offered
+        if (key := in_place.tensor_key(tree, where)) in targets
+    }
+    return Loaded(_decode_parsed(path, tree, tensors, opts.lenient), header, size, filled)
 
 
 def verify_local(path: str) -> None:
@@ -249,18 +267,45 @@ each hand-over; figures in the commit that made this choice)."""
 
 
 def _read_tensors(
-    path: str, f: Any, header: framing.Header, record: Dict[str, Any], verify: bool
+    path: str,
+    f: Any,
+    header: framing.Header,
+    record: Dict[str, Any],
+    verify: bool,
+    targets: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Dict[str, torch.Tensor]:
-    """Read each tensor into its own fresh memory, hashing each chunk as it lands (with ``verify``)."""
+    """Read each tensor into its own fresh memory, or into its destination in ``targets`` (``in_place.plan``),
+    hashing each chunk as it lands (with ``verify``)."""
     check = integrity.DataCheck(path, record) if verify else None
-    tensors = {}
-    for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
-        t = torch.empty(e.shape, dtype=framing.DTYPES[e.dtype])
-        _read_tensor(path, f, e, framing.host_bytes(t), check)
-        tensors[e.name] = t
-    if check is not None:
-        check.finish()  # raises CheckpointCorruptError before any tensor is handed out
+    targets = targets or {}
+    tensors: Dict[str, torch.Tensor] = {}
+    try:
+        for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
+            t = targets.get(e.name)
+            t = torch.empty(e.shape, dtype=framing.DTYPES[e.dtype]) if t is None else t
+            _read_tensor(path, f, e, framing.host_bytes(t), check)
+            tensors[e.name] = t
+        if check is not None:
+            check.finish()  # raises CheckpointCorruptError before any tensor is handed out
+    except CheckpointCorruptError as err:
+        written = sum(1 for key in targets if key in tensors) + (1 if _reading_target(header, targets, tensors) else 0)
+        if not written:
+            raise
+        raise CheckpointCorruptError(
+            err.path,
+            f"{err.what}; {written} tensor(s) its caller offered were read in place before the failure and hold"
+            " this file's bytes: load a checkpoint that verifies into them (the fallback of ckpt_path='last' does)"
+            " or build the model again before using it",
+            err.expected,
+            err.actual,
+        ) from err
     return tensors
+
+
+def _reading_target(header: framing.Header, targets: Mapping[str, torch.Tensor], done: Mapping[str, Any]) -> bool:
+    """Whether the tensor being read when a failure came (the first not done) was a destination."""
+    pending = [e for e in sorted(header.entries.values(), key=lambda e: e.begin) if e.name not in done]
+    return bool(pending) and pending[0].name in targets
 
 
 def _read_tensor(
@@ -333,8 +378,19 @@ def _device(map_location: Any) -> Optional[torch.device]:
 
 
 def _decode_tree(path: str, tree_json: str, tensors: Dict[str, torch.Tensor], lenient: bool) -> Dict[str, Any]:
+    return _decode_parsed(path, _parse_tree(path, tree_json), tensors, lenient)
+
+
+def _parse_tree(path: str, tree_json: str) -> Any:
     try:
-        tree = decode(parse_tree(tree_json), tensors, lenient=lenient)
+        return parse_tree(tree_json)
+    except (ValueError, RecursionError) as err:  # TreeFormatError and json's errors are ValueErrors
+        raise CheckpointCorruptError(path, f"typed JSON tree is malformed: {err}") from err
+
+
+def _decode_parsed(path: str, parsed: Any, tensors: Dict[str, torch.Tensor], lenient: bool) -> Dict[str, Any]:
+    try:
+        tree = decode(parsed, tensors, lenient=lenient)
     except (ValueError, RecursionError) as err:  # TreeFormatError and json's errors are ValueErrors
         raise CheckpointCorruptError(path, f"typed JSON tree is malformed: {err}") from err
     if type(tree) is not dict:

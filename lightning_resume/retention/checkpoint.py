@@ -34,6 +34,7 @@ from lightning_resume.errors import (
     TreeFormatError,
 )
 from lightning_resume.io.atomic import fsync_file_and_dir
+from lightning_resume.io.plugin import offer_module
 from lightning_resume.io.resolve import candidates
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.protocols import AsyncCheckpointWriter
@@ -392,6 +393,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             self._check_writable(lc.checkpoint_dir(self, trainer))
         super().setup(trainer, pl_module, stage)
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
+        offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
         if self.policy.active and isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             # It returns before the file exists and says nothing when it does: a prune could then
             # delete the newest durable checkpoint while its successor is still being written.

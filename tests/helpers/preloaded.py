@@ -8,7 +8,9 @@ ranks and data workers it starts), working directory, environment, ``sys.argv``,
 script's directory), stdout and stderr into its log; it imports ``lightning_resume`` and everything else
 itself, trains from nothing it inherited, and exits through ``threading._shutdown`` and the ``atexit``
 handlers as an interpreter does. Python's ``random`` reseeds itself at fork; numpy's global generator is
-reseeded here, as a fresh interpreter's would be. Lightning's DDP launcher starts the other ranks as new
+reseeded here, as a fresh interpreter's would be, and multiprocessing's start method is the platform's
+default again (a Process of the server inherits ``forkserver``; data workers must be forked from the
+child, as from an interpreter). Lightning's DDP launcher starts the other ranks as new
 interpreters of the script (``__main__`` is the script, ``__spec__`` ``None``, as ``runpy.run_path`` sets).
 
 What it does not do: re-read at import time an environment variable the three preloaded packages read at
@@ -118,6 +120,8 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], log: str) -> None:
     first = [os.path.dirname(os.path.abspath(argv[0])), *path]
     sys.path[:] = first + [p for p in sys.path if p not in first]
     sys.argv[:] = argv
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again (not the server's): data
+    # workers are forked from this process, as from any interpreter, not started by the server
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh interpreter seeds it from the OS
     code: object = 0

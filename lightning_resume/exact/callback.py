@@ -272,7 +272,8 @@ class ExactResume(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
-        offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
+        if stage == "fit":
+            offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
         if stage == "fit":
             self._trace = self._trace_from_environment(trainer)
         if stage == "fit" and self._stop_replacing_loaders is None:
@@ -314,6 +315,9 @@ class ExactResume(Callback):
             self.scheduler = driver.make_scheduler(old.config.single_level(), old.clock, old.wall_clock, checks)
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        offer_module(trainer, None)  # the restore is over: no later load may read into the live module
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = lc.train_loaders(trainer)
         numbered = enumerate(loaders)

@@ -103,10 +103,11 @@ class SafetensorsCheckpointIO(CheckpointIO):
             before anything is downloaded, instead of running out of memory half-way. Local loads are unaffected.
         load_in_place: read a checkpoint's weights straight into the module the run already built, instead of
             into new memory that Lightning then copies over (one copy of the weights fewer, and no new pages:
-            at 1 GB most of the time to the first resumed step on a VM). Takes effect for a fit (or validate,
-            test, predict) with ``ExactResume`` or ``RetentionCheckpoint``, which hand the module over
-            (``load_into``), for each weight on the CPU whose dtype and shape match the file's, and not when
-            the module overrides ``on_load_checkpoint`` (it may change the dict before Lightning copies it).
+            at 1 GB most of the time to the first resumed step on a VM). Takes effect for the restore of a
+            fit with ``ExactResume`` or ``RetentionCheckpoint``, which hand the module over (``load_into``)
+            in ``setup`` and withdraw it in ``on_fit_start``, for each weight on the CPU whose dtype and
+            shape match the file's; not when the module overrides ``on_load_checkpoint`` (it may change the
+            dict before Lightning copies it), nor for strategies that restore after their own setup (FSDP).
             The others load as before. If the file then fails a checksum, the weights read before the
             failure hold the file's bytes (the error says so); the ``"last"`` fallback overwrites them with
             the checkpoint that verifies. Default ``True``; no effect with ``mmap``.
@@ -432,12 +433,14 @@ def _default_on_load_checkpoint() -> Any:
     return CheckpointHooks.on_load_checkpoint
 
 
-def offer_module(trainer: Any, module: torch.nn.Module) -> None:
-    """Hand ``module`` to the trainer's ``SafetensorsCheckpointIO`` for the load that restores it (nothing
-    for another checkpoint IO)."""
+def offer_module(trainer: Any, module: Optional[torch.nn.Module]) -> None:
+    """Hand ``module`` to the trainer's ``SafetensorsCheckpointIO`` for the load that restores it, or withdraw
+    it (``None``); nothing for another checkpoint IO, or for a strategy that restores after its own setup
+    (FSDP, DeepSpeed: the module is wrapped and sharded by then)."""
     io = _safetensors_io(trainer)
     if io is not None:
-        io.load_into(module)
+        later = getattr(getattr(trainer, "strategy", None), "restore_checkpoint_after_setup", False)
+        io.load_into(None if later else module)
 
 
 def loaded_in_place(trainer: Any) -> Dict[str, Tuple[str, str]]:

@@ -393,7 +393,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             self._check_writable(lc.checkpoint_dir(self, trainer))
         super().setup(trainer, pl_module, stage)
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
-        offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
+        if stage == "fit":
+            offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
         if self.policy.active and isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             # It returns before the file exists and says nothing when it does: a prune could then
             # delete the newest durable checkpoint while its successor is still being written.
@@ -429,6 +430,9 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
                 )
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        offer_module(trainer, None)  # the restore is over: no later load may read into the live module
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if not self.policy.active:

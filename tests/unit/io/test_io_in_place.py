@@ -180,3 +180,16 @@ def test_a_callback_writing_into_the_loaded_weights_is_caught_by_the_check_after
     _fit(tmp_path, 6, _Net(), resume=False)
     with pytest.raises(ResumeMismatchError, match="fingerprint after restore"):
         _fit(tmp_path, 8, _Net(), resume=True, extra=[_WritesIntoTheDict()])
+
+
+def test_after_the_restore_no_load_reads_into_the_live_module(tmp_path: Path):
+    """The module is offered for the restore of a fit only: a fit that loaded nothing, then a load of some
+    checkpoint by hand (an inspection, during or after training), leaves the module's weights alone."""
+    _fit(tmp_path / "other", 6, _Net(), resume=False)
+    model = _Net()
+    trainer = _fit(tmp_path, 3, model, resume=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    io = trainer.strategy.checkpoint_io
+    io.load_checkpoint(str(next((tmp_path / "other").glob("*.ckpt"))))
+    assert io.loaded_in_place() == {}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

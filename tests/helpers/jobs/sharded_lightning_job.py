@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-import lightning as L
+import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import yaml
-from lightning import LightningModule
+from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from lightning import Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader
 

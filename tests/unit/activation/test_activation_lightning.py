@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from lightning import Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 
 from lightning_resume.activation.strategies import ActivationCheckpointingStrategy
 from lightning_resume.errors import ConfigurationError

@@ -6,7 +6,7 @@ import json
 import os
 import pathlib
 
-import lightning as L
+import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint

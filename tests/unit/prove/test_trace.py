@@ -9,7 +9,7 @@ import os
 import struct
 import time
 
-import lightning
+import lightning.pytorch as lightning
 import pytest
 import torch
 from lightning.pytorch import Callback

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 
-import lightning
+import lightning.pytorch as lightning
 import pytest
 import torch
 import yaml

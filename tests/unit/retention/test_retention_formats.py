@@ -3,7 +3,7 @@ checksums whatever IO the current run has, and prune deletes only what the polic
 
 from __future__ import annotations
 
-import lightning
+import lightning.pytorch as lightning
 import pytest
 
 from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO

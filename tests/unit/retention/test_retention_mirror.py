@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 import fsspec
-import lightning
+import lightning.pytorch as lightning
 import pytest
 import yaml
 from lightning.pytorch.callbacks import Callback

@@ -318,6 +318,7 @@ class ExactResume(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         offer_module(trainer, None)  # the restore is over: no later load may read into the live module
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = lc.train_loaders(trainer)
         numbered = enumerate(loaders)

@@ -433,6 +433,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         offer_module(trainer, None)  # the restore is over: no later load may read into the live module
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if not self.policy.active:

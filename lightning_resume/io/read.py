@@ -279,8 +279,10 @@ def _read_tensors(
     check = integrity.DataCheck(path, record) if verify else None
     targets = targets or {}
     tensors: Dict[str, torch.Tensor] = {}
+    reading = ""  # the tensor being read, when a failure comes
     try:
         for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
+            reading = e.name
             t = targets.get(e.name)
             t = torch.empty(e.shape, dtype=framing.DTYPES[e.dtype]) if t is None else t
             _read_tensor(path, f, e, framing.host_bytes(t), check)
@@ -288,7 +290,7 @@ def _read_tensors(
         if check is not None:
             check.finish()  # raises CheckpointCorruptError before any tensor is handed out
     except CheckpointCorruptError as err:
-        written = sum(1 for key in targets if key in tensors) + (1 if _reading_target(header, targets, tensors) else 0)
+        written = sum(1 for key in targets if key in tensors or key == reading)
         if not written:
             raise
         raise CheckpointCorruptError(
@@ -300,12 +302,6 @@ def _read_tensors(
             err.actual,
         ) from err
     return tensors
-
-
-def _reading_target(header: framing.Header, targets: Mapping[str, torch.Tensor], done: Mapping[str, Any]) -> bool:
-    """Whether the tensor being read when a failure came (the first not done) was a destination."""
-    pending = [e for e in sorted(header.entries.values(), key=lambda e: e.begin) if e.name not in done]
-    return bool(pending) and pending[0].name in targets
 
 
 def _read_tensor(

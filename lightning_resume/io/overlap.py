@@ -464,7 +464,12 @@ def pop_stranded() -> None:
 
 _WRITE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                             "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-                            "__imatmul__", "__set__"})  # fmt: skip
+                            "__imatmul__"})  # fmt: skip
+_METADATA_ONLY = frozenset({"requires_grad_", "detach_", "rename_"})
+"""In-place by name, but they change a tensor's autograd or naming metadata, never its bytes. Attribute
+setters (``p.grad = None``, as every ``zero_grad`` does; ``p.data = x``, which rebinds the parameter and
+leaves the saved memory as it was) are not writes either: guarding them made the next step's ``zero_grad``
+wait for the whole deferred copy on the training thread."""
 
 
 class _CopyOnWrite(TorchFunctionMode):
@@ -488,7 +493,8 @@ def _written(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Any
     """The tensors ``func(*args, **kwargs)`` writes in place (an in-place method, ``_foreach_*_``, ``out=``)."""
     out: List[Any] = []
     name = getattr(func, "__name__", "")
-    if args and ((name.endswith("_") and not name.endswith("__")) or name in _WRITE_DUNDERS):
+    in_place = name.endswith("_") and not name.endswith("__") and name not in _METADATA_ONLY
+    if args and (in_place or name in _WRITE_DUNDERS):
         first = args[0]
         out += list(first) if isinstance(first, (list, tuple)) else [first]
     given = kwargs.get("out")

@@ -121,6 +121,25 @@ def test_an_in_place_edit_before_the_copy_is_saved_as_it_was_at_the_save(held, t
     assert saver.guarded == 1 and saver.recopied == 0
 
 
+def test_zero_grad_and_metadata_changes_are_not_writes_the_copy_stays_on_the_helper_thread(held, tmp_path):
+    """The next step's ``zero_grad`` sets every ``p.grad = None``: were attribute setters or ``requires_grad_``
+    taken for writes, the training thread would copy each parameter itself (or wait for the helper) there."""
+    saver = _saver()
+    model, opt, x = _setup()
+    model(x).sum().backward()  # grads to drop, as a step leaves them
+    expected = _clone(_checkpoint(model, opt))
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    copy = saver._copy
+    opt.zero_grad(set_to_none=True)
+    model[0].weight.requires_grad_(True)
+    model[2].bias.data = model[2].bias.data  # a rebinding: the saved memory is not written
+    assert set(copy.state) == {overlap._PENDING} and saver._copy.stats.guarded == 0
+    held.set()
+    saver.wait()
+    _assert_saved(tmp_path / "a.ckpt", expected)
+    assert saver.guarded == 0 and saver.recopied == 0
+
+
 def test_without_the_guard_the_edit_would_reach_the_file(held, tmp_path, monkeypatch):
     """The test above can fail: with the guard passing writes through, the file holds the edited weight."""
     monkeypatch.setattr(overlap, "_written", lambda *a: [])

@@ -116,6 +116,7 @@ class AsyncSaver:
         self.encoder = TreeEncoder()
         self.writer = OrderedWriter()
         self._last_write: Optional[Job] = None
+        self._held: Optional[List[Job]] = None  # an overlapped snapshot's write, and what follows it, until its barrier
         self.last_wait_seconds = 0.0
         self.last_blocked_seconds = 0.0
         self._write_seconds: Optional[float] = None
@@ -171,7 +172,7 @@ class AsyncSaver:
         else:
             if not self.buffers.adopt(recopy, staged, tensors):
                 self.buffers.fill(staged, tensors, encoded.pointers, encoded.plain)
-            self.writer.submit(job)
+            self._submit(job)
         self.last_blocked_seconds = time.monotonic() - snapshot_start
         self._last_write = job
 
@@ -185,16 +186,24 @@ class AsyncSaver:
         except BaseException as err:
             staged._abort(err)
             raise
-        staged._copied_up_to(later[0] if later else len(staged), notify=True)  # the writer may start
-        if later:
-            copy = OverlappedCopy(
-                staged, [tensors[names[i]] for i in later], later, self.buffers.devices, self.check_versions
-            )
-            copy.on_end = self._copy_ended
-            copy.stats.sync_bytes = sum(staged[names[i]].numel() * staged[names[i]].element_size() for i in now)
+        staged._copied_up_to(later[0] if later else len(staged), notify=True)
+        if not later:
+            self._submit(job)
+            return
+        copy = OverlappedCopy(
+            staged, [tensors[names[i]] for i in later], later, self.buffers.devices, self.check_versions
+        )
+        copy.on_end = self._copy_ended
+        copy.after_barrier = self._submit_held
+        copy.stats.sync_bytes = sum(staged[names[i]].numel() * staged[names[i]].element_size() for i in now)
+        self._held = [job]  # handed to the worker at the barrier: waking it now would take the GIL from the save
+        try:
             copy.start()
-            self._copy = copy
-        self.writer.submit(job)
+        except BaseException as err:
+            self._held = None
+            staged._abort(err)
+            raise
+        self._copy = copy
 
     def end_copy(self) -> Optional[CopyStats]:
         """The barrier of the snapshot whose copy is still running (``overlap_copy``): wait for it, copy again
@@ -203,13 +212,25 @@ class AsyncSaver:
         copy, self._copy = self._copy, None
         return None if copy is None else copy.finish()
 
+    def _submit(self, job: Job) -> None:
+        """Queue ``job`` on the worker, or behind an overlapped snapshot's write not handed over yet (order kept)."""
+        if self._held is not None:
+            self._held.append(job)
+        else:
+            self.writer.submit(job)
+
+    def _submit_held(self) -> None:
+        held, self._held = self._held, None
+        for job in held or ():
+            self.writer.submit(job)
+
     def _copy_ended(self, stats: CopyStats) -> None:
         self.last_copy = stats
         self.guarded += stats.guarded
         self.recopied += len(stats.recopied)
 
     def _fill_while_writing(self, staged: StagedTensors, encoded: TreeText, job: Job) -> None:
-        self.writer.submit(job)
+        self._submit(job)
         try:
             self.buffers.fill(staged, encoded.tensors, encoded.pointers, encoded.plain)
         except BaseException:
@@ -228,18 +249,23 @@ class AsyncSaver:
             except (MemoryError, RuntimeError) as err:  # torch reports a failed allocation as RuntimeError
                 log.warning("lightning-resume: could not reserve %d bytes of staging memory ahead: %s", nbytes, err)
 
-        self.writer.submit(Job("reserve", "", run))
+        self._submit(Job("reserve", "", run))
 
     def remove(self, path: str, remove: Callable[[], None]) -> None:
         """Queue a deletion after everything submitted so far (skipped if the write before it failed)."""
-        self.writer.submit(Job("remove", path, remove, after=self._last_write))
+        self._submit(Job("remove", path, remove, after=self._last_write))
+
+    def _writes(self, path: Optional[str] = None) -> List[Job]:
+        """The writes queued or running and the one held until its barrier, oldest first."""
+        held = [j for j in self._held or () if j.kind == "write" and (path is None or j.path == path)]
+        return self.writer.outstanding(path, kind="write") + held
 
     def in_flight(self, path: Optional[str] = None) -> bool:
-        return bool(self.writer.outstanding(path, kind="write"))
+        return bool(self._writes(path))
 
     def pending(self) -> List[str]:
-        """The paths of the writes queued or running, oldest first."""
-        return [j.path for j in self.writer.outstanding(kind="write")]
+        """The paths of the writes queued, running or held until their barrier, oldest first."""
+        return [j.path for j in self._writes()]
 
     def wait(self, path: Optional[str] = None, timeout: Optional[float] = None, on_error: Optional[str] = None) -> bool:
         """Until ``path``'s writes (or every job) are done, then :meth:`report` (per ``on_error`` when given);

@@ -181,6 +181,8 @@ class OverlappedCopy:
         self.finished = False
         self.on_end: Optional[Callable[[CopyStats], None]] = None
         """Called with the stats once the barrier passed."""
+        self.after_barrier: Optional[Callable[[], None]] = None
+        """Called once the barrier is over, passed or failed (the saver hands the write to its worker then)."""
         self._copied = self._passed = self._released = False
         self._ordered: Set[int] = set()  # CUDA sources whose writes the guard queued after the side copy
 
@@ -348,6 +350,8 @@ class OverlappedCopy:
             raise
         finally:
             self.stats.barrier_seconds = time.monotonic() - started
+            if self.after_barrier is not None:
+                self.after_barrier()
         self._release(barrier=True)
         if self.on_end is not None:
             self.on_end(self.stats)

@@ -140,6 +140,23 @@ def test_zero_grad_and_metadata_changes_are_not_writes_the_copy_stays_on_the_hel
     assert saver.guarded == 0 and saver.recopied == 0
 
 
+def test_the_write_is_handed_to_the_worker_at_the_barrier_and_what_follows_it_keeps_its_place(held, tmp_path):
+    """Until the barrier the worker is not woken (it would take the GIL from the save), yet the write counts as in
+    flight, and a deletion asked for after the save runs only once the file it follows is committed."""
+    saver = _saver()
+    model, opt, _ = _setup()
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    seen = []
+    saver.remove("old.ckpt", lambda: seen.append((tmp_path / "a.ckpt").exists()))
+    assert saver.writer.outstanding() == [] and saver.in_flight() and saver.in_flight(str(tmp_path / "a.ckpt"))
+    assert saver.pending() == [str(tmp_path / "a.ckpt")] and not saver.in_flight(str(tmp_path / "b.ckpt"))
+    held.set()
+    saver.end_copy()  # the barrier, as the next optimizer step runs it
+    assert [j.kind for j in saver.writer.outstanding()] in (["write", "remove"], ["remove"], [])
+    saver.wait()
+    assert seen == [True] and not saver.in_flight()
+
+
 def test_without_the_guard_the_edit_would_reach_the_file(held, tmp_path, monkeypatch):
     """The test above can fail: with the guard passing writes through, the file holds the edited weight."""
     monkeypatch.setattr(overlap, "_written", lambda *a: [])

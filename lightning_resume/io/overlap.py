@@ -59,6 +59,8 @@ def _storage(t: torch.Tensor) -> int:
 
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
+_VERSION = operator.attrgetter("_version")  # what ``_compat.torch_ops.version`` reads, without a frame per tensor
+_NBYTES = operator.attrgetter("nbytes")
 
 
 class OptimizerWatch:
@@ -165,12 +167,10 @@ class OverlappedCopy:
         self.dsts = [staged[n] for n in self.names]
         self.srcs = list(sources)
         self.state = [_PENDING] * len(self.srcs)
-        self.versions = [version(t) for t in self.srcs]
+        self.versions = list(map(_VERSION, self.srcs))  # C-level passes: the save waits for these
         self.after_copy: List[Optional[int]] = [None] * len(self.srcs)
-        self.by_storage: Dict[int, List[int]] = {}
-        for i, t in enumerate(self.srcs):
-            self.by_storage.setdefault(_storage(t), []).append(i)
-        self.stats = CopyStats(deferred_bytes=sum(d.numel() * d.element_size() for d in self.dsts))
+        self._by_storage: Optional[Dict[int, List[int]]] = None  # built at the first write the guard sees
+        self.stats = CopyStats(deferred_bytes=sum(map(_NBYTES, self.dsts)))
         self._cv = threading.Condition()
         self._error: Optional[BaseException] = None
         self._ran: Optional[threading.Event] = None  # set once the helper thread's part is over
@@ -264,12 +264,21 @@ class OverlappedCopy:
 
     # ---- the guard -------------------------------------------------------------------------------
 
+    def by_storage(self) -> Dict[int, List[int]]:
+        """The deferred positions by the storage their source lives in (a source's storage is the one it had at
+        the save: the saved tensors are the state's own detached objects, which nothing rebinds)."""
+        if self._by_storage is None:
+            self._by_storage = {}
+            for i, t in enumerate(self.srcs):
+                self._by_storage.setdefault(_storage(t), []).append(i)
+        return self._by_storage
+
     def before_write(self, targets: Sequence[Any]) -> None:
         """Called by the guard before an in-place write to ``targets``: copy those not copied yet, now."""
         hit: List[int] = []
         for t in targets:
             if isinstance(t, torch.Tensor):
-                hit += self.by_storage.get(_storage(t), ())
+                hit += self.by_storage().get(_storage(t), ())
         if not hit:
             return
         mine: List[int] = []

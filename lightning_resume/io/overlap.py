@@ -46,7 +46,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from lightning_resume._compat.torch_ops import function_mode_on_top, version
+from lightning_resume._compat.torch_ops import function_mode_on_top, version, versions
 from lightning_resume.errors import AsyncWriteWarning
 from lightning_resume.io.buffers import NOTIFY_BYTES, Devices, StagedTensors, _copy_batch
 
@@ -59,7 +59,6 @@ def _storage(t: torch.Tensor) -> int:
 
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
-_VERSION = operator.attrgetter("_version")  # what ``_compat.torch_ops.version`` reads, without a frame per tensor
 _NBYTES = operator.attrgetter("nbytes")
 
 
@@ -167,7 +166,7 @@ class OverlappedCopy:
         self.dsts = [staged[n] for n in self.names]
         self.srcs = list(sources)
         self.state = [_PENDING] * len(self.srcs)
-        self.versions = list(map(_VERSION, self.srcs))  # C-level passes: the save waits for these
+        self.versions = versions(self.srcs)
         self.after_copy: List[Optional[int]] = [None] * len(self.srcs)
         self._by_storage: Optional[Dict[int, List[int]]] = None  # built at the first write the guard sees
         self.stats = CopyStats(deferred_bytes=sum(map(_NBYTES, self.dsts)))

@@ -33,6 +33,7 @@ from lightning_resume.io.memory_tier import (
     memory_root,
     slot_key,
 )
+from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.schedule.state import Tier
 
 MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
@@ -70,7 +71,9 @@ class MemoryTier:
                 " ModelCheckpoint, or pass memory_tier=False"
             ])  # fmt: skip
         self.directory, self.rank, self.world_size = directory, trainer.global_rank, trainer.world_size
-        self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size)
+        io = trainer.strategy.checkpoint_io
+        overlap = isinstance(io, SafetensorsCheckpointIO) and io.overlap_copy  # the user's choice, for both tiers
+        self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size, overlap_copy=overlap)
         self.resumed_tier, self.run = None, None
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)

@@ -142,6 +142,16 @@ class AsyncSaver:
         first: the same wait, snapshot and commit, without encoding it a second time."""
         self._save(path, encoded=TreeText(tree_json, tensors))
 
+    def encode(self, checkpoint: dict) -> TreeText:
+        """``checkpoint`` encoded as :meth:`save` encodes it: the kept encoding reused while the tree keeps its
+        signature (only its tensor-free subtrees encoded), else in full. Hand the result to :meth:`save_text`."""
+        return self.encoder.reuse(checkpoint) or self.encoder.encode_in_full(checkpoint)
+
+    def save_text(self, encoded: TreeText, path: str) -> None:
+        """:meth:`save` of a checkpoint encoded by :meth:`encode` (e.g. to size it first), just before: its
+        layout is kept, so the snapshot costs what a :meth:`save` of the same tree costs."""
+        self._save(path, encoded=encoded)
+
     def _save(self, path: str, checkpoint: Optional[dict] = None, encoded: Optional[TreeText] = None) -> None:
         if self.process is not None:
             refuse_process_local(path)

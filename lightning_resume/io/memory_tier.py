@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 import os
 import re
 import time
@@ -35,6 +36,7 @@ from lightning_resume.io.async_save import AsyncSaver, commit_staged
 from lightning_resume.io.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive, remove_quietly
 from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import DEFAULT_ALGORITHM
+from lightning_resume.io.overlap import CopyStats
 from lightning_resume.io.private import (
     PRIVATE_FILE_MODE,
     check_private,
@@ -55,6 +57,8 @@ MEMORY_KEY = "lightning_resume_memory_tier"
 
 HEADER_SLACK = 1 << 20
 """Bytes allowed for the safetensors header beyond the tree JSON (the tensor index and digests)."""
+
+_NBYTES = operator.attrgetter("nbytes")
 
 _SLOT = re.compile(r"^[0-9a-f]{16}$")
 """A slot directory's name (:func:`slot_key`): cleanup looks at nothing else."""
@@ -109,6 +113,10 @@ class MemoryStore:
         asynchronous: block only to copy the tensors into reusable host buffers (``async_save.AsyncSaver``,
             as async saves do) and write the file on a worker; a process killed meanwhile keeps the
             previous snapshot. ``False``: the snapshot is committed when :meth:`save` returns.
+        overlap_copy: with ``asynchronous``, copy at the save only what may change before the next optimizer
+            step and the rest while the next forward and backward run (``io.overlap``, as
+            ``SafetensorsCheckpointIO(overlap_copy=True)``): the snapshot is committed after that step's
+            barrier, and holds the state as it was at the save.
     """
 
     def __init__(
@@ -119,13 +127,16 @@ class MemoryStore:
         world_size: int,
         checksum: str = DEFAULT_ALGORITHM,
         asynchronous: bool = True,
+        overlap_copy: bool = False,
     ) -> None:
+        if overlap_copy and not asynchronous:
+            raise ValueError("overlap_copy=True copies while training goes on; it needs asynchronous=True")
         self.root, self.key, self.rank, self.world_size, self.checksum = str(root), key, rank, world_size, checksum
         self.directory = os.path.join(self.root, key)
         stem = f"rank-{rank}-of-{world_size}"
         self.path = os.path.join(self.directory, f"{stem}.safetensors")
         self.owner_path = os.path.join(self.directory, f"{stem}.owner")
-        self._saver = AsyncSaver(self._commit, on_error="raise") if asynchronous else None
+        self._saver = AsyncSaver(self._commit, on_error="raise", overlap_copy=overlap_copy) if asynchronous else None
 
     def save(self, checkpoint: Dict[str, Any], step: int, seq: int, run: str, now: Optional[float] = None) -> int:
         """Snapshot ``checkpoint`` of run ``run`` as this rank's (the previous one is replaced once the new one
@@ -134,10 +145,14 @@ class MemoryStore:
         (asynchronous) ``AsyncWriteError`` for a previous snapshot whose write failed."""
         record: Dict[str, Any] = {"step": int(step), "seq": int(seq), "saved_at": time.time() if now is None else now}
         record.update(slot=self.key, run=str(run), rank=self.rank, world_size=self.world_size)
+        tree = {**checkpoint, MEMORY_KEY: record}
         if self._saver is not None:
             self._saver.wait()  # the previous write holds shared memory until it is renamed over the old file
-        tree_json, tensors = write.encode_tree({**checkpoint, MEMORY_KEY: record})
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + len(tree_json)
+            encoded = self._saver.encode(tree)  # the kept encoding reused, as a durable async save does
+            tree_json, tensors = encoded.tree_json, encoded.tensors
+        else:
+            tree_json, tensors = write.encode_tree(tree)
+        nbytes = sum(map(_NBYTES, tensors.values())) + len(tree_json)
         self._make_private()
         free = free_bytes(self.directory)
         if nbytes + HEADER_SLACK > free:
@@ -146,8 +161,13 @@ class MemoryStore:
         if self._saver is None:
             write.commit(self.path, tree_json, tensors, self.checksum, mode=PRIVATE_FILE_MODE)
         else:
-            self._saver.save_encoded(tree_json, tensors, self.path)  # encoded once: the size check needed it
+            self._saver.save_text(encoded, self.path)  # encoded once: the size check needed it
         return nbytes
+
+    @property
+    def last_copy(self) -> Optional[CopyStats]:
+        """With ``overlap_copy``: the newest snapshot's overlapped copy once its barrier passed (``None`` before)."""
+        return None if self._saver is None else self._saver.last_copy
 
     def _make_private(self) -> None:
         """The root and the slot, made (0700) or checked: this user's alone, real directories, not links."""

@@ -39,7 +39,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import chain, compress, repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -59,6 +59,7 @@ def _storage(t: torch.Tensor) -> int:
 
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
+_VALUES = operator.methodcaller("values")
 _NBYTES = operator.attrgetter("nbytes")
 
 
@@ -90,8 +91,8 @@ class OptimizerWatch:
         for opt in list(self.optimizers):
             for group in opt.param_groups:
                 out.update(map(_DATA_PTR, group["params"]))
-            for state in opt.state.values():
-                out.update(t.data_ptr() for t in state.values() if isinstance(t, torch.Tensor))
+            values = list(chain.from_iterable(map(_VALUES, opt.state.values())))  # C-level passes: thousands
+            out.update(map(_DATA_PTR, compress(values, map(isinstance, values, repeat(torch.Tensor)))))
         out.discard(0)  # where empty tensors begin: nothing is written there
         return out
 
@@ -165,6 +166,7 @@ class OverlappedCopy:
         self.names = [names[i] for i in places]
         self.dsts = [staged[n] for n in self.names]
         self.srcs = list(sources)
+        self.cuda = list(compress(range(len(self.srcs)), map(devices.is_cuda, self.srcs)))  # positions on a GPU
         self.state = [_PENDING] * len(self.srcs)
         self.versions = versions(self.srcs)
         self.after_copy: List[Optional[int]] = [None] * len(self.srcs)
@@ -191,7 +193,7 @@ class OverlappedCopy:
         """Start the copy: CUDA sources are queued on a side stream first, the caller's thread is guarded and
         the next optimizer step hooked, then the helper thread is handed the CPU copies (it takes them without
         the caller waiting for it)."""
-        cuda = [i for i, t in enumerate(self.srcs) if self.devices.is_cuda(t)]
+        cuda = self.cuda
         if cuda:
             self._event = self.devices.copy_on_side_stream([self.dsts[i] for i in cuda], [self.srcs[i] for i in cuda])
         self._guard = _CopyOnWrite(self)
@@ -334,9 +336,10 @@ class OverlappedCopy:
             self._unguard()
             if self._event is not None:
                 self.devices.wait_event(self._event)
-            cpu = [i for i, t in enumerate(self.srcs) if not self.devices.is_cuda(t)]
+            on_gpu = set(self.cuda)
+            cpu = [i for i in range(len(self.srcs)) if i not in on_gpu] if on_gpu else range(len(self.srcs))
             with self._cv:  # what the helper thread has not claimed yet is copied here, alongside it
-                mine = [i for i in cpu if self.state[i] == _PENDING]
+                mine = [i for i in cpu if self.state[i] == _PENDING] if _PENDING in self.state else []
                 for i in mine:
                     self.state[i] = _CLAIMED
             if mine:
@@ -344,7 +347,7 @@ class OverlappedCopy:
                     _copy_batch([self.dsts[i] for i in mine], [self.srcs[i] for i in mine])
                 self._done(mine)
             with self._cv:
-                while any(self.state[i] != _DONE for i in cpu) and self._error is None:
+                while self._error is None and any(self.state[i] != _DONE for i in cpu):
                     self._cv.wait()
                 error = self._error
             if error is not None:
@@ -371,12 +374,15 @@ class OverlappedCopy:
             self._ran.wait()
 
     def _recopy_changed(self) -> None:
-        is_cuda = self.devices.is_cuda
+        now = versions(self.srcs)
+        if now == self.versions:  # nothing written since the save (a version counter only grows): the usual case
+            return
+        on_gpu = set(self.cuda)
         changed = [
             i
-            for i, t in enumerate(self.srcs)
-            if version(t) != self.versions[i]
-            and (i not in self._ordered if is_cuda(t) else self.after_copy[i] != self.versions[i])
+            for i, v in enumerate(now)
+            if v != self.versions[i]
+            and (i not in self._ordered if i in on_gpu else self.after_copy[i] != self.versions[i])
         ]
         if not changed:
             return

@@ -190,7 +190,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self.on_error = on_error
         self._into: Optional[weakref.ReferenceType[torch.nn.Module]] = None  # the module the next load fills
         self._in_place: Dict[str, Tuple[str, str]] = {}  # of the latest load: weights read in place
-        self._cleaned: Set[str] = set()
+        self._cleaned: Set[str] = set()  # directories cleaned, normalised
+        self._seen_parents: Set[str] = set()  # their parents as the paths spelled them (a string split per save)
         self._resolved: Dict[str, List[str]] = {}  # a "last" choice -> the candidates ranked below it
         self._loaded: Dict[str, str] = {}  # a path asked for -> the file its load read
         self._saver: Optional[AsyncSaver] = None
@@ -203,6 +204,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
     @property
     def async_save(self) -> bool:
         return self._saver is not None
+
+    @property
+    def overlap_copy(self) -> bool:
+        """Whether saves copy the optimizer-written state while the next step runs (``overlap_copy=True``);
+        ``ExactResume``'s memory tier then takes its snapshots the same way."""
+        return self._saver is not None and self._saver.overlap_copy
 
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -396,10 +403,15 @@ class SafetensorsCheckpointIO(CheckpointIO):
         return done
 
     def _clean_once(self, path: str) -> None:
+        parent = storage.split(path)[0]
+        if parent in self._seen_parents:  # every save after the first: no filesystem lookup on the save's path
+            return
+        if "://" in parent or os.path.isabs(parent):  # a relative one names another directory after a chdir
+            self._seen_parents.add(parent)
         if is_local(path):
             directory = os.path.dirname(os.path.abspath(storage.local_path(path)))
         else:
-            directory = storage.split(path)[0]  # the URL, scheme kept
+            directory = parent  # the URL, scheme kept
         if directory in self._cleaned:
             return
         self._cleaned.add(directory)

@@ -8,14 +8,15 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import lightning
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_resume import ExactResume, SafetensorsCheckpointIO
-from tests.helpers.models import TinyData, TinyModel, tiny_trainer
+from tests.helpers.models import TinyData, TinyMLP, TinyModel, tiny_trainer
 
 
 @pytest.fixture
@@ -108,3 +109,38 @@ def test_an_exception_lets_the_snapshot_being_written_commit(tmp_path: Path, shm
     monkeypatch.undo()
     resumed = _fit(tmp_path, shm, ckpt_path="last")
     assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8
+
+
+def _overlapped_fit(tmp_path: Path, shm: Path, crash_at=None, made: Optional[list] = None) -> tuple[ExactResume, dict]:
+    """AdamW (state the optimizer writes, so the overlapped copy defers it), overlapped saves on both tiers;
+    the callback is appended to ``made`` before the fit (a crashing fit returns nothing)."""
+    lightning.seed_everything(0, verbose=False)
+    exact = ExactResume(
+        mtbf=None, every_n_train_steps_max=6, memory_tier=True, memory_dir=str(shm), memory_every_n_train_steps_max=2
+    )
+    if made is not None:
+        made.append(exact)
+    callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
+    callbacks += [Crash(crash_at)] if crash_at is not None else []
+    io = SafetensorsCheckpointIO(async_save=True, overlap_copy=True)
+    trainer = tiny_trainer(callbacks, max_steps=12, plugins=[io], default_root_dir=str(tmp_path))
+    model = TinyMLP()
+    trainer.fit(model, ckpt_path="last")
+    return exact, model.state_dict()
+
+
+def test_with_overlap_copy_memory_snapshots_are_overlapped_and_resume_bitwise(tmp_path: Path, shm: Path) -> None:
+    """``overlap_copy=True`` on the IO: the memory tier's snapshots defer the optimizer-written state to the
+    copy thread too, and a crash resumed from one ends with the uninterrupted run's weights, bit for bit."""
+    _, reference = _overlapped_fit(tmp_path / "a", shm / "a")
+    made: list[ExactResume] = []
+    with pytest.raises(RuntimeError, match="crash"):
+        _overlapped_fit(tmp_path / "b", shm / "b", crash_at=9, made=made)
+    store = made[0].memory.store if made[0].memory is not None else None
+    copy = None if store is None else store.last_copy
+    assert copy is not None and copy.deferred_bytes > 0 and not copy.recopied
+    resumed, weights = _overlapped_fit(tmp_path / "b", shm / "b")
+    assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8
+    assert resumed.resume_report["exact"] and resumed.resume_report["fingerprint_ok"]
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)

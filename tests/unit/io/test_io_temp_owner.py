@@ -102,3 +102,23 @@ def test_in_flight_save_in_another_pid_namespace_is_not_deleted(tmp_path):
     finally:
         writer.kill()
         writer.wait()
+
+
+def test_a_writer_cleans_each_directory_once_and_a_relative_one_again_after_a_chdir(tmp_path, monkeypatch):
+    """The first save into a directory removes a dead writer's temporary there; later saves into it look no
+    more (a string check per save). A relative path names another directory after ``os.chdir``: cleaned too."""
+    io = SafetensorsCheckpointIO()
+    for d in ("a/ckpt", "b/ckpt"):
+        (tmp_path / d).mkdir(parents=True)
+    first = _dead_writer_temp(tmp_path / "a" / "ckpt", monkeypatch)
+    io.save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "a" / "ckpt" / "x.ckpt"))
+    assert not first.exists()
+    again = _dead_writer_temp(tmp_path / "a" / "ckpt", monkeypatch)
+    io.save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "a" / "ckpt" / "y.ckpt"))
+    assert again.exists(), "a directory is cleaned once per plugin, not at every save"
+    monkeypatch.chdir(tmp_path / "a")
+    io.save_checkpoint({"w": torch.ones(2)}, "ckpt/z.ckpt")
+    in_b = _dead_writer_temp(tmp_path / "b" / "ckpt", monkeypatch)
+    monkeypatch.chdir(tmp_path / "b")
+    io.save_checkpoint({"w": torch.ones(2)}, "ckpt/z.ckpt")
+    assert not in_b.exists(), "the same relative parent names another directory now: cleaned"

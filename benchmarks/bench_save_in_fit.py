@@ -6,8 +6,9 @@ process group of one fit reaches the next). Each step's wall time is taken from 
 A save's window is the step that saved and the steps after it up to ``--window`` steps, longer while its
 write is still in flight; "time lost per save" is the sum over the window of (step time - the median step
 time of the same fit's steps outside any window), reported as a ratio to a memcpy of the state's bytes
-measured in the same process after the first step (``ctypes.memmove`` into preallocated, touched buffers:
-the least any snapshot can block). The first save of each fit is left out (its staging memory is new).
+(``ctypes.memmove`` into preallocated, touched buffers: the least any snapshot can block), measured in each
+fit after its first step; the ratio uses the median of those over all fits of the run, the same for every
+row (one fit's own memcpy swings too much on this machine to divide by). The first save of each fit is left out (its staging memory is new).
 Median and spread over the saves of ``--repeats`` fits per configuration, configurations interleaved.
 
 Also per configuration: ExactResume's own part of each save (its ``state_dict``, on the training thread)
@@ -20,7 +21,10 @@ Configurations: ``SafetensorsCheckpointIO(async_save=True)`` with and without ``
 ``ExactResume``; Lightning's ``AsyncCheckpointIO`` and default ``TorchCheckpointIO`` with ``ExactResume``;
 ``torch.distributed.checkpoint.async_save`` of the model and optimizer every ``--every`` steps from a
 callback (thread staging; process staging, which needs a process group: a one-rank gloo group in that
-fit's process), the peer as its users run it, without ``ExactResume``; the null-IO floor; no checkpoints.
+fit's process), the peer as its users run it, without ``ExactResume``; the null-IO floor; the machine's
+limit (``BareCopyWrite``: the floor plus a bare thread copy of the state overlapped until the next optimizer
+step, then a raw direct-I/O write and fsync of its bytes: what copying and writing the state costs this
+machine's training steps, with no format, checksum or bookkeeping); no checkpoints.
 
 Usage: ``python benchmarks/bench_save_in_fit.py --params-mb 300 --steps 61 --repeats 2`` (defaults are small).
 """
@@ -30,12 +34,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import mmap
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -58,6 +64,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_resume import ExactResume, SafetensorsCheckpointIO  # noqa: E402
 
 FLOOR = "ExactResume + null CheckpointIO (Lightning's checkpoint path, writes nothing: the floor)"
+BARE = "machine limit: the floor + a bare thread copy until the next optimizer step, then a raw O_DIRECT write"
 NONE = "no checkpoints"
 
 
@@ -114,9 +121,7 @@ class TimedExactResume(ExactResume):
 
 def memcpy_seconds(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> float:
     """A copy of every weight and optimizer tensor into preallocated, touched buffers."""
-    tensors = [p.detach() for p in model.parameters()]
-    if optimizer is not None:
-        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tensors = _state_tensors(model, optimizer)
     buffers = [torch.empty_like(t).fill_(0) for t in tensors]
     t0 = time.perf_counter()
     for dst, src in zip(buffers, tensors):
@@ -200,12 +205,89 @@ class DcpEvery(Callback):
         self.wait()
 
 
+class BareCopyWrite(Callback):
+    """The machine's limit for a save that copies the state while the next step runs and then writes it:
+    every ``every`` steps, a thread copies every weight and optimizer tensor into one preallocated,
+    page-aligned buffer (``copy_``, which releases the GIL) while the next forward/backward runs; the next
+    optimizer step waits for it; then a thread writes the buffer with direct I/O (16 MiB ``os.write`` calls)
+    and fsyncs it. No format, no checksums, no rename: what no real save can undercut on this machine."""
+
+    CHUNK = 16 << 20
+
+    def __init__(self, root: str, every: int) -> None:
+        self.root, self.every = root, every
+        self.image: Optional[mmap.mmap] = None
+        self.copying: Optional[threading.Thread] = None
+        self.writing: Optional[threading.Thread] = None
+        self.nbytes = 0
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step % self.every:
+            return
+        if self.writing is not None:
+            self.writing.join()  # one save in flight, as every row
+        tensors = _state_tensors(pl_module, trainer.optimizers[0])
+        if self.image is None:
+            self.nbytes = sum(t.nbytes for t in tensors)
+            self.image = mmap.mmap(-1, -(-self.nbytes // self.CHUNK) * self.CHUNK)
+            self.image.write(b"\0" * len(self.image))  # touched once: later saves reuse it
+        flat = torch.frombuffer(self.image, dtype=torch.uint8)
+        dsts, at = [], 0
+        for t in tensors:
+            dsts.append(flat[at : at + t.nbytes].view(t.dtype).view(t.shape))
+            at += t.nbytes
+
+        def copy() -> None:
+            with torch.no_grad():
+                for dst, src in zip(dsts, tensors):
+                    dst.copy_(src)
+
+        self.copying = threading.Thread(target=copy)
+        self.copying.start()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.copying is None:
+            return
+        self.copying.join()  # the barrier
+        self.copying = None
+        self.writing = threading.Thread(target=self._write, args=(os.path.join(self.root, "bare.bin"),))
+        self.writing.start()
+
+    def _write(self, path: str) -> None:
+        assert self.image is not None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+        try:
+            view = memoryview(self.image)
+            for at in range(0, len(self.image), self.CHUNK):
+                os.write(fd, view[at : at + self.CHUNK])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def in_flight(self) -> bool:
+        return self.copying is not None or (self.writing is not None and self.writing.is_alive())
+
+    def on_train_end(self, *args) -> None:
+        if self.writing is not None:
+            self.writing.join()
+
+
+def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> List[torch.Tensor]:
+    """Every weight and optimizer tensor: the bytes a save of the state copies."""
+    tensors = [p.detach() for p in model.parameters()]
+    if optimizer is None:
+        return tensors
+    return tensors + [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
 @dataclass(frozen=True)
 class Config:
     io: Optional[Callable[[], Any]]
     """The CheckpointIO plugin (with a ``ModelCheckpoint``), or ``None``: none (a DCP callback, or no saves)."""
     exact: bool = True
     dcp: Optional[AsyncCheckpointerType] = None
+    bare: bool = False
+    """Add ``BareCopyWrite`` (the machine's limit), saving at the same steps as the ``ModelCheckpoint``."""
 
 
 def _in_flight(trainer: pl.Trainer) -> bool:
@@ -214,13 +296,16 @@ def _in_flight(trainer: pl.Trainer) -> bool:
         return io.write_in_flight()
     if isinstance(io, CountedAsyncIO):
         return io.counted.pending > 0
-    dcp_cb = next((c for c in trainer.callbacks if isinstance(c, DcpEvery)), None)  # type: ignore[attr-defined]
-    return dcp_cb is not None and dcp_cb.in_flight()
+    other = next((c for c in trainer.callbacks if isinstance(c, (DcpEvery, BareCopyWrite))), None)  # type: ignore[attr-defined]
+    return other is not None and other.in_flight()
 
 
 CONFIGS: Dict[str, Config] = {
     "ExactResume + SafetensorsCheckpointIO(async_save=True, overlap_copy=True)": Config(
         lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True)
+    ),
+    "ExactResume + SafetensorsCheckpointIO(async_save=True, overlap_copy=True, writer='process')": Config(
+        lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True, writer="process")
     ),
     "ExactResume + SafetensorsCheckpointIO(async_save=True)": Config(lambda: SafetensorsCheckpointIO(async_save=True)),
     "SafetensorsCheckpointIO(async_save=True, overlap_copy=True), no ExactResume": Config(
@@ -230,6 +315,7 @@ CONFIGS: Dict[str, Config] = {
     "ExactResume + Lightning TorchCheckpointIO (default)": Config(TorchCheckpointIO),
     "dcp.async_save, thread staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.THREAD),
     "dcp.async_save, process staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.PROCESS),
+    BARE: Config(NullCheckpointIO, bare=True),
     FLOOR: Config(NullCheckpointIO),
     NONE: Config(None, exact=False),
 }
@@ -241,6 +327,8 @@ def fit(name: str, root: str, params_mb: int, steps: int, every: int) -> Dict:
     callbacks: List[Callback] = [clock, baseline]
     if config.io is not None:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1))
+    if config.bare:
+        callbacks.append(BareCopyWrite(root, every))
     if config.dcp is not None:
         if config.dcp == AsyncCheckpointerType.PROCESS:
             _one_rank_group()
@@ -290,13 +378,14 @@ def windows(run: Dict, window: int) -> List[range]:
 
 
 def analyse(run: Dict, window: int, every: int) -> Dict[str, Any]:
-    """Per save but the first: time lost / memcpy; the steps during a write over the calm step; steps/s."""
+    """Per save but the first: time lost (seconds; over a memcpy in ``report``); the steps during a write over
+    the calm step; steps/s."""
     starts = run["starts"]
     steps = [b - a for a, b in zip(starts, starts[1:])]
     spans = windows(run, window)
     disturbed = {i for w in spans for i in w} | {i for i, f in enumerate(run["in_flight"][: len(steps)]) if f}
     calm = statistics.median(t for i, t in enumerate(steps) if i not in disturbed and i > 0)
-    lost = [sum(steps[i] - calm for i in w) / run["memcpy"] for w in spans[1:]]
+    lost = [sum(steps[i] - calm for i in w) for w in spans[1:]]
     saving = set(run["saves"])
     during = [
         steps[i] / calm for i, f in enumerate(run["in_flight"][: len(steps)]) if f and i not in saving and i > every
@@ -334,14 +423,16 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--only", default=None, help="run only the configurations whose name contains this (and the floor)")
+    p.add_argument(
+        "--only", default=None, help="run only the configurations whose name contains this (and floor, limit, none)"
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--root", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child is not None:
         _child(a)
         return
-    names = [n for n in CONFIGS if a.only is None or a.only in n or n in (FLOOR, NONE)]
+    names = [n for n in CONFIGS if a.only is None or a.only in n or n in (FLOOR, NONE, BARE)]
     got: Dict[str, List[Dict[str, Any]]] = {n: [] for n in names}
     loads = [os.getloadavg()]
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
@@ -357,19 +448,23 @@ def main() -> None:
 def report(got: Dict[str, List[Dict[str, Any]]], a: argparse.Namespace, loads: List[Any]) -> None:
     state_mb = 3 * a.params_mb
     floor = statistics.median(x["rate"] for x in got[FLOOR]) if FLOOR in got else float("nan")
+    # One memcpy for every row: the median over all fits of the run (each fit's own swung 0.05-0.09 s here,
+    # which moved its ratios by as much; the state is the same in every fit).
+    memcpy_all = statistics.median(x["memcpy"] for runs in got.values() for x in runs)
     one = [x[0] for x in loads]
     print(
         f"state ~{state_mb} MB (weights {a.params_mb} MB + AdamW moments), save every {a.every} steps, {a.steps} steps,"
     )
     print(f"{a.repeats} fits per row; load average (1 min) {min(one):.2f}-{max(one):.2f} during the run")
+    print(f"time lost per save over one memcpy of the state for every row: {memcpy_all:.3f} s (median of all fits)")
     print("| configuration | time lost per save / memcpy | step during a write / calm step | steps/s vs floor"
           " | ExactResume.state_dict / memcpy | saves | memcpy (s) |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, runs in got.items():
-        lost = [v for x in runs for v in x["lost"]]
+        lost = [v / memcpy_all for x in runs for v in x["lost"]]
         during = [v for x in runs for v in x["during"]]
         rates = [x["rate"] / floor for x in runs]
-        exact = [t / x["memcpy"] for x in runs for t in x["exact"]]
+        exact = [t / memcpy_all for x in runs for t in x["exact"]]
         memcpy = statistics.median(x["memcpy"] for x in runs)
         cells = [
             _med(lost) if name != NONE else "-",

@@ -192,7 +192,8 @@ class AsyncSaver:
         now, later = self.watch.split(staged, tensors)
         names = list(staged)
         try:
-            copy_now([staged[names[i]] for i in now], [tensors[names[i]] for i in now], self.buffers.devices)
+            if now:
+                copy_now([staged[names[i]] for i in now], [tensors[names[i]] for i in now], self.buffers.devices)
         except BaseException as err:
             staged._abort(err)
             raise

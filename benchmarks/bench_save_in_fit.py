@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import xxhash
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -210,12 +211,17 @@ class BareCopyWrite(Callback):
     every ``every`` steps, a thread copies every weight and optimizer tensor into one preallocated,
     page-aligned buffer (``copy_``, which releases the GIL) while the next forward/backward runs; the next
     optimizer step waits for it; then a thread writes the buffer with direct I/O (16 MiB ``os.write`` calls)
-    and fsyncs it. No format, no checksums, no rename: what no real save can undercut on this machine."""
+    and fsyncs it. No format, no checksums, no rename: what no real save can undercut on this machine.
+
+    ``hash``: also an xxh3-128 digest of each tensor's copied bytes (GIL released), as a checksummed file
+    needs: ``"write"`` in a thread beside the write (a second pass over the buffer, as our writers hash),
+    ``"copy"`` by the copy thread right after each tensor is copied (its bytes still in cache)."""
 
     CHUNK = 16 << 20
 
-    def __init__(self, root: str, every: int) -> None:
-        self.root, self.every = root, every
+    def __init__(self, root: str, every: int, hash: Optional[str] = None) -> None:
+        self.root, self.every, self.hash = root, every, hash
+        self.dsts: List[torch.Tensor] = []
         self.image: Optional[mmap.mmap] = None
         self.copying: Optional[threading.Thread] = None
         self.writing: Optional[threading.Thread] = None
@@ -237,10 +243,14 @@ class BareCopyWrite(Callback):
             dsts.append(flat[at : at + t.nbytes].view(t.dtype).view(t.shape))
             at += t.nbytes
 
+        self.dsts = dsts
+
         def copy() -> None:
             with torch.no_grad():
                 for dst, src in zip(dsts, tensors):
                     dst.copy_(src)
+                    if self.hash == "copy":
+                        xxhash.xxh3_128_hexdigest(_bytes(dst))
 
         self.copying = threading.Thread(target=copy)
         self.copying.start()
@@ -255,6 +265,10 @@ class BareCopyWrite(Callback):
 
     def _write(self, path: str) -> None:
         assert self.image is not None
+        hasher = None
+        if self.hash == "write":
+            hasher = threading.Thread(target=lambda: [xxhash.xxh3_128_hexdigest(_bytes(d)) for d in self.dsts])
+            hasher.start()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
         try:
             view = memoryview(self.image)
@@ -263,6 +277,8 @@ class BareCopyWrite(Callback):
             os.fsync(fd)
         finally:
             os.close(fd)
+            if hasher is not None:
+                hasher.join()
 
     def in_flight(self) -> bool:
         return self.copying is not None or (self.writing is not None and self.writing.is_alive())
@@ -270,6 +286,10 @@ class BareCopyWrite(Callback):
     def on_train_end(self, *args) -> None:
         if self.writing is not None:
             self.writing.join()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
 def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> List[torch.Tensor]:
@@ -288,6 +308,8 @@ class Config:
     dcp: Optional[AsyncCheckpointerType] = None
     bare: bool = False
     """Add ``BareCopyWrite`` (the machine's limit), saving at the same steps as the ``ModelCheckpoint``."""
+    bare_hash: Optional[str] = None
+    """``BareCopyWrite(hash=...)``: where the limit hashes (``None``: it does not)."""
 
 
 def _in_flight(trainer: pl.Trainer) -> bool:
@@ -316,6 +338,8 @@ CONFIGS: Dict[str, Config] = {
     "dcp.async_save, thread staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.THREAD),
     "dcp.async_save, process staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.PROCESS),
     BARE: Config(NullCheckpointIO, bare=True),
+    BARE + ", + xxh3 beside the write": Config(NullCheckpointIO, bare=True, bare_hash="write"),
+    BARE + ", + xxh3 after each tensor's copy": Config(NullCheckpointIO, bare=True, bare_hash="copy"),
     FLOOR: Config(NullCheckpointIO),
     NONE: Config(None, exact=False),
 }
@@ -328,7 +352,7 @@ def fit(name: str, root: str, params_mb: int, steps: int, every: int) -> Dict:
     if config.io is not None:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1))
     if config.bare:
-        callbacks.append(BareCopyWrite(root, every))
+        callbacks.append(BareCopyWrite(root, every, config.bare_hash))
     if config.dcp is not None:
         if config.dcp == AsyncCheckpointerType.PROCESS:
             _one_rank_group()

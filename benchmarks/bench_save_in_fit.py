@@ -11,6 +11,9 @@ fit after its first step; the ratio uses the median of those over all fits of th
 row (one fit's own memcpy swings too much on this machine to divide by). The first save of each fit is left out (its staging memory is new).
 Median and spread over the saves of ``--repeats`` fits per configuration, configurations interleaved.
 
+Then, per configuration, each step k after a save over the calm step (k = 0 is the step that saved; with
+``overlap_copy`` k = 1 runs beside the copy and its optimizer step hands over the write): where the time goes.
+
 Also per configuration: ExactResume's own part of each save (its ``state_dict``, on the training thread)
 over the same memcpy; the training step while a write runs (steps that start with a write in flight, the
 saving step left out) over the undisturbed step; and the fit's steps/s over whole save periods (from the
@@ -416,7 +419,15 @@ def analyse(run: Dict, window: int, every: int) -> Dict[str, Any]:
     ]
     first, last = 2 * every - 1, (len(starts) - 1) // every * every - 1  # whole save periods: second save to last
     rate = (last - first) / (starts[last] - starts[first]) if last > first else float("nan")
-    return {"lost": lost, "during": during, "rate": rate, "memcpy": run["memcpy"], "exact": run["exact"]}
+    after = [[steps[s + k] / calm for s in run["saves"][1:] if s + k < len(steps)] for k in range(window + 2)]
+    return {
+        "lost": lost,
+        "during": during,
+        "rate": rate,
+        "memcpy": run["memcpy"],
+        "exact": run["exact"],
+        "after": after,
+    }
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -499,6 +510,17 @@ def report(got: Dict[str, List[Dict[str, Any]]], a: argparse.Namespace, loads: L
             f"{memcpy:.3f}",
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    print(
+        "\nStep k after a save (k = 0: the step that saved) over the calm step, median over the saves (first left out):"
+    )
+    k_max = a.window + 2
+    print("| configuration | " + " | ".join(f"k={k}" for k in range(k_max)) + " |")
+    print("|---|" + "---:|" * k_max)
+    for name, runs in got.items():
+        if name == NONE:
+            continue
+        cols = [[v for x in runs for v in x["after"][k]] for k in range(k_max)]
+        print(f"| {name} | " + " | ".join(f"{statistics.median(c):.3f}" if c else "-" for c in cols) + " |")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,25 @@ def test_save_load_roundtrip_and_replace(tmp_path: Path) -> None:
     ]  # one snapshot
 
 
+def test_later_snapshots_reuse_the_encoding_and_each_holds_its_own_step(tmp_path: Path) -> None:
+    """The record (step, sequence, time) changes at every snapshot; the tree's shape does not, so the encoding
+    is kept (constant per-tensor cost) and each file still holds its own record and values."""
+    store = MemoryStore(_root(tmp_path), K, rank=0, world_size=1)
+    for step in (3, 4, 5):
+        store.save(_state(step), step=step, seq=step - 2, run="r")
+    store.wait()
+    saver = store._saver
+    assert saver is not None and saver.encoder.encoded == 1 and saver.encoder.reused == 2
+    snap = store.load("r")
+    assert snap is not None and (snap.step, snap.seq) == (5, 3)
+    assert torch.equal(snap.checkpoint["w"], _state(5)["w"]) and snap.checkpoint["loops"] == {"x": 5}
+
+
+def test_overlap_copy_needs_the_asynchronous_store(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="overlap_copy=True .* needs asynchronous=True"):
+        MemoryStore(_root(tmp_path), K, rank=0, world_size=1, asynchronous=False, overlap_copy=True)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_failed_save_leaves_the_previous_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool

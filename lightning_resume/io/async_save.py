@@ -18,11 +18,9 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-import weakref
-from typing import Any, Callable, Dict, List, Literal, Optional
+from typing import Callable, Dict, List, Literal, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.io import multipart, write
@@ -119,9 +117,6 @@ class AsyncSaver:
         self.writer = OrderedWriter()
         self._last_write: Optional[Job] = None
         self._held: Optional[List[Job]] = None  # an overlapped snapshot's write, and what follows it, until its barrier
-        self._due = False  # the held write goes to the worker at the end of the optimizer step now running
-        if overlap_copy:
-            self._after_step_hook(weakref.ref(self))
         self.last_wait_seconds = 0.0
         self.last_blocked_seconds = 0.0
         self._write_seconds: Optional[float] = None
@@ -210,9 +205,9 @@ class AsyncSaver:
             staged, [tensors[names[i]] for i in later], later, self.buffers.devices, self.check_versions
         )
         copy.on_end = self._copy_ended
-        copy.after_barrier = self._after_barrier
+        copy.after_barrier = self._submit_held
         copy.stats.sync_bytes = sum(staged[names[i]].numel() * staged[names[i]].element_size() for i in now)
-        self._held = [job]  # handed over after the barrier's optimizer step: waking the worker now would slow the save
+        self._held = [job]  # handed to the worker at the barrier: waking it now would take the GIL from the save
         try:
             copy.start()
         except BaseException as err:
@@ -224,34 +219,9 @@ class AsyncSaver:
     def end_copy(self) -> Optional[CopyStats]:
         """The barrier of the snapshot whose copy is still running (``overlap_copy``): wait for it, copy again
         what changed unseen; its stats, or ``None`` when no copy was running. Also run by the next optimizer
-        step, save, :meth:`wait` and :meth:`close`. The write is then with the worker."""
+        step, save, :meth:`wait` and :meth:`close`."""
         copy, self._copy = self._copy, None
-        stats = None if copy is None else copy.finish()
-        self._submit_held()  # a write waiting for its optimizer step's end (that step raised, or is still running)
-        return stats
-
-    def _after_step_hook(self, ref: weakref.ReferenceType[AsyncSaver]) -> None:
-        """A global optimizer step post-hook for this saver's life (held weakly; never added or removed while an
-        optimizer iterates its hooks): at the end of the step whose barrier held the write, hand it over."""
-
-        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            saver = ref()
-            if saver is not None and saver._due:
-                saver._submit_held()
-
-        handle = register_optimizer_step_post_hook(after_step)
-        weakref.finalize(self, handle.remove)
-
-    def _after_barrier(self, in_step: bool) -> None:
-        """Hand the held write to the worker: after the optimizer step whose pre-hook passed the barrier, else now.
-
-        That step's update streams the whole state through memory (on a CPU it is memory-bound); a write and its
-        hashing started beside it slowed it by a third of a step in a fit on this machine's 2 cores, and cost
-        nothing measurable once started after it, beside the next forward (``benchmarks/RESULTS.md``)."""
-        if in_step and self._held is not None:
-            self._due = True  # the step post-hook below hands it over
-        else:
-            self._submit_held()
+        return None if copy is None else copy.finish()
 
     def _submit(self, job: Job) -> None:
         """Queue ``job`` on the worker, or behind an overlapped snapshot's write not handed over yet (order kept)."""
@@ -261,7 +231,6 @@ class AsyncSaver:
             self.writer.submit(job)
 
     def _submit_held(self) -> None:
-        self._due = False
         held, self._held = self._held, None
         for job in held or ():
             self.writer.submit(job)

@@ -182,9 +182,8 @@ class OverlappedCopy:
         self.finished = False
         self.on_end: Optional[Callable[[CopyStats], None]] = None
         """Called with the stats once the barrier passed."""
-        self.after_barrier: Optional[Callable[[bool], None]] = None
-        """Called once the barrier is over, passed or failed, with whether it ran in an optimizer step's pre-hook
-        and passed (the saver then hands the write to its worker once that step's update is done)."""
+        self.after_barrier: Optional[Callable[[], None]] = None
+        """Called once the barrier is over, passed or failed (the saver hands the write to its worker then)."""
         self._copied = self._passed = self._released = False
         self._ordered: Set[int] = set()  # CUDA sources whose writes the guard queued after the side copy
 
@@ -311,29 +310,27 @@ class OverlappedCopy:
             return args, {**kwargs, "closure": self._after(kwargs["closure"])}
         if len(args) > 1 and args[1] is not None:
             return (args[0], self._after(args[1]), *args[2:]), kwargs
-        self.finish(in_step=True)
+        self.finish()
         return None
 
     def _after(self, closure: Any) -> Any:
         def closure_then_barrier() -> Any:
             result = closure()
-            self.finish(in_step=True)
+            self.finish()
             return result
 
         return closure_then_barrier
 
     # ---- the barrier -----------------------------------------------------------------------------
 
-    def finish(self, in_step: bool = False) -> CopyStats:
+    def finish(self) -> CopyStats:
         """The barrier: wait for the CPU copies (the caller's CUDA stream, not the host, waits for the CUDA
         ones), copy again what changed unseen, hand the tensors to the writer once copied; unguard.
-        ``in_step``: run by an optimizer step's pre-hook, whose update follows.
 
         Idempotent. Raises the copy's error (the writer then gets ``StagingAborted``)."""
         if self.finished:
             return self.stats
         self.finished = True
-        passed = False
         started = time.monotonic()
         try:
             self._unguard()
@@ -357,7 +354,6 @@ class OverlappedCopy:
                 raise error
             if self.check_versions:
                 self._recopy_changed()
-            passed = True
         except BaseException as err:
             with self._cv:
                 self._error = self._error or err
@@ -366,7 +362,7 @@ class OverlappedCopy:
         finally:
             self.stats.barrier_seconds = time.monotonic() - started
             if self.after_barrier is not None:
-                self.after_barrier(in_step and passed)
+                self.after_barrier()
         self._release(barrier=True)
         if self.on_end is not None:
             self.on_end(self.stats)

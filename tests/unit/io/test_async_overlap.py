@@ -157,44 +157,6 @@ def test_the_write_is_handed_to_the_worker_at_the_barrier_and_what_follows_it_ke
     assert seen == [True] and not saver.in_flight()
 
 
-def test_a_barrier_in_an_optimizer_step_hands_the_write_over_once_that_step_s_update_is_done(tmp_path):
-    """The update streams the whole state through memory: the write (and its hashing) waits for its end. A step
-    hook of the optimizer itself (run before the global ones) sees the write held, and it is with the worker
-    when ``step`` returns."""
-    saver = _saver()
-    model, opt, x = _setup()
-    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
-    expected = _clone(_checkpoint(model, opt))
-    during = []
-    opt.register_step_post_hook(lambda *a: during.append((saver._held is not None, saver.in_flight())))
-    opt.zero_grad()
-    model(x).sum().backward()
-    opt.step()  # its pre-hook is the barrier
-    assert during == [(True, True)], "during the update the write is held, and counts as in flight"
-    assert saver._held is None
-    saver.wait()
-    _assert_saved(tmp_path / "a.ckpt", expected)
-
-
-def test_an_optimizer_step_that_fails_after_the_barrier_still_leaves_the_write_to_the_next_wait(tmp_path):
-    saver = _saver()
-    model, opt, x = _setup()
-    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
-    expected = _clone(_checkpoint(model, opt))
-
-    def fail(*args):
-        raise RuntimeError("the update failed")
-
-    opt.register_step_pre_hook(fail)  # after the global pre-hooks: the barrier has passed
-    model(x).sum().backward()
-    with pytest.raises(RuntimeError, match="update failed"):
-        opt.step()
-    assert saver._held is not None and saver.in_flight()  # no post-hook ran: still held, still counted
-    saver.wait()
-    assert not saver.in_flight()
-    _assert_saved(tmp_path / "a.ckpt", expected)
-
-
 def test_without_the_guard_the_edit_would_reach_the_file(held, tmp_path, monkeypatch):
     """The test above can fail: with the guard passing writes through, the file holds the edited weight."""
     monkeypatch.setattr(overlap, "_written", lambda *a: [])

@@ -64,6 +64,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from benchmarks.bench_io import make_state, raw_write  # noqa: E402
+from benchmarks.flat_state import model_state  # noqa: E402
 from lightning_resume import SafetensorsCheckpointIO  # noqa: E402
 from lightning_resume.io import write  # noqa: E402
 from lightning_resume.io.buffers import HostBuffers  # noqa: E402
@@ -668,33 +669,16 @@ def overlap_rows(size_mb: float, saves: int, root: str) -> List[str]:
     """``overlap_copy``: per save, the caller's time blocked at the save and at the barrier (the next optimizer
     step), against a memcpy of the same bytes measured just before it. The state is a real model and AdamW
     (so the optimizer watch defers it); between the save and the step, a forward/backward-sized CPU matmul."""
-    torch.manual_seed(0)
-    width = 1024
-    layers = max(1, int(size_mb * 1e6 / 3 / (width * width * 4)))  # weights + two AdamW moments ~ size_mb
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    state = model_state(size_mb)
     io = SafetensorsCheckpointIO(async_save=True, overlap_copy=True)
     plain = SafetensorsCheckpointIO(async_save=True)
-    opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(64, width)
-
-    def step() -> None:
-        opt.zero_grad()
-        model(x).sum().backward()
-        opt.step()
-
-    step()
-    tensors = [*model.state_dict().values()] + [t for st in opt.state.values() for t in st.values() if t.numel() > 1]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    buffers = [torch.empty_like(t) for t in tensors]
+    nbytes = state.nbytes
     rows: Dict[str, List[float]] = {"save": [], "barrier": [], "save+barrier": [], "async (no overlap)": []}
     for i in range(saves + 1):
-        for b in buffers:
+        for b in state.buffers:
             b.zero_()
-        t0 = time.perf_counter()
-        for dst, src in zip(buffers, tensors, strict=True):
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-        memcpy = time.perf_counter() - t0
-        ckpt = {"state_dict": model.state_dict(), "optimizer": opt.state_dict()}
+        memcpy = state.memcpy_seconds()
+        ckpt = state.checkpoint()
         t0 = time.perf_counter()
         plain.save_checkpoint(ckpt, os.path.join(root, "plain.ckpt"))
         plain_blocked = time.perf_counter() - t0
@@ -702,9 +686,9 @@ def overlap_rows(size_mb: float, saves: int, root: str) -> List[str]:
         t0 = time.perf_counter()
         io.save_checkpoint(ckpt, os.path.join(root, "overlap.ckpt"))
         blocked = time.perf_counter() - t0
-        model(x).sum().backward()  # the next forward/backward, overlapped with the copy
+        state.model(state.x).sum().backward()  # the next forward/backward, overlapped with the copy
         stats = io._saver.end_copy() if io._saver is not None else None
-        opt.step()
+        state.optimizer.step()
         io.wait()
         barrier = stats.barrier_seconds if stats is not None else 0.0
         if i:  # the first save allocates the pools

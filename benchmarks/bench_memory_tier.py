@@ -15,13 +15,16 @@ next optimizer step, while the copy of the weights and moments runs beside the f
 Medians, spreads (min-max) and the ratios to the memcpy of the same run: absolute times swing on a
 shared machine, ratios less.
 
+Then ``--both``: at each step of the same loop, a durable async save (``SafetensorsCheckpointIO``) and then a
+memory snapshot of the same state, as ``ExactResume`` takes them at a durable save: the snapshot copying the
+state again, against the snapshot writing the durable save's staging (one copy for both tiers).
+
 Usage: ``python benchmarks/bench_memory_tier.py --size-mb 600 --repeats 5``;
-``--model --size-mb 300 --repeats 12`` for the overlapped rows.
+``--model --size-mb 300 --repeats 12`` for the overlapped rows; ``--both --size-mb 300 --repeats 12``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import statistics
@@ -34,7 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.flat_state import flat_state, memcpy_seconds, size_parser
+from benchmarks.flat_state import flat_state, memcpy_seconds, model_state, size_parser
+from lightning_resume import SafetensorsCheckpointIO
 from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, MemoryStore
 from lightning_resume.io.write import save_file
 
@@ -44,12 +48,15 @@ def main() -> None:
     parser.add_argument("--shm-root", default=DEFAULT_MEMORY_DIR)
     parser.add_argument("--disk-dir", default=None, help="where the durable save goes (default: a temp dir)")
     parser.add_argument("--model", action="store_true", help="the overlapped rows: a model + AdamW in a training loop")
+    parser.add_argument("--both", action="store_true", help="a durable save and a memory snapshot at one step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shm = tempfile.mkdtemp(prefix="bench-memory-tier-", dir=args.shm_root)
     disk = tempfile.mkdtemp(prefix="bench-memory-tier-", dir=args.disk_dir)
     try:
-        if args.model:
+        if args.both:
+            run_both(args.size_mb, args.repeats, shm, disk)
+        elif args.model:
             run_model(args.size_mb, args.repeats, shm)
         else:
             run(args.size_mb, args.repeats, shm, disk)
@@ -84,40 +91,21 @@ def run(size_mb: int, repeats: int, shm: str, disk: str) -> None:
 
 def run_model(size_mb: int, repeats: int, shm: str) -> None:
     """Blocked per memory snapshot in a training loop: one copy, against the overlapped copy (save + barrier)."""
-    torch.manual_seed(0)
-    width = 1024
-    layers = max(1, int(size_mb * 1e6 / 3 / (width * width * 4)))  # weights + two AdamW moments ~ size_mb
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(64, width)
+    state = model_state(size_mb)
     stores = {
         "memory, async (C1)": MemoryStore(shm, "async", rank=0, world_size=1),
         "memory, overlap_copy (C1)": MemoryStore(shm, "overlap", rank=0, world_size=1, overlap_copy=True),
     }
-
-    def step() -> None:
-        opt.zero_grad()
-        model(x).sum().backward()
-        opt.step()
-
-    step()
-    tensors = [*model.state_dict().values()] + [t for st in opt.state.values() for t in st.values() if t.numel() > 1]
-    nbytes = sum(t.nbytes for t in tensors)
-    buffers = [torch.empty_like(t) for t in tensors]
+    nbytes = state.nbytes
     times: Dict[str, List[float]] = {"memcpy": [], **{name: [] for name in stores}}
     for i in range(repeats + 1):
-        started = time.perf_counter()
-        for dst, src in zip(buffers, tensors, strict=True):
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)
-        memcpy = time.perf_counter() - started
+        memcpy = state.memcpy_seconds()
         for name, store in stores.items():
-            checkpoint = {"state_dict": model.state_dict(), "optimizer": opt.state_dict()}
+            checkpoint = state.checkpoint()
             started = time.perf_counter()
             store.save(checkpoint, step=i, seq=i + 1, run="bench")
             blocked = time.perf_counter() - started
-            opt.zero_grad()
-            model(x).sum().backward()  # the next forward/backward, overlapped with the copy
-            opt.step()  # its pre-hook is the barrier of an overlapped snapshot
+            state.step()  # the next forward/backward overlaps the copy; its optimizer step's pre-hook is the barrier
             copy = store.last_copy
             barrier = copy.barrier_seconds if copy is not None and store is stores["memory, overlap_copy (C1)"] else 0.0
             store.wait()
@@ -130,6 +118,50 @@ def run_model(size_mb: int, repeats: int, shm: str) -> None:
     load = os.getloadavg()
     print(f"model + AdamW, {nbytes / 1e6:.0f} MB, {repeats} snapshots per store (interleaved), load {load[0]:.2f}")
     _table(times, times["memcpy"], nbytes / 2**20)
+
+
+def run_both(size_mb: int, repeats: int, shm: str, disk: str) -> None:
+    """Blocked at a step that takes a durable save and then a memory snapshot of the same state (what
+    ``ExactResume`` does at each durable save with the memory tier on): the snapshot copying the state again,
+    against the snapshot writing the durable save's staging (``io.lending``). With ``overlap_copy``, the save plus
+    the barrier of each. The same training loop as ``--model``."""
+    state = model_state(size_mb)
+    rows = {}
+    for overlap in (False, True):
+        for borrow in (False, True):
+            name = f"{'overlap_copy' if overlap else 'async'}, {'one copy' if borrow else 'copied twice'}"
+            io = SafetensorsCheckpointIO(async_save=True, overlap_copy=overlap)
+            if borrow:
+                io.lend_staging()
+            key = f"both-{int(overlap)}{int(borrow)}"
+            rows[name] = (io, MemoryStore(shm, key, rank=0, world_size=1, overlap_copy=overlap), borrow)
+    times: Dict[str, List[float]] = {"memcpy": [], **{name: [] for name in rows}}
+    borrowed: Dict[str, int] = {}
+    for i in range(repeats + 1):
+        memcpy = state.memcpy_seconds()
+        for name, (io, store, borrow) in rows.items():
+            started = time.perf_counter()
+            io.save_checkpoint(state.checkpoint(), os.path.join(disk, f"{name}.ckpt"))
+            offer = io.staging_offer if borrow else None
+            store.save(state.checkpoint(), step=i, seq=i + 1, run="bench", borrow=offer)
+            blocked = time.perf_counter() - started
+            state.step()  # the barriers of both (overlap_copy) run at this optimizer step
+            copies = [io.last_copy_stats, store.last_copy]
+            barrier = sum(c.barrier_seconds for c in copies if c is not None) if io.overlap_copy else 0.0
+            store.wait()
+            io.wait()
+            borrowed[name] = store.last_borrowed_bytes
+            if i:
+                times[name].append(blocked + barrier)
+        if i:
+            times["memcpy"].append(memcpy)
+    for io, store, _ in rows.values():
+        store.free()
+        io.teardown()
+    load = os.getloadavg()
+    print(f"durable save + memory snapshot at one step, model + AdamW, {state.nbytes / 1e6:.0f} MB, {repeats} steps")
+    print(f"(load {load[0]:.2f}; bytes the snapshot wrote from the durable staging: {borrowed})")
+    _table(times, times["memcpy"], state.nbytes / 2**20)
 
 
 def _table(times: Dict[str, List[float]], memcpy: List[float], size_mb: float) -> None:

@@ -8,8 +8,9 @@ on the default process group's key-value store (``distributed_c10d._get_default_
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Iterable, List
+from typing import Iterable, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,23 @@ def function_mode_on_top(mode: object) -> bool:
     return _get_current_function_mode() is mode
 
 
+@contextlib.contextmanager
+def without_function_modes() -> Iterator[None]:
+    """This thread's ``TorchFunctionMode`` stack set aside for the block and put back as it was after it
+    (``torch/overrides.py:2115`` ``_push_mode`` / ``_pop_mode`` over ``torch._C``'s stack functions): tensor
+    methods called in it run no mode's Python ``__torch_function__`` (a save's bookkeeping reads the metadata
+    of every tensor; under an overlapped copy's guard each read cost a Python call). Tensor subclasses still
+    dispatch. A mode must not be entered or left inside the block."""
+    stack: List[object] = []
+    while torch._C._len_torch_function_stack() > 0:
+        stack.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(stack):
+            torch._C._push_on_torch_function_stack(mode)
+
+
 def version(t: torch.Tensor) -> int:
     """The version counter of ``t``'s data (``Tensor._version``, ``torch/_C/__init__.pyi``): every in-place
     write through autograd's dispatch adds one; a ``.detach()`` shares it, a ``.data`` alias does not."""
@@ -41,6 +59,9 @@ def version(t: torch.Tensor) -> int:
 
 
 _VERSION = operator.attrgetter("_version")
+
+NBYTES = operator.attrgetter("nbytes")
+"""A tensor's byte count as a C-level getter, for ``sum(map(NBYTES, tensors))`` over thousands of tensors."""
 
 
 def versions(ts: Iterable[torch.Tensor]) -> List[int]:

@@ -23,6 +23,7 @@ from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
 from lightning_resume.exact.memory import MemoryTier
 from lightning_resume.exact.notices import REQUEUE, STOP, NoticeWatch, margin_metrics
+from lightning_resume.io.lending import Offer
 from lightning_resume.schedule import state as machine
 from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.preemption import PreemptionFlag
@@ -107,12 +108,15 @@ def at_step_boundary(
     noticed = preempt and notices is not None
     started = scheduler.wall_clock()
     save = tier is Tier.DURABLE or bool(preempt)
+    before = memory.offer(trainer) if memory is not None and save else None
     path = snapshot(scheduler, trainer, PREEMPTION if preempt else reason, durable=bool(preempt)) if save else None
     if noticed:
         _log_notice_save(trainer, notices, started, scheduler.wall_clock(), stop)  # type: ignore[arg-type]
     if memory is not None and tier is not Tier.NONE and not preempt:
-        # a durable save is also that step's memory snapshot: a crash right after it restores from memory
-        memory_snapshot(scheduler, trainer, memory)
+        # a durable save is also that step's memory snapshot: a crash right after it restores from memory; the
+        # snapshot writes what that save staged on this rank (a new offer), instead of copying the state again
+        offer = memory.offer(trainer) if save else None
+        memory_snapshot(scheduler, trainer, memory, offer if offer is not before else None)
     if stop:
         rank_zero_info(
             f"ExactResume: preemption requested; snapshot at step {trainer.global_step} is durable; stopping."
@@ -152,12 +156,15 @@ def _log_notice_save(trainer: pl.Trainer, notices: NoticeWatch, started: float, 
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
-def memory_snapshot(scheduler: SnapshotScheduler, trainer: pl.Trainer, memory: MemoryTier) -> None:
-    """Snapshot into the memory tier now (every rank); its blocking time is the schedule's C1."""
+def memory_snapshot(
+    scheduler: SnapshotScheduler, trainer: pl.Trainer, memory: MemoryTier, borrow: Optional[Offer] = None
+) -> None:
+    """Snapshot into the memory tier now (every rank); its blocking time is the schedule's C1, except where it
+    wrote a durable save's staging (``borrow``) instead of copying: that cost is not what a snapshot costs."""
     started = scheduler.clock()
-    nbytes = memory.save(trainer)
+    nbytes = memory.save(trainer, borrow)
     blocked = scheduler.clock() - started
-    if scheduler.state is None or nbytes is None:
+    if scheduler.state is None or nbytes is None or memory.borrowed_bytes:
         return
     metrics = scheduler.record_memory(trainer.global_step, blocked, nbytes)
     if trainer.is_global_zero:

@@ -24,6 +24,7 @@ from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import AsyncWriteError, CheckpointCorruptError, ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import snapshots
+from lightning_resume.io.lending import Offer
 from lightning_resume.io.memory_tier import (
     MemorySnapshot,
     MemoryStore,
@@ -74,6 +75,8 @@ class MemoryTier:
         io = trainer.strategy.checkpoint_io
         overlap = isinstance(io, SafetensorsCheckpointIO) and io.overlap_copy  # the user's choice, for both tiers
         self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size, overlap_copy=overlap)
+        if isinstance(io, SafetensorsCheckpointIO):
+            io.lend_staging()  # a snapshot at a durable save's step writes from that save's staging
         self.resumed_tier, self.run = None, None
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)
@@ -130,10 +133,17 @@ class MemoryTier:
         self.seq = 0
         self.run = restored_run or collective.broadcast(secrets.token_hex(8))
 
-    def save(self, trainer: pl.Trainer) -> Optional[int]:
+    def offer(self, trainer: pl.Trainer) -> Optional[Offer]:
+        """The durable IO's newest staged save on this rank (``io.lending``), or ``None``: read before and after a
+        durable save, it tells whether that save staged the state here (only rank 0 writes a DDP checkpoint)."""
+        io = trainer.strategy.checkpoint_io
+        return io.staging_offer if isinstance(io, SafetensorsCheckpointIO) else None
+
+    def save(self, trainer: pl.Trainer, borrow: Optional[Offer] = None) -> Optional[int]:
         """Every rank: snapshot the full checkpoint into its slot; the bytes written, or ``None`` (warned)
         when shared memory is too small, the root cannot be trusted or the write failed (training goes on;
-        the durable tier still saves)."""
+        the durable tier still saves). ``borrow``: the offer of the durable save just taken at this step
+        boundary: the tensors it staged are written from there, not copied again."""
         self.dumping = True  # not a durable save: nothing waits for the durable tier's write
         try:
             checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
@@ -145,7 +155,7 @@ class MemoryTier:
         try:
             if self.seq == 1:
                 self.store.clean_stale()  # after other runs of this user
-            return self.store.save(checkpoint, trainer.global_step, self.seq, self.run)
+            return self.store.save(checkpoint, trainer.global_step, self.seq, self.run, borrow=borrow)
         except NotEnoughSharedMemory as err:
             if not self.warned_full:
                 warnings.warn(f"ExactResume: {err}", ExactResumeWarning, stacklevel=2)
@@ -155,6 +165,11 @@ class MemoryTier:
                 warnings.warn(f"ExactResume: memory-tier snapshot failed ({err})", ExactResumeWarning, stacklevel=2)
                 self._warned_failed = True
         return None
+
+    @property
+    def borrowed_bytes(self) -> int:
+        """Bytes the newest snapshot wrote from a durable save's staging instead of copying them."""
+        return 0 if self.store is None else self.store.last_borrowed_bytes
 
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
         """After an exception, before the process exits: let the snapshot being written commit (its worker is a

@@ -18,14 +18,16 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Callable, Dict, List, Literal, Optional
+from typing import Callable, Dict, List, Literal, Optional, Tuple
 
 import torch
 
+from lightning_resume._compat.torch_ops import versions, without_function_modes
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.io import multipart, write
-from lightning_resume.io.buffers import HostBuffers, StagedTensors
+from lightning_resume.io.buffers import HostBuffers, StagedTensors, _Recopy
 from lightning_resume.io.codec import TreeEncoder, TreeText
+from lightning_resume.io.lending import BorrowedStaged, Offer
 from lightning_resume.io.overlap import CopyStats, OptimizerWatch, OverlappedCopy, copy_now
 from lightning_resume.io.worker import Job, OrderedWriter
 from lightning_resume.io.writer_process import SharedMemory, WriterProcess, refuse_process_local
@@ -75,6 +77,9 @@ class AsyncSaver:
     process (``io.writer_process``), started with the saver and again after it ended; the worker thread
     only waits for it. The write then starts once the whole snapshot is copied (after the barrier, with
     ``overlap_copy``), so ``overlap`` is refused with it. :meth:`close` ends the writer process too.
+
+    ``lend = True`` keeps an :attr:`offer` of each snapshot (``io.lending``), from which another saver's
+    :meth:`save_text` given ``borrow=`` takes the tensors it shares, instead of copying them again.
     """
 
     def __init__(
@@ -120,6 +125,14 @@ class AsyncSaver:
         self.last_wait_seconds = 0.0
         self.last_blocked_seconds = 0.0
         self._write_seconds: Optional[float] = None
+        self.lend = False
+        self.offer: Optional[Offer] = None
+        """With ``lend``: the newest snapshot, for another saver to take its tensors from (``io.lending``)."""
+        self._borrowers: List[Job] = []  # other savers' writes that read this pool
+        self._borrowed: Optional[Offer] = None  # the offer this saver's newest write reads from
+        self._after_barrier: List[Callable[[], None]] = []  # borrowers' hand-overs waiting for this copy
+        self.last_borrowed_bytes = 0
+        """Bytes the newest save took from another saver's snapshot instead of copying them (``borrow``)."""
 
     @property
     def last_write_seconds(self) -> Optional[float]:
@@ -137,45 +150,59 @@ class AsyncSaver:
         """
         self._save(path, checkpoint=checkpoint)
 
-    def save_encoded(self, tree_json: str, tensors: Dict[str, torch.Tensor], path: str) -> None:
-        """:meth:`save` of a checkpoint the caller has encoded already (``write.encode_tree``), e.g. to size it
-        first: the same wait, snapshot and commit, without encoding it a second time."""
-        self._save(path, encoded=TreeText(tree_json, tensors))
-
     def encode(self, checkpoint: dict) -> TreeText:
         """``checkpoint`` encoded as :meth:`save` encodes it: the kept encoding reused while the tree keeps its
         signature (only its tensor-free subtrees encoded), else in full. Hand the result to :meth:`save_text`."""
-        return self.encoder.reuse(checkpoint) or self.encoder.encode_in_full(checkpoint)
+        with without_function_modes():  # an overlapped copy's guard would see every metadata read
+            return self.encoder.reuse(checkpoint) or self.encoder.encode_in_full(checkpoint)
 
-    def save_text(self, encoded: TreeText, path: str) -> None:
+    def save_text(self, encoded: TreeText, path: str, borrow: Optional[Offer] = None) -> None:
         """:meth:`save` of a checkpoint encoded by :meth:`encode` (e.g. to size it first), just before: its
-        layout is kept, so the snapshot costs what a :meth:`save` of the same tree costs."""
-        self._save(path, encoded=encoded)
+        layout is kept, so the snapshot costs what a :meth:`save` of the same tree costs.
 
-    def _save(self, path: str, checkpoint: Optional[dict] = None, encoded: Optional[TreeText] = None) -> None:
+        ``borrow``: another saver's :attr:`offer` of a snapshot of the same state at the same point; the
+        tensors it holds are written from its pool, not copied (``io.lending``), the others are copied now."""
+        self._save(path, encoded=encoded, borrow=borrow)
+
+    def _save(
+        self,
+        path: str,
+        checkpoint: Optional[dict] = None,
+        encoded: Optional[TreeText] = None,
+        borrow: Optional[Offer] = None,
+    ) -> None:
         if self.process is not None:
             refuse_process_local(path)
         started = time.monotonic()
         self.end_copy()  # the previous snapshot's deferred copy (normally ended by the optimizer step before)
         self.writer.wait(self.writer.outstanding())  # the pool is reused: the previous write must be done
+        self.offer = None
+        self._wait_borrowers()  # and so must every other saver's write that reads it
         snapshot_start = time.monotonic()
         self.last_wait_seconds = snapshot_start - started
         self.report()
-        recopy = None
-        if encoded is None:
-            encoded = self.encoder.reuse(checkpoint)  # the usual save: only its tensor-free subtrees encoded
-        if encoded is None:  # encoded in full: long Python work, so the same tensors are copied meanwhile
-            recopy = None if self.overlap or self.overlap_copy else self.buffers.recopy_last()
-            try:
-                encoded = self.encoder.encode_in_full(checkpoint)  # unencodable values fail here, before any file
-            finally:
-                if recopy is not None:
-                    recopy.join()  # nothing touches the pool while it is being copied into
-        tree_json, tensors = encoded.tree_json, encoded.tensors
-        staged = self.buffers.prepare(tensors, encoded.layout)
+        with without_function_modes():  # a lender's copy guards this thread: its guard sees none of this
+            encoded, recopy = self._encode(checkpoint, encoded)
+            tree_json, tensors = encoded.tree_json, encoded.tensors
+            staged = self.buffers.prepare(tensors, encoded.layout)
+            taken = borrow.match(tensors) if borrow is not None and self.process is None else {}
+            if taken:
+                assert borrow is not None
+                staged = self._borrowing(staged, tensors, taken, borrow)
         staged.writer = self.process
         job = Job("write", path, lambda: self._commit(path, tree_json, staged))
-        if self.overlap_copy:
+        self.last_borrowed_bytes, self._borrowed = 0, None
+        if self.lend:
+            self.offer = Offer(
+                staged, tensors, versions(tensors.values()), self.end_copy, self.when_copied, self._borrowers
+            )
+        if taken:
+            assert borrow is not None and isinstance(staged, BorrowedStaged)
+            borrow.borrowers.append(job)
+            self._borrowed, self.last_borrowed_bytes = borrow, staged.borrowed_bytes
+            self._held = [job]  # handed over once the lender's copy is over, as the lender's own write is
+            borrow.when_copied(self._submit_held)
+        elif self.overlap_copy:
             self._copy_overlapped(staged, tensors, job)
         elif self.overlap:
             self._fill_while_writing(staged, encoded, job)
@@ -186,17 +213,33 @@ class AsyncSaver:
         self.last_blocked_seconds = time.monotonic() - snapshot_start
         self._last_write = job
 
+    def _encode(self, checkpoint: Optional[dict], encoded: Optional[TreeText]) -> Tuple[TreeText, Optional[_Recopy]]:
+        """``checkpoint`` encoded (unless given ``encoded``), and the recopy of the last save's tensors made
+        meanwhile when it was encoded in full (long Python work)."""
+        recopy = None
+        if encoded is None:
+            encoded = self.encoder.reuse(checkpoint)  # the usual save: only its tensor-free subtrees encoded
+        if encoded is None:  # encoded in full: long Python work, so the same tensors are copied meanwhile
+            recopy = None if self.overlap or self.overlap_copy else self.buffers.recopy_last()
+            try:
+                encoded = self.encoder.encode_in_full(checkpoint)  # unencodable values fail here, before any file
+            finally:
+                if recopy is not None:
+                    recopy.join()  # nothing touches the pool while it is being copied into
+        return encoded, recopy
+
     def _copy_overlapped(self, staged: StagedTensors, tensors: Dict[str, torch.Tensor], job: Job) -> None:
         """Copy now what may change before the next optimizer step; defer the rest (``io.overlap``)."""
         assert self.watch is not None
-        now, later = self.watch.split(staged, tensors)
         names = list(staged)
-        try:
-            if now:
-                copy_now([staged[names[i]] for i in now], [tensors[names[i]] for i in now], self.buffers.devices)
-        except BaseException as err:
-            staged._abort(err)
-            raise
+        with without_function_modes():
+            now, later = self.watch.split(staged, tensors)
+            try:
+                if now:
+                    copy_now([staged[names[i]] for i in now], [tensors[names[i]] for i in now], self.buffers.devices)
+            except BaseException as err:
+                staged._abort(err)
+                raise
         staged._copied_up_to(later[0] if later else len(staged), notify=True)
         if not later:
             self._submit(job)
@@ -216,12 +259,45 @@ class AsyncSaver:
             raise
         self._copy = copy
 
+    def _borrowing(
+        self, own: StagedTensors, tensors: Dict[str, torch.Tensor], taken: Dict[str, str], offer: Offer
+    ) -> BorrowedStaged:
+        """The snapshot with ``taken`` read from ``offer``'s pool; the rest copied into this pool now."""
+        rest = [name for name in own if name not in taken]
+        try:
+            copy_now([own[n] for n in rest], [tensors[n] for n in rest], self.buffers.devices)
+        except BaseException as err:
+            own._abort(err)
+            raise
+        staged = BorrowedStaged(own, offer.staged, taken)
+        staged._copied_up_to(len(staged), notify=False)
+        return staged
+
+    def _wait_borrowers(self, timeout: Optional[float] = None) -> bool:
+        """Until no other saver's write reads this pool (``False`` on timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in list(self._borrowers):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.done.wait(left):
+                return False
+            self._borrowers.remove(job)
+        return True
+
     def end_copy(self) -> Optional[CopyStats]:
         """The barrier of the snapshot whose copy is still running (``overlap_copy``): wait for it, copy again
         what changed unseen; its stats, or ``None`` when no copy was running. Also run by the next optimizer
         step, save, :meth:`wait` and :meth:`close`."""
         copy, self._copy = self._copy, None
+        if self._held is not None and self._borrowed is not None:
+            self._borrowed.end_copy()  # the write held for a lender's copy: the lender's barrier hands it over
         return None if copy is None else copy.finish()
+
+    def when_copied(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the newest snapshot is copied: at its barrier (``overlap_copy``), else now."""
+        if self._copy is not None and not self._copy.finished:
+            self._after_barrier.append(callback)
+        else:
+            callback()
 
     def _submit(self, job: Job) -> None:
         """Queue ``job`` on the worker, or behind an overlapped snapshot's write not handed over yet (order kept)."""
@@ -234,6 +310,9 @@ class AsyncSaver:
         held, self._held = self._held, None
         for job in held or ():
             self.writer.submit(job)
+        callbacks, self._after_barrier = self._after_barrier, []
+        for callback in callbacks:
+            callback()
 
     def _copy_ended(self, stats: CopyStats) -> None:
         self.last_copy = stats
@@ -255,6 +334,7 @@ class AsyncSaver:
         reservation that fails (no memory) is logged and leaves the first save to allocate, as before."""
 
         def run() -> None:
+            self._wait_borrowers()  # a larger pool replaces this one
             try:
                 self.buffers.reserve(nbytes, pinned)
             except (MemoryError, RuntimeError) as err:  # torch reports a failed allocation as RuntimeError
@@ -295,6 +375,8 @@ class AsyncSaver:
         finally:
             if self.process is not None and not self.writer.outstanding():
                 self.process.close()  # idle: it unmaps the pool and exits
+        self.offer = None
+        self._wait_borrowers()  # another saver's write still reads the pool
         self.buffers.release()
 
     def report(self, on_error: Optional[str] = None) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import operator
 import os
 import re
 import time
@@ -30,12 +29,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from lightning_resume._compat.torch_ops import NBYTES
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning
 from lightning_resume.io import read, resolve, write
 from lightning_resume.io.async_save import AsyncSaver, commit_staged
 from lightning_resume.io.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive, remove_quietly
 from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import DEFAULT_ALGORITHM
+from lightning_resume.io.lending import Offer
 from lightning_resume.io.overlap import CopyStats
 from lightning_resume.io.private import (
     PRIVATE_FILE_MODE,
@@ -58,7 +59,6 @@ MEMORY_KEY = "lightning_resume_memory_tier"
 HEADER_SLACK = 1 << 20
 """Bytes allowed for the safetensors header beyond the tree JSON (the tensor index and digests)."""
 
-_NBYTES = operator.attrgetter("nbytes")
 
 _SLOT = re.compile(r"^[0-9a-f]{16}$")
 """A slot directory's name (:func:`slot_key`): cleanup looks at nothing else."""
@@ -138,9 +138,19 @@ class MemoryStore:
         self.owner_path = os.path.join(self.directory, f"{stem}.owner")
         self._saver = AsyncSaver(self._commit, on_error="raise", overlap_copy=overlap_copy) if asynchronous else None
 
-    def save(self, checkpoint: Dict[str, Any], step: int, seq: int, run: str, now: Optional[float] = None) -> int:
+    def save(
+        self,
+        checkpoint: Dict[str, Any],
+        step: int,
+        seq: int,
+        run: str,
+        now: Optional[float] = None,
+        borrow: Optional[Offer] = None,
+    ) -> int:
         """Snapshot ``checkpoint`` of run ``run`` as this rank's (the previous one is replaced once the new one
-        is complete); return its size in bytes. Raises ``NotEnoughSharedMemory`` before writing anything when
+        is complete); return its size in bytes. ``borrow`` (asynchronous): a durable save's offer of the same
+        state at the same point (``io.lending``): the tensors it holds are written from its staging, not copied
+        again (:attr:`last_borrowed_bytes`). Raises ``NotEnoughSharedMemory`` before writing anything when
         it would not fit, ``UntrustedDirectory`` when the root or slot is not this user's alone, and
         (asynchronous) ``AsyncWriteError`` for a previous snapshot whose write failed."""
         record: Dict[str, Any] = {"step": int(step), "seq": int(seq), "saved_at": time.time() if now is None else now}
@@ -152,7 +162,7 @@ class MemoryStore:
             tree_json, tensors = encoded.tree_json, encoded.tensors
         else:
             tree_json, tensors = write.encode_tree(tree)
-        nbytes = sum(map(_NBYTES, tensors.values())) + len(tree_json)
+        nbytes = sum(map(NBYTES, tensors.values())) + len(tree_json)
         self._make_private()
         free = free_bytes(self.directory)
         if nbytes + HEADER_SLACK > free:
@@ -161,8 +171,13 @@ class MemoryStore:
         if self._saver is None:
             write.commit(self.path, tree_json, tensors, self.checksum, mode=PRIVATE_FILE_MODE)
         else:
-            self._saver.save_text(encoded, self.path)  # encoded once: the size check needed it
+            self._saver.save_text(encoded, self.path, borrow)  # encoded once: the size check needed it
         return nbytes
+
+    @property
+    def last_borrowed_bytes(self) -> int:
+        """Bytes the newest snapshot took from a durable save's staging instead of copying them (``borrow``)."""
+        return 0 if self._saver is None else self._saver.last_borrowed_bytes
 
     @property
     def last_copy(self) -> Optional[CopyStats]:

@@ -30,6 +30,7 @@ scheduled, milliseconds on a loaded machine. Knows tensors, threads and accelera
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
@@ -46,7 +47,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from lightning_resume._compat.torch_ops import function_mode_on_top, version, versions
+from lightning_resume._compat.torch_ops import NBYTES, function_mode_on_top, version, versions
 from lightning_resume.errors import AsyncWriteWarning
 from lightning_resume.io.buffers import NOTIFY_BYTES, Devices, StagedTensors, _copy_batch
 
@@ -60,7 +61,6 @@ def _storage(t: torch.Tensor) -> int:
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 _VALUES = operator.methodcaller("values")
-_NBYTES = operator.attrgetter("nbytes")
 
 
 class OptimizerWatch:
@@ -167,18 +167,18 @@ class OverlappedCopy:
         self.dsts = [staged[n] for n in self.names]
         self.srcs = list(sources)
         self.cuda = list(compress(range(len(self.srcs)), map(devices.is_cuda, self.srcs)))  # positions on a GPU
+        self._on_gpu = set(self.cuda)
         self.state = [_PENDING] * len(self.srcs)
         self.versions = versions(self.srcs)
         self.after_copy: List[Optional[int]] = [None] * len(self.srcs)
         self._by_storage: Optional[Dict[int, List[int]]] = None  # built at the first write the guard sees
-        self.stats = CopyStats(deferred_bytes=sum(map(_NBYTES, self.dsts)))
+        self.stats = CopyStats(deferred_bytes=sum(map(NBYTES, self.dsts)))
         self._cv = threading.Condition()
         self._error: Optional[BaseException] = None
         self._ran: Optional[threading.Event] = None  # set once the helper thread's part is over
         self._event: Any = None
         self._owner = threading.get_ident()
         self._guard: Optional[_CopyOnWrite] = None
-        self._hook: Any = None
         self.finished = False
         self.on_end: Optional[Callable[[CopyStats], None]] = None
         """Called with the stats once the barrier passed."""
@@ -198,9 +198,9 @@ class OverlappedCopy:
             self._event = self.devices.copy_on_side_stream([self.dsts[i] for i in cuda], [self.srcs[i] for i in cuda])
         self._guard = _CopyOnWrite(self)
         self._guard.__enter__()
-        self._hook = register_optimizer_step_pre_hook(self._before_step)
+        _BARRIERS.add(self)
         self._ran = threading.Event()
-        _HELPER.submit(lambda: self._run(set(cuda)))
+        _HELPER.submit(lambda: self._run(self._on_gpu))
 
     def _run(self, cuda: Set[int]) -> None:
         try:
@@ -304,23 +304,6 @@ class OverlappedCopy:
             while any(self.state[i] != _DONE for i in hit) and self._error is None:
                 self._cv.wait()
 
-    def _before_step(self, optimizer: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        """The global step pre-hook: the barrier now, or after the closure when the step is given one."""
-        if "closure" in kwargs and kwargs["closure"] is not None:
-            return args, {**kwargs, "closure": self._after(kwargs["closure"])}
-        if len(args) > 1 and args[1] is not None:
-            return (args[0], self._after(args[1]), *args[2:]), kwargs
-        self.finish()
-        return None
-
-    def _after(self, closure: Any) -> Any:
-        def closure_then_barrier() -> Any:
-            result = closure()
-            self.finish()
-            return result
-
-        return closure_then_barrier
-
     # ---- the barrier -----------------------------------------------------------------------------
 
     def finish(self) -> CopyStats:
@@ -336,7 +319,7 @@ class OverlappedCopy:
             self._unguard()
             if self._event is not None:
                 self.devices.wait_event(self._event)
-            on_gpu = set(self.cuda)
+            on_gpu = self._on_gpu
             cpu = [i for i in range(len(self.srcs)) if i not in on_gpu] if on_gpu else range(len(self.srcs))
             with self._cv:  # what the helper thread has not claimed yet is copied here, alongside it
                 mine = [i for i in cpu if self.state[i] == _PENDING] if _PENDING in self.state else []
@@ -377,7 +360,7 @@ class OverlappedCopy:
         now = versions(self.srcs)
         if now == self.versions:  # nothing written since the save (a version counter only grows): the usual case
             return
-        on_gpu = set(self.cuda)
+        on_gpu = self._on_gpu
         changed = [
             i
             for i, v in enumerate(now)
@@ -406,9 +389,7 @@ class OverlappedCopy:
         )
 
     def _unguard(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        _BARRIERS.discard(self)
         guard, self._guard = self._guard, None
         if guard is None:
             return
@@ -418,6 +399,65 @@ class OverlappedCopy:
         else:
             _STRANDED.append((self._owner, guard))
         pop_stranded()
+
+
+class _Barriers:
+    """The process's one global optimizer step pre-hook: the barrier of every overlapped copy in flight.
+
+    Installed at the first copy and kept: a hook that removed itself while ``torch.optim`` iterates over the
+    global hooks (two copies in flight at once, a durable save's and a memory snapshot's) would change that
+    dict under the iteration. A step given a closure (Lightning's automatic optimization, ``GradScaler``) runs
+    the barriers after the closure, so the copies still overlap the forward and backward the closure runs.
+    """
+
+    def __init__(self) -> None:
+        self.copies: List[OverlappedCopy] = []
+        self._installed = False
+
+    def add(self, copy: OverlappedCopy) -> None:
+        if not self._installed:
+            register_optimizer_step_pre_hook(self._before_step)
+            self._installed = True
+        self.copies.append(copy)
+
+    def discard(self, copy: OverlappedCopy) -> None:
+        with contextlib.suppress(ValueError):
+            self.copies.remove(copy)
+
+    def _before_step(self, optimizer: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        copies = list(self.copies)
+        if not copies:
+            return None
+        if "closure" in kwargs and kwargs["closure"] is not None:
+            return args, {**kwargs, "closure": _then_finish(kwargs["closure"], copies)}
+        if len(args) > 1 and args[1] is not None:
+            return (args[0], _then_finish(args[1], copies), *args[2:]), kwargs
+        _finish_all(copies)
+        return None
+
+
+def _finish_all(copies: Sequence[OverlappedCopy]) -> None:
+    """Every barrier runs, the first error raised once they all did."""
+    error: Optional[BaseException] = None
+    for copy in copies:
+        try:
+            copy.finish()
+        except BaseException as err:  # noqa: BLE001 - raised below, after the other copies' barriers
+            error = error or err
+    if error is not None:
+        raise error
+
+
+def _then_finish(closure: Any, copies: Sequence[OverlappedCopy]) -> Any:
+    def closure_then_barrier() -> Any:
+        result = closure()
+        _finish_all(copies)
+        return result
+
+    return closure_then_barrier
+
+
+_BARRIERS = _Barriers()
 
 
 class _Helper:

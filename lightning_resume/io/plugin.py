@@ -42,6 +42,7 @@ from lightning_resume.io.async_save import AsyncSaver, WriterKind, commit_staged
 from lightning_resume.io.atomic import clean_stale_temporaries
 from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
+from lightning_resume.io.lending import Offer
 from lightning_resume.io.overlap import CopyStats
 from lightning_resume.io.resolve import Skipped, is_last_name, newest_first, newest_verified, siblings, warn_skipped
 from lightning_resume.io.verify import precheck, problem
@@ -210,6 +211,18 @@ class SafetensorsCheckpointIO(CheckpointIO):
         """Whether saves copy the optimizer-written state while the next step runs (``overlap_copy=True``);
         ``ExactResume``'s memory tier then takes its snapshots the same way."""
         return self._saver is not None and self._saver.overlap_copy
+
+    def lend_staging(self) -> None:
+        """Keep an offer of each async save's staged tensors (:attr:`staging_offer`), for a second snapshot of the
+        same state at the same point to write from instead of copying it again (``io.lending``; ``ExactResume``'s
+        memory tier at the step of a durable save). No-op without ``async_save``."""
+        if self._saver is not None:
+            self._saver.lend = True
+
+    @property
+    def staging_offer(self) -> Optional[Offer]:
+        """The newest async save's staged tensors, with :meth:`lend_staging` (``None`` before, or without it)."""
+        return None if self._saver is None else self._saver.offer
 
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:

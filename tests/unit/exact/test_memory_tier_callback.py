@@ -144,3 +144,57 @@ def test_with_overlap_copy_memory_snapshots_are_overlapped_and_resume_bitwise(tm
     assert resumed.resume_report["exact"] and resumed.resume_report["fingerprint_ok"]
     assert weights.keys() == reference.keys()
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def _lending_fit(tmp_path: Path, shm: Path, overlap: bool, crash_at=None, made: Optional[list] = None) -> dict:
+    """Durable snapshots every 4 steps and memory snapshots every 2, through the async IO: the memory snapshot
+    at a durable step writes that save's staging. ``made`` gets the callback before the fit."""
+    lightning.seed_everything(0, verbose=False)
+    exact = ExactResume(
+        mtbf=None, every_n_train_steps_max=4, memory_tier=True, memory_dir=str(shm), memory_every_n_train_steps_max=2
+    )
+    if made is not None:
+        made.append(exact)
+    callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
+    callbacks += [Crash(crash_at)] if crash_at is not None else []
+    io = SafetensorsCheckpointIO(async_save=True, overlap_copy=overlap)
+    trainer = tiny_trainer(callbacks, max_steps=12, plugins=[io], default_root_dir=str(tmp_path))
+    model = TinyMLP()
+    trainer.fit(model, ckpt_path="last")
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["async", "overlap_copy"])
+def test_a_memory_snapshot_at_a_durable_step_writes_that_saves_staging_and_resumes_bitwise(
+    tmp_path: Path, shm: Path, monkeypatch, overlap: bool
+) -> None:
+    """At step 8 the durable save stages the state and the memory snapshot writes those bytes, copying only what
+    the durable dump does not hold; that durable write then fails (disk full), the run crashes at step 9, and the
+    relaunch resumes from the borrowed memory snapshot at step 8 and ends with the uninterrupted run's weights."""
+    reference = _lending_fit(tmp_path / "a", shm / "a", overlap)
+    durable: list[str] = []
+    commit = SafetensorsCheckpointIO._commit
+
+    def second_durable_write_fails(self, path, tree_json, staged):  # type: ignore[no-untyped-def]
+        durable.append(path)
+        if len(durable) == 2:
+            raise OSError(28, "No space left on device", path)
+        commit(self, path, tree_json, staged)
+
+    monkeypatch.setattr(SafetensorsCheckpointIO, "_commit", second_durable_write_fails)
+    made: list[ExactResume] = []
+    with pytest.raises(RuntimeError, match="crash"), pytest.warns(Warning):
+        _lending_fit(tmp_path / "b", shm / "b", overlap, crash_at=9, made=made)
+    monkeypatch.undo()
+    memory = made[0].memory
+    assert memory is not None and memory.store is not None and len(durable) == 2
+    assert memory.borrowed_bytes > 0  # the step-8 snapshot took the durable save's staged tensors
+    scheduler = made[0].scheduler
+    assert scheduler is not None and scheduler.memory is not None
+    assert len(scheduler.memory.costs) == 2  # C1 measured at steps 2 and 6 only: a borrowed snapshot costs no copy
+    resumed: list[ExactResume] = []
+    weights = _lending_fit(tmp_path / "b", shm / "b", overlap, made=resumed)
+    report = resumed[0].resume_report
+    assert report["tier"] == "memory" and report["step"] == 8 and report["exact"] and report["fingerprint_ok"]
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)

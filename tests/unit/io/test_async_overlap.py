@@ -398,3 +398,36 @@ def test_a_view_at_an_offset_into_a_parameter_is_copied_at_the_save(held, tmp_pa
     got = read.load_file(str(tmp_path / "a.ckpt"), True, None).checkpoint
     assert torch.equal(got["tail"], expected["tail"])
     _assert_saved(tmp_path / "a.ckpt", expected)
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["step", "step(closure)"])
+def test_two_copies_in_flight_at_once_both_end_at_the_next_step(tmp_path, closure):
+    """A durable save and a memory snapshot of the same step, each overlapped: the next optimizer step is the
+    barrier of both (one global pre-hook: hooks removed while torch iterates over them broke the step), and the
+    guards of both leave the thread."""
+    first, second = _saver(), _saver()
+    model, opt, x = _setup()
+    expected = _clone(_checkpoint(model, opt))
+    first.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    second.save(_checkpoint(model, opt), str(tmp_path / "b.ckpt"))
+    copies = [first._copy, second._copy]
+    assert all(c is not None and not c.finished for c in copies)
+
+    def forward_backward():
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    if closure:
+        opt.step(forward_backward)
+    else:
+        forward_backward()
+        opt.step()
+    assert all(c is not None and c.finished for c in copies) and not overlap._BARRIERS.copies
+    assert torch.overrides._get_current_function_mode() is None  # neither guard is left on the thread
+    opt.step()  # no barrier left to run
+    first.wait()
+    second.wait()
+    _assert_saved(tmp_path / "a.ckpt", expected)
+    _assert_saved(tmp_path / "b.ckpt", expected)

@@ -264,24 +264,16 @@ class AsyncSaver:
     ) -> BorrowedStaged:
         """The snapshot with ``taken`` read from ``offer``'s pool; the rest copied into this pool now."""
         rest = [name for name in own if name not in taken]
-        try:
-            copy_now([own[n] for n in rest], [tensors[n] for n in rest], self.buffers.devices)
-        except BaseException as err:
-            own._abort(err)
-            raise
+        copy_now([own[n] for n in rest], [tensors[n] for n in rest], self.buffers.devices)  # nothing reads them yet
         staged = BorrowedStaged(own, offer.staged, taken)
         staged._copied_up_to(len(staged), notify=False)
         return staged
 
-    def _wait_borrowers(self, timeout: Optional[float] = None) -> bool:
-        """Until no other saver's write reads this pool (``False`` on timeout)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _wait_borrowers(self) -> None:
+        """Until no other saver's write reads this pool."""
         for job in list(self._borrowers):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not job.done.wait(left):
-                return False
+            job.done.wait()
             self._borrowers.remove(job)
-        return True
 
     def end_copy(self) -> Optional[CopyStats]:
         """The barrier of the snapshot whose copy is still running (``overlap_copy``): wait for it, copy again

@@ -111,18 +111,30 @@ def test_an_exception_lets_the_snapshot_being_written_commit(tmp_path: Path, shm
     assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8
 
 
-def _overlapped_fit(tmp_path: Path, shm: Path, crash_at=None, made: Optional[list] = None) -> tuple[ExactResume, dict]:
-    """AdamW (state the optimizer writes, so the overlapped copy defers it), overlapped saves on both tiers;
-    the callback is appended to ``made`` before the fit (a crashing fit returns nothing)."""
+def _overlapped_fit(
+    tmp_path: Path,
+    shm: Path,
+    crash_at=None,
+    made: Optional[list] = None,
+    overlap: bool = True,
+    durable_every: int = 6,
+) -> tuple[ExactResume, dict]:
+    """AdamW (state the optimizer writes, so the overlapped copy defers it), async saves on both tiers (overlapped
+    with ``overlap``), durable every ``durable_every`` steps and memory every 2; the callback is appended to
+    ``made`` before the fit (a crashing fit returns nothing)."""
     lightning.seed_everything(0, verbose=False)
     exact = ExactResume(
-        mtbf=None, every_n_train_steps_max=6, memory_tier=True, memory_dir=str(shm), memory_every_n_train_steps_max=2
+        mtbf=None,
+        every_n_train_steps_max=durable_every,
+        memory_tier=True,
+        memory_dir=str(shm),
+        memory_every_n_train_steps_max=2,
     )
     if made is not None:
         made.append(exact)
     callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
     callbacks += [Crash(crash_at)] if crash_at is not None else []
-    io = SafetensorsCheckpointIO(async_save=True, overlap_copy=True)
+    io = SafetensorsCheckpointIO(async_save=True, overlap_copy=overlap)
     trainer = tiny_trainer(callbacks, max_steps=12, plugins=[io], default_root_dir=str(tmp_path))
     model = TinyMLP()
     trainer.fit(model, ckpt_path="last")
@@ -147,21 +159,9 @@ def test_with_overlap_copy_memory_snapshots_are_overlapped_and_resume_bitwise(tm
 
 
 def _lending_fit(tmp_path: Path, shm: Path, overlap: bool, crash_at=None, made: Optional[list] = None) -> dict:
-    """Durable snapshots every 4 steps and memory snapshots every 2, through the async IO: the memory snapshot
-    at a durable step writes that save's staging. ``made`` gets the callback before the fit."""
-    lightning.seed_everything(0, verbose=False)
-    exact = ExactResume(
-        mtbf=None, every_n_train_steps_max=4, memory_tier=True, memory_dir=str(shm), memory_every_n_train_steps_max=2
-    )
-    if made is not None:
-        made.append(exact)
-    callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
-    callbacks += [Crash(crash_at)] if crash_at is not None else []
-    io = SafetensorsCheckpointIO(async_save=True, overlap_copy=overlap)
-    trainer = tiny_trainer(callbacks, max_steps=12, plugins=[io], default_root_dir=str(tmp_path))
-    model = TinyMLP()
-    trainer.fit(model, ckpt_path="last")
-    return model.state_dict()
+    """Durable snapshots every 4 steps and memory snapshots every 2: the memory snapshot at a durable step
+    writes that save's staging."""
+    return _overlapped_fit(tmp_path, shm, crash_at, made, overlap=overlap, durable_every=4)[1]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["async", "overlap_copy"])

@@ -62,6 +62,23 @@ def _clone(tree):
     return tree
 
 
+def _next_step(model, opt, x, closure, before_forward=lambda: None):
+    """A forward, backward and optimizer step: given to ``step`` as its closure, or run before a plain ``step()``."""
+
+    def forward_backward():
+        before_forward()
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    if closure:
+        opt.step(forward_backward)
+    else:
+        forward_backward()
+        opt.step()
+
+
 def _assert_saved(path, expected):
     got = read.load_file(str(path), True, None).checkpoint
     for k, v in expected["state_dict"].items():
@@ -210,19 +227,11 @@ def test_the_next_optimizer_step_waits_for_the_copy_after_its_closure(held, tmp_
     saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
     copy, seen = saver._copy, []
 
-    def forward_backward():
+    def before_forward():
         seen.append(copy.finished)  # the closure (forward and backward) runs before the barrier
         held.set()
-        opt.zero_grad()
-        loss = model(x).sum()
-        loss.backward()
-        return loss
 
-    if closure:
-        opt.step(forward_backward)
-    else:
-        forward_backward()
-        opt.step()
+    _next_step(model, opt, x, closure, before_forward)
     assert seen == [False] and copy.finished and saver.last_copy is copy.stats
     assert not torch.equal(model[0].weight, expected["state_dict"]["0.weight"])  # the step did happen
     saver.wait()
@@ -413,17 +422,7 @@ def test_two_copies_in_flight_at_once_both_end_at_the_next_step(tmp_path, closur
     copies = [first._copy, second._copy]
     assert all(c is not None and not c.finished for c in copies)
 
-    def forward_backward():
-        opt.zero_grad()
-        loss = model(x).sum()
-        loss.backward()
-        return loss
-
-    if closure:
-        opt.step(forward_backward)
-    else:
-        forward_backward()
-        opt.step()
+    _next_step(model, opt, x, closure)
     assert all(c is not None and c.finished for c in copies) and not overlap._BARRIERS.copies
     assert torch.overrides._get_current_function_mode() is None  # neither guard is left on the thread
     opt.step()  # no barrier left to run

@@ -118,6 +118,7 @@ def _overlapped_fit(
     made: Optional[list] = None,
     overlap: bool = True,
     durable_every: int = 6,
+    extra: tuple = (),
 ) -> tuple[ExactResume, dict]:
     """AdamW (state the optimizer writes, so the overlapped copy defers it), async saves on both tiers (overlapped
     with ``overlap``), durable every ``durable_every`` steps and memory every 2; the callback is appended to
@@ -134,6 +135,7 @@ def _overlapped_fit(
         made.append(exact)
     callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
     callbacks += [Crash(crash_at)] if crash_at is not None else []
+    callbacks += list(extra)
     io = SafetensorsCheckpointIO(async_save=True, overlap_copy=overlap)
     trainer = tiny_trainer(callbacks, max_steps=12, plugins=[io], default_root_dir=str(tmp_path))
     model = TinyMLP()
@@ -158,10 +160,23 @@ def test_with_overlap_copy_memory_snapshots_are_overlapped_and_resume_bitwise(tm
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
 
+class WritesDoneBefore(Callback):
+    """Waits for the IO's writes at the start of the batch that ends at ``step``: the schedule starts no durable
+    save while one is in flight, so on a loaded machine the save at ``step`` would otherwise move."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.step - 1:
+            trainer.strategy.checkpoint_io.wait()
+
+
 def _lending_fit(tmp_path: Path, shm: Path, overlap: bool, crash_at=None, made: Optional[list] = None) -> dict:
-    """Durable snapshots every 4 steps and memory snapshots every 2: the memory snapshot at a durable step
-    writes that save's staging."""
-    return _overlapped_fit(tmp_path, shm, crash_at, made, overlap=overlap, durable_every=4)[1]
+    """Durable snapshots every 4 steps (step 8's made certain) and memory snapshots every 2: the memory snapshot
+    at a durable step writes that save's staging."""
+    extra = (WritesDoneBefore(8),)
+    return _overlapped_fit(tmp_path, shm, crash_at, made, overlap=overlap, durable_every=4, extra=extra)[1]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["async", "overlap_copy"])

@@ -8,7 +8,9 @@ encoder's byte for byte, and every file loads back as the state at its save.
 
 from __future__ import annotations
 
+import tempfile
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import numpy as np
@@ -356,17 +358,22 @@ def test_random_trees_and_changes_encode_as_the_full_encoder_does(data):
 )
 @given(st.data())
 def test_random_trees_and_changes_round_trip_through_async_saves(tmp_path, data):
+    # Each example in a directory of its own, its writes waited for even when Hypothesis abandons it mid-way
+    # (a draw past its data budget): an abandoned example's late writes replaced the next example's files.
+    root = Path(tempfile.mkdtemp(dir=tmp_path))
     io = SafetensorsCheckpointIO(async_save=True)
     tree = {"t": data.draw(_trees())}
     trees = []
-    for i in range(4):
-        io.save_checkpoint(tree, tmp_path / f"{i}.ckpt")
-        tree_json, tensors = write.encode_tree(tree)
-        trees.append((tree_json, {k: tensor_bits(v) for k, v in tensors.items()}))  # as at save time
-        tree = data.draw(_mutated(tree))
-    io.teardown()
+    try:
+        for i in range(4):
+            io.save_checkpoint(tree, root / f"{i}.ckpt")
+            tree_json, tensors = write.encode_tree(tree)
+            trees.append((tree_json, {k: tensor_bits(v) for k, v in tensors.items()}))  # as at save time
+            tree = data.draw(_mutated(tree))
+    finally:
+        io.teardown()
     for i, (tree_json, tensors) in enumerate(trees):
-        loaded = SafetensorsCheckpointIO().load_checkpoint(tmp_path / f"{i}.ckpt")
+        loaded = SafetensorsCheckpointIO().load_checkpoint(root / f"{i}.ckpt")
         again_json, again = write.encode_tree(loaded)
         assert again_json == tree_json and {k: tensor_bits(v) for k, v in again.items()} == tensors
 

@@ -32,6 +32,8 @@ from lightning_resume.io.framing import BLOCK
 
 log = logging.getLogger(__name__)
 
+_IS_CUDA = operator.attrgetter("is_cuda")
+
 NOTIFY_BYTES = 8 << 20
 """Copied bytes between two wake-ups of the writer (fewer wake-ups, less contention for the training thread)."""
 
@@ -45,6 +47,12 @@ class Devices:
 
     def is_cuda(self, t: torch.Tensor) -> bool:
         return t.is_cuda
+
+    def on_cuda(self, ts: List[torch.Tensor]) -> List[int]:
+        """The positions of ``ts`` that :meth:`is_cuda` names: one C-level pass unless a subclass overrides
+        :meth:`is_cuda` (a save runs it over every deferred tensor)."""
+        test = _IS_CUDA if type(self).is_cuda is Devices.is_cuda else self.is_cuda
+        return list(compress(range(len(ts)), map(test, ts)))
 
     def allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """The pool: page-locked when copies come from CUDA, so they can run as DMA without a bounce buffer."""

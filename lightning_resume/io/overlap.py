@@ -113,15 +113,17 @@ class OptimizerWatch:
 
 def copy_now(dsts: List[torch.Tensor], srcs: List[torch.Tensor], devices: Devices) -> None:
     """Copy each pair on the caller's thread (CUDA sources queued non-blocking, one synchronisation per device)."""
-    cuda = [i for i, t in enumerate(srcs) if devices.is_cuda(t)]
+    cuda = devices.on_cuda(srcs)
+    synchronize = {srcs[i].device for i in cuda}
     with torch.no_grad():
         for i in cuda:
             dsts[i].copy_(srcs[i], non_blocking=True)
-        taken = set(cuda)
-        _copy_batch(
-            [d for i, d in enumerate(dsts) if i not in taken], [t for i, t in enumerate(srcs) if i not in taken]
-        )
-    for device in {srcs[i].device for i in cuda}:
+        if cuda:
+            taken = set(cuda)
+            dsts = [d for i, d in enumerate(dsts) if i not in taken]
+            srcs = [t for i, t in enumerate(srcs) if i not in taken]
+        _copy_batch(dsts, srcs)
+    for device in synchronize:
         devices.synchronize(device)
 
 
@@ -166,7 +168,7 @@ class OverlappedCopy:
         self.names = [names[i] for i in places]
         self.dsts = [staged[n] for n in self.names]
         self.srcs = list(sources)
-        self.cuda = list(compress(range(len(self.srcs)), map(devices.is_cuda, self.srcs)))  # positions on a GPU
+        self.cuda = devices.on_cuda(self.srcs)  # positions on a GPU
         self._on_gpu = set(self.cuda)
         self.state = [_PENDING] * len(self.srcs)
         self.versions = versions(self.srcs)
@@ -330,7 +332,7 @@ class OverlappedCopy:
                     _copy_batch([self.dsts[i] for i in mine], [self.srcs[i] for i in mine])
                 self._done(mine)
             with self._cv:
-                while self._error is None and any(self.state[i] != _DONE for i in cpu):
+                while self._error is None and self._copying(cpu):
                     self._cv.wait()
                 error = self._error
             if error is not None:
@@ -350,6 +352,12 @@ class OverlappedCopy:
         if self.on_end is not None:
             self.on_end(self.stats)
         return self.stats
+
+    def _copying(self, cpu: Sequence[int]) -> bool:
+        """Whether a CPU tensor is not copied yet (with no CUDA source: one C-level count, not a frame per tensor)."""
+        if not self._on_gpu:
+            return self.state.count(_DONE) != len(self.state)
+        return any(self.state[i] != _DONE for i in cpu)
 
     def join(self) -> None:
         """Until the helper thread's part is done (the CUDA copies included): for tests and teardown."""

@@ -29,6 +29,12 @@ limit (``BareCopyWrite``: the floor plus a bare thread copy of the state overlap
 step, then a raw direct-I/O write and fsync of its bytes: what copying and writing the state costs this
 machine's training steps, with no format, checksum or bookkeeping); no checkpoints.
 
+A fit's speed drifts on a shared machine by more than what separates two saves (the same configuration lost
+0.5x to 3.5x a memcpy per save in different runs), so the ``paired`` configuration runs both in one fit: our
+overlapped save every ``2 * --every`` steps and the machine limit at the steps halfway between, each judged
+against the same calm steps; the report gives the limit's saves as a row of their own and, per fit, the
+difference between the two (``--only paired``).
+
 Usage: ``python benchmarks/bench_save_in_fit.py --params-mb 300 --steps 61 --repeats 2`` (defaults are small).
 """
 
@@ -70,6 +76,9 @@ from lightning_resume import ExactResume, SafetensorsCheckpointIO  # noqa: E402
 FLOOR = "ExactResume + null CheckpointIO (Lightning's checkpoint path, writes nothing: the floor)"
 BARE = "machine limit: the floor + a bare thread copy until the next optimizer step, then a raw O_DIRECT write"
 NONE = "no checkpoints"
+PAIRED = (
+    "paired: ExactResume + SafetensorsCheckpointIO(async_save=True, overlap_copy=True), the limit between its saves"
+)
 
 
 class Wide(pl.LightningModule):
@@ -99,6 +108,8 @@ class StepClock(Callback):
         self.starts: List[float] = []
         self.in_flight: List[bool] = []
         self.saves: List[int] = []
+        self.bare_saves: List[int] = []
+        """With ``Config.paired``: the batches whose end started the machine limit's save."""
         self.probe = probe
 
     def on_train_batch_start(self, trainer, *args) -> None:
@@ -222,8 +233,10 @@ class BareCopyWrite(Callback):
 
     CHUNK = 16 << 20
 
-    def __init__(self, root: str, every: int, hash: Optional[str] = None) -> None:
-        self.root, self.every, self.hash = root, every, hash
+    def __init__(
+        self, root: str, every: int, hash: Optional[str] = None, offset: int = 0, clock: Optional[StepClock] = None
+    ) -> None:
+        self.root, self.every, self.hash, self.offset, self.clock = root, every, hash, offset, clock
         self.dsts: List[torch.Tensor] = []
         self.image: Optional[mmap.mmap] = None
         self.copying: Optional[threading.Thread] = None
@@ -231,8 +244,10 @@ class BareCopyWrite(Callback):
         self.nbytes = 0
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        if trainer.global_step % self.every:
+        if (trainer.global_step - self.offset) % self.every:
             return
+        if self.clock is not None:  # paired with another save in the same fit: its saves are told apart
+            self.clock.bare_saves.append(len(self.clock.starts) - 1)
         if self.writing is not None:
             self.writing.join()  # one save in flight, as every row
         tensors = _state_tensors(pl_module, trainer.optimizers[0])
@@ -313,16 +328,22 @@ class Config:
     """Add ``BareCopyWrite`` (the machine's limit), saving at the same steps as the ``ModelCheckpoint``."""
     bare_hash: Optional[str] = None
     """``BareCopyWrite(hash=...)``: where the limit hashes (``None``: it does not)."""
+    paired: bool = False
+    """One fit, two saves taking turns: the ``ModelCheckpoint`` with ``io`` every ``2 * every`` steps, and the
+    machine limit (``BareCopyWrite``) at the steps halfway between, so both are judged against the same calm
+    steps of the same process (a fit's speed drifts by more than the difference between two saves)."""
 
 
 def _in_flight(trainer: pl.Trainer) -> bool:
     io = trainer.strategy.checkpoint_io
+    other = next((c for c in trainer.callbacks if isinstance(c, (DcpEvery, BareCopyWrite))), None)  # type: ignore[attr-defined]
+    if other is not None and other.in_flight():
+        return True
     if isinstance(io, SafetensorsCheckpointIO):
         return io.write_in_flight()
     if isinstance(io, CountedAsyncIO):
         return io.counted.pending > 0
-    other = next((c for c in trainer.callbacks if isinstance(c, (DcpEvery, BareCopyWrite))), None)  # type: ignore[attr-defined]
-    return other is not None and other.in_flight()
+    return False
 
 
 CONFIGS: Dict[str, Config] = {
@@ -340,6 +361,7 @@ CONFIGS: Dict[str, Config] = {
     "ExactResume + Lightning TorchCheckpointIO (default)": Config(TorchCheckpointIO),
     "dcp.async_save, thread staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.THREAD),
     "dcp.async_save, process staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.PROCESS),
+    PAIRED: Config(lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True), paired=True),
     BARE: Config(NullCheckpointIO, bare=True),
     BARE + ", + xxh3 beside the write": Config(NullCheckpointIO, bare=True, bare_hash="write"),
     BARE + ", + xxh3 after each tensor's copy": Config(NullCheckpointIO, bare=True, bare_hash="copy"),
@@ -353,9 +375,11 @@ def fit(name: str, root: str, params_mb: int, steps: int, every: int) -> Dict:
     clock, baseline = StepClock(_in_flight), MemcpyAfterFirstStep()
     callbacks: List[Callback] = [clock, baseline]
     if config.io is not None:
-        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=1))
+        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=every * (1 + config.paired), save_top_k=1))
     if config.bare:
         callbacks.append(BareCopyWrite(root, every, config.bare_hash))
+    if config.paired:
+        callbacks.append(BareCopyWrite(root, 2 * every, offset=every, clock=clock))
     if config.dcp is not None:
         if config.dcp == AsyncCheckpointerType.PROCESS:
             _one_rank_group()
@@ -375,6 +399,7 @@ def fit(name: str, root: str, params_mb: int, steps: int, every: int) -> Dict:
         "starts": clock.starts,
         "in_flight": clock.in_flight,
         "saves": clock.saves,
+        "bare_saves": clock.bare_saves,
         "memcpy": baseline.seconds,
         "exact": timed.seconds[1:],
     }
@@ -389,11 +414,9 @@ def _one_rank_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def windows(run: Dict, window: int) -> List[range]:
-    """Each save's window: its step and the next ``window - 1``, longer while its write is in flight, never
-    past the next save's step."""
-    n = len(run["starts"]) - 1  # steps with a measured time
-    saves, flight = run["saves"], run["in_flight"]
+def windows(saves: List[int], flight: List[bool], n: int, window: int) -> List[range]:
+    """Each save's window (``saves``: the batches that saved, ascending; ``n`` steps with a measured time): its
+    step and the next ``window - 1``, longer while a write is in flight, never past the next save's step."""
     out = []
     for k, s in enumerate(saves):
         end = min(s + window, n)
@@ -406,28 +429,30 @@ def windows(run: Dict, window: int) -> List[range]:
 
 def analyse(run: Dict, window: int, every: int) -> Dict[str, Any]:
     """Per save but the first: time lost (seconds; over a memcpy in ``report``); the steps during a write over
-    the calm step; steps/s."""
+    the calm step; each step k after a save over the calm step; steps/s. A paired fit (``Config.paired``) gives
+    the same for the machine limit's saves under ``"pair"``, against the same calm step."""
     starts = run["starts"]
     steps = [b - a for a, b in zip(starts, starts[1:])]
-    spans = windows(run, window)
-    disturbed = {i for w in spans for i in w} | {i for i, f in enumerate(run["in_flight"][: len(steps)]) if f}
+    flight = run["in_flight"][: len(steps)]
+    spans = windows(sorted(run["saves"] + run["bare_saves"]), flight, len(steps), window)
+    disturbed = {i for w in spans for i in w} | {i for i, f in enumerate(flight) if f}
     calm = statistics.median(t for i, t in enumerate(steps) if i not in disturbed and i > 0)
-    lost = [sum(steps[i] - calm for i in w) for w in spans[1:]]
-    saving = set(run["saves"])
-    during = [
-        steps[i] / calm for i, f in enumerate(run["in_flight"][: len(steps)]) if f and i not in saving and i > every
-    ]
+    by_start = {w.start: w for w in spans}
+
+    def per_save(saves: List[int]) -> Dict[str, Any]:
+        mine = [by_start[s] for s in saves[1:]]  # the first save of each kind allocates its staging
+        return {
+            "lost": [sum(steps[i] - calm for i in w) for w in mine],
+            "during": [steps[i] / calm for w in mine for i in w if flight[i] and i != w.start],
+            "after": [[steps[s + k] / calm for s in saves[1:] if s + k < len(steps)] for k in range(window + 2)],
+        }
+
     first, last = 2 * every - 1, (len(starts) - 1) // every * every - 1  # whole save periods: second save to last
     rate = (last - first) / (starts[last] - starts[first]) if last > first else float("nan")
-    after = [[steps[s + k] / calm for s in run["saves"][1:] if s + k < len(steps)] for k in range(window + 2)]
-    return {
-        "lost": lost,
-        "during": during,
-        "rate": rate,
-        "memcpy": run["memcpy"],
-        "exact": run["exact"],
-        "after": after,
-    }
+    out = {"rate": rate, "memcpy": run["memcpy"], "exact": run["exact"], **per_save(run["saves"])}
+    if run["bare_saves"]:
+        out["pair"] = per_save(run["bare_saves"])
+    return out
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -481,6 +506,7 @@ def main() -> None:
 
 
 def report(got: Dict[str, List[Dict[str, Any]]], a: argparse.Namespace, loads: List[Any]) -> None:
+    got = _with_pairs(got)
     state_mb = 3 * a.params_mb
     floor = statistics.median(x["rate"] for x in got[FLOOR]) if FLOOR in got else float("nan")
     # One memcpy for every row: the median over all fits of the run (each fit's own swung 0.05-0.09 s here,
@@ -521,6 +547,39 @@ def report(got: Dict[str, List[Dict[str, Any]]], a: argparse.Namespace, loads: L
             continue
         cols = [[v for x in runs for v in x["after"][k]] for k in range(k_max)]
         print(f"| {name} | " + " | ".join(f"{statistics.median(c):.3f}" if c else "-" for c in cols) + " |")
+    _paired_differences(got, memcpy_all)
+
+
+PAIRED_LIMIT = " -> its paired machine limit (same fits)"
+
+
+def _with_pairs(got: Dict[str, List[Dict[str, Any]]]) -> Dict[str, List[Dict[str, Any]]]:
+    """``got`` with a row after each paired configuration for the machine limit's saves in the same fits."""
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for name, runs in got.items():
+        out[name] = runs
+        if runs and "pair" in runs[0]:
+            out[name + PAIRED_LIMIT] = [
+                {**x["pair"], "rate": x["rate"], "memcpy": x["memcpy"], "exact": []} for x in runs
+            ]
+    return out
+
+
+def _paired_differences(got: Dict[str, List[Dict[str, Any]]], memcpy_all: float) -> None:
+    """Per paired configuration, each fit's median time lost per save minus its machine limit's (same fit)."""
+    for name, runs in got.items():
+        limit = got.get(name + PAIRED_LIMIT)
+        if not limit:
+            continue
+        diffs = [
+            (statistics.median(x["lost"]) - statistics.median(y["lost"])) / memcpy_all
+            for x, y in zip(runs, limit)
+            if x["lost"] and y["lost"]
+        ]
+        print(
+            f"\n{name}: time lost per save minus the paired limit's, per fit (/ memcpy): "
+            + ", ".join(f"{d:+.2f}x" for d in diffs)
+        )
 
 
 if __name__ == "__main__":

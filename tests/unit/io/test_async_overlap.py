@@ -238,6 +238,34 @@ def test_the_next_optimizer_step_waits_for_the_copy_after_its_closure(held, tmp_
     _assert_saved(tmp_path / "a.ckpt", expected)
 
 
+@pytest.mark.parametrize("finite", [True, False], ids=["stepped", "skipped_on_inf"])
+def test_amp_grad_scaler_the_barrier_is_its_optimizer_step_and_a_skipped_step_keeps_the_copy_going(
+    held, tmp_path, finite
+):
+    """``GradScaler.step`` (Lightning's 16-mixed) unscales the gradients in place, then calls ``optimizer.step``
+    only if they are finite: the barrier runs there, after the backward. When the scaler skips the step, no
+    barrier runs and nothing of the state changes; the copy is still in flight and the file still holds the
+    state at the save."""
+    saver = _saver()
+    model, opt, x = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    expected = _clone(_checkpoint(model, opt))
+    saver.save(_checkpoint(model, opt), str(tmp_path / "a.ckpt"))
+    copy = saver._copy
+    opt.zero_grad()
+    scaler.scale(model(x).sum() * (1.0 if finite else float("inf"))).backward()
+    assert not copy.finished  # the forward, the backward and the gradients' unscaling ran beside the copy
+    scaler.step(opt)
+    scaler.update()
+    assert copy.finished is finite  # a skipped step is no barrier: the state it would have written is unchanged
+    changed = not torch.equal(model[0].weight, expected["state_dict"]["0.weight"])
+    assert changed is finite
+    held.set()
+    saver.wait()  # ends the copy when no step did
+    assert copy.finished and saver.recopied == 0
+    _assert_saved(tmp_path / "a.ckpt", expected)
+
+
 def test_two_optimizers_the_first_step_is_the_barrier_for_both(held, tmp_path):
     saver = _saver()
     torch.manual_seed(0)

@@ -375,7 +375,9 @@ def fit(name: str, root: str, params_mb: int, steps: int, every: int) -> Dict:
     clock, baseline = StepClock(_in_flight), MemcpyAfterFirstStep()
     callbacks: List[Callback] = [clock, baseline]
     if config.io is not None:
-        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=every * (1 + config.paired), save_top_k=1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=root, every_n_train_steps=2 * every if config.paired else every, save_top_k=1)
+        )
     if config.bare:
         callbacks.append(BareCopyWrite(root, every, config.bare_hash))
     if config.paired:

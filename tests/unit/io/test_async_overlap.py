@@ -254,7 +254,7 @@ def test_amp_grad_scaler_the_barrier_is_its_optimizer_step_and_a_skipped_step_ke
     copy = saver._copy
     opt.zero_grad()
     scaler.scale(model(x).sum() * (1.0 if finite else float("inf"))).backward()
-    assert not copy.finished  # the forward, the backward and the gradients' unscaling ran beside the copy
+    assert not copy.finished  # the forward and the backward ran beside the copy (the scaler unscales in step)
     scaler.step(opt)
     scaler.update()
     assert copy.finished is finite  # a skipped step is no barrier: the state it would have written is unchanged

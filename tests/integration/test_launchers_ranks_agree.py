@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.helpers import kill_resume as h
@@ -22,10 +21,10 @@ def test_per_node_directories_make_every_rank_raise_the_same_named_error(tmp_pat
     h.run(first, tmp_path)
     assert (tmp_path / "ckpt-rank0" / "last.ckpt").exists() and not (tmp_path / "ckpt-rank1").exists()
     again = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "ckpt"), resume="last", max_steps=8)
-    started = time.monotonic()
-    code = h.exit_code(again, tmp_path, timeout=120)
+    # liveness only: ranks that waited for each other would block until the 300 s agreement timeout
+    code = h.exit_code(again, tmp_path, timeout=240)
     output = h.output(again)
-    assert code != 0 and time.monotonic() - started < 60, output
+    assert code != 0, output
     for rank in (0, 1):  # the same error raised on both ranks (torch prefixes each rank's lines)
         assert f"[rank{rank}]: lightning_resume.errors.ResumeMismatchError" in output, output
         assert f"[rank{rank}]:   - rank 1: no checkpoint found: a fresh start" in output, output

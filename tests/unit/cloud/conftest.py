@@ -39,7 +39,7 @@ def make_poller() -> Iterator[Callable[..., NoticePoller]]:
 
     yield make
     for poller in made:
-        assert poller.stop(timeout=5), "a polling thread did not end"
+        assert poller.stop(timeout=60), "a polling thread did not end"
     assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 
@@ -51,7 +51,7 @@ def caught() -> Iterator[list]:
         yield records
 
 
-def _wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+def _wait_until(predicate: Callable[[], object], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -61,5 +61,5 @@ def _wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
 
 @pytest.fixture
 def wait_until() -> Callable[..., None]:
-    """``wait_until(predicate, timeout=5.0)``: poll until true, fail after ``timeout`` s."""
+    """``wait_until(predicate, timeout=60.0)``: poll until true, fail after ``timeout`` s (liveness only)."""
     return _wait_until

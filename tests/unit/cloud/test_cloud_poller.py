@@ -154,18 +154,22 @@ def test_the_fake_service_refuses_requests_without_the_documented_headers(metada
 # ----------------------------------------------------------------------------------------- failures
 
 
-def test_a_hanging_endpoint_costs_the_caller_nothing_and_is_reported_once(metadata, make_poller, wait_until, caught):
-    metadata.hang_s = 30.0
+def test_a_hanging_endpoint_costs_the_caller_nothing_and_is_reported_once(
+    metadata, make_poller, wait_until, caught, monkeypatch
+):
+    metadata.hang_s = 600.0  # released at the server's stop: no answer ever comes while the test runs
     poller = make_poller(["gcp"], endpoint=metadata.url, timeout_s=0.2)
-    began = time.monotonic()
+    senders = []  # the thread of every request: the caller's never asks (bound by who works, not by seconds)
+    send = NoticePoller._send
+    monkeypatch.setattr(
+        NoticePoller, "_send", lambda self, *a: senders.append(threading.current_thread()) or send(self, *a)
+    )
     poller.start()
-    assert time.monotonic() - began < 0.1
-    wait_until(lambda: len(metadata.requests("/computeMetadata/")) >= 4, timeout=10)  # it keeps trying
+    wait_until(lambda: len(metadata.requests("/computeMetadata/")) >= 4, timeout=60)  # it keeps trying
     timeouts = [m for m in _ours(caught) if "no answer within 0.2s" in m]
     assert len(timeouts) == 2  # once per endpoint, however many polls timed out
-    began = time.monotonic()
-    assert poller.stop(timeout=5)
-    assert time.monotonic() - began < 1.0
+    assert poller.stop(timeout=60)  # the thread ends although the endpoint never answered
+    assert senders and threading.main_thread() not in senders and not metadata.release.is_set()
 
 
 def test_after_a_hang_a_later_answer_is_still_seen(metadata, make_poller, wait_until, caught):
@@ -313,7 +317,7 @@ def test_the_thread_is_a_named_daemon_and_stop_ends_it(metadata, make_poller):
         poller.poll_once()
     assert poller.start()  # already running: nothing more is started
     assert len([t for t in threading.enumerate() if t.name == THREAD_NAME]) == 1
-    assert poller.stop(timeout=2) and not poller.running
+    assert poller.stop(timeout=60) and not poller.running
 
 
 def test_invalid_options_are_all_named_at_once():

@@ -135,7 +135,7 @@ class QueueDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for _ in range(5):
-            yield self.queue.get(timeout=5)
+            yield self.queue.get(timeout=60)
 
 
 def test_an_iterable_reading_a_queue_is_not_read_again_on_resume(tmp_path: Path) -> None:

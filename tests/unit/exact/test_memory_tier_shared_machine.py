@@ -201,7 +201,7 @@ def test_a_planted_owner_file_neither_crashes_nor_hangs_a_snapshot(tmp_path: Pat
 
     worker = threading.Thread(target=snapshot, daemon=True)
     worker.start()
-    worker.join(timeout=30)
+    worker.join(timeout=120)
     assert not worker.is_alive(), "the snapshot hung on a planted owner file"
     assert outcome[0] == [str(old_slot)] and isinstance(outcome[1], int)
     assert store.load("r") is not None

@@ -129,7 +129,7 @@ def test_a_borrower_of_an_overlapped_snapshot_ends_the_lenders_copy_when_it_wait
     assert lender._copy is not None  # the copy is still deferred
     borrower.save_text(borrower.encode(ckpt), str(tmp_path / "memory.st"), borrow=lender.offer)
     assert borrower.last_borrowed_bytes > 0
-    assert borrower.wait(timeout=10)
+    assert borrower.wait(timeout=120)
     assert lender._copy is None  # the borrower's wait ran the lender's barrier
     got = _loaded(tmp_path / "memory.st")
     assert {k: tensor_bits(v) for k, v in got["state_dict"].items()} == expected
@@ -150,7 +150,7 @@ def test_a_failed_lender_copy_fails_the_borrowers_write_not_silently(tmp_path: P
     offer.staged._abort(RuntimeError("copy failed"))
     borrower.save_text(borrower.encode({"state_dict": state}), str(tmp_path / "memory.st"), borrow=offer)
     with pytest.warns(AsyncWriteWarning, match="memory.st"):
-        borrower.wait(timeout=10, on_error="warn")
+        borrower.wait(timeout=120, on_error="warn")
     assert not (tmp_path / "memory.st").exists()
     lender.close()
     borrower.close()

@@ -149,7 +149,7 @@ def test_jobs_run_one_at_a_time_in_submission_order():
     time.sleep(0.05)
     assert log == [] and len(writer.outstanding()) == 5  # nothing overtakes the blocked write
     gate.set()
-    assert writer.wait(jobs, timeout=5)
+    assert writer.wait(jobs, timeout=120)
     assert log == list("abcde") and writer.outstanding() == []
 
 
@@ -157,7 +157,7 @@ def test_a_deletion_behind_a_failed_write_is_skipped():
     writer, removed = OrderedWriter(), []
     failed = writer.submit(Job("write", "new", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device"))))
     skipped = writer.submit(Job("remove", "old", lambda: removed.append("old"), after=failed))
-    writer.wait([failed, skipped], timeout=5)
+    writer.wait([failed, skipped], timeout=120)
     assert skipped.skipped and removed == []
     assert [j.path for j in writer.take_failed()] == ["new"] and writer.take_failed() == []
 
@@ -167,7 +167,7 @@ def test_wait_times_out_and_reports_false():
     job = writer.submit(Job("write", "a", lambda: gate.wait(5)))
     assert writer.wait([job], timeout=0.05) is False
     gate.set()
-    assert writer.wait([job], timeout=5) is True
+    assert writer.wait([job], timeout=120) is True
 
 
 def _saver(write, on_error="raise"):

@@ -124,7 +124,7 @@ def test_the_writer_thread_and_the_threads_it_starts_run_below_training_priority
         child.join()
 
     writer, before = OrderedWriter(), _priority()
-    writer.wait([writer.submit(Job("write", "x", job))], timeout=10)
+    writer.wait([writer.submit(Job("write", "x", job))], timeout=120)
     assert writer.lowered is True
     assert seen["writer"] == seen["child"] == min(19, before + worker.WRITER_NICE)
     assert _priority() == before  # the training thread keeps its own
@@ -139,14 +139,14 @@ def test_priority_lowering_fails_soft_where_the_os_refuses(monkeypatch):
     assert worker.lower_thread_priority() is False
     writer, ran = OrderedWriter(), []
     job = writer.submit(Job("write", "x", lambda: ran.append(1)))
-    assert writer.wait([job], timeout=10) and ran == [1] and job.error is None
+    assert writer.wait([job], timeout=120) and ran == [1] and job.error is None
     assert writer.lowered is False
 
 
 def test_nice_zero_keeps_the_creators_priority():
     seen = []
     writer = OrderedWriter(nice=0)
-    writer.wait([writer.submit(Job("write", "x", lambda: seen.append(_priority())))], timeout=10)
+    writer.wait([writer.submit(Job("write", "x", lambda: seen.append(_priority())))], timeout=120)
     assert seen == [_priority()] and writer.lowered is False
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io.read import load_file
 from lightning_resume.io.write import commit
+from tests.helpers.tracebacks import raised_in
 
 MERSENNE = 2**61 - 1  # CPython reduces int hashes modulo this prime
 
@@ -40,10 +40,10 @@ def test_colliding_integer_keys_are_refused_in_linear_time(tmp_path, kind):
     else:
         inner = json.dumps({"@": "set", "v": keys})
     path = _write_tree(tmp_path / f"{kind}.ckpt", inner)
-    start = time.monotonic()
     with pytest.raises(CheckpointCorruptError, match="MAX_HASH_COLLISIONS") as err:
         load_file(path)
-    assert time.monotonic() - start < 5  # quadratic insertion of these keys takes several seconds
+    # refused by the linear count of hash values, before the dict or set is built (quadratic insertion)
+    assert raised_in(err.value, "_check_hash_spread")
     assert path in str(err.value)
 
 
@@ -57,21 +57,19 @@ def test_tree_of_tiny_containers_is_refused_before_it_is_built(tmp_path):
     # 20 MB of "[]," : about 7M lists, ~960 MB of Python objects once parsed and decoded
     path = _write_tree(tmp_path / "amp.ckpt", "[" + ",".join(["[]"] * 7_000_000) + "]")
     code = f"""
-import json, resource, time
+import json, resource
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io.read import load_file
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-start = time.monotonic()
 try:
     load_file({path!r})
     outcome = "loaded"
 except CheckpointCorruptError as err:
     outcome = str(err)
 grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-print(json.dumps({{"outcome": outcome, "grown_mb": grown_mb, "s": time.monotonic() - start}}))
+print(json.dumps({{"outcome": outcome, "grown_mb": grown_mb}}))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "MAX_TREE_NODES" in result["outcome"] and path in result["outcome"], result
     assert result["grown_mb"] < 250, result  # the header is read (20 MB) and counted, never parsed into objects
-    assert result["s"] < 10, result

@@ -12,7 +12,6 @@ import json
 import pickle
 import subprocess
 import sys
-import time
 import zipfile
 
 import pytest
@@ -21,6 +20,7 @@ import torch
 from lightning_resume.cli.main import main
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.io.read import load_file
+from tests.helpers.tracebacks import raised_in
 
 
 def _isolated(code: str, timeout: float = 120) -> dict:
@@ -47,17 +47,15 @@ def test_memo_dag_is_refused_by_inspect_diff_and_convert_quickly(tmp_path):
     _dag_checkpoint(path)
     assert path.stat().st_size < 4096
     code = f"""
-import json, time
+import json
 from lightning_resume.cli.main import main
-t = time.monotonic()
 rcs = [main(["inspect", {str(path)!r}]), main(["diff", {str(path)!r}, {str(path)!r}]),
        main(["convert", {str(path)!r}, {str(tmp_path / "out.ckpt")!r}])]
-print(json.dumps({{"rcs": rcs, "s": time.monotonic() - t}}))
+print(json.dumps({{"rcs": rcs}}))
 """
-    result = _isolated(code, timeout=120)
+    result = _isolated(code, timeout=600)  # liveness only: 2**60 leaves would never finish
     assert not result.get("timed_out"), "a 1 KB pickle-memo DAG made the CLI run for ever"
     assert result["rcs"] == [1, 1, 1]
-    assert result["s"] < 30
     assert not (tmp_path / "out.ckpt").exists()
     with pytest.raises(CheckpointCorruptError, match="MAX_TREE_NODES") as err:
         load_file(str(path))
@@ -141,7 +139,7 @@ def _flooding_pickle(n: int) -> bytes:
     )
 
 
-def test_colliding_integer_keys_in_a_legacy_pickle_are_refused_before_unpickling(tmp_path):
+def test_colliding_integer_keys_in_a_legacy_pickle_are_refused_before_unpickling(tmp_path, monkeypatch):
     path = tmp_path / "flood.ckpt"
     plain = tmp_path / "plain.ckpt"
     torch.save({"state_dict": {}, "epoch": 0}, str(plain))
@@ -149,10 +147,11 @@ def test_colliding_integer_keys_in_a_legacy_pickle_are_refused_before_unpickling
         for info in src.infolist():
             data = _flooding_pickle(16_000) if info.filename.endswith("data.pkl") else src.read(info)
             dst.writestr(info, data)
-    start = time.monotonic()
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch's unpickler ran"))
     with pytest.raises(CheckpointCorruptError, match="MAX_HASH_COLLISIONS") as err:
         load_file(str(path))
-    assert time.monotonic() - start < 5  # torch's unpickler takes seconds to build this dict, n**2 steps
+    # refused by the linear count over the pickle's bytes, before torch's unpickler builds the dict (n**2 steps)
+    assert raised_in(err.value, "_check_hash_spread")
     assert str(path) in str(err.value)
 
 

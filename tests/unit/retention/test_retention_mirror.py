@@ -47,7 +47,7 @@ def test_an_upload_waits_for_its_local_write_then_lands(tmp_path: Path) -> None:
     assert mirror.upload(str(source), ready.is_set) == str(tmp_path / "mirror" / source.name)
     assert not mirror.wait(str(source), timeout=0.2)  # the local write is still running
     ready.set()
-    assert mirror.wait(str(source), timeout=10)
+    assert mirror.wait(str(source), timeout=120)
     (outcome,) = mirror.settle()
     assert outcome.error is None and (tmp_path / "mirror" / source.name).read_bytes() == b"x" * 1000
     assert mirror.settle() == []  # handed out once
@@ -65,7 +65,7 @@ def test_a_failing_upload_is_named_and_queued_again_after_its_wait(tmp_path: Pat
     source = str(tmp_path / "step=000000006.ckpt")
     Path(source).write_bytes(b"x")
     mirror.upload(source)
-    assert mirror.wait(timeout=10)
+    assert mirror.wait(timeout=120)
     (outcome,) = mirror.settle()
     assert isinstance(outcome.error, UploadFailed) and outcome.failures == 1
     assert f"upload of {source} to s3://bucket/run/step=000000006.ckpt failed: PermissionError" in str(outcome.error)
@@ -73,7 +73,7 @@ def test_a_failing_upload_is_named_and_queued_again_after_its_wait(tmp_path: Pat
     assert mirror.retry_due() == []  # 5 s after the first failure, not before
     now[0] = 105.0
     assert mirror.retry_due() == [source]
-    assert mirror.wait(timeout=10) and [o.failures for o in mirror.settle()] == [2]
+    assert mirror.wait(timeout=120) and [o.failures for o in mirror.settle()] == [2]
     assert calls == ["s3://bucket/run/step=000000006.ckpt"] * 2
 
 
@@ -95,7 +95,7 @@ def test_a_deletion_runs_after_the_uploads_queued_before_it(tmp_path: Path) -> N
     time.sleep(0.1)
     assert old.exists()  # the deletion waits for the upload ahead of it
     release.set()
-    assert mirror.wait(timeout=10) and not old.exists() and order == ["upload a.ckpt"]
+    assert mirror.wait(timeout=120) and not old.exists() and order == ["upload a.ckpt"]
 
 
 def test_copy_file_commits_whole_and_checks_the_size(tmp_path: Path) -> None:

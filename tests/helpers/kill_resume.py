@@ -76,7 +76,7 @@ def run_and_kill_when(cfg: dict[str, Any], workdir: Path, ready: Callable[[], bo
     processes.kill_when(start(cfg, workdir), ready, timeout, log=lambda: output(cfg))
 
 
-def signal_after(cfg: dict[str, Any], workdir: Path, signum: int, after: int = 6, timeout: float = 120) -> int:
+def signal_after(cfg: dict[str, Any], workdir: Path, signum: int, after: int = 6, timeout: float = 300) -> int:
     """Start a run, send the trainee ``signum`` once it logged ``after`` micro-batches (or ``timeout`` s
     passed), and wait for it to stop: its exit code."""
     proc = start(cfg, workdir)
@@ -84,7 +84,7 @@ def signal_after(cfg: dict[str, Any], workdir: Path, signum: int, after: int = 6
     while len(steps(cfg["out"])) < after and time.monotonic() < deadline:
         time.sleep(0.02)
     os.kill(proc.pid, signum)
-    return proc.wait(timeout=90)
+    return proc.wait(timeout=300)
 
 
 def snapshot_step(ckpt_dir: str) -> int:

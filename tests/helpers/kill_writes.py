@@ -25,7 +25,7 @@ def durable_steps(out: Path) -> list[int]:
 
 
 def kill_during_writes(
-    out: Path, target: str, numel: int, delay: float, timeout: float = 60, env: Optional[dict[str, str]] = None
+    out: Path, target: str, numel: int, delay: float, timeout: float = 240, env: Optional[dict[str, str]] = None
 ) -> str:
     """Save ``numel``-element checkpoints to ``target`` in a loop, logging to ``out/events``; SIGKILL the
     loop ``delay`` s after its first write is durable. The last event: ``"begin"`` when the kill landed

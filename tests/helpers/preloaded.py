@@ -95,7 +95,7 @@ def start(
     return PreloadedProcess(process, [sys.executable, *argv])
 
 
-def _wait_for_session(process: multiprocessing.process.BaseProcess, timeout: float = 30.0) -> None:
+def _wait_for_session(process: multiprocessing.process.BaseProcess, timeout: float = 120.0) -> None:
     """Until the child leads a session of its own (``os.setsid``, its first act): a kill of its group
     sent before that would miss it, where ``Popen(start_new_session=True)`` has no such moment."""
     deadline = time.monotonic() + timeout

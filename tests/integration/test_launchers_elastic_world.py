@@ -109,7 +109,7 @@ def kill_node(proc: subprocess.Popen) -> list[int]:
             os.killpg(pid, signal.SIGKILL)  # a worker leads its own session (and its data workers, if any)
         except ProcessLookupError:
             pass
-    proc.wait(timeout=30)
+    proc.wait(timeout=120)
     return workers
 
 

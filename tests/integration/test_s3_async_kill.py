@@ -50,7 +50,7 @@ def test_sigkill_during_background_uploads_leaves_last_whole(tmp_path: Path, s3_
     assert mid_upload >= 1, "no kill landed during an upload"
 
 
-def _settled(url: str, quiet_s: float = 0.5, timeout: float = 30.0) -> None:
+def _settled(url: str, quiet_s: float = 0.5, timeout: float = 120.0) -> None:
     """Wait until the object's ETag holds still: the test server may still be finishing a request the killed
     writer sent, and moto (unlike S3) can serve the old object's bytes while it replaces them."""
     fs = fsspec.filesystem("s3")

@@ -56,7 +56,7 @@ def run_child(mode, signals):
             os.kill(proc.pid, sig)
             if not lines:
                 lines = [proc.stdout.readline().strip(), proc.stdout.readline().strip()]
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -38,7 +38,7 @@ def assert_loads_as(last: Path, step: int) -> None:
 
 def test_sigkill_anywhere_in_a_resave_leaves_a_committed_directory_under_the_final_name(tmp_path):
     procs = {phase: start(tmp_path / phase, phase) for phase in PHASES}
-    deadline = time.monotonic() + 90  # for all four together
+    deadline = time.monotonic() + 360  # for all four together (liveness only)
     for phase, proc in procs.items():
         sharded_runs.kill_when_paused(proc, tmp_path / phase, timeout=max(deadline - time.monotonic(), 0.0))
     for phase, step in PHASES.items():

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_resume import ExactResume, SafetensorsCheckpointIO
-from lightning_resume.errors import NoLoadableCheckpointError, UnencodableValueError
+from lightning_resume.errors import NoLoadableCheckpointError, PickledCheckpointError, UnencodableValueError
 from lightning_resume.io.legacy import load_legacy
 from tests.helpers.filesystem import listing
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
@@ -103,3 +103,16 @@ def test_numpy_scalars_load_weights_only(tmp_path):
     loaded = load_legacy("mem.ckpt", io.BytesIO(buffer.getvalue()))
     assert loaded["optimizer_states"][0] == values
     assert all(type(v) is type(values[k]) for k, v in loaded["optimizer_states"][0].items())
+
+
+def test_safetensors_io_reads_a_pickled_legacy_file_as_weights_only_says(tmp_path):
+    """The plugin resolving "last" and loading: refused by default, read in full when the user trusts it."""
+    path = str(tmp_path / "last.ckpt")
+    torch.save({"global_step": 3, "hyper_parameters": {"optimizer": functools.partial(torch.optim.SGD, lr=0.1)}}, path)
+    plugin, skipped = SafetensorsCheckpointIO(), []
+    assert plugin.resolve_newest([path], skipped=skipped.append) is None
+    assert "functools.partial" in skipped[0] and "save_hyperparameters(ignore=" in skipped[0]
+    with pytest.raises(PickledCheckpointError, match="functools.partial"):
+        plugin.load_checkpoint(path)
+    assert plugin.resolve_newest([path], skipped=skipped.append, weights_only=False) == path
+    assert plugin.load_checkpoint(path, weights_only=False)["hyper_parameters"]["optimizer"].keywords == {"lr": 0.1}

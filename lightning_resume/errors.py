@@ -8,7 +8,7 @@ import Lightning, torch or touch files.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 # ------------------------------------------------------------------------------------------ errors
 
@@ -63,6 +63,32 @@ class UnsafeCheckpointError(LightningResumeError):
         super().__init__(f"{self.path}: refused to load: {reason}")
 
 
+UNPICKLING_FIXES = (
+    "Two fixes work. If you trust where the checkpoint comes from, load it with weights_only=False:"
+    " trainer.fit(..., ckpt_path=..., weights_only=False) (lightning-resume verify/convert: --no-weights-only),"
+    " which runs the code it names."
+    " To write checkpoints that need no code, keep such objects out of them: for an nn.Module or a functools.partial"
+    " passed to __init__, self.save_hyperparameters(ignore=[...]) naming those arguments (pass them again to"
+    " load_from_checkpoint)."
+)
+"""What to do about a checkpoint that needs pickled objects: one text for every message that says so."""
+
+
+class PickledCheckpointError(UnsafeCheckpointError):
+    """An intact ``torch.save`` checkpoint holds objects only unpickling code can rebuild (an ``nn.Module`` or
+    a ``functools.partial`` in the hyper-parameters): a weights-only load, the default, refuses it. ``globals``
+    names what the file would import and call (``torch.nn.modules.linear.Linear``)."""
+
+    def __init__(self, path: str, globals: Iterable[str]) -> None:
+        self.globals = tuple(sorted(set(globals)))
+        names = ", ".join(self.globals) or "globals outside the safe allowlist"
+        super().__init__(
+            path,
+            f"it holds pickled objects that a weights-only load (the default: no code runs when a checkpoint is"
+            f" read) refuses: {names}. {UNPICKLING_FIXES}",
+        )
+
+
 class RemoteLoadMemoryError(LightningResumeError):
     """Loading a checkpoint from a URL would hold more host memory than ``limit`` allows (the memory the
     host or its cgroup has left, or ``max_remote_load_bytes``); refused before its data was downloaded."""
@@ -89,24 +115,68 @@ class RemoteLoadMemoryError(LightningResumeError):
 class UnencodableValueError(LightningResumeError, TypeError):
     """A value in the checkpoint has no safe, pickle-free encoding; nothing was written."""
 
-    def __init__(self, key_path: str, type_name: str, reason: str = "") -> None:
+    def __init__(self, key_path: str, type_name: str, reason: str = "", fix: str = "") -> None:
         self.key_path = key_path
         self.type_name = type_name
+        self.reason = reason
         why = f" ({reason})" if reason else ""
         super().__init__(
             f"cannot store checkpoint value at '{key_path}' of type {type_name}{why}: SafetensorsCheckpointIO "
-            "writes no pickle. Make it a tensor, number, string, list, tuple or dict (e.g. convert a config "
-            "object with dataclasses.asdict / vars()), or register a converter with "
-            "lightning_resume.register_converter(type, encode, decode, name)."
+            f"writes no pickle. {fix or _fix_for(key_path)}"
         )
+
+
+HPARAMS_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+"""Where Lightning puts ``save_hyperparameters()``'s values in a checkpoint (of the module, of the datamodule)."""
+
+
+def hparam_name(key_path: str) -> str:
+    """The hyper-parameter a checkpoint key path lies in (``hyper_parameters.net.0`` -> ``net``); ``""`` if none."""
+    top, _, rest = key_path.partition(".")
+    return rest.split(".", 1)[0] if top in HPARAMS_KEYS else ""
+
+
+def hparams_fix(names: Iterable[str]) -> str:
+    """How to keep the hyper-parameters ``names`` out of every checkpoint."""
+    listed = sorted(set(names))
+    again = ", ".join(f"{n}=..." for n in listed)
+    return (
+        "It is a hyper-parameter, and an nn.Module or a function (a functools.partial) has no encoding that loads"
+        f" without running code. Leave such values out with self.save_hyperparameters(ignore={listed!r}) (and"
+        f" pass them again to load_from_checkpoint(..., {again})), or make them plain values (numbers, strings,"
+        " lists and dicts of them)."
+    )
+
+
+def _fix_for(key_path: str) -> str:
+    """The fix for an unencodable value, by where it sits: a hyper-parameter is left out by name."""
+    name = hparam_name(key_path)
+    if name:
+        return hparams_fix([name])
+    return (
+        "Make it a tensor, number, string, list, tuple or dict (e.g. convert a config "
+        "object with dataclasses.asdict / vars()), or register a converter with "
+        "lightning_resume.register_converter(type, encode, decode, name)."
+    )
 
 
 class NoLoadableCheckpointError(LightningResumeError):
     """``ckpt_path="last"`` found checkpoints but none verifies; starting over would silently lose the run."""
 
-    def __init__(self, directory: str, problems: Iterable[str]) -> None:
+    def __init__(
+        self, directory: str, problems: Iterable[str], pickled: Optional[Mapping[str, Iterable[str]]] = None
+    ) -> None:
         self.directory = str(directory)
         self.problems = list(problems)
+        self.pickled = {str(path): tuple(names) for path, names in (pickled or {}).items()}
+        if self.pickled:  # every one is intact but needs unpickling: say so once, with the fixes that work
+            lines = "\n".join(f"  - {path}: {', '.join(names)}" for path, names in self.pickled.items())
+            super().__init__(
+                f"ckpt_path='last': {len(self.pickled)} checkpoint(s) in {self.directory} and none loads"
+                f" weights-only (the default): each holds pickled objects that only running code can rebuild:\n"
+                f"{lines}\n{UNPICKLING_FIXES}"
+            )
+            return
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(
             f"ckpt_path='last': {len(self.problems)} checkpoint(s) in {self.directory} and none loads:\n{lines}\n"

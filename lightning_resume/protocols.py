@@ -30,8 +30,12 @@ class ResolvingCheckpointIO(Protocol):
     back along the other candidates, newest first, before any state is applied.
     """
 
-    def resolve_newest(self, paths: Sequence[str], skipped: Callable[[str], None]) -> Optional[str]:
-        """The newest of ``paths`` (by training progress) to resume from; each one passed over told to ``skipped``."""
+    def resolve_newest(
+        self, paths: Sequence[str], skipped: Callable[[str], None], weights_only: bool = True
+    ) -> Optional[str]:
+        """The newest of ``paths`` (by training progress) to resume from; each one passed over told to ``skipped``.
+        ``weights_only``: the user's ``fit(..., weights_only=...)`` (``False``: a ``torch.save`` candidate that
+        needs pickled objects may be unpickled in full, as its load will be)."""
 
     def loaded_path(self, path: str) -> str:
         """The file a load of ``path`` actually read: ``path``, or the candidate it fell back to."""

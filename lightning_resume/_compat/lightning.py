@@ -463,6 +463,40 @@ def resolve_last_through_callbacks() -> None:
     ``SafetensorsCheckpointIO`` and ``RetentionCheckpoint``."""
     if ModelCheckpoint._find_last_checkpoints is _LIGHTNING_FIND_LAST:
         ModelCheckpoint._find_last_checkpoints = _find_last  # type: ignore[method-assign]
+    remember_fit_weights_only()  # "last" is resolved with the user's weights_only
+
+
+_LIGHTNING_FIT_IMPL = pl.Trainer._fit_impl
+
+
+def _fit_impl_remembering(
+    self: pl.Trainer,
+    model: Any,
+    train_dataloaders: Any = None,
+    val_dataloaders: Any = None,
+    datamodule: Any = None,
+    ckpt_path: Any = None,
+    weights_only: Optional[bool] = None,
+) -> None:
+    self._lightning_resume_weights_only = weights_only  # type: ignore[attr-defined]  # read by fit_weights_only
+    return _LIGHTNING_FIT_IMPL(self, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+
+
+def remember_fit_weights_only() -> None:
+    """Keep the ``weights_only`` a ``fit`` was called with: ``Trainer.fit`` (trainer.py:522-593) hands it to
+    ``_fit_impl`` (trainer.py:595-630), which resolves ``ckpt_path`` ("last", checkpoint_connector.py:86-114)
+    before the strategy's ``load_checkpoint`` receives it (checkpoint_connector.py:83), so a resolver that
+    verifies candidates never sees it otherwise. Idempotent. A process started by ``ddp_spawn`` runs
+    ``_fit_impl`` unpatched unless something of ours was constructed there (then the default, weights-only)."""
+    if pl.Trainer._fit_impl is _LIGHTNING_FIT_IMPL:
+        pl.Trainer._fit_impl = _fit_impl_remembering  # type: ignore[method-assign]
+
+
+def fit_weights_only(trainer: pl.Trainer) -> Optional[bool]:
+    """The ``weights_only`` the current (or last) ``fit`` of ``trainer`` was called with (``None``: not given,
+    Lightning's default, which ``torch.load`` takes as ``True`` since torch 2.6)."""
+    value = getattr(trainer, "_lightning_resume_weights_only", None)
+    return value if isinstance(value, bool) else None
 
 
 # ------------------------------------------------------------------------------ checkpoint loading

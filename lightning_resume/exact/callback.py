@@ -49,7 +49,7 @@ from lightning_resume.exact.state import rng as rng_streams
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
 from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
-from lightning_resume.io.plugin import loaded_in_place, offer_module
+from lightning_resume.io.plugin import loaded_in_place, offer_module, refuse_unencodable_hparams
 from lightning_resume.prove import trace
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.schedule.config import (
@@ -274,6 +274,7 @@ class ExactResume(Callback):
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if stage == "fit":
             offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
+            refuse_unencodable_hparams(trainer, pl_module)  # not at the first save, hours in
         if stage == "fit":
             self._trace = self._trace_from_environment(trainer)
         if stage == "fit" and self._stop_replacing_loaders is None:

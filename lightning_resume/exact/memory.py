@@ -61,6 +61,7 @@ class MemoryTier:
         self._warned_failed = False
         self.directory, self.rank, self.world_size = "", 0, 1
         self._remove_hook: Optional[Callable[[], None]] = None
+        self.weights_only = True
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Find this rank's slot and, for ``fit(ckpt_path="last")``, have the resume consider the memory tier
@@ -78,6 +79,7 @@ class MemoryTier:
         if isinstance(io, SafetensorsCheckpointIO):
             io.lend_staging()  # a snapshot at a durable save's step writes from that save's staging
         self.resumed_tier, self.run = None, None
+        self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)
 
@@ -89,10 +91,11 @@ class MemoryTier:
     def choose(self, durable: Optional[str]) -> Optional[tuple[str, dict[str, Any]]]:
         """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank agrees to resume
         from memory; ``None`` to restore ``durable`` (Lightning's "last", possibly ``None``) instead."""
-        run = collective.on_rank_zero(lambda: durable_run(durable), _failure(f"read the run id of {durable}"))
+        read_run = lambda: durable_run(durable, self.weights_only)  # as fit reads the file
+        run = collective.on_rank_zero(read_run, _failure(f"read the run id of {durable}"))
         mine = self._load_verified(run) if self.store is not None and run is not None else None
         record = None if mine is None else (mine.step, mine.seq, _exact_state(mine.checkpoint).get("saved_at"))
-        everyone = collective.gather((record, durable_step(durable)))
+        everyone = collective.gather((record, durable_step(durable, self.weights_only)))
         records, newest_durable = [r for r, _ in everyone], max(d for _, d in everyone)
         reason = _why_not_memory(records, newest_durable)
         if reason is not None:

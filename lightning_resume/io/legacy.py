@@ -2,11 +2,16 @@
 
 ``weights_only=True`` refuses every pickle global outside torch's allowlist. Lightning checkpoints
 need a few more harmless classes (found by loading real Lightning-saved files): ``pathlib`` paths and
-``AttributeDict`` in hyper-parameters, ``argparse.Namespace`` from LightningCLI hparams, and the enums
-Lightning itself defines. Those, and nothing else, are added for the duration of one load. A file
-that still needs another global, such as a ``__reduce__`` payload, is refused with
-``UnsafeCheckpointError`` before anything it names is called. This module never passes
-``weights_only=False``.
+``AttributeDict`` in hyper-parameters, ``argparse.Namespace`` from LightningCLI hparams, the enums
+Lightning itself defines, and NumPy scalars (an optimizer or a scheduler may keep ``numpy.float64``
+values: rebuilt from a dtype and bytes, nothing called). Those, and nothing else, are added for the
+duration of one load. A file that still needs another global (an ``nn.Module`` or a ``functools.partial``
+that ``save_hyperparameters()`` stored, a ``__reduce__`` payload) is refused with
+``PickledCheckpointError`` naming every such global, before anything it names is called.
+
+Only a caller that says so explicitly (``weights_only=False``: the user's ``trainer.fit(...,
+weights_only=False)``, or the CLI's ``--no-weights-only``, for a file they trust) gets a full unpickle, as
+``torch.load`` does it; the bounds below still apply first.
 
 Weights-only still builds whatever containers the pickle describes, so three bounds apply before and
 after the load (``CheckpointCorruptError`` naming the file and the limit): every zip record must be
@@ -29,7 +34,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from lightning_resume.errors import CheckpointCorruptError, UnsafeCheckpointError
+from lightning_resume.errors import CheckpointCorruptError, PickledCheckpointError
 from lightning_resume.io import codec
 
 MAX_PICKLE_BYTES = 256 << 20
@@ -48,25 +53,47 @@ def lightning_safe_globals() -> List[Any]:
 
     paths = [pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath]
     enums = [TrainerStatus, TrainerFn, RunningStage, GradClipAlgorithmType, EarlyStoppingReason, Interval]
-    return [*paths, AttributeDict, argparse.Namespace, *enums]
+    return [*paths, AttributeDict, argparse.Namespace, *enums, *_numpy_scalar_globals()]
 
 
-def load_legacy(path: str, fileobj: Any, map_location: Any = None, mmap: bool = False) -> Dict[str, Any]:
-    """Load a ``torch.save`` file from ``fileobj`` with ``weights_only=True`` and Lightning's allowlist.
+def _numpy_scalar_globals() -> List[Any]:
+    """What a pickled NumPy scalar of a numeric or bool dtype names: ``numpy.dtype``, its dtype class
+    (``numpy.dtypes.Float64DType``) and the ``scalar`` function that builds it from those bytes."""
+    import numpy as np
+
+    multiarray = getattr(np, "_core", None) or np.core  # NumPy 2 moved it; NumPy 1 has np.core only
+    dtypes = [type(np.dtype(code)) for code in "?bhilqBHILQefdgFDG"]
+    return [multiarray.multiarray.scalar, np.dtype, *dtypes]
+
+
+def load_legacy(
+    path: str, fileobj: Any, map_location: Any = None, mmap: bool = False, weights_only: bool = True
+) -> Dict[str, Any]:
+    """Load a ``torch.save`` file from ``fileobj`` with ``weights_only=True`` and Lightning's allowlist
+    (``PickledCheckpointError`` naming each other global it needs), or, with ``weights_only=False`` (a file
+    the caller trusts), unpickled in full.
 
     ``mmap=True`` (``fileobj`` a local file name) maps the tensors instead of reading them: a look at the
     non-tensor values (the step) costs the pickle, not the file."""
     check_zip(path, fileobj)
     location = _torch_map_location(map_location)
+    loaded = (
+        _load_weights_only(path, fileobj, location, mmap) if weights_only else _unpickle(path, fileobj, location, mmap)
+    )
+    if not isinstance(loaded, dict):
+        raise CheckpointCorruptError(
+            path, "torch.save file does not hold a checkpoint dict", "dict", type(loaded).__name__
+        )
+    check_tree(path, loaded)
+    return loaded
+
+
+def _load_weights_only(path: str, fileobj: Any, location: Any, mmap: bool) -> Any:
     try:
         with torch.serialization.safe_globals(lightning_safe_globals()):
-            loaded = torch.load(fileobj, map_location=location, weights_only=True, mmap=mmap or None)
+            return torch.load(fileobj, map_location=location, weights_only=True, mmap=mmap or None)
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(
-            path,
-            "it is a pickle that needs code outside the safe allowlist to load (torch.load weights_only=True "
-            f"refused it). If you trust its source, convert it in a sandbox. Detail: {_first_line(err)}",
-        ) from err
+        raise PickledCheckpointError(path, unsafe_globals(fileobj) or [_first_line(err)]) from err
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, IndexError) as err:
         raise CheckpointCorruptError(path, f"torch.save file could not be read: {_first_line(err)}") from err
     except (TypeError, AttributeError) as err:
@@ -81,12 +108,36 @@ def load_legacy(path: str, fileobj: Any, map_location: Any = None, mmap: bool = 
         raise CheckpointCorruptError(
             path, f"torch.save file is malformed: {type(err).__name__}: {_first_line(err)}"
         ) from err
-    if not isinstance(loaded, dict):
+
+
+def _unpickle(path: str, fileobj: Any, location: Any, mmap: bool) -> Any:
+    """A full unpickle (``weights_only=False``), for a file the caller said it trusts: it imports and calls
+    what the file names, so whatever that code raises (a class this process cannot import) names the file."""
+    try:
+        return torch.load(fileobj, map_location=location, weights_only=False, mmap=mmap or None)
+    except Exception as err:
         raise CheckpointCorruptError(
-            path, "torch.save file does not hold a checkpoint dict", "dict", type(loaded).__name__
-        )
-    check_tree(path, loaded)
-    return loaded
+            path, f"unpickling it in full (weights_only=False) failed: {type(err).__name__}: {_first_line(err)}"
+        ) from err
+
+
+def unsafe_globals(fileobj: Any) -> List[str]:
+    """The globals a ``torch.save`` zip's pickle names that a weights-only load with Lightning's allowlist
+    refuses, read from its opcodes (nothing is built or called); ``[]`` for a file torch cannot list them of
+    (the pre-1.6 format, a torch before 2.5)."""
+    listing = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if listing is None:
+        return []
+    try:
+        if hasattr(fileobj, "seek"):
+            fileobj.seek(0)
+        with torch.serialization.safe_globals(lightning_safe_globals()):
+            return sorted(listing(fileobj))
+    except Exception:  # noqa: BLE001 - a file it cannot list is named by the refusal itself
+        return []
+    finally:
+        if hasattr(fileobj, "seek"):
+            fileobj.seek(0)
 
 
 def check_zip(path: str, fileobj: Any) -> None:

@@ -303,26 +303,27 @@ def _remove_slot(directory: str) -> None:
     os.rmdir(directory)  # fails, leaving it, if anything appeared meanwhile
 
 
-def durable_step(path: Optional[str]) -> int:
+def durable_step(path: Optional[str], weights_only: bool = True) -> int:
     """The global step of a durable checkpoint in any format Lightning writes (the name's ``step=N``, our
     header, a local ``torch.save`` file, a sharded directory's commit marker: ``io.resolve.progress``);
-    ``-1`` when there is no checkpoint or its step cannot be read."""
+    ``-1`` when there is no checkpoint or its step cannot be read. ``weights_only``: how a ``torch.save`` file
+    is read (the user's ``fit(..., weights_only=...)``: ``io.legacy``)."""
     if not path:
         return -1
     try:
-        found = resolve.progress(str(path))
+        found = resolve.progress(str(path), weights_only)
     except Exception:  # noqa: BLE001 - damage of any kind: the step is unknown, the memory snapshot decides
         return -1
     return -1 if found is None else found[0]
 
 
-def durable_run(path: Optional[str]) -> Optional[str]:
+def durable_run(path: Optional[str], weights_only: bool = True) -> Optional[str]:
     """The memory-tier run id ``ExactResume`` wrote into the durable checkpoint at ``path``; ``None`` when
     there is no checkpoint, it holds none, or it cannot be read."""
     if not path:
         return None
     try:
-        run = resolve.header_value(str(path), ("callbacks", "ExactResume", RUN_KEY))
+        run = resolve.header_value(str(path), ("callbacks", "ExactResume", RUN_KEY), weights_only)
     except Exception:  # noqa: BLE001 - as above: no run id, so no memory snapshot is resumed
         return None
     return run if isinstance(run, str) and run else None

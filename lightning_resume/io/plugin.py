@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Tuple
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_resume import storage
@@ -32,19 +33,28 @@ from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import resolve_last_through_callbacks
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
+    HPARAMS_KEYS,
     AsyncWriteWarning,
     CheckpointCorruptError,
     ConfigurationError,
     SkippedCheckpointWarning,
 )
-from lightning_resume.io import multipart, read, write
+from lightning_resume.io import hparams, multipart, read, write
 from lightning_resume.io.async_save import AsyncSaver, WriterKind, commit_staged
 from lightning_resume.io.atomic import clean_stale_temporaries
 from lightning_resume.io.buffers import StagedTensors
 from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from lightning_resume.io.lending import Offer
 from lightning_resume.io.overlap import CopyStats
-from lightning_resume.io.resolve import Skipped, is_last_name, newest_first, newest_verified, siblings, warn_skipped
+from lightning_resume.io.resolve import (
+    Skipped,
+    is_last_name,
+    newest_first,
+    newest_verified,
+    progress,
+    siblings,
+    warn_skipped,
+)
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.io.verify import verify as verify_file
 from lightning_resume.storage import is_local
@@ -247,8 +257,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
     ) -> Dict[str, Any]:
         """Load ``path`` (our format or a legacy ``torch.save`` file, decided by content).
 
-        ``weights_only`` is accepted for signature compatibility and ignored: legacy files are always
-        read with ``weights_only=True``, and our format never runs code.
+        ``weights_only`` (``trainer.fit(..., weights_only=...)``, which Lightning hands over): a legacy file is
+        read weights-only unless it is ``False`` (the user trusts the file: unpickled in full, as Lightning's
+        own ``TorchCheckpointIO`` would); ``None`` is the safe default. Our format never runs code either way.
         """
         path = str(path)
         if self._saver is not None and self._saver.in_flight(path):
@@ -257,24 +268,25 @@ class SafetensorsCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         self._loaded[path] = path
         self._in_place = {}
+        trusted = weights_only is not False
         try:
-            return self._load(path, map_location)
+            return self._load(path, map_location, trusted)
         except CheckpointCorruptError as err:
             if not (self.fallback_to_verified and (path in self._resolved or is_last_name(path))):
                 raise
-            fallback = self._load_fallback(path, err, map_location)
+            fallback = self._load_fallback(path, err, map_location, trusted)
             if fallback is None:
                 raise
             return fallback
         finally:
             self._into = None  # offered for one load: the restore it was handed over for
 
-    def _load(self, path: str, map_location: Any) -> Dict[str, Any]:
+    def _load(self, path: str, map_location: Any, weights_only: bool = True) -> Dict[str, Any]:
         module = self._into() if self._into is not None else None
         into = destinations(module) if self.load_in_place and not self.mmap and module is not None else None
         loaded = read.load_file(
             path, self.verify, map_location, mmap=self.mmap, max_remote_load_bytes=self.max_remote_load_bytes,
-            into=into,
+            into=into, weights_only=weights_only,
         )  # fmt: skip
         self._in_place = {where[1]: digest for where, digest in loaded.in_place.items()}
         return loaded.checkpoint
@@ -290,15 +302,18 @@ class SafetensorsCheckpointIO(CheckpointIO):
         digest)`` of their bytes (``io.integrity``), to check the restored module against."""
         return dict(self._in_place)
 
-    def _load_fallback(self, path: str, err: CheckpointCorruptError, map_location: Any) -> Optional[Dict[str, Any]]:
+    def _load_fallback(
+        self, path: str, err: CheckpointCorruptError, map_location: Any, weights_only: bool = True
+    ) -> Optional[Dict[str, Any]]:
         """The newest other candidate that passes its check and its load: the ones "last" resolution ranked
         below ``path``, else the checkpoints next to a ``last`` file. Nothing of ``path`` was applied yet."""
         others = self._resolved.get(path)
-        for candidate in newest_first(siblings(path)) if others is None else others:
-            why = problem(candidate, check=self._check)
+        ordered = newest_first(siblings(path), key=lambda p: progress(p, weights_only)) if others is None else others
+        for candidate in ordered:
+            why = problem(candidate, check=lambda p: self._check(p, weights_only))
             if why is None:
                 try:
-                    checkpoint = self._load(candidate, map_location)
+                    checkpoint = self._load(candidate, map_location, weights_only)
                 except CheckpointCorruptError as again:
                     why = str(again)
                 else:
@@ -313,13 +328,16 @@ class SafetensorsCheckpointIO(CheckpointIO):
             warn_skipped(f"skipping checkpoint {candidate}: {why}")
         return None
 
-    def resolve_newest(self, paths: Sequence[str], skipped: Skipped = warn_skipped) -> Optional[str]:
+    def resolve_newest(
+        self, paths: Sequence[str], skipped: Skipped = warn_skipped, weights_only: bool = True
+    ) -> Optional[str]:
         """``ckpt_path="last"`` among ``paths``: the newest (by training progress) that passes the check a load
         does not repeat. With ``verify`` and ``fallback_to_verified`` (the defaults) that is the header alone
         (``io.verify.precheck``): the load hashes every byte as it reads, and if that fails it falls back to
-        the next of ``paths``, so the checkpoint is read once. Otherwise every candidate is verified in full."""
-        ordered = newest_first(paths)
-        choice = newest_verified(ordered, self._check, key=None, skipped=skipped)
+        the next of ``paths``, so the checkpoint is read once. Otherwise every candidate is verified in full.
+        ``weights_only``: how ``torch.save`` candidates are read (``io.legacy``), as the load will read them."""
+        ordered = newest_first(paths, key=lambda p: progress(p, weights_only))
+        choice = newest_verified(ordered, lambda p: self._check(p, weights_only), key=None, skipped=skipped)
         if choice is not None:
             self._resolved[choice] = ordered[ordered.index(choice) + 1 :]
         return choice
@@ -328,12 +346,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
         """The file the latest load of ``path`` read: ``path`` itself, or the checkpoint it fell back to."""
         return self._loaded.get(str(path), str(path))
 
-    def _check(self, path: str) -> None:
+    def _check(self, path: str, weights_only: bool = True) -> None:
         """What a candidate must pass before it is loaded: the header, where the load hashes the rest."""
         if self.verify and self.fallback_to_verified:
-            precheck(path)
+            precheck(path, weights_only)
         else:
-            verify_file(path)
+            verify_file(path, weights_only=weights_only)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -466,6 +484,21 @@ def offer_module(trainer: Any, module: Optional[torch.nn.Module]) -> None:
     if io is not None:
         later = getattr(getattr(trainer, "strategy", None), "restore_checkpoint_after_setup", False)
         io.load_into(None if later else module)
+
+
+def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
+    """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise ``UnencodableValueError`` now for the
+    hyper-parameters (of ``module`` and the datamodule) every save would refuse (``io.hparams``), naming them
+    all with ``save_hyperparameters(ignore=[...])``, instead of at the first save. A module that overrides
+    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides."""
+    if _safetensors_io(trainer) is None or is_overridden("on_save_checkpoint", module):
+        return
+    tree = {}
+    for key, owner in zip(HPARAMS_KEYS, (module, getattr(trainer, "datamodule", None)), strict=True):
+        values = getattr(owner, "hparams", None)
+        if isinstance(values, dict) and values:  # an OmegaConf container: its first save decides
+            tree[key] = dict(values)
+    hparams.refuse_unencodable(tree)
 
 
 def loaded_in_place(trainer: Any) -> Dict[str, Tuple[str, str]]:

@@ -62,7 +62,10 @@ class ReadOptions:
     tensors straight into (``io.in_place.plan`` says which fit; the others load into new memory). The loaded
     tree then holds those very tensors. Not with ``mmap`` or a ``map_location`` device other than the CPU;
     a ``torch.save`` file loads as always. If the load fails a checksum, the destinations read before the
-    failure hold the file's bytes (the error says so)."""
+    failure hold the file's bytes (the error says so).
+    ``weights_only``: a ``torch.save`` file loads weights-only (the default; ``PickledCheckpointError`` names
+    what else it needs), or with ``False`` (a file the caller trusts) unpickled in full (``io.legacy``). Our
+    format never runs code either way."""
 
     verify: bool = True
     map_location: Any = None
@@ -70,6 +73,7 @@ class ReadOptions:
     mmap: bool = False
     max_remote_load_bytes: Optional[int] = None
     into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None
+    weights_only: bool = True
 
 
 def load_file(
@@ -80,11 +84,13 @@ def load_file(
     mmap: bool = False,
     max_remote_load_bytes: Optional[int] = None,
     into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None,
+    weights_only: bool = True,
 ) -> Loaded:
     """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong, and
     ``RemoteLoadMemoryError`` before downloading a remote file whose load would not fit in memory.
-    ``into``: see ``ReadOptions``."""
-    path, opts = str(path), ReadOptions(verify, map_location, lenient, mmap, max_remote_load_bytes, into)
+    ``into``, ``weights_only``: see ``ReadOptions``."""
+    path = str(path)
+    opts = ReadOptions(verify, map_location, lenient, mmap, max_remote_load_bytes, into, weights_only)
     check_regular_file(path)
     if not is_local(path):
         return _load_remote(path, opts)
@@ -93,7 +99,7 @@ def load_file(
     buf, size = _map(path)
     if _is_safetensors_head(path, bytes(buf[:9])):
         return _load_safetensors(path, buf, size, opts)
-    return Loaded(load_legacy(path, local_path(path), map_location), None, size)
+    return Loaded(load_legacy(path, local_path(path), map_location, weights_only=weights_only), None, size)
 
 
 def check_regular_file(path: str) -> None:
@@ -217,7 +223,7 @@ def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: A
     if not _is_safetensors_head(path, head):
         f.seek(0)
         source = f if legacy_source is None else legacy_source
-        return Loaded(load_legacy(path, source, opts.map_location), None, size)
+        return Loaded(load_legacy(path, source, opts.map_location, weights_only=opts.weights_only), None, size)
     n = framing.header_length(path, head, size)
     header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
     record, tree_json = _checked_metadata(path, header)

@@ -54,12 +54,13 @@ def candidates(directory: str, suffixes: Sequence[str] = CHECKPOINT_SUFFIXES) ->
     return out
 
 
-def progress(path: str) -> Optional[Progress]:
+def progress(path: str, weights_only: bool = True) -> Optional[Progress]:
     """How far training was at ``path``: its step and modification time; ``None`` if it is gone.
 
     The step comes from the name (``step=N``, as Lightning's and our rolling names carry it), else from a
     sharded directory's commit marker, else from the ``global_step`` a file holds (``last.ckpt``: the header
-    of our format, or a local ``torch.save`` zip's pickle with its tensors mapped); ``-1`` when none says (such a file ranks below every one that does, then by time). An
+    of our format, or a local ``torch.save`` zip's pickle with its tensors mapped, loaded as ``weights_only``
+    says); ``-1`` when none says (such a file ranks below every one that does, then by time). An
     uncommitted sharded directory is not a checkpoint yet: ``None``.
     """
     path = str(path)
@@ -69,7 +70,7 @@ def progress(path: str) -> Optional[Progress]:
     if mtime is None:
         return None
     step = step_in_name(path)
-    return (step if step is not None else _header_step(path), mtime)
+    return (step if step is not None else _header_step(path, weights_only), mtime)
 
 
 def step_in_name(path: str) -> Optional[int]:
@@ -78,20 +79,20 @@ def step_in_name(path: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def _header_step(path: str) -> int:
+def _header_step(path: str, weights_only: bool = True) -> int:
     """The ``global_step`` a file holds, read without its tensors (:func:`header_value`); ``-1`` when it
     cannot be told."""
     try:
-        step = header_value(path, ("global_step",))
+        step = header_value(path, ("global_step",), weights_only)
     except Exception:  # noqa: BLE001 - any file may sit in a checkpoint directory; its step is just unknown
         return -1
     return step if type(step) is int else -1
 
 
-def header_value(path: str, keys: Sequence[str]) -> Any:
+def header_value(path: str, keys: Sequence[str], weights_only: bool = True) -> Any:
     """A plain value (number, string) at ``keys`` in the checkpoint dict at ``path``, read without its tensors:
     from a safetensors header's tree, or (local) the pickle of a ``torch.save`` zip with its tensors
-    memory-mapped, not read. ``None`` when it is absent or the file is neither; errors of a damaged file
+    memory-mapped, not read (loaded as ``weights_only`` says: ``io.legacy``). ``None`` when it is absent or the file is neither; errors of a damaged file
     propagate."""
     if is_safetensors(path):
         node = parse_tree(read_summary(path).tree_json)
@@ -102,7 +103,7 @@ def header_value(path: str, keys: Sequence[str]) -> Any:
             node = inner[key]
         return node if isinstance(node, (int, float, str)) and not isinstance(node, bool) else None
     if storage.is_local(path) and is_zip(path, storage.local_path(path)):
-        value: Any = load_legacy(path, storage.local_path(path), mmap=True)
+        value: Any = load_legacy(path, storage.local_path(path), mmap=True, weights_only=weights_only)
         for key in keys:
             if not isinstance(value, dict) or key not in value:
                 return None

@@ -8,7 +8,10 @@
   each a regular file, and every storage reference of DCP's ``.metadata`` inside those files;
 - a safetensors file: every tensor's checksum, the data-section and tree digests, and the whole tree decodes,
   all from plain reads (never a memory map, so a file truncated meanwhile is an error, not a SIGBUS);
-- a ``torch.save`` zip: the CRC-32 of every record, then a weights-only load (no code runs);
+- a ``torch.save`` zip: the CRC-32 of every record, then a weights-only load (no code runs; an intact file
+  that needs pickled objects raises ``PickledCheckpointError`` naming them), or with ``weights_only=False``
+  (the user's ``fit(..., weights_only=False)``, the CLI's ``--no-weights-only``) a full unpickle, as the load
+  that follows will do;
 - anything else: the ``checkpoint_io`` given, if it can verify (``VerifyingCheckpointIO``), else the
   reader's own refusal.
 
@@ -23,17 +26,18 @@ from typing import Any, Callable, Optional
 
 from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
-from lightning_resume.io.legacy import is_zip
+from lightning_resume.io.legacy import is_zip, unsafe_globals
 from lightning_resume.io.marker import DCP_METADATA, CommitRecord, verify_committed
 from lightning_resume.io.read import check_regular_file, is_safetensors, load_file, read_summary, verify_local
 from lightning_resume.protocols import VerifyingCheckpointIO
 from lightning_resume.storage import is_local, local_path
 
 
-def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
+def verify(path: str, checkpoint_io: Any = None, digests: bool = True, weights_only: bool = True) -> None:
     """Return if ``path`` verifies in full; raise ``CheckpointCorruptError`` naming what is wrong otherwise.
 
-    ``digests=False`` checks sharded files by size only (their SHA-256 costs a full read).
+    ``digests=False`` checks sharded files by size only (their SHA-256 costs a full read). ``weights_only``:
+    how a ``torch.save`` file is loaded (``io.legacy``); the other formats never run code.
     """
     path = str(path)
     check_regular_file(path)  # a FIFO named *.ckpt must not hang "last" or ``verify DIR``
@@ -45,11 +49,11 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True) -> None:
         else:
             load_file(path, verify=True, lenient=True)
     elif is_local(path) and is_zip(path, local_path(path)):
-        _verify_zip(path)
+        _verify_zip(path, weights_only)
     elif isinstance(checkpoint_io, VerifyingCheckpointIO):
         checkpoint_io.verify_checkpoint(path)
     else:
-        load_file(path)  # a legacy pickle loads weights-only, or the reader refuses the format
+        load_file(path, weights_only=weights_only)  # a legacy pickle, or the reader refuses the format
 
 
 def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
@@ -63,7 +67,7 @@ def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
     return record
 
 
-def precheck(path: str) -> None:
+def precheck(path: str, weights_only: bool = True) -> None:
     """The part of :func:`verify` a load that hashes every byte does not repeat: for a file of our format, its
     header, integrity record and tree digest, from the header alone (``read.read_summary``); anything else
     (a ``torch.save`` file, a sharded directory) is verified in full. "Last" resolution checks candidates
@@ -73,18 +77,23 @@ def precheck(path: str) -> None:
     if not storage.is_dir(path) and is_safetensors(path):
         read_summary(path)
     else:
-        verify(path)
+        verify(path, weights_only=weights_only)
 
 
-def problem(path: str, checkpoint_io: Any = None, check: Optional[Callable[[str], object]] = None) -> Optional[str]:
-    """``None`` if ``path`` verifies (with ``check``, default :func:`verify`), else what is wrong with it, in
-    words. Any error a hostile file raises becomes the reason, never an exception: one bad file must not
+def problem(
+    path: str,
+    checkpoint_io: Any = None,
+    check: Optional[Callable[[str], object]] = None,
+    weights_only: bool = True,
+) -> Optional[str]:
+    """``None`` if ``path`` verifies (with ``check``, default :func:`verify` with ``weights_only``), else what
+    is wrong with it, in words. Any error a hostile file raises becomes the reason, never an exception: one bad file must not
     stop a search for a good one."""
     try:
         if check is not None:
             check(path)
         else:
-            verify(path, checkpoint_io)
+            verify(path, checkpoint_io, weights_only=weights_only)
     except (LightningResumeError, OSError) as err:
         return str(err)
     except Exception as err:  # noqa: BLE001 - a crafted file can make any reader fail
@@ -92,7 +101,7 @@ def problem(path: str, checkpoint_io: Any = None, check: Optional[Callable[[str]
     return None
 
 
-def _verify_zip(path: str) -> None:
+def _verify_zip(path: str, weights_only: bool = True) -> None:
     try:
         with zipfile.ZipFile(local_path(path)) as archive:
             bad = archive.testzip()
@@ -101,4 +110,17 @@ def _verify_zip(path: str) -> None:
         raise CheckpointCorruptError(path, f"unreadable torch.save zip archive: {err}") from err
     if bad is not None:
         raise CheckpointCorruptError(path, f"torch.save record {bad!r} fails its CRC-32 check")
-    load_file(path)  # the pickle: only allowlisted classes, or UnsafeCheckpointError
+    load_file(path, weights_only=weights_only)  # the pickle: allowlisted classes only, unless the caller trusts it
+
+
+def pickled_globals(path: str) -> tuple[str, ...]:
+    """The globals a local ``torch.save`` file at ``path`` names beyond the weights-only allowlist, read from
+    its pickle's opcodes (nothing is built or called): what a load with ``weights_only=False`` would import.
+    ``()`` for any other file, or one whose pickle cannot be listed."""
+    path = str(path)
+    try:
+        if not is_local(path) or storage.is_dir(path) or not is_zip(path, local_path(path)):
+            return ()
+        return tuple(unsafe_globals(local_path(path)))
+    except (LightningResumeError, OSError):
+        return ()

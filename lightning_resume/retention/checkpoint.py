@@ -34,7 +34,7 @@ from lightning_resume.errors import (
     TreeFormatError,
 )
 from lightning_resume.io.atomic import fsync_file_and_dir
-from lightning_resume.io.plugin import offer_module
+from lightning_resume.io.plugin import offer_module, refuse_unencodable_hparams
 from lightning_resume.io.resolve import candidates
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.protocols import AsyncCheckpointWriter
@@ -395,6 +395,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if stage == "fit":
             offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
+            refuse_unencodable_hparams(trainer, pl_module)  # not at the first save, hours in
         if self.policy.active and isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             # It returns before the file exists and says nothing when it does: a prune could then
             # delete the newest durable checkpoint while its successor is still being written.
@@ -441,8 +442,9 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         resume = resumed_from(trainer)  # a fallback when the newest failed its hash while loading
         self._resume_source = _canonical(resume) if resume else None
         self._run_id = trainer.strategy.broadcast(self._run_id)  # one run, one id on every rank
-        io = trainer.strategy.checkpoint_io
-        self._records = self._reconciled_tier(trainer, str(self.dirpath), self._records, lambda p: problem(p, io))
+        io, weights_only = trainer.strategy.checkpoint_io, lc.fit_weights_only(trainer) is not False
+        check = lambda p: problem(p, io, weights_only=weights_only)  # read as the resume read them
+        self._records = self._reconciled_tier(trainer, str(self.dirpath), self._records, check)
         if self._mirror is not None:  # an object listed was committed whole: its header is checked, not every byte
             check = lambda p: problem(p, check=precheck)
             self._mirror_records = self._reconciled_tier(trainer, self._mirror.directory, self._mirror_records, check)

@@ -12,6 +12,12 @@ mirror's checkpoints: the local copy of a checkpoint is read first, its mirror c
 is missing or does not verify. Each candidate passed over is named in a warning; the choice,
 or that there is none, in one info line.
 
+Candidates are read as the user's ``fit(..., weights_only=...)`` says (``_compat.lightning.fit_weights_only``),
+as their load will be: by default a ``torch.save`` file that needs pickled objects (``save_hyperparameters()``
+over an ``nn.Module``) is passed over naming them and the fixes, and when that is why every candidate was
+passed over, ``NoLoadableCheckpointError`` says so once; with ``weights_only=False`` such a file is a
+candidate like any other.
+
 When the trainer's ``CheckpointIO`` hashes every byte as it loads (``protocols.ResolvingCheckpointIO``),
 it checks the candidates itself, each by its header only, and falls back along them if the load's hash
 fails: a resume reads the checkpoint once. Lightning asks before ``setup`` and before any process group
@@ -24,8 +30,8 @@ about what to keep.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -34,8 +40,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_resume import storage
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import NoLoadableCheckpointError, SkippedCheckpointWarning
-from lightning_resume.io.resolve import candidates, newest_verified, step_in_name
-from lightning_resume.io.verify import verify
+from lightning_resume.io.resolve import candidates, newest_verified, progress, step_in_name
+from lightning_resume.io.verify import pickled_globals, verify
 from lightning_resume.protocols import ResolvingCheckpointIO
 
 
@@ -48,6 +54,8 @@ class LastChoice:
     directories: tuple[str, ...]
     considered: int
     skipped: tuple[str, ...]
+    pickled: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """When no candidate loads and each is a ``torch.save`` file that needs pickled objects: each one's globals."""
 
     def describe(self) -> str:
         where = ", ".join(self.directories) or "no checkpoint directory"
@@ -71,20 +79,34 @@ def choose_last(trainer: pl.Trainer) -> LastChoice:
         paths.update((e.path, None) for e in candidates(directory, (callback.FILE_EXTENSION,)))
     twins = _mirror_copies(callbacks, directories, paths)
     io = trainer.strategy.checkpoint_io
+    weights_only = lc.fit_weights_only(trainer) is not False  # None: the safe default, as torch.load takes it
     skipped: list[str] = []
-    path = _newest(io, list(paths), skipped)
+    path = _newest(io, list(paths), skipped, weights_only)
     chosen = -1 if path is None else step_in_name(path) or -1
     passed = [p for p in twins if (step_in_name(p) or -1) > chosen]
     if passed:  # a newer local copy did not verify: its mirror copy, before anything older
         older = [p for p in paths if path is not None and (step_in_name(p) or -1) <= chosen]
-        path = _newest(io, [twins[p] for p in passed] + older, skipped)
-    return LastChoice(path, tuple(directories), len(paths) + len(twins), tuple(skipped))
+        path = _newest(io, [twins[p] for p in passed] + older, skipped, weights_only)
+    pickled = _all_pickled([*paths, *twins.values()]) if path is None and skipped and weights_only else {}
+    return LastChoice(path, tuple(directories), len(paths) + len(twins), tuple(skipped), pickled)
 
 
-def _newest(io: object, paths: list[str], skipped: list[str]) -> Optional[str]:
+def _newest(io: object, paths: list[str], skipped: list[str], weights_only: bool) -> Optional[str]:
     if isinstance(io, ResolvingCheckpointIO):
-        return io.resolve_newest(paths, skipped=skipped.append)
-    return newest_verified(paths, lambda p: verify(p, io), skipped=skipped.append)
+        return io.resolve_newest(paths, skipped=skipped.append, weights_only=weights_only)
+    return newest_verified(
+        paths,
+        lambda p: verify(p, io, weights_only=weights_only),
+        key=lambda p: progress(p, weights_only),
+        skipped=skipped.append,
+    )
+
+
+def _all_pickled(paths: list[str]) -> dict[str, tuple[str, ...]]:
+    """The globals each of ``paths`` needs beyond the weights-only allowlist, if every one needs some (``{}``
+    otherwise): then that, not damage, is why none loads."""
+    needs = {p: pickled_globals(p) for p in paths}
+    return needs if needs and all(needs.values()) else {}
 
 
 @runtime_checkable
@@ -120,7 +142,7 @@ def report(choice: LastChoice) -> set[str]:
     for line in choice.skipped:
         rank_zero_warn(f"ckpt_path='last': {line}", category=SkippedCheckpointWarning)
     if choice.path is None and choice.skipped:
-        raise NoLoadableCheckpointError(", ".join(choice.directories), choice.skipped)
+        raise NoLoadableCheckpointError(", ".join(choice.directories), choice.skipped, choice.pickled)
     rank_zero_info(choice.describe())
     return {choice.path} if choice.path is not None else set()
 

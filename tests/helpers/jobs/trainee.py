@@ -9,6 +9,7 @@ test can SIGKILL it from outside at a known point.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -236,6 +237,26 @@ class Model(pl.LightningModule):
         return self._loader(Points(12, augment=self.cfg.get("augment", False)), shuffle=False)
 
 
+class TemplateModel(Model):
+    """A module written as the lightning-hydra-template writes one: the network and a ``functools.partial`` of
+    the optimizer are ``__init__`` arguments, stored in every checkpoint by ``save_hyperparameters()``."""
+
+    def __init__(self, cfg: dict, net: nn.Module, optimizer: functools.partial) -> None:
+        super().__init__(cfg)
+        self.save_hyperparameters(logger=False)
+        self.net = net
+
+    def configure_optimizers(self):
+        return self.hparams.optimizer(params=self.parameters())
+
+
+def _model(cfg: dict) -> Model:
+    if not cfg.get("template_hparams"):
+        return Model(cfg)
+    net = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 1))
+    return TemplateModel(cfg, net=net, optimizer=functools.partial(torch.optim.AdamW, lr=cfg.get("lr", 1e-2)))
+
+
 class PauseBefore(Callback):
     """Blocks at the start of the given global batch index, so the test can kill the process there."""
 
@@ -411,8 +432,8 @@ def main(cfg: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     _seed(cfg)
     trainer = _trainer(cfg, _callbacks(cfg, out))
-    model = Model(cfg)
-    trainer.fit(model, ckpt_path=cfg.get("resume"))
+    model = _model(cfg)
+    trainer.fit(model, ckpt_path=cfg.get("resume"), weights_only=cfg.get("weights_only"))
     rank = trainer.global_rank
     torch.save(_final_state(trainer, model), out / ("final.pt" if rank == 0 else f"final-rank{rank}.pt"))
     exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactResume)), None)

@@ -99,7 +99,9 @@ def restore_last_saved_files(trainer: pl.Trainer, saved: Mapping[str, Any]) -> N
     """Put back what :func:`last_saved_files` recorded, for each callback whose directory is the same (Lightning's
     own rule for its state, model_checkpoint.py:556-571)."""
     for cb in trainer.checkpoint_callbacks:
-        state = saved.get(cb.state_key) if isinstance(cb, ModelCheckpoint) else None
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        state = saved.get(cb.state_key)
         if not isinstance(state, Mapping) or state.get("dirpath") != (None if cb.dirpath is None else str(cb.dirpath)):
             continue
         cb._last_checkpoint_saved = str(state.get("last_saved") or "")

@@ -16,6 +16,7 @@ import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import BatchSampler, StatefulDistributedSampler
 from torchdata.stateful_dataloader.stateful_dataloader import (
+    _ITERATOR_FINISHED,
     _StatefulMultiProcessingDataLoaderIter,
     _StatefulSingleProcessDataLoaderIter,
 )
@@ -49,6 +50,22 @@ def drop_finished_sampler_position(loader: Any) -> None:
     for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
         if isinstance(sampler, StatefulDistributedSampler):
             sampler.next_yielded = None
+
+
+def iterator_finished(state: Any) -> bool:
+    """Whether a saved ``StatefulDataLoader`` position is of an iterator that had run out (it raised
+    ``StopIteration``; stateful_dataloader.py:90, :518, :1197): its loader's next ``iter`` starts a new epoch."""
+    return isinstance(state, Mapping) and bool(state.get(_ITERATOR_FINISHED))
+
+
+def hold_finished_position(loader: Any) -> None:
+    """Apply a pending finished position (:func:`iterator_finished`) the way the saving run held it: as the
+    loader's finished iterator, so that its next ``iter`` makes one new iterator for the next epoch, from the
+    restored sampler state (stateful_dataloader.py:381-412). Left pending, that ``iter`` would make two, the first
+    only to load the position: one more draw from the global RNG, mid-training."""
+    if isinstance(loader, StatefulDataLoader) and loader.next_iter_state is not None:
+        loader._iterator = loader._get_iterator()  # consumes next_iter_state (:384-388)
+        loader._initial_iter_for_state_dict = False
 
 
 def batches_yielded(state: Mapping[str, Any]) -> int:

@@ -24,7 +24,7 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume._compat.botocore import isolate_retry_jitter
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
-from lightning_resume.exact import driver, snapshots
+from lightning_resume.exact import driver, lightning_gaps, snapshots
 from lightning_resume.exact import elastic as elastic_restore
 from lightning_resume.exact.capture import (
     AT_STEP_BOUNDARY,
@@ -474,6 +474,7 @@ class ExactResume(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._after_batch = False
         self._afterwards.epoch_ended()  # an elastic resume's epoch length: the next epoch is Lightning's own
+        lightning_gaps.at_epoch_end(trainer)  # a resumed epoch's plateau schedulers step as the others'
 
     @override
     def state_dict(self) -> dict[str, Any]:

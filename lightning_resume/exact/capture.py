@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
+from lightning_resume.exact import lightning_gaps
 from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import loader_signature, loader_state, order_record
 from lightning_resume.exact.state.fingerprint import HASH, digest, fingerprint
@@ -60,6 +61,7 @@ def checkpoint_state(
         "world_size": trainer.world_size,
         "signature": signature(trainer),
         "last_saved": lc.last_saved_steps(trainer),
+        lightning_gaps.KEY: lightning_gaps.capture(trainer, after_batch),
         "accumulate": int(trainer.accumulate_grad_batches),
         "ranks": collective.gather(local, trainer.world_size),
     }

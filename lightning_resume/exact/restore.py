@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
-from lightning_resume.exact import capture, epoch_hooks
+from lightning_resume.exact import capture, epoch_hooks, lightning_gaps
 from lightning_resume.exact import elastic as elastic_restore
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
 from lightning_resume.exact.elastic import Afterwards, ElasticMode
@@ -84,6 +84,7 @@ def restore(
         differences = [*differences, *unapplied]
     lc.restore_callback_metrics(trainer, dict(mine.get("metrics") or {}))  # the next save decisions read them
     lc.restore_last_saved_steps(trainer, dict(saved.get("last_saved") or {}))  # no second save of this step
+    lightning_gaps.restore_callbacks(trainer, saved.get(lightning_gaps.KEY))
     checked: tuple[str, ...] = CHECKED_PARTS
     moved_report: dict[str, Any] = {}
     if moved:
@@ -113,6 +114,7 @@ def restore(
         if unsaved:
             report["unsaved_buffers_differ"] = unsaved
             warn_unsaved_buffers(unsaved)
+    lightning_gaps.owed_plateau_steps(trainer, saved.get(lightning_gaps.KEY), mine)  # after the check: LR changes
     if mine["epoch_exhausted"]:
         start_next_epoch(trainer)  # after the check: the next epoch's start hooks may change the state
     return report, afterwards
@@ -212,7 +214,7 @@ def restore_position_and_rng(
     else:
         # The sampler's epoch picks its order; the iterator Lightning made before the restore had the default.
         lc.set_sampler_epoch(loaders, trainer.current_epoch)
-        lc.restart_train_iterator(trainer, mine["prefetched"])
+        lightning_gaps.restart_train_iterator(trainer, mine)  # with the saved prefetched batches
         if plan is not None:
             elastic_restore.planned_length(trainer, plan, afterwards)
     restore_rng(mine["rng"], generators)

@@ -28,6 +28,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from lightning.pytorch.utilities import CombinedLoader  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
@@ -167,14 +168,29 @@ class Model(pl.LightningModule):
         self.log_file.write(json.dumps(rec) + "\n")
 
     def _log_step(self, batch, loss) -> None:
-        ids = [int(i) for i in batch["id"]]
-        self._record(epoch=self.current_epoch, step=self.global_step, ids=ids, loss=loss_bits(loss))
+        if self.cfg.get("combined"):  # each loader's ids (None: that loader gave nothing this step)
+            ids = {name: None if part is None else [int(i) for i in part["id"]] for name, part in batch.items()}
+        else:
+            ids = [int(i) for i in batch["id"]]
+        rec = dict(epoch=self.current_epoch, step=self.global_step, ids=ids, loss=loss_bits(loss))
+        if self.cfg.get("record_lr"):  # the learning rate this step trains with (a float's repr is exact)
+            rec["lr"] = [g["lr"] for opt in self.trainer.optimizers for g in opt.param_groups]
+        self._record(**rec)
+
+    def _loss(self, batch):
+        if not self.cfg.get("combined"):
+            return nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
+        parts = [p for p in batch.values() if p is not None]
+        return sum(nn.functional.binary_cross_entropy_with_logits(self.net(p["x"]), p["y"]) for p in parts)
 
     def training_step(self, batch, batch_idx):
         if self.cfg.get("slow"):
             time.sleep(self.cfg["slow"])
-        loss = nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
+        loss = self._loss(batch)
         self._log_step(batch, loss)
+        if self.cfg.get("log_train_loss"):  # "epoch" or "step": a training metric a plateau scheduler may monitor
+            per_epoch = self.cfg["log_train_loss"] == "epoch"
+            self.log("train_loss", loss, on_step=not per_epoch, on_epoch=per_epoch)
         if self.cfg.get("manual"):
             first, second = self.optimizers()
             self.manual_backward(loss)
@@ -202,6 +218,11 @@ class Model(pl.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=self.cfg.get("lr", 1e-2))
         if not self.cfg.get("scheduler"):
             return opt
+        if self.cfg["scheduler"] == "plateau":  # as Lightning's docs write it: the monitor in the scheduler dict
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
+            config = {"scheduler": plateau, "monitor": self.cfg.get("monitor", "val_loss")}
+            config["interval"] = self.cfg.get("scheduler_interval", "epoch")
+            return {"optimizer": opt, "lr_scheduler": config}
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
         interval = self.cfg.get("scheduler_interval", "step")
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": interval}}
@@ -227,6 +248,10 @@ class Model(pl.LightningModule):
 
     def train_dataloader(self):
         n, augment = self.cfg.get("n", 40), self.cfg.get("augment", False)
+        if self.cfg.get("combined"):  # CombinedLoader of two shuffled loaders of unequal lengths
+            spec = self.cfg["combined"]
+            loaders = {name: self._loader(Points(size, augment), shuffle=True) for name, size in spec["sizes"].items()}
+            return CombinedLoader(loaders, mode=spec["mode"])
         kind = self.cfg.get("dataset", "stream" if self.cfg.get("iterable") else "points")
         ds = DATASETS[kind](n, augment)
         return self._loader(ds, shuffle=self.cfg.get("shuffle", True) and not isinstance(ds, IterableDataset))

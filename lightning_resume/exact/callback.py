@@ -48,7 +48,7 @@ from lightning_resume.exact.state import fingerprint as fingerprints
 from lightning_resume.exact.state import rng as rng_streams
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
-from lightning_resume.exact.state.user import UserState, find_in_fit, registration_problems
+from lightning_resume.exact.state.user import UserState, find_in_fit, put_back_later, registration_problems
 from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
 from lightning_resume.io.plugin import loaded_in_place, offer_module
 from lightning_resume.prove import trace
@@ -238,6 +238,7 @@ class ExactResume(Callback):
         self.generators: dict[str, torch.Generator] = dict(generators or {})
         self.state: dict[str, Any] = dict(state or {})
         self._user: Optional[UserState] = None  # what this fit saves beyond Lightning, found at train start
+        self._user_again: Optional[Callable[[], None]] = None  # undoes on_train_start hooks run after the restore
         self.strict = strict
         self.fingerprint = fingerprint
         self.elastic: ElasticMode = elastic
@@ -351,6 +352,7 @@ class ExactResume(Callback):
                 trainer, pending, self.generators, self.strict, self.fingerprint, self.elastic, self._loaded, self._user
             )
             self._loaded = None
+            self._user_again = put_back_later(self._user)
         tier = self._resumed_tier(trainer, pending)
         if pending is not None:
             self.resume_report["tier"] = tier
@@ -457,6 +459,9 @@ class ExactResume(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._after_batch = False
+        if self._user_again is not None:  # the module's on_train_start ran after the restore (it may reset them)
+            self._user_again, put_back = None, self._user_again
+            put_back()
         if self._trace is not None:
             self._trace.batch_start(trainer, batch)
 

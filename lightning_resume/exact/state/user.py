@@ -21,7 +21,7 @@ import functools
 import random
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -253,6 +253,26 @@ def restore_user_state(user: Optional[UserState], saved: Mapping[str, Any]) -> t
     missing += [f"{path} ({e.get('kind')}) is in the checkpoint but not found in this run" for path, e in
                 saved.items() if path not in here]  # fmt: skip
     return restored, missing
+
+
+RESET_BY_TRAIN_START = (METRIC, SCHEDULER)
+"""Kinds a module's ``on_train_start`` may reset (lightning-hydra-template resets its validation metrics there,
+against the sanity check), which Lightning calls again on every resumed fit, after ``ExactResume``'s restore."""
+
+
+def put_back_later(user: Optional[UserState]) -> Optional[Callable[[], None]]:
+    """What puts the metrics and schedulers back as they are now (restored, a due validation run), undoing
+    what later ``on_train_start`` hooks did to them: the uninterrupted run ran none between the two steps.
+    ``None`` when nothing is held of those kinds."""
+    again = UserState(held=[h for h in (user.held if user is not None else []) if h.kind in RESET_BY_TRAIN_START])
+    if not again.held:
+        return None
+    now = capture(again)
+
+    def put_back() -> None:
+        restore_user_state(again, now)
+
+    return put_back
 
 
 def user_state_digests(captured: Mapping[str, Any]) -> dict[str, str]:

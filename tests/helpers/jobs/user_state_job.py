@@ -35,9 +35,10 @@ from torch.utils.data import IterableDataset
 if __name__ == "__main__":  # run as a script: the repo root holds ``tests``
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from torchmetrics import MaxMetric, MeanMetric, MetricCollection
+from torchmetrics import MaxMetric, MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryPrecision
 
+from lightning_resume.exact.state.fingerprint import digest
 from tests.helpers.jobs import trainee
 from tests.helpers.jobs.trainee import DIM, Model, Points, StatefulDataLoader, loss_bits
 
@@ -52,9 +53,11 @@ class Recorded(Model):
     def _record_step(self, batch_ids, loss) -> None:
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]
         metrics = {k: _bits(v) for k, v in sorted(self.trainer.callback_metrics.items())}
+        held = {n: digest([m.metric_state, m.update_count]) for n, m in self.named_modules() if isinstance(m, Metric)}
         self._record(
-            epoch=self.current_epoch, step=self.global_step, ids=batch_ids, loss=loss_bits(loss), lr=lr, m=metrics
-        )
+            epoch=self.current_epoch, step=self.global_step, ids=batch_ids, loss=loss_bits(loss), lr=lr, m=metrics,
+            states=held,
+        )  # fmt: skip
 
     def on_train_end(self) -> None:
         self._record(final_metrics={k: _bits(v) for k, v in sorted(self.trainer.callback_metrics.items())})
@@ -298,6 +301,11 @@ MODELS = {
 
 def main(cfg: dict) -> None:
     trainee.Model = MODELS[cfg["user_state"]]  # the trainee's run, with this model
+    if not cfg.get("capture_user_state", True):  # the control: ExactResume as it was, finding nothing
+        from lightning_resume.exact import callback
+        from lightning_resume.exact.state.user import UserState
+
+        callback.find_in_fit = lambda *args: UserState()
     if cfg["user_state"] == "registered" and cfg.get("register", True):
         trainee.ExactResume = RegisteringExactResume
     trainee.main(cfg)

@@ -459,8 +459,8 @@ class ExactResume(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._after_batch = False
-        if self._user_again is not None:  # the module's on_train_start ran after the restore (it may reset them)
-            self._user_again, put_back = None, self._user_again
+        put_back, self._user_again = self._user_again, None
+        if put_back is not None:  # the module's on_train_start ran after the restore (it may reset them)
             put_back()
         if self._trace is not None:
             self._trace.batch_start(trainer, batch)

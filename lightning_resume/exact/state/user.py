@@ -180,8 +180,8 @@ class _Walker:
         if id(obj) not in self.walk_only and kind is not None and not _saved_elsewhere(obj, kind):
             yield Held(path, obj, kind)
             return  # its state_dict is its whole state
-        if _lightning_owned(obj) and id(obj) not in self.walk_only:
-            return
+        if _lightning_owned(obj) and id(obj) not in self.walk_only or kind == STATEFUL and isinstance(obj, Dataset):
+            return  # a Stateful dataset's state_dict is its state (a train loader saves it)
         yield from self._children(path, obj, depth)
 
     def _children(self, path: str, obj: Any, depth: int) -> Iterator[Held]:

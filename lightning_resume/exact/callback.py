@@ -48,6 +48,7 @@ from lightning_resume.exact.state import fingerprint as fingerprints
 from lightning_resume.exact.state import rng as rng_streams
 from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
 from lightning_resume.exact.state.limits import limit_problems
+from lightning_resume.exact.state.user import UserState, find_in_fit, put_back_later, registration_problems
 from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
 from lightning_resume.io.plugin import loaded_in_place, offer_module, refuse_unencodable_hparams
 from lightning_resume.prove import trace
@@ -171,6 +172,12 @@ class ExactResume(Callback):
             torchdata's ``StatefulDistributedSampler``). ``resume_report`` says ``exact: False``,
             ``sample_exact: True``, both world sizes and global batches; one warning says the same. Without
             it (default) another world size is refused.
+        state: objects to save and restore by name beyond those found automatically (README, "State you keep
+            yourself"): anything with ``state_dict()``/``load_state_dict()``, or a ``torch.Generator``,
+            ``numpy.random.Generator``, ``numpy.random.RandomState`` or ``random.Random``. Found automatically,
+            by a bounded walk from the module, the datamodule and the train datasets: LR schedulers not given
+            to Lightning, torchmetrics metrics, such objects and generators; each restored one is named in
+            ``resume_report["user_state"]``.
     """
 
     def __init__(
@@ -200,6 +207,7 @@ class ExactResume(Callback):
         notice_interval: Duration = "5s",
         notice_dmi_dir: str = DMI_DIR,
         elastic: ElasticMode = False,
+        state: Optional[dict[str, Any]] = None,
     ) -> None:
         check_versions()
         lc.resolve_last_through_callbacks()  # fit(ckpt_path="last"): the newest verified checkpoint of any callback
@@ -212,6 +220,7 @@ class ExactResume(Callback):
             interval_s = 5.0
         problems += notice_problems(preemption_notices, on_notice, notice_endpoint, interval_s)
         problems += elastic_restore.check_mode(elastic)
+        problems += registration_problems(state)
         try:  # the schedule's options, validated once (every problem with the memory tier's); passed on whole
             schedule = ScheduleConfig.from_user(
                 mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
@@ -227,6 +236,9 @@ class ExactResume(Callback):
         if memory_tier:
             lc.remember_ckpt_path_requests()  # fit(ckpt_path="last") considers the memory tier first
         self.generators: dict[str, torch.Generator] = dict(generators or {})
+        self.state: dict[str, Any] = dict(state or {})
+        self._user: Optional[UserState] = None  # what this fit saves beyond Lightning, found at train start
+        self._user_again: Optional[Callable[[], None]] = None  # undoes on_train_start hooks run after the restore
         self.strict = strict
         self.fingerprint = fingerprint
         self.elastic: ElasticMode = elastic
@@ -325,6 +337,7 @@ class ExactResume(Callback):
         numbered = enumerate(loaders)
         unsaved = [line for i, dl in numbered if (line := unsaved_position(f"train loader {i}", dl)) is not None]
         resuming = self._pending is not None
+        self._user = find_in_fit(trainer, self._roots(trainer, pl_module, loaders), self.state, self.generators)
         # A fresh run is never refused: each loader whose position is unsaved is named once, after the rest.
         warned = self._what_cannot_be_exact(trainer, pl_module, loaders)
         warned += [] if resuming else [f"resume will not be exact: {line}" for line in unsaved]
@@ -337,9 +350,10 @@ class ExactResume(Callback):
         self.resume_report = {}
         if pending is not None:
             self.resume_report, self._afterwards = restore(
-                trainer, pending, self.generators, self.strict, self.fingerprint, self.elastic, self._loaded
+                trainer, pending, self.generators, self.strict, self.fingerprint, self.elastic, self._loaded, self._user
             )
             self._loaded = None
+            self._user_again = put_back_later(self._user)
         tier = self._resumed_tier(trainer, pending)
         if pending is not None:
             self.resume_report["tier"] = tier
@@ -380,15 +394,23 @@ class ExactResume(Callback):
             for i, dl in enumerate(loaders)
             for p in loader_problems(f"train loader {i}", dl)
         ]
+        roots = self._roots(trainer, pl_module, loaders)
+        has_timer = any(isinstance(cb, Timer) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        user = self._user or UserState()
+        saved = [*self.generators.values(), *(held.obj for held in user.held)]
+        limits = limit_problems(roots, saved, trainer.strategy.root_device, has_timer)
+        out += [f"not exact: {p}" for p in [*limits, *user.unsaved]]
+        launcher = torchelastic_problem(os.environ)
+        return out + ([launcher] if launcher is not None else [])
+
+    @staticmethod
+    def _roots(trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list) -> dict[str, Any]:
+        """Where state that training changes lives: the module, the datamodule, each train loader's dataset."""
         # Trainer.datamodule and .callbacks are public but assigned by Lightning's connectors, so untyped
         roots = {"model": pl_module, "datamodule": trainer.datamodule}  # type: ignore[attr-defined]
         datasets = {f"train loader {i} dataset": getattr(dl, "dataset", None) for i, dl in enumerate(loaders)}
         roots.update({name: ds for name, ds in datasets.items() if ds is not None})  # a generator has none
-        has_timer = any(isinstance(cb, Timer) for cb in trainer.callbacks)  # type: ignore[attr-defined]
-        limits = limit_problems(roots, self.generators.values(), trainer.strategy.root_device, has_timer)
-        out += [f"not exact: {p}" for p in limits]
-        launcher = torchelastic_problem(os.environ)
-        return out + ([launcher] if launcher is not None else [])
+        return roots
 
     def _take_over_slurm_requeue(self, trainer: pl.Trainer) -> None:
         """On SLURM with ``auto_requeue``, Lightning saves mid-step from its handler of the requeue signal and
@@ -438,6 +460,9 @@ class ExactResume(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._after_batch = False
+        put_back, self._user_again = self._user_again, None
+        if put_back is not None:  # the module's on_train_start ran after the restore (it may reset them)
+            put_back()
         if self._trace is not None:
             self._trace.batch_start(trainer, batch)
 
@@ -487,7 +512,9 @@ class ExactResume(Callback):
         where = INSIDE_STEP if lc.inside_training_step(trainer) else AT_STEP_BOUNDARY
         where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where
         now = self._wall_clock()  # the failure history's clock: a resume's lost time is measured on it
-        state = checkpoint_state(trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now)
+        state = checkpoint_state(
+            trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now, self._user
+        )
         if self.memory is not None and self.memory.run is not None:
             state[RUN_KEY] = self.memory.run  # names the run whose memory snapshots a relaunch may resume
         if self._trace is not None:  # every checkpoint of the fit, on every rank (validation's saves included)

@@ -22,6 +22,8 @@ from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import loader_signature, loader_state, order_record
 from lightning_resume.exact.state.fingerprint import HASH, digest, fingerprint
 from lightning_resume.exact.state.rng import capture_rng
+from lightning_resume.exact.state.user import UserState, metrics_held
+from lightning_resume.exact.state.user import capture as capture_user
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
 
 FORMAT_VERSION = 1
@@ -45,14 +47,16 @@ def checkpoint_state(
     schedule: dict[str, Any],
     captured_at: str = AT_STEP_BOUNDARY,
     saved_at: Optional[float] = None,
+    user: Optional[UserState] = None,
 ) -> dict[str, Any]:
     """The ``ExactResume`` entry of a checkpoint: every rank's state (a collective) and the run's signature.
 
     ``after_batch``: the save happens right after a training batch (so validation may be due next).
     ``captured_at``: where in the loop (``AT_STEP_BOUNDARY``, ``INSIDE_STEP``, ``INSIDE_VALIDATION``).
     ``saved_at``: the wall time of the save (default ``time.time()``), on the clock of the failure history.
+    ``user``: the state users keep outside Lightning (``state.user.find``), saved per rank.
     """
-    local = capture_rank(trainer, generators, after_batch, with_fingerprint)
+    local = capture_rank(trainer, generators, after_batch, with_fingerprint, user)
     return {
         "format": FORMAT_VERSION,
         "captured_at": captured_at,
@@ -68,7 +72,11 @@ def checkpoint_state(
 
 
 def capture_rank(
-    trainer: pl.Trainer, generators: Mapping[str, torch.Generator], after_batch: bool, with_fingerprint: bool
+    trainer: pl.Trainer,
+    generators: Mapping[str, torch.Generator],
+    after_batch: bool,
+    with_fingerprint: bool,
+    user: Optional[UserState] = None,
 ) -> dict[str, Any]:
     """This rank's RNG streams, loader positions, prefetched batches and where in the epoch it stands."""
     loaders = lc.train_loaders(trainer)
@@ -85,11 +93,18 @@ def capture_rank(
         "validation_pending": after_batch and lc.validation_due(trainer),
         "metrics": decision_metrics(trainer),
         "buffers": rank_local.differing_from_rank_zero(trainer.lightning_module) if replicated(trainer) else {},
+        "user": capture_user(user, lightning_resets(trainer, user)),
     }
     if with_fingerprint:
         bulk = not files_prove_tensors(trainer)  # else compared with the loaded checkpoint at restore instead
         local["fingerprint"] = fingerprint_of(trainer, local["rng"], [states, prefetched], bulk)
     return local
+
+
+def lightning_resets(trainer: pl.Trainer, user: Optional[UserState]) -> list[Any]:
+    """The held metrics Lightning resets before their next update (logged ones, at an epoch's end or after
+    validation): saved as reset, since the state they hold now is not the one the next update sees."""
+    return lc.metrics_lightning_resets(trainer, lc.epoch_exhausted(trainer)) if metrics_held(user) else []
 
 
 def files_prove_tensors(trainer: pl.Trainer) -> bool:

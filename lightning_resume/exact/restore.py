@@ -37,6 +37,7 @@ from lightning_resume.exact.state.fingerprint import (
     weights_digest,
 )
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
+from lightning_resume.exact.state.user import UserState, restore_user_state
 from lightning_resume.io import integrity
 from lightning_resume.io.framing import host_bytes
 
@@ -52,12 +53,15 @@ def restore(
     check_fingerprint: bool,
     elastic: ElasticMode = False,
     loaded: Optional[LoadedDigests] = None,
+    user: Optional[UserState] = None,
 ) -> tuple[dict[str, Any], Afterwards]:
     """Restore ``saved`` into the running ``trainer`` (every rank calls it); return the resume report and what
     the restore changed for a while (put back at the resumed epoch's end and at teardown).
 
     Another world size is dealt out (``exact.elastic``) with ``elastic``, and with ``strict=False``. ``loaded``:
-    the digests of the checkpoint as loaded (``loaded_digests``), for fingerprints saved without the weights."""
+    the digests of the checkpoint as loaded (``loaded_digests``), for fingerprints saved without the weights.
+    ``user``: the state users keep outside Lightning, put back before the data position and the RNG streams
+    (the iterator made again may fetch a batch from it: a dataset over a buffer, a generator it holds)."""
     afterwards = Afterwards()
     moved = int(saved.get("world_size", 1)) != trainer.world_size and (bool(elastic) or not strict)
     differences = collective.agreed(differences_from(trainer, saved, generators, world_may_change=moved))
@@ -85,6 +89,10 @@ def restore(
     lc.restore_callback_metrics(trainer, dict(mine.get("metrics") or {}))  # the next save decisions read them
     lc.restore_last_saved_steps(trainer, dict(saved.get("last_saved") or {}))  # no second save of this step
     lightning_gaps.restore_callbacks(trainer, saved.get(lightning_gaps.KEY))
+    restored_user, unmatched = restore_user_state(user, mine.get("user") or {})
+    if unmatched:
+        warn_approximate(unmatched)
+        differences = [*differences, *unmatched]
     checked: tuple[str, ...] = CHECKED_PARTS
     moved_report: dict[str, Any] = {}
     if moved:
@@ -101,6 +109,7 @@ def restore(
         restored_rng = restore_position_and_rng(trainer, mine, saved, generators, afterwards)
     report: dict[str, Any] = {"step": trainer.global_step, "exact": not differences, "differences": differences}
     report.update(moved_report)
+    report["user_state"] = restored_user
     if check_fingerprint and "fingerprint" in mine and checked:
         saved_print = dict(mine["fingerprint"])
         restored = fingerprint_of(trainer, restored_rng, None, algorithm=algorithm_of(saved_print))

@@ -40,7 +40,8 @@ def start(cfg: dict[str, Any], workdir: Path) -> preloaded.PreloadedProcess:
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(cfg))
     env = {**runner.trace_environment(trace_dir(cfg), digest_every=1), **(cfg.get("env") or {})}
-    return processes.start_preloaded(TRAINEE, [cfg_path], env=env, cwd=workdir, log=out / "stdout.txt")
+    script = JOBS_DIR / cfg["job"] if cfg.get("job") else TRAINEE  # a job built on the trainee, with its own model
+    return processes.start_preloaded(script, [cfg_path], env=env, cwd=workdir, log=out / "stdout.txt")
 
 
 def output(cfg: dict[str, Any], tail: Optional[int] = 6000) -> str:

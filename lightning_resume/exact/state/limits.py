@@ -1,8 +1,8 @@
 """What no checkpoint can make exact, found before training so the user hears of it once.
 
 Random generators that ``ExactResume`` does not save (a ``torch.Generator``, ``numpy.random.Generator``
-or ``random.Random`` kept on the model, the datamodule or a dataset, and not passed as
-``generators=``), nondeterministic CUDA kernels, and a wall-clock ``max_time`` (the run then stops at
+or ``random.Random`` kept on the model, the datamodule or a dataset where the walk of ``state.user`` does not
+reach, and neither passed as ``generators=`` nor registered with ``state=``), nondeterministic CUDA kernels, and a wall-clock ``max_time`` (the run then stops at
 a step that depends on machine speed). Each finding is one line naming the object and the fix. Walks
 objects given to it; knows neither Lightning's loops nor files.
 """
@@ -37,11 +37,7 @@ def unsaved_generators(roots: Mapping[str, Any], registered: Iterable[torch.Gene
     for path, value in _attributes(roots):
         if id(value) in saved:
             continue
-        fix = (
-            "pass it as ExactResume(generators={...})"
-            if isinstance(value, torch.Generator)
-            else "draw from torch's global RNG or a torch.Generator passed as ExactResume(generators={...})"
-        )
+        fix = "register it by name with ExactResume(state={...})"
         lines.append(f"{path} is a {_random_type(value)} no checkpoint saves; {fix}")
     return lines
 

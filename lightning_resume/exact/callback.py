@@ -8,14 +8,13 @@ With ``LIGHTNING_RESUME_TRACE`` set (by ``lightning-resume prove``), the hooks a
 ``prove.trace``'s recorder; without it there is none. Lightning internals are in ``lightning_resume._compat.lightning``.
 """
 
-import os
 import signal
 import time
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -24,7 +23,7 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume._compat.botocore import isolate_retry_jitter
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
-from lightning_resume.exact import driver, snapshots
+from lightning_resume.exact import driver, evidence, snapshots
 from lightning_resume.exact import elastic as elastic_restore
 from lightning_resume.exact.capture import (
     AT_STEP_BOUNDARY,
@@ -34,7 +33,6 @@ from lightning_resume.exact.capture import (
     checkpoint_state,
 )
 from lightning_resume.exact.elastic import Afterwards, ElasticMode
-from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
 from lightning_resume.exact.restore import (
@@ -46,8 +44,7 @@ from lightning_resume.exact.restore import (
 )
 from lightning_resume.exact.state import fingerprint as fingerprints
 from lightning_resume.exact.state import rng as rng_streams
-from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
-from lightning_resume.exact.state.limits import limit_problems
+from lightning_resume.exact.state.data import AdoptedLoaders
 from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
 from lightning_resume.io.plugin import loaded_in_place, offer_module
 from lightning_resume.prove import trace
@@ -321,11 +318,12 @@ class ExactResume(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = lc.train_loaders(trainer)
-        numbered = enumerate(loaders)
-        unsaved = [line for i, dl in numbered if (line := unsaved_position(f"train loader {i}", dl)) is not None]
+        unsaved_found = evidence.unsaved_positions(loaders)
+        unsaved = [finding.line for finding in unsaved_found]
         resuming = self._pending is not None
         # A fresh run is never refused: each loader whose position is unsaved is named once, after the rest.
-        warned = self._what_cannot_be_exact(trainer, pl_module, loaders)
+        found = self._what_cannot_be_exact(trainer, pl_module, loaders)
+        warned = [finding.line for finding in found]
         warned += [] if resuming else [f"resume will not be exact: {line}" for line in unsaved]
         for problem in warned:
             rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
@@ -352,8 +350,12 @@ class ExactResume(Callback):
         if self._trace is not None:  # after the restore: the step this launch resumed at
             unsaved_buffers = self.resume_report.get("unsaved_buffers_differ") or []
             buffers = [f"non-persistent buffers {unsaved_buffers} differ after restore"] if unsaved_buffers else []
+            restored = evidence.after_restore(trainer, pending, self.resume_report, unsaved)
             self._trace.start(
-                trainer, self.resume_report, [*warned, *self.resume_report.get("differences", []), *buffers]
+                trainer,
+                self.resume_report,
+                [*warned, *self.resume_report.get("differences", []), *buffers],
+                [*found, *unsaved_found, *restored],
             )
         if self.scheduler is not None:
             driver.start(self.scheduler, trainer, self._num_nodes, pending or {}, tier)
@@ -372,22 +374,12 @@ class ExactResume(Callback):
         self.memory.start((pending or {}).get(RUN_KEY))  # the run's id; a snapshot of a line left behind dropped
         return self.memory.resumed_tier or (DURABLE if trainer.ckpt_path else None)
 
-    def _what_cannot_be_exact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list) -> list[str]:
-        """One line per loader configuration, unsaved random stream or launcher setting that defeats exactness."""
-        out = [
-            f"resume will not be exact: {p}"
-            for i, dl in enumerate(loaders)
-            for p in loader_problems(f"train loader {i}", dl)
-        ]
-        # Trainer.datamodule and .callbacks are public but assigned by Lightning's connectors, so untyped
-        roots = {"model": pl_module, "datamodule": trainer.datamodule}  # type: ignore[attr-defined]
-        datasets = {f"train loader {i} dataset": getattr(dl, "dataset", None) for i, dl in enumerate(loaders)}
-        roots.update({name: ds for name, ds in datasets.items() if ds is not None})  # a generator has none
-        has_timer = any(isinstance(cb, Timer) for cb in trainer.callbacks)  # type: ignore[attr-defined]
-        limits = limit_problems(roots, self.generators.values(), trainer.strategy.root_device, has_timer)
-        out += [f"not exact: {p}" for p in limits]
-        launcher = torchelastic_problem(os.environ)
-        return out + ([launcher] if launcher is not None else [])
+    def _what_cannot_be_exact(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list
+    ) -> list[evidence.Finding]:
+        """One finding (its kind, subject and line) per loader configuration, unsaved random stream or launcher
+        setting that defeats exactness."""
+        return evidence.cannot_be_exact(trainer, pl_module, loaders, self.generators.values())
 
     def _take_over_slurm_requeue(self, trainer: pl.Trainer) -> None:
         """On SLURM with ``auto_requeue``, Lightning saves mid-step from its handler of the requeue signal and
@@ -403,8 +395,9 @@ class ExactResume(Callback):
             self.scheduler.clean_stop()
         if self.memory is not None:
             self.memory.free()  # a clean end: the durable tier holds the final state
+        snapshots.remove_superseded(trainer)  # a snapshot a newer checkpoint of the user's holds leaves no file
         if self._trace is not None:
-            self._trace.end(trainer)
+            self._trace.end(trainer, snapshots.snapshot_files(trainer), snapshots.retention_files(trainer))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -451,9 +444,10 @@ class ExactResume(Callback):
             self._staging_reserved = True  # the optimizer state exists now: size the first save's staging
             snapshots.reserve_staging(trainer)
         if self.scheduler is not None and lc.at_optimizer_step(trainer):
-            stop = driver.at_step_boundary(
-                self.scheduler, self.preemption, trainer, self._requeue_signal, self.memory, self.notices
-            )
+            with trace.timed_saves(self._trace):  # a save here comes at a step the clock chose
+                stop = driver.at_step_boundary(
+                    self.scheduler, self.preemption, trainer, self._requeue_signal, self.memory, self.notices
+                )
             self.preempted = stop or self.preempted
 
     @override

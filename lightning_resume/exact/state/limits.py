@@ -32,8 +32,13 @@ def _random_type(value: Any) -> Optional[str]:
 def unsaved_generators(roots: Mapping[str, Any], registered: Iterable[torch.Generator]) -> list[str]:
     """Lines naming each random generator reachable from ``roots`` (attributes of the objects, of their
     submodules, and of the datasets they wrap) that is not among ``registered``."""
+    return [line for _, line in unsaved_generator_paths(roots, registered)]
+
+
+def unsaved_generator_paths(roots: Mapping[str, Any], registered: Iterable[torch.Generator]) -> list[tuple[str, str]]:
+    """``(object path, line)`` of each generator ``unsaved_generators`` names (the path is the finding's subject)."""
     saved = {id(g) for g in registered}
-    lines = []
+    found = []
     for path, value in _attributes(roots):
         if id(value) in saved:
             continue
@@ -42,8 +47,8 @@ def unsaved_generators(roots: Mapping[str, Any], registered: Iterable[torch.Gene
             if isinstance(value, torch.Generator)
             else "draw from torch's global RNG or a torch.Generator passed as ExactResume(generators={...})"
         )
-        lines.append(f"{path} is a {_random_type(value)} no checkpoint saves; {fix}")
-    return lines
+        found.append((path, f"{path} is a {_random_type(value)} no checkpoint saves; {fix}"))
+    return found
 
 
 def _attributes(roots: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:

@@ -736,16 +736,18 @@ def _rng(f: _Finding) -> tuple[str, str]:
 def _loss(f: _Finding) -> tuple[str, str]:
     where = f"the loss differs at step {f.step} with the same batch and the same RNG streams"
     generators = of_kind(f.findings, kinds.UNSAVED_GENERATOR)
+    buffers = of_kind(f.findings, kinds.UNSAVED_BUFFER)
+    if buffers:  # observed to differ after the restore: stronger evidence than a generator that merely exists
+        names = ", ".join(x.subject for x in buffers)
+        cause = (
+            f"{where}: state outside the checkpoint, the non-persistent buffer {names} that differed right after"
+            " the restore, changed the computation"
+        )
+        also = ", ".join(x.subject for x in generators)
+        return cause + (f" (ExactResume also found generators it does not save: {also})" if also else ""), BUFFER_FIX
     if generators:
         names = ", ".join(x.subject for x in generators)
         return f"{where}: an RNG stream outside ExactResume ({names}) changed the computation", GENERATOR_FIX
-    buffers = of_kind(f.findings, kinds.UNSAVED_BUFFER)
-    if buffers:
-        names = ", ".join(x.subject for x in buffers)
-        return (
-            f"{where}: state outside the checkpoint, the non-persistent buffer {names} that differed right after the restore, changed the computation",
-            BUFFER_FIX,
-        )
     held = of_kind(f.findings, kinds.USER_STATE)
     if held:
         return f"{where}: state ExactResume cannot capture changed the computation ({_named(held)})", (

@@ -613,3 +613,15 @@ def hpc_save_path(trainer: pl.Trainer) -> str:
     """The next ``hpc_ckpt_N.ckpt`` in ``default_root_dir``, which ``fit(ckpt_path=None)`` resumes from on
     SLURM (checkpoint_connector.py:55-64, :121-122, :563-566)."""
     return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+
+
+def combined_mode(trainer: pl.Trainer) -> Optional[str]:
+    """The ``CombinedLoader`` mode of the train loaders (``"max_size_cycle"``, ``"max_size"``, ``"min_size"``,
+    ``"sequential"``), or ``None`` before they are set up (fit_loop.py:239-251, combined_loader.py:289)."""
+    combined = trainer.fit_loop._combined_loader
+    return None if combined is None else str(combined._mode)
+
+
+def last_checkpoint_saved(callback: ModelCheckpoint) -> str:
+    """The path of the callback's newest save in this fit, ``""`` before any (model_checkpoint.py:299, :602)."""
+    return str(callback._last_checkpoint_saved or "")

@@ -8,14 +8,13 @@ With ``LIGHTNING_RESUME_TRACE`` set (by ``lightning-resume prove``), the hooks a
 ``prove.trace``'s recorder; without it there is none. Lightning internals are in ``lightning_resume._compat.lightning``.
 """
 
-import os
 import signal
 import time
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -24,7 +23,7 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume._compat.botocore import isolate_retry_jitter
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
-from lightning_resume.exact import driver, lightning_gaps, snapshots
+from lightning_resume.exact import driver, evidence, lightning_gaps, snapshots
 from lightning_resume.exact import elastic as elastic_restore
 from lightning_resume.exact.capture import (
     AT_STEP_BOUNDARY,
@@ -34,7 +33,6 @@ from lightning_resume.exact.capture import (
     checkpoint_state,
 )
 from lightning_resume.exact.elastic import Afterwards, ElasticMode
-from lightning_resume.exact.launchers import torchelastic_problem
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
 from lightning_resume.exact.restore import (
@@ -46,9 +44,15 @@ from lightning_resume.exact.restore import (
 )
 from lightning_resume.exact.state import fingerprint as fingerprints
 from lightning_resume.exact.state import rng as rng_streams
-from lightning_resume.exact.state.data import AdoptedLoaders, loader_problems, unsaved_position
-from lightning_resume.exact.state.limits import limit_problems
-from lightning_resume.exact.state.user import UserState, find_in_fit, put_back_later, registration_problems
+from lightning_resume.exact.state.data import AdoptedLoaders
+from lightning_resume.exact.state.user import (
+    UserState,
+    find_in_fit,
+    put_back_later,
+    registration_problems,
+    user_state_digests,
+)
+from lightning_resume.exact.state.user import capture as capture_user_state
 from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
 from lightning_resume.io.plugin import loaded_in_place, offer_module, refuse_unencodable_hparams
 from lightning_resume.prove import trace
@@ -318,7 +322,10 @@ class ExactResume(Callback):
     def _trace_from_environment(self, trainer: pl.Trainer) -> Optional[trace.TraceRecorder]:
         """The recorder ``lightning-resume prove`` asks for, read once per fit (``None``: nothing is recorded)."""
         capture = lambda: rng_streams.capture_rng(self.generators)  # the streams a checkpoint saves
-        return trace.from_environment(trainer.global_rank, fingerprints.digest, capture, clock=self._wall_clock)
+        components = lambda: user_state_digests(capture_user_state(self._user))  # found at train start
+        return trace.from_environment(
+            trainer.global_rank, fingerprints.digest, capture, clock=self._wall_clock, components=components
+        )
 
     def _drop_memory_tier(self) -> None:
         """No memory tier after all (a sharded run): the schedule becomes single-level, as it decides alone."""
@@ -334,12 +341,13 @@ class ExactResume(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = lc.train_loaders(trainer)
-        numbered = enumerate(loaders)
-        unsaved = [line for i, dl in numbered if (line := unsaved_position(f"train loader {i}", dl)) is not None]
+        unsaved_found = evidence.unsaved_positions(loaders)
+        unsaved = [finding.line for finding in unsaved_found]
         resuming = self._pending is not None
         self._user = find_in_fit(trainer, self._roots(trainer, pl_module, loaders), self.state, self.generators)
         # A fresh run is never refused: each loader whose position is unsaved is named once, after the rest.
-        warned = self._what_cannot_be_exact(trainer, pl_module, loaders)
+        found = self._what_cannot_be_exact(trainer, pl_module, loaders)
+        warned = [finding.line for finding in found]
         warned += [] if resuming else [f"resume will not be exact: {line}" for line in unsaved]
         for problem in warned:
             rank_zero_warn(f"ExactResume: {problem}", category=ExactResumeWarning)
@@ -367,8 +375,12 @@ class ExactResume(Callback):
         if self._trace is not None:  # after the restore: the step this launch resumed at
             unsaved_buffers = self.resume_report.get("unsaved_buffers_differ") or []
             buffers = [f"non-persistent buffers {unsaved_buffers} differ after restore"] if unsaved_buffers else []
+            restored = evidence.after_restore(trainer, pending, self.resume_report, unsaved)
             self._trace.start(
-                trainer, self.resume_report, [*warned, *self.resume_report.get("differences", []), *buffers]
+                trainer,
+                self.resume_report,
+                [*warned, *self.resume_report.get("differences", []), *buffers],
+                [*found, *unsaved_found, *restored],
             )
         if self.scheduler is not None:
             driver.start(self.scheduler, trainer, self._num_nodes, pending or {}, tier)
@@ -387,21 +399,15 @@ class ExactResume(Callback):
         self.memory.start((pending or {}).get(RUN_KEY))  # the run's id; a snapshot of a line left behind dropped
         return self.memory.resumed_tier or (DURABLE if trainer.ckpt_path else None)
 
-    def _what_cannot_be_exact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list) -> list[str]:
-        """One line per loader configuration, unsaved random stream or launcher setting that defeats exactness."""
-        out = [
-            f"resume will not be exact: {p}"
-            for i, dl in enumerate(loaders)
-            for p in loader_problems(f"train loader {i}", dl)
-        ]
-        roots = self._roots(trainer, pl_module, loaders)
-        has_timer = any(isinstance(cb, Timer) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+    def _what_cannot_be_exact(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list
+    ) -> list[evidence.Finding]:
+        """One finding (its kind, subject and line) per loader configuration, unsaved random stream, state that
+        cannot be saved or launcher setting that defeats exactness."""
         user = self._user or UserState()
         saved = [*self.generators.values(), *(held.obj for held in user.held)]
-        limits = limit_problems(roots, saved, trainer.strategy.root_device, has_timer)
-        out += [f"not exact: {p}" for p in [*limits, *user.unsaved]]
-        launcher = torchelastic_problem(os.environ)
-        return out + ([launcher] if launcher is not None else [])
+        roots = self._roots(trainer, pl_module, loaders)
+        return evidence.cannot_be_exact(trainer, loaders, roots, saved, user.refused)
 
     @staticmethod
     def _roots(trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list) -> dict[str, Any]:
@@ -426,8 +432,9 @@ class ExactResume(Callback):
             self.scheduler.clean_stop()
         if self.memory is not None:
             self.memory.free()  # a clean end: the durable tier holds the final state
+        snapshots.remove_superseded(trainer)  # a snapshot a newer checkpoint of the user's holds leaves no file
         if self._trace is not None:
-            self._trace.end(trainer)
+            self._trace.end(trainer, snapshots.snapshot_files(trainer), snapshots.retention_files(trainer))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -477,9 +484,10 @@ class ExactResume(Callback):
             self._staging_reserved = True  # the optimizer state exists now: size the first save's staging
             snapshots.reserve_staging(trainer)
         if self.scheduler is not None and lc.at_optimizer_step(trainer):
-            stop = driver.at_step_boundary(
-                self.scheduler, self.preemption, trainer, self._requeue_signal, self.memory, self.notices
-            )
+            with trace.timed_saves(self._trace):  # a save here comes at a step the clock chose
+                stop = driver.at_step_boundary(
+                    self.scheduler, self.preemption, trainer, self._requeue_signal, self.memory, self.notices
+                )
             self.preempted = stop or self.preempted
 
     @override

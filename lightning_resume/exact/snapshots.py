@@ -2,8 +2,12 @@
 
 Through the run's ``RetentionCheckpoint`` when it takes snapshots (a rolling checkpoint it names,
 counts and prunes); otherwise beside the first ``ModelCheckpoint``'s files as
-``last-snapshot-step=N.ckpt``, outside its top-k bookkeeping. Knows Lightning's checkpoint callbacks
-and the strategy's file operations, not its loops.
+``last-snapshot-step=N.ckpt``, outside its top-k bookkeeping. Such a file records inside it that it was
+written as that snapshot (``SNAPSHOT_KEY``), and only files that prove it are ever removed: the previous
+snapshot once the new one is durable, and at a clean end of training every snapshot a newer verified
+checkpoint of the user's callbacks supersedes, so the directory holds what it would hold without
+ExactResume (unless a snapshot is the newest state there). Knows Lightning's checkpoint callbacks and the
+strategy's file operations, not its loops.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_resume import collective, storage
+from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact.capture import sharded
 from lightning_resume.io.atomic import (
@@ -26,9 +31,14 @@ from lightning_resume.io.atomic import (
     fsync_file_and_dir,
     temp_name,
 )
+from lightning_resume.io.read import load_file
+from lightning_resume.io.verify import precheck, problem
 from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget, StagingCheckpointIO
 
 SNAPSHOT_PREFIX = "last-snapshot-step="
+SNAPSHOT_KEY = "lightning_resume_snapshot"
+"""Top-level checkpoint key of a snapshot written beside a ``ModelCheckpoint``: ``{"name": <its file name>}``,
+the proof that ExactResume wrote this file as this snapshot (Lightning ignores keys it does not know)."""
 
 
 def wait_for_previous_write(trainer: pl.Trainer) -> None:
@@ -76,11 +86,15 @@ def save_snapshot(trainer: pl.Trainer, reason: str) -> str:
             ["scheduled snapshots need a checkpoint directory; add a RetentionCheckpoint or ModelCheckpoint"],
         )
     path = storage.join(dirpath, f"{SNAPSHOT_PREFIX}{trainer.global_step:09d}.ckpt")
-    trainer.save_checkpoint(path)
+    checkpoint = lc.dump_checkpoint(trainer)  # what trainer.save_checkpoint writes (trainer.py:1463-1465)
+    checkpoint[SNAPSHOT_KEY] = {"name": storage.basename(path)}
+    trainer.strategy.save_checkpoint(checkpoint, path)
+    trainer.strategy.barrier("ExactResume.save_snapshot")
     if trainer.is_global_zero:
         fsync_file_and_dir(path)  # durable before the older snapshot goes (a no-op for remote paths)
         for old in older_snapshots(dirpath, trainer.global_step):
-            trainer.strategy.remove_checkpoint(old)
+            if written_as_snapshot(old):
+                trainer.strategy.remove_checkpoint(old)
     return path
 
 
@@ -88,11 +102,93 @@ def older_snapshots(dirpath: str, step: int) -> list[str]:
     """This directory's ``last-snapshot-step=N.ckpt`` with N < ``step``: superseded by the new one."""
     found = []
     for entry in storage.list_dir(dirpath):  # URLs keep their scheme (s3fs lists scheme-less keys)
-        name = entry.name
-        digits = name[len(SNAPSHOT_PREFIX) : -len(".ckpt")]
-        if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and digits.isdigit() and int(digits) < step:
+        snapshot_step = step_of_snapshot(entry.name)
+        if snapshot_step is not None and snapshot_step < step:
             found.append(entry.path)
     return found
+
+
+def step_of_snapshot(name: str) -> Optional[int]:
+    """N of a ``last-snapshot-step=N.ckpt`` name, else ``None``."""
+    digits = name[len(SNAPSHOT_PREFIX) : -len(".ckpt")]
+    return int(digits) if name.startswith(SNAPSHOT_PREFIX) and name.endswith(".ckpt") and digits.isdigit() else None
+
+
+def written_as_snapshot(path: str) -> bool:
+    """Whether ``path`` records that ExactResume wrote it as the snapshot of that name (``SNAPSHOT_KEY``). Read
+    without running code and without reading tensors (memory-mapped, unverified); any file that cannot be read
+    so, or lacks the record (a user's file, a snapshot of a version before the record), is not ours to delete."""
+    try:
+        if storage.is_dir(path):
+            from lightning_resume.sharded.api import load_meta  # DCP is imported only for sharded runs
+
+            checkpoint = load_meta(path)
+        else:
+            checkpoint = load_file(path, verify=False, lenient=True, mmap=True).checkpoint
+    except Exception:  # noqa: BLE001 - an unreadable file is simply not proven ours
+        return False
+    record = checkpoint.get(SNAPSHOT_KEY) if isinstance(checkpoint, dict) else None
+    return isinstance(record, dict) and record.get("name") == storage.basename(path)
+
+
+def remove_superseded(trainer: pl.Trainer) -> list[str]:
+    """At a clean end of training, on rank 0: remove each snapshot beside the ``ModelCheckpoint`` files that a
+    newer or equal checkpoint of a user's ``ModelCheckpoint``, written in this fit, durable and verified,
+    supersedes, and that proves it was written as that snapshot. The newest state in the directory always
+    stays (a snapshot no user checkpoint caught up with, e.g. after a preemption stop). Snapshots through a
+    ``RetentionCheckpoint`` are its own files, kept or pruned by its rules. Returns the paths removed."""
+    dirpath = snapshot_dir(trainer)
+    if snapshot_target(trainer) is not None or dirpath is None or not trainer.is_global_zero:
+        return []
+    ours = {path: storage.basename(path) for path in older_snapshots(dirpath, trainer.global_step + 1)}
+    newest = _newest_user_checkpoint(trainer) if ours else None
+    if newest is None:
+        return []
+    user_path, user_step = newest
+    writer = async_writer(trainer)
+    if writer is not None and not writer.wait(user_path, timeout=writer.flush_timeout):
+        return []  # not durable yet: the snapshot stays the newest proven state
+    if problem(user_path, check=precheck) is not None:
+        return []
+    removed = []
+    for path, name in ours.items():
+        if (step_of_snapshot(name) or 0) <= user_step and written_as_snapshot(path):
+            trainer.strategy.remove_checkpoint(path)
+            removed.append(path)
+    return removed
+
+
+def _newest_user_checkpoint(trainer: pl.Trainer) -> Optional[tuple[str, int]]:
+    """``(path, step)`` of the newest checkpoint a user's ``ModelCheckpoint`` wrote in this fit (``None``: none)."""
+    saved = []
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            path = lc.last_checkpoint_saved(callback)
+            if path and storage.exists(path):
+                saved.append((lc.last_global_step_saved(callback), path))
+    if not saved:
+        return None
+    step, path = max(saved)
+    return path, step
+
+
+def snapshot_files(trainer: pl.Trainer) -> list[str]:
+    """Names of the snapshots beside the ``ModelCheckpoint`` files: each exists only because the clock chose
+    its step (``prove`` compares them by content where both runs have one, never by presence)."""
+    dirpath = None if snapshot_target(trainer) is not None else snapshot_dir(trainer)
+    if dirpath is None or not storage.exists(dirpath):
+        return []
+    return [e.name for e in storage.list_dir(dirpath) if step_of_snapshot(e.name) is not None]
+
+
+def retention_files(trainer: pl.Trainer) -> list[str]:
+    """Names in the directory of the ``RetentionCheckpoint`` that takes the snapshots: which of them stay
+    depends on the snapshots' steps once any was taken (its keep rules count them)."""
+    target = snapshot_target(trainer)
+    dirpath = getattr(target, "dirpath", None)
+    if dirpath is None or not storage.exists(str(dirpath)):
+        return []
+    return [e.name for e in storage.list_dir(str(dirpath)) if not e.name.startswith(".")]
 
 
 def async_writer(trainer: pl.Trainer) -> Optional[AsyncCheckpointWriter]:

@@ -2,14 +2,18 @@
 
 This module owns the comparison rule of ``docs/prove.md``: reading the trace files (``read_trace``, its only
 file access), cutting B's launches where the next one resumed (``effective``), finding the first record
-that differs on any rank (``compare``), naming its likely cause and fix from the component and the
-``problems`` lines ExactResume wrote at the start of that launch, and showing the verdict (``render``,
-``to_json``). It is pure over plain records: no processes, no torch, no Lightning, no clock; starting,
-killing and relaunching the runs is ``prove.runner``'s, writing the trace ``prove.trace``'s.
+that differs on any rank (``compare``), with saves and files whose steps the clock chose (snapshots)
+compared by content where both runs have them, not by presence; naming the cause and fix from the component
+that first differed and the evidence recorded (the ``findings`` of that launch's start, each with a kind,
+and the loaders and schedulers it trained with), saying "not sure" where that evidence does not single one
+out; and showing the verdict (``render``, ``to_json``). It is pure over plain records: no processes, no
+torch, no Lightning, no clock; starting, killing and relaunching the runs is ``prove.runner``'s, writing the
+trace ``prove.trace``'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -17,25 +21,29 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 from lightning_resume.errors import LightningResumeError
+from lightning_resume.prove import findings as kinds
+from lightning_resume.prove.findings import Finding, from_records, of_kind
 
 Record = Mapping[str, Any]
 Trace = Mapping[int, Sequence[Record]]
 
 Component = Literal[
-    "start", "batch", "rng", "loss", "lr", "params", "optim", "val", "sched", "files", "missing", "extra"
+    "start", "batch", "rng", "loss", "lr", "params", "optim", "val", "sched", "user", "files", "missing", "extra"
 ]  # fmt: skip
 
 COMPARED_KINDS = ("batch", "state", "saved", "val", "end")
 """The record kinds compared; ``start`` records only delimit launches and carry their ``problems``, and a
 kind this version does not know (a newer trace writer) is left out of the comparison."""
 
-IGNORED_FIELDS = frozenset({"kind", "time", "pid"})
-"""Fields that differ between any two runs (``kind`` is compared before the fields)."""
+IGNORED_FIELDS = frozenset({"kind", "time", "pid", "timed", "timed_files", "retention_files"})
+"""Fields that differ between any two runs (``kind`` is compared before the fields), and the facts about
+timing that decide what is compared (a ``saved`` record's ``timed``, ``end``'s ``timed_files`` and
+``retention_files``): read by ``_by_timing``, not compared."""
 
 FIELD_COMPONENTS: Mapping[str, Sequence[tuple[str, Component]]] = {
     "batch": (
-        ("step", "batch"), ("epoch", "batch"), ("micro", "batch"), ("rng", "rng"), ("batch", "batch"),
-        ("loss", "loss"), ("lr", "lr"),
+        ("step", "batch"), ("epoch", "batch"), ("micro", "batch"), ("rng", "rng"), ("sched", "sched"),
+        ("user", "user"), ("batch", "batch"), ("loss", "loss"), ("lr", "lr"),
     ),
     "state": (("step", "missing"), ("params", "params"), ("optim", "optim")),
     "saved": (("step", "missing"), ("params", "params"), ("optim", "optim")),
@@ -44,7 +52,8 @@ FIELD_COMPONENTS: Mapping[str, Sequence[tuple[str, Component]]] = {
 }  # fmt: skip
 """Per kind, its fields in the order they are compared and the component a difference in each is reported as.
 The order is causal: a batch's position before the RNG streams it started with (a loader restarted on a new
-iterator also draws from them), the RNG before the batch it may shape, both before the loss they produce.
+iterator also draws from them), then the state the step starts from (the schedulers Lightning saves, the
+state ExactResume captures beyond them, by name), before the batch it may shape and the loss it produces.
 A field not listed (a newer trace writer) is compared after these and reported as ``OTHER_FIELDS[kind]``.
 A ``missing`` step on a non-batch record becomes ``extra`` when B's step is the later one."""
 
@@ -133,6 +142,7 @@ class _Cut:
     resumed_at: tuple[int, ...] = ()  # the start step of each relaunch (launch 2 on)
     restores: Mapping[int, int] = field(default_factory=dict)  # launch -> index where its own records begin
     problems: tuple[_Problem, ...] = ()
+    timed: tuple[tuple[int, Record], ...] = ()  # saves at timed steps, each with where it stood (``_dropping``)
 
 
 FRESH_FIX = 'resume from the newest checkpoint at every launch: pass ckpt_path="last" to trainer.fit (or --ckpt_path last with LightningCLI)'
@@ -244,8 +254,10 @@ class Verdict:
     """The outcome of comparing B with A.
 
     ``exact``: every compared record of every rank is equal (and B relaunched, unless not required). Else
-    the first difference: ``step``, ``rank``, ``component``, A's value (``expected``) and B's (``got``), and
-    one sentence each of ``cause`` and ``fix`` (both empty when exact). Per rank: ``launches`` and
+    the first difference: ``step``, ``rank``, ``component`` (and ``detail``: which scheduler, which captured
+    state, which metrics), A's value (``expected``) and B's (``got``), and one sentence each of ``cause`` and
+    ``fix`` (both empty when exact); ``sure`` is ``False`` when the recorded evidence did not single out one
+    cause (the cause then begins with "not sure" and says what was compared). Per rank: ``launches`` and
     ``resumed_at`` (the steps the relaunches resumed at) of B's ranks, and ``compared`` (records compared, up
     to and including the differing one) of every rank A or B has."""
 
@@ -260,6 +272,8 @@ class Verdict:
     launches: Mapping[int, int] = field(default_factory=dict)
     resumed_at: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     compared: Mapping[int, int] = field(default_factory=dict)
+    detail: Optional[str] = None
+    sure: bool = True
 
 
 @dataclass(frozen=True)
@@ -274,10 +288,18 @@ class _Finding:
     expected: Any
     got: Any
     launch: int = 1  # B's launch the differing record came from (the last one when B has none there)
-    problems: tuple[str, ...] = ()  # that launch's start record's problems lines
+    start: Record = dataclasses.field(
+        default_factory=dict
+    )  # that launch's start record: its findings, loaders, schedulers
     after_restore: bool = False  # the first weights B recorded after a relaunch resumed
     last_steps: tuple[Optional[int], Optional[int]] = (None, None)  # A's and B's last recorded steps
     diagnosis: Optional[tuple[str, str]] = None  # cause and fix already known (a start problem)
+    detail: Optional[str] = None  # the scheduler index, captured-state name or metric names that differ
+    lr_varies: bool = False  # A's learning rates change during its run
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        return from_records(self.start.get("findings"))
 
 
 def compare(a: Trace, b: Trace, *, require_relaunch: bool = True, ignore: Sequence[str] = ()) -> Verdict:
@@ -286,18 +308,23 @@ def compare(a: Trace, b: Trace, *, require_relaunch: bool = True, ignore: Sequen
     The first difference decides: the lowest position over ranks, the lowest rank on a tie. A relaunch
     problem counts as a difference where that relaunch's records begin. With ``require_relaunch`` (the
     default), a B that never relaunched on some rank is no proof, whatever its records: an uninterrupted B
-    shows nothing about resuming. ``ignore`` names record kinds (``"saved"``) or fields (``"files"``) left out of
+    shows nothing about resuming. Saves and files whose steps the clock chose are compared as
+    ``_by_timing`` says. ``ignore`` names record kinds (``"saved"``) or fields (``"files"``) left out of
     the comparison (the cut rule still reads them): for a caller that checks those itself, e.g. a test of
     training exactness alone; ``prove`` compares everything."""
-    cuts = {rank: _without(_cut(records), ignore) for rank, records in b.items()}
-    a = {rank: [r for r in _ignoring(records, ignore)] for rank, records in a.items()}
+    timing = _Timing.of(a, b)
+    cuts = {rank: _dropping(_cut(records), timing, ignore) for rank, records in b.items()}
+    a_timed = {rank: _timed_saves(records, timing, ignore) for rank, records in a.items()}
+    a = {rank: _drop_records(records, timing, ignore) for rank, records in a.items()}
     launches = {rank: len(cut.starts) for rank, cut in sorted(cuts.items())}
     resumed_at = {rank: cut.resumed_at for rank, cut in sorted(cuts.items())}
     findings, compared = [], {}
     for rank in sorted(set(a) | set(b)):
         a_rank = _compared_records(a.get(rank, ()))
-        finding, compared[rank] = _first_finding(rank, a_rank, _sources_kept(cuts.get(rank, _Cut()), a_rank))
-        findings += [finding] if finding is not None else []
+        cut = _sources_kept(cuts.get(rank, _Cut()), a_rank)
+        finding, compared[rank] = _first_finding(rank, a_rank, cut)
+        timed = _timed_content_finding(rank, a_timed.get(rank, {}), cut)
+        findings += [f for f in (finding, timed) if f is not None]
     summary: dict[str, Any] = {"launches": launches, "resumed_at": resumed_at, "compared": compared}
     lone = [rank for rank, n in launches.items() if n < 2] if launches else [0]
     if require_relaunch and lone:
@@ -309,8 +336,46 @@ def compare(a: Trace, b: Trace, *, require_relaunch: bool = True, ignore: Sequen
     cause, fix = first.diagnosis or _diagnose(first)
     return Verdict(
         False, step=first.step, rank=first.rank, component=first.component, expected=first.expected,
-        got=first.got, cause=cause, fix=fix, **summary,
+        got=first.got, cause=cause, fix=fix, detail=first.detail, sure=not cause.startswith(NOT_SURE), **summary,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """What the clock chose in either run, read from both traces whole (every launch): the steps of ``timed``
+    saves (scheduled, preemption and memory-tier snapshots), and the files whose presence depends on them.
+
+    A save at such a step is compared by content where both runs saved that step (``_timed_content_finding``),
+    never by position: the other run snapshots at other steps, and a retention that took a snapshot skips its
+    own save of the same step. In ``end.files``, the snapshot files of either run (``timed_files``) and, once
+    either run took a timed save, the files of a retention that counts snapshots (``retention_files``) are
+    left out: which of them exist depends on when the snapshots were taken."""
+
+    steps: frozenset[int] = frozenset()
+    files: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, a: Trace, b: Trace) -> _Timing:
+        every = [r for trace in (a, b) for records in trace.values() for r in records]
+        steps = frozenset(int(r.get("step") or 0) for r in every if r.get("kind") == "saved" and r.get("timed"))
+        ends = [r for r in every if r.get("kind") == "end"]
+        files = {str(n) for r in ends for n in r.get("timed_files") or ()}
+        if steps:
+            files |= {str(n) for r in ends for n in r.get("retention_files") or ()}
+        return cls(steps, frozenset(files))
+
+    def drops(self, record: Record) -> bool:
+        return record.get("kind") == "saved" and int(record.get("step") or 0) in self.steps
+
+    def strip(self, record: Record) -> Record:
+        if record.get("kind") != "end" or not self.files or not isinstance(record.get("files"), list):
+            return record
+        return {**record, "files": [name for name in record["files"] if name not in self.files]}
+
+
+def _drop_records(records: Sequence[Record], timing: _Timing, ignore: Sequence[str]) -> list[Record]:
+    """A's records as compared: without saves at timed steps, without timed files, without ``ignore``."""
+    return _ignoring([timing.strip(r) for r in records if not timing.drops(r)], ignore)
 
 
 def _ignoring(records: Sequence[Record], ignore: Sequence[str]) -> list[Record]:
@@ -320,11 +385,14 @@ def _ignoring(records: Sequence[Record], ignore: Sequence[str]) -> list[Record]:
     return [{k: v for k, v in r.items() if k not in ignore} for r in records if r.get("kind") not in ignore]
 
 
-def _without(cut: _Cut, ignore: Sequence[str]) -> _Cut:
-    """``cut`` with the records ``_ignoring`` leaves out removed, every position that points into them moved."""
-    if not ignore:
-        return cut
-    kept = [i for i, r in enumerate(cut.records) if r.get("kind") not in ignore]
+def _dropping(cut: _Cut, timing: _Timing, ignore: Sequence[str]) -> _Cut:
+    """``cut`` as ``_drop_records`` leaves A's records, every position that points into dropped ones moved. The
+    saves at timed steps stay in ``timed``, for their comparison by content."""
+    timed_dropped = [] if "saved" in ignore else [i for i, r in enumerate(cut.records) if timing.drops(r)]
+    dropped = [i for i, r in enumerate(cut.records) if timing.drops(r) or r.get("kind") in ignore]
+    if not dropped:
+        return replace(cut, records=tuple(_drop_records(cut.records, timing, ignore)))
+    kept = [i for i in range(len(cut.records)) if i not in set(dropped)]
     moved = {old: new for new, old in enumerate(kept)}
 
     def position(old: int) -> int:
@@ -332,11 +400,36 @@ def _without(cut: _Cut, ignore: Sequence[str]) -> _Cut:
 
     return replace(
         cut,
-        records=tuple(_ignoring([cut.records[i] for i in kept], ignore)),
+        records=tuple(_drop_records([cut.records[i] for i in kept], timing, ignore)),
         origins=tuple(cut.origins[i] for i in kept),
         restores={launch: position(i) for launch, i in cut.restores.items()},
         problems=tuple(replace(p, position=position(p.position)) for p in cut.problems),
+        timed=tuple((position(i), cut.records[i]) for i in timed_dropped),
     )
+
+
+def _timed_saves(records: Sequence[Record], timing: _Timing, ignore: Sequence[str]) -> dict[int, Record]:
+    """A's first save of each timed step, compared by content with B's (``_timed_content_finding``)."""
+    if "saved" in ignore:
+        return {}
+    return {int(r.get("step") or 0): r for r in reversed(records) if timing.drops(r)}
+
+
+def _timed_content_finding(rank: int, a_saves: Mapping[int, Record], cut: _Cut) -> Optional[_Finding]:
+    """The first timed step both runs saved whose weights or optimizer state differ, placed where B's save of
+    it stood among B's compared records."""
+    b_saves = {int(r.get("step") or 0): (position, r) for position, r in reversed(cut.timed)}
+    for step in sorted(set(b_saves) & set(a_saves)):
+        position, b_record = b_saves[step]
+        a_record = a_saves[step]
+        for name, component in (("params", "params"), ("optim", "optim")):
+            if a_record.get(name) != b_record.get(name):
+                launch = cut.origins[position] if position < len(cut.origins) else len(cut.starts)
+                return _Finding(
+                    position, rank, step, component, name, a_record.get(name), b_record.get(name),  # type: ignore[arg-type]
+                    launch=max(launch, 1), start=_start_of(cut, launch), detail=f"snapshot of step {step}",
+                )  # fmt: skip
+    return None
 
 
 def _sources_kept(cut: _Cut, a: Sequence[Record]) -> _Cut:
@@ -403,22 +496,23 @@ def _first_finding(rank: int, a: Sequence[Record], cut: _Cut) -> tuple[Optional[
 def _problem_finding(rank: int, problem: _Problem, cut: _Cut) -> _Finding:
     return _Finding(
         problem.position, rank, problem.step, "start", "resumed_from", problem.expected, problem.got,
-        launch=problem.launch, problems=_problems_of(cut, problem.launch), diagnosis=(problem.cause, problem.fix),
+        launch=problem.launch, start=_start_of(cut, problem.launch), diagnosis=(problem.cause, problem.fix),
     )  # fmt: skip
 
 
-def _problems_of(cut: _Cut, launch: int) -> tuple[str, ...]:
-    start = cut.starts[launch - 1] if 0 < launch <= len(cut.starts) else {}
-    return tuple(str(line) for line in start.get("problems") or ())
+def _start_of(cut: _Cut, launch: int) -> Record:
+    return cut.starts[launch - 1] if 0 < launch <= len(cut.starts) else {}
 
 
-_Difference = tuple[Component, str, Any, Any]  # component, field, A's value, B's value
+_Difference = tuple[Component, str, Any, Any, Optional[str]]  # component, field, A's value, B's value, detail
 
 
 def _record_difference(a: Record, b: Record) -> Optional[_Difference]:
-    """The first field in which two records differ, in ``FIELD_COMPONENTS`` order, or ``None``."""
+    """The first field in which two records differ, in ``FIELD_COMPONENTS`` order, or ``None``. In a mapping
+    or list of parts (``user``, ``sched``), the first part that differs is the ``detail``; its two values are
+    the ones shown."""
     if a.get("kind") != b.get("kind"):
-        return _kind_component(str(a.get("kind")), str(b.get("kind"))), "kind", _summary(a), _summary(b)
+        return _kind_component(str(a.get("kind")), str(b.get("kind"))), "kind", _summary(a), _summary(b), None
     kind = str(a["kind"])
     known = FIELD_COMPONENTS[kind]
     listed = {name for name, _ in known}
@@ -428,8 +522,23 @@ def _record_difference(a: Record, b: Record) -> Optional[_Difference]:
         if expected != got:
             if component == "missing" and _later(got, expected):
                 component = "extra"
-            return component, name, expected, got
+            if kind == "batch" and name in ("user", "sched"):
+                part, expected, got = _first_part(expected, got)
+                return component, name, expected, got, part
+            return component, name, expected, got, None
     return None
+
+
+def _first_part(a: Any, b: Any) -> tuple[str, Any, Any]:
+    """The first name (a mapping, in A's order) or index (a list) whose values differ, and the two values."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        names = [*a, *(k for k in b if k not in a)]
+        name = next(k for k in names if a.get(k) != b.get(k))
+        return str(name), a.get(name), b.get(name)
+    if isinstance(a, list) and isinstance(b, list):
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        return str(i), a[i] if i < len(a) else None, b[i] if i < len(b) else None
+    return "", a, b
 
 
 def _kind_component(a_kind: str, b_kind: str) -> Component:
@@ -445,8 +554,8 @@ def _kind_component(a_kind: str, b_kind: str) -> Component:
 
 def _end_difference(a: Sequence[Record], b: Sequence[Record], i: int) -> _Difference:
     if i >= len(b):
-        return "missing", "kind", _summary(a[i]), None
-    return "extra", "kind", None, _summary(b[i])
+        return "missing", "kind", _summary(a[i]), None, None
+    return "extra", "kind", None, _summary(b[i]), None
 
 
 def _later(got: Any, expected: Any) -> bool:
@@ -458,15 +567,23 @@ def _summary(record: Record) -> dict[str, Any]:
 
 
 def _finding(rank: int, i: int, a: Sequence[Record], cut: _Cut, difference: _Difference) -> _Finding:
-    component, name, expected, got = difference
+    component, name, expected, got, detail = difference
     b = cut.records
     record = a[i] if i < len(a) else b[i]
     launch = cut.origins[i] if i < len(b) else len(cut.starts)
+    if component == "val" and name == "metrics":
+        detail = ", ".join(_differing(expected, got))
+    rates = {json.dumps(r.get("lr")) for r in a if r.get("kind") == "batch"}
     return _Finding(
         i, rank, _step(record), component, name, expected, got, launch=max(launch, 1),
-        problems=_problems_of(cut, launch), after_restore=_first_weights_after_restore(cut, i),
-        last_steps=(_last_step(a), _last_step(b)),
+        start=_start_of(cut, launch), after_restore=_first_weights_after_restore(cut, i),
+        last_steps=(_last_step(a), _last_step(b)), detail=detail, lr_varies=len(rates) > 1,
     )  # fmt: skip
+
+
+def _differing(expected: Any, got: Any) -> list[str]:
+    a, b = (value if isinstance(value, Mapping) else {} for value in (expected, got))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def _first_weights_after_restore(cut: _Cut, i: int) -> bool:
@@ -488,107 +605,257 @@ def _last_step(records: Sequence[Record]) -> Optional[int]:
 
 # ------------------------------------------------------------------------------------------ diagnosis
 
-LOADER_WORDS = ("loader", "dataset", "sampler", "position", "worker")
-GENERATOR_WORDS = ("generator", "randomstate", "random.random")
-BUFFER_WORDS = ("buffer", "persistent", "attribute")
-KERNEL_WORDS = ("deterministic",)
-WORLD_WORDS = ("world size", "elastic", "ranks on")
-STOP_WORDS = ("max_time",)
-"""Words that tie a ``problems`` line (ExactResume's warnings, ``exact/state/limits.py``, ``data.py``,
-``restore.py``) to the component it explains; matched case-insensitively."""
+NOT_SURE = "not sure"
+"""How a cause begins when the recorded evidence does not single one out (``Verdict.sure`` is then ``False``)."""
 
-
-def _warned(finding: _Finding, *words: str) -> str:
-    """The launch's problems lines that mention any of ``words``, as a clause ending a cause."""
-    lines = [line for line in finding.problems if any(w in line.lower() for w in words)]
-    return f"; ExactResume warned at launch {finding.launch}: " + " | ".join(lines) if lines else ""
+POSITION_FIX = (
+    "use a torch DataLoader or torchdata's StatefulDataLoader (same arguments), whose position ExactResume saves,"
+    " or give the batch sampler state_dict/load_state_dict"
+)
+GENERATOR_FIX = (
+    "pass each torch.Generator as ExactResume(generators={name: generator}), or draw from torch's global RNG"
+    " (a numpy or random generator: draw from torch's RNG or a registered torch.Generator instead)"
+)
+BUFFER_FIX = "register that state as a persistent buffer (register_buffer(name, tensor, persistent=True)), or save it in on_save_checkpoint and set it back in on_load_checkpoint"
+SCHEDULER_FIX = "return the scheduler from configure_optimizers ({'scheduler': s, 'interval': 'step'} to step it every batch) so Lightning saves and restores it, instead of stepping it by hand"
 
 
 def _diagnose(f: _Finding) -> tuple[str, str]:
-    """Cause and fix of the first difference: one sentence each, naming what the trace shows."""
+    """Cause and fix of the first difference: one sentence each, from the component that differed and the
+    evidence the trace recorded (the launch's findings, loaders and schedulers), never from warning words."""
     if f.launch == 1 and f.component not in ("missing", "extra", "files"):
         return _not_deterministic(f)
     return _CAUSES[f.component](f)
 
 
+def _named(found: Sequence[Finding]) -> str:
+    """The findings as a clause: what ExactResume recorded about each subject, in its own words."""
+    return "; ".join(f.line for f in found)
+
+
+def _not_sure(what: str, compared: str, possible: str) -> str:
+    return f"{NOT_SURE} why {what}: {compared}; nothing recorded singles out one cause; possible: {possible}"
+
+
 def _not_deterministic(f: _Finding) -> tuple[str, str]:
+    kernels = of_kind(f.findings, kinds.NONDETERMINISTIC_KERNELS)
     cause = (
         f"{f.component} differs at step {f.step} before B was ever killed (launch 1): the two runs differ without"
-        " any resume, so the training itself is not deterministic" + _warned(f, *KERNEL_WORDS, *GENERATOR_WORDS)
+        " any resume, so the training itself is not deterministic" + (f" ({_named(kernels)})" if kernels else "")
     )
     fix = "make two uninterrupted runs equal first: seed everything (lightning.seed_everything), use Trainer(deterministic=True), and read no clock or environment in training"
     return cause, fix
 
 
+def _unsaved_positions(f: _Finding) -> Optional[tuple[str, str]]:
+    """The loaders whose position ExactResume recorded it could not save, as (clause, fix), or ``None``."""
+    unsaved = of_kind(f.findings, kinds.LOADER_POSITION_UNSAVED)
+    if not unsaved:
+        return None
+    names = ", ".join(x.subject for x in unsaved)
+    return f"{names} could not have its position saved ({_named(unsaved)})", f"for {names}: {POSITION_FIX}"
+
+
+def _start_problem(f: _Finding) -> Optional[tuple[str, str]]:
+    """What the relaunch's restore recorded that explains any difference after it: a checkpoint captured
+    mid-step, another world size (``None``: neither)."""
+    mid = of_kind(f.findings, kinds.MID_STEP_CAPTURE)
+    if mid:
+        return (
+            f"the relaunch resumed from a checkpoint captured {mid[0].subject.replace('_', ' ')}, not at a step boundary",
+            (
+                "let ExactResume take preemption snapshots (preemption_signals) instead of saving from a signal handler or an exception hook"
+            ),
+        )
+    world = of_kind(f.findings, kinds.WORLD_SIZE)
+    if world:
+        return f"the relaunch ran on another world size ({world[0].subject} processes)", (
+            "relaunch on the same number of processes (ExactResume(elastic=True) continues on another one, sample-exact but not bitwise)"
+        )
+    return None
+
+
 def _batch(f: _Finding) -> tuple[str, str]:
-    if f.field == "batch":
-        cause = f"batch content differs from step {f.step}: the loader's position (or the data's randomness) was not restored"
-    else:
-        cause = f"the batch position differs at step {f.step} ({f.field} {f.expected} expected, {f.got} found): the loader's position was not restored"
-    warned = _warned(f, *LOADER_WORDS)
-    if warned:
-        fix = "fix what ExactResume warned about at the relaunch (each line names the loader or dataset and its fix)"
-        return cause + warned, fix
-    fix = "use a torch DataLoader or torchdata's StatefulDataLoader, whose position ExactResume saves (not a subclass or a batch sampler without state), and draw the data's randomness from torch's RNG"
-    return cause, fix
+    where = (
+        f"batch content differs from step {f.step}"
+        if f.field == "batch"
+        else f"the batch position differs at step {f.step} ({f.field} {f.expected} expected, {f.got} found)"
+    )
+    for known in (_unsaved_positions(f), _start_problem(f)):
+        if known is not None:
+            return f"{where}: {known[0]}", known[1]
+    recorded = f.start.get("loaders")
+    loaders: Mapping[str, Any] = recorded if isinstance(recorded, Mapping) else {}
+    each = [x for x in loaders.get("each") or () if isinstance(x, Mapping)]
+    mode = loaders.get("mode")
+    if f.field == "batch" and mode and len(each) > 1:
+        cause = (
+            f"{where} with the same position and RNG streams: the train loaders are combined (CombinedLoader"
+            f" mode={mode!r}, {len(each)} loaders), and one of them resumed elsewhere than in the uninterrupted"
+            " run (Lightning resumes a combined loader's members only as far as its mode tracks them: in"
+            " 'max_size' a member that was exhausted yields again)"
+        )
+        fix = "keep ExactResume in the callbacks of every launch (it restores each member's position); if it still differs, report it with this trace, and meanwhile combine the data in one Dataset behind one DataLoader"
+        return cause, fix
+    iterable = [x for x in each if x.get("iterable")]
+    if f.field == "batch" and iterable:
+        names = ", ".join(str(x.get("dataset")) for x in iterable)
+        cause = (
+            f"{where} with the same position and RNG streams: the data comes from an IterableDataset ({names}),"
+            " whose position and whatever it reads (a replay buffer, an environment) are its own state, which no"
+            " checkpoint holds unless the dataset saves it"
+        )
+        fix = "give the dataset state_dict/load_state_dict (torchdata's Stateful) covering its position and the state it reads, so ExactResume saves it with the loader, or use a map-style Dataset"
+        return cause, fix
+    cause = _not_sure(
+        where,
+        "every train loader's position was saved and restored, and the RNG streams before it were equal",
+        "randomness outside torch's RNG in the dataset or collate_fn (numpy, random), items that depend on state training changes",
+    )
+    return cause, "draw the data's randomness from torch's RNG, and keep what a dataset reads in the checkpoint"
 
 
 def _rng(f: _Finding) -> tuple[str, str]:
-    loader = _warned(f, *LOADER_WORDS)
-    if loader:  # a loader ExactResume cannot resume makes a new iterator, which draws its seed from the global RNG
-        cause = (
-            f"the RNG streams differ at the start of step {f.step}, before it ran: a loader whose position was not"
-            " restored started a new iterator, which drew from them" + loader
-        )
-        return cause, "fix what ExactResume warned about at the relaunch (each line names the loader and its fix)"
-    cause = (
-        f"the RNG streams differ at the start of step {f.step}, before it ran: they were not restored, or something"
-        " drew from them between the restore and this step" + _warned(f, *WORLD_WORDS)
+    where = f"the RNG streams differ at the start of step {f.step}, before it ran"
+    unsaved = _unsaved_positions(f)
+    if unsaved is not None:  # a loader that cannot resume makes a new iterator, which draws its seed from the RNG
+        return f"{where}: {unsaved[0]}, so the relaunch started a new iterator of it, which drew from them", unsaved[1]
+    known = _start_problem(f)
+    if known is not None:
+        return f"{where}: {known[0]}", known[1]
+    cause = _not_sure(
+        where,
+        "ExactResume restored the streams it saved, and every record before was equal",
+        "something drew from them between the restore and this step (a hook that runs only on a resume, such as"
+        " on_load_checkpoint, or setup code that draws before training), or ExactResume was not in every launch",
     )
     fix = "keep ExactResume in the callbacks of every launch, and draw no random numbers in hooks that run only on a resume (on_load_checkpoint) or before training starts"
     return cause, fix
 
 
 def _loss(f: _Finding) -> tuple[str, str]:
-    warned = _warned(f, *GENERATOR_WORDS, *BUFFER_WORDS, *KERNEL_WORDS)
-    cause = (
-        f"the loss differs at step {f.step} with the same batch and the same RNG streams: an RNG stream outside"
-        " ExactResume (a torch.Generator or numpy Generator held on the model) or state outside the checkpoint"
-        " changed the computation" + warned
-    )
-    if any(w in warned.lower() for w in GENERATOR_WORDS):
-        fix = "pass the generator ExactResume named as ExactResume(generators={name: generator}), or draw from torch's global RNG instead"
-        return cause, fix
-    if any(w in warned.lower() for w in BUFFER_WORDS):
+    where = f"the loss differs at step {f.step} with the same batch and the same RNG streams"
+    generators = of_kind(f.findings, kinds.UNSAVED_GENERATOR)
+    buffers = of_kind(f.findings, kinds.UNSAVED_BUFFER)
+    if buffers:  # observed to differ after the restore: stronger evidence than a generator that merely exists
+        names = ", ".join(x.subject for x in buffers)
         cause = (
-            f"the loss differs at step {f.step} with the same batch and the same RNG streams: state outside the"
-            " checkpoint (a non-persistent buffer, an attribute) changed the computation" + warned
+            f"{where}: state outside the checkpoint, the non-persistent buffer {names} that differed right after"
+            " the restore, changed the computation"
         )
-        fix = "register that state as a persistent buffer (register_buffer(name, tensor, persistent=True)), or save it in on_save_checkpoint and set it back in on_load_checkpoint"
-        return cause, fix
-    fix = "pass every torch.Generator the model draws from as ExactResume(generators={...}), and keep state the forward reads in the state_dict"
-    return cause, fix
+        also = ", ".join(x.subject for x in generators)
+        return cause + (f" (ExactResume also found generators it does not save: {also})" if also else ""), BUFFER_FIX
+    if generators:
+        names = ", ".join(x.subject for x in generators)
+        return f"{where}: an RNG stream outside ExactResume ({names}) changed the computation", GENERATOR_FIX
+    held = of_kind(f.findings, kinds.USER_STATE)
+    if held:
+        return f"{where}: state ExactResume cannot capture changed the computation ({_named(held)})", (
+            "save that state in on_save_checkpoint and set it back in on_load_checkpoint"
+        )
+    known = _start_problem(f)
+    if known is not None:
+        return f"{where}: {known[0]}", known[1]
+    cause = _not_sure(
+        where,
+        "the batch, the RNG streams ExactResume saves and every captured state were equal, and ExactResume recorded no unsaved generator or buffer",
+        "a random stream or state the model reads that no checkpoint holds and ExactResume's walk does not reach (an attribute of an object it does not walk, a global)",
+    )
+    return (
+        cause,
+        "pass every torch.Generator the model draws from as ExactResume(generators={...}), and keep state the forward reads in the state_dict",
+    )
 
 
 def _lr(f: _Finding) -> tuple[str, str]:
-    cause = f"the learning rate differs at step {f.step} with the same batch and loss before: the LR scheduler's position was not restored"
-    fix = "return the scheduler from configure_optimizers so Lightning saves and restores it (a scheduler stepped by hand is in no checkpoint)"
-    return cause, fix
+    where = f"the learning rate differs at step {f.step}"
+    schedulers = [x for x in f.start.get("schedulers") or () if isinstance(x, Mapping)]
+    if not schedulers and f.lr_varies:
+        cause = (
+            f"{where}: no LR scheduler is returned from configure_optimizers, yet the learning rate changes in the"
+            " uninterrupted run, so something outside Lightning's checkpoint sets it (a scheduler the module keeps"
+            " and steps by hand, or code that writes param_groups' lr), and the relaunch did not get its state back"
+        )
+        return cause, SCHEDULER_FIX
+    if schedulers:
+        types = ", ".join(str(x.get("type")) for x in schedulers)
+        cause = (
+            f"{where} while every scheduler Lightning saves ({types}) was equal at the start of the step: something"
+            " outside them sets the learning rate (another scheduler stepped by hand, code that writes"
+            " param_groups' lr), and its state was not restored"
+        )
+        return cause, SCHEDULER_FIX
+    cause = _not_sure(
+        where,
+        "no LR scheduler is returned from configure_optimizers and the learning rate is constant in the uninterrupted run",
+        "code that sets the learning rate only on a resume (on_load_checkpoint, a tuner) or from a value outside the checkpoint",
+    )
+    return cause, "set the learning rate only in configure_optimizers or through a scheduler returned from it"
+
+
+def _sched(f: _Finding) -> tuple[str, str]:
+    schedulers = [x for x in f.start.get("schedulers") or () if isinstance(x, Mapping)]
+    index = int(f.detail) if f.detail and f.detail.isdigit() else None
+    info = schedulers[index] if index is not None and index < len(schedulers) else {}
+    which = f"LR scheduler {index} ({info.get('type', 'unknown type')})" if index is not None else "an LR scheduler"
+    if f.field != "sched" or index is None:  # the end record: every scheduler's state at once
+        cause = f"the LR schedulers' state differs at the end (step {f.step}) while every learning rate matched: a scheduler's own counters were not restored"
+        return cause, "return every scheduler from configure_optimizers so Lightning saves and restores its state_dict"
+    where = f"{which}, returned from configure_optimizers and saved by Lightning, differs at the start of step {f.step}"
+    if info.get("plateau"):
+        cause = (
+            f"{where}: a plateau scheduler is stepped on a monitored metric at the end of an epoch, and Lightning"
+            " skips that step in an epoch it resumed mid-way"
+        )
+        fix = "keep ExactResume in the callbacks of every launch (it makes up the step Lightning skipped); if it still differs, compare the validation metrics the scheduler monitors"
+        return cause, fix
+    cause = (
+        f"{where} while the batch position and the RNG streams were equal: it was stepped outside Lightning's"
+        f" schedule (by hand, in a hook) or changed after the restore"
+    )
+    return cause, "step it only through Lightning (the interval and frequency of its lr_scheduler config), not by hand"
+
+
+def _user(f: _Finding) -> tuple[str, str]:
+    held = [x for x in of_kind(f.findings, kinds.USER_STATE) if x.subject == f.detail]
+    where = f"{f.detail} differs at the start of step {f.step}"
+    if held:
+        return f"{where}: {_named(held)}", "save that state in on_save_checkpoint and set it back in on_load_checkpoint"
+    cause = (
+        f"{where} (state ExactResume captures beyond Lightning's checkpoint) while the batch position and the RNG"
+        " streams were equal: it was not restored as saved, or changed between the restore and this step (code"
+        " that re-creates or resets it in a hook that runs on a resume: setup, on_train_start, on_load_checkpoint)"
+    )
+    return (
+        cause,
+        f"create {f.detail} once and change it only in training steps; if nothing resets it, report it with this trace",
+    )
 
 
 def _params(f: _Finding) -> tuple[str, str]:
+    buffers = of_kind(f.findings, kinds.UNSAVED_BUFFER)
     if f.after_restore:
-        cause = (
-            f"weights differ right after the restore (step {f.step}, the first weights recorded after launch {f.launch}"
-            " resumed) while every batch was equal: state that is not in the state_dict (a non-persistent buffer,"
-            " an attribute) changed the update" + _warned(f, *BUFFER_WORDS)
+        where = (
+            f"weights differ right after the restore (step {f.step}, the first weights recorded after launch"
+            f" {f.launch} resumed) while every batch was equal"
         )
-        fix = "register that state as a persistent buffer (register_buffer(name, tensor, persistent=True)), or save it in on_save_checkpoint and set it back in on_load_checkpoint"
-        return cause, fix
-    cause = (
-        f"the weights differ at step {f.step} while every batch, RNG stream and loss before were equal: the update"
-        " differs (optimizer or gradient-scaler state, the gradient accumulation position) or something changes"
-        " the weights outside the optimizer step" + _warned(f, *BUFFER_WORDS, *KERNEL_WORDS)
+        if buffers:
+            names = ", ".join(x.subject for x in buffers)
+            return (
+                f"{where}: state that is not in the state_dict, the non-persistent buffer {names}, changed the update",
+                BUFFER_FIX,
+            )
+        cause = _not_sure(
+            where,
+            "ExactResume recorded no non-persistent buffer that differed after the restore",
+            "state that is not in the state_dict (an attribute) changed the update, or the update itself (gradient accumulation position, scaler)",
+        )
+        return cause, BUFFER_FIX
+    cause = _not_sure(
+        f"the weights differ at step {f.step}",
+        "every batch, RNG stream and loss before were equal",
+        "the update differs (optimizer or gradient-scaler state, the gradient accumulation position), or something"
+        " changes the weights outside the optimizer step",
     )
     fix = "keep everything the update reads in the checkpoint: optimizers and schedulers returned by configure_optimizers, and on_save_checkpoint/on_load_checkpoint for the rest"
     return cause, fix
@@ -604,17 +871,14 @@ def _val(f: _Finding) -> tuple[str, str]:
         cause = f"validation ran at another point than in the uninterrupted run (step {f.step}): the validation schedule's position was not restored"
         fix = "validate on a step-based schedule (val_check_interval as a number of batches, or check_val_every_n_epoch) and keep ExactResume in every launch"
         return cause, fix
-    names = sorted(
-        k for k in set(f.expected or {}) | set(f.got or {}) if (f.expected or {}).get(k) != (f.got or {}).get(k)
+    cause = _not_sure(
+        f"the validation metrics {f.detail} differ at step {f.step}",
+        "every training record before (batches, RNG streams, losses, learning rates, weights) was equal",
+        "a metric's state accumulated across the resume (a torchmetrics metric on the module: its state is in no"
+        " checkpoint), or validation data with randomness of its own",
     )
-    cause = f"the validation metrics {names} differ at step {f.step} while training matched: the validation data or a metric's accumulated state differs after the resume"
     fix = "reset each metric's state at the start of every validation and give the validation loader no randomness of its own"
     return cause, fix
-
-
-def _sched(f: _Finding) -> tuple[str, str]:
-    cause = f"the LR schedulers' state differs at the end (step {f.step}) while every learning rate matched: a scheduler's own counters were not restored"
-    return cause, "return every scheduler from configure_optimizers so Lightning saves and restores its state_dict"
 
 
 def _files(f: _Finding) -> tuple[str, str]:
@@ -633,10 +897,11 @@ def _files(f: _Finding) -> tuple[str, str]:
 
 def _step_count_cause(f: _Finding, more_or_fewer: str) -> str:
     a_last, b_last = f.last_steps
+    stops = of_kind(f.findings, kinds.WALL_CLOCK_STOP)
     return (
         f"the killed run trained {more_or_fewer} steps than the uninterrupted one: at step {f.step} it has"
         f" {_shown(f.got)} where A has {_shown(f.expected)} (B's records end at step {b_last}, A's at step {a_last})"
-        + _warned(f, *STOP_WORDS)
+        + (f"; {_named(stops)}" if stops else "")
     )
 
 
@@ -659,7 +924,7 @@ def _shown(summary: Any) -> str:
 
 _CAUSES: Mapping[Component, Callable[[_Finding], tuple[str, str]]] = {
     "batch": _batch, "rng": _rng, "loss": _loss, "lr": _lr, "params": _params, "optim": _optim, "val": _val,
-    "sched": _sched, "files": _files, "missing": _missing, "extra": _extra,
+    "sched": _sched, "user": _user, "files": _files, "missing": _missing, "extra": _extra,
 }  # fmt: skip
 """One diagnosis per component (``start`` problems carry their own cause and fix)."""
 
@@ -672,8 +937,9 @@ def to_json(verdict: Verdict) -> dict[str, Any]:
 
     {"verdict": "EXACT" | "DIFFERS",
      "step": int | null, "rank": int | null, "component": str | null,   # null when EXACT
+     "detail": str | null,                                               # which scheduler, state, metrics
      "expected": <JSON value> | null, "got": <JSON value> | null,        # A's and B's values
-     "cause": str, "fix": str,                                           # "" when EXACT
+     "cause": str, "fix": str, "sure": bool,                             # "" and true when EXACT
      "launches": {"<rank>": int}, "resumed_at": {"<rank>": [int, ...]}, "compared": {"<rank>": int}}
     """
     return {
@@ -681,10 +947,12 @@ def to_json(verdict: Verdict) -> dict[str, Any]:
         "step": verdict.step,
         "rank": verdict.rank,
         "component": verdict.component,
+        "detail": verdict.detail,
         "expected": verdict.expected,
         "got": verdict.got,
         "cause": verdict.cause,
         "fix": verdict.fix,
+        "sure": verdict.sure,
         "launches": {str(r): int(n) for r, n in verdict.launches.items()},
         "resumed_at": {str(r): [int(s) for s in steps] for r, steps in verdict.resumed_at.items()},
         "compared": {str(r): int(n) for r, n in verdict.compared.items()},
@@ -698,7 +966,8 @@ def render(verdict: Verdict) -> str:
     else:
         where = f" at step {verdict.step}" if verdict.step is not None else ""
         rank = f" (rank {verdict.rank})" if verdict.rank is not None else ""
-        lines = [f"DIFFERS{where}{rank}: {verdict.component}"]
+        detail = f" {verdict.detail}" if verdict.detail else ""
+        lines = [f"DIFFERS{where}{rank}: {verdict.component}{detail}"]
         if verdict.expected is not None or verdict.got is not None:
             lines += [f"expected: {_short(verdict.expected)}", f"got:      {_short(verdict.got)}"]
         lines += [f"cause:    {verdict.cause}", f"fix:      {verdict.fix}"]

@@ -15,11 +15,12 @@ that does not parse as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_resume import storage
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ConfigurationError
+from lightning_resume.prove.findings import Finding
 
 TRACE_ENV = "LIGHTNING_RESUME_TRACE"
 """The directory the trace goes to (``<dir>/trace-rank<R>.jsonl``); unset or empty: no recorder."""
@@ -36,6 +38,8 @@ DIGEST_EVERY_ENV = "LIGHTNING_RESUME_TRACE_DIGEST_EVERY"
 DEFAULT_DIGEST_EVERY = 10
 
 Digest = Callable[[Any], str]
+Components = Callable[[], Mapping[str, str]]
+"""Digests of state ExactResume captures beyond Lightning's checkpoint, by name (``"model.lr_scheduler"``)."""
 
 
 def float_bits(value: Any) -> Optional[str]:
@@ -122,6 +126,8 @@ class _BatchStart:
     epoch: int
     batch: str
     rng: str
+    sched: list[str]
+    user: dict[str, str]
     lr: list[float]
 
 
@@ -135,6 +141,8 @@ class TraceRecorder:
         digest: the hash of a nested structure of tensors (``exact.state.fingerprint.digest``).
         capture_rng: returns every RNG stream ExactResume saves, without advancing any.
         clock: wall clock of the ``start`` record's ``time``.
+        components: digests of the state ExactResume captures beyond Lightning's checkpoint, by name, as each
+            step starts (user-state capture hands its digests here); ``None``: no ``user`` field.
     """
 
     def __init__(
@@ -145,6 +153,7 @@ class TraceRecorder:
         digest: Digest,
         capture_rng: Callable[[], Any],
         clock: Callable[[], float] = time.time,
+        components: Optional[Components] = None,
     ) -> None:
         self.out = out
         self.rank = rank
@@ -152,43 +161,60 @@ class TraceRecorder:
         self._digest = digest
         self._capture_rng = capture_rng
         self._clock = clock
+        self._components = components
+        self._timed = False  # inside ``timed_saves``: a save now is at a step the clock chose
         self._batch: Optional[_BatchStart] = None
         self._held: Optional[list[dict[str, Any]]] = []  # records before the start record (None once started)
 
-    def start(self, trainer: pl.Trainer, resume_report: Mapping[str, Any], problems: Sequence[str]) -> None:
+    def start(
+        self,
+        trainer: pl.Trainer,
+        resume_report: Mapping[str, Any],
+        problems: Sequence[str],
+        findings: Iterable[Finding] = (),
+    ) -> None:
         """After any restore: the step is the one this launch resumed at. What the restore itself ran (the
         validation that was due right after the saved step) was held back and follows this record: it
-        belongs to this launch."""
+        belongs to this launch. ``findings``: the same problems with their kinds (``prove.findings``), which
+        the diagnosis reads; ``loaders`` and ``schedulers`` say what the run trains with."""
         ckpt = trainer.ckpt_path
         held, self._held = self._held or [], None
         self._write(
             "start", pid=os.getpid(), rank=self.rank, world_size=trainer.world_size, step=trainer.global_step,
             resumed_from=None if ckpt is None else str(ckpt), exact=resume_report.get("exact"),
-            problems=list(problems), time=self._clock(),
+            problems=list(problems), findings=[f.to_record() for f in findings], loaders=loader_facts(trainer),
+            schedulers=scheduler_facts(trainer), time=self._clock(),
         )  # fmt: skip
         for record in held:
             self.out.write(record)
 
     def batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Before the step draws anything: its batch, RNG streams and learning rates as the step gets them."""
+        """Before the step draws anything: its batch, RNG streams, schedulers, captured state and learning rates
+        as the step gets them."""
         rates = [float(group["lr"]) for opt in trainer.optimizers for group in opt.param_groups]
         rng = self._digest(self._capture_rng())
-        self._batch = _BatchStart(trainer.global_step, trainer.current_epoch, self._digest(batch), rng, rates)
+        sched = [self._digest(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
+        user = dict(self._components()) if self._components is not None else {}
+        step, epoch = trainer.global_step, trainer.current_epoch
+        self._batch = _BatchStart(step, epoch, self._digest(batch), rng, sched, user, rates)
 
     def batch_end(self, trainer: pl.Trainer, outputs: Any, batch_idx: int) -> None:
         start, self._batch = self._batch, None
         if start is None:
             return  # a batch end without its start (never in a stock loop): nothing to pair the loss with
+        user = {"user": start.user} if self._components is not None else {}
         self._write(
             "batch", step=start.step, micro=batch_idx, epoch=start.epoch, batch=start.batch, rng=start.rng,
-            loss=float_bits(loss_of(outputs)), lr=start.lr,
+            sched=start.sched, **user, loss=float_bits(loss_of(outputs)), lr=start.lr,
         )  # fmt: skip
         if state_due(trainer.global_step, self.digest_every, lc.at_optimizer_step(trainer)):
             self._write("state", step=trainer.global_step, **self._weights(trainer))
 
     def saved(self, trainer: pl.Trainer) -> None:
-        """A checkpoint is being written (ExactResume's ``state_dict``): the state it holds."""
-        self._write("saved", step=trainer.global_step, **self._weights(trainer))
+        """A checkpoint is being written (ExactResume's ``state_dict``): the state it holds; ``timed`` when its
+        step was chosen by the clock (a scheduled, preemption or memory-tier snapshot: ``timed_saves``)."""
+        timed = {"timed": True} if self._timed else {}
+        self._write("saved", step=trainer.global_step, **self._weights(trainer), **timed)
 
     def validation_start(self, trainer: pl.Trainer) -> None:
         """A marker, not compared: ``prove`` kills a launch here to test a kill during validation."""
@@ -202,11 +228,16 @@ class TraceRecorder:
         scalars = {name: bits for name, bits in metrics.items() if bits is not None}
         self._write("val", step=trainer.global_step, metrics=scalars)
 
-    def end(self, trainer: pl.Trainer) -> None:
+    def end(self, trainer: pl.Trainer, timed_files: Iterable[str] = (), retention_files: Iterable[str] = ()) -> None:
+        """The final state and the checkpoint files. Of those, ``timed_files`` are snapshots (their steps were
+        chosen by the clock) and ``retention_files`` are kept by a retention that counts snapshots
+        (``exact.snapshots``): both are there or not depending on when snapshots were taken."""
         schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+        files = checkpoint_files(trainer)
         self._write(
             "end", step=trainer.global_step, **self._weights(trainer), sched=self._digest(schedulers),
-            files=checkpoint_files(trainer),
+            files=files, timed_files=sorted(set(timed_files) & set(files)),
+            retention_files=sorted(set(retention_files) & set(files)),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -221,6 +252,44 @@ class TraceRecorder:
             self._held.append({"kind": kind, **fields})
             return
         self.out.write({"kind": kind, **fields})
+
+
+@contextlib.contextmanager
+def timed_saves(recorder: Optional[TraceRecorder]) -> Iterator[None]:
+    """Within it, every ``saved`` record is marked ``timed``: its step was chosen by the clock (the snapshot
+    schedule, a preemption), so another run takes it at another step. ``None`` (no recorder): nothing."""
+    if recorder is None:
+        yield
+        return
+    recorder._timed = True
+    try:
+        yield
+    finally:
+        recorder._timed = False
+
+
+def loader_facts(trainer: pl.Trainer) -> dict[str, Any]:
+    """What the run trains on, for the diagnosis: how Lightning combines the train loaders (``mode``, ``None``
+    for a single loader) and each loader's type and dataset type, and whether that dataset is iterable."""
+    loaders = lc.train_loaders(trainer)
+    each = []
+    for loader in loaders:
+        dataset = getattr(loader, "dataset", None)
+        each.append({
+            "type": type(loader).__name__, "dataset": None if dataset is None else type(dataset).__name__,
+            "iterable": isinstance(dataset, torch.utils.data.IterableDataset),
+        })  # fmt: skip
+    return {"mode": lc.combined_mode(trainer) if len(loaders) > 1 else None, "each": each}
+
+
+def scheduler_facts(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    """Each LR scheduler Lightning saves (returned by ``configure_optimizers``): its type, whether it is a
+    plateau scheduler (stepped on a metric), and its interval."""
+    return [
+        {"type": type(config.scheduler).__name__, "plateau": bool(config.reduce_on_plateau),
+         "interval": config.interval}
+        for config in trainer.lr_scheduler_configs
+    ]  # fmt: skip
 
 
 def checkpoint_files(trainer: pl.Trainer) -> list[str]:
@@ -240,12 +309,15 @@ def from_environment(
     capture_rng: Callable[[], Any],
     environ: Optional[Mapping[str, str]] = None,
     clock: Callable[[], float] = time.time,
+    components: Optional[Components] = None,
 ) -> Optional[TraceRecorder]:
     """The recorder ``TRACE_ENV`` asks for (``os.environ`` unless ``environ`` is given), or ``None``.
 
     Read once per fit: ``lightning-resume prove`` sets the variables from outside the user's script, which is
     why this one input is an environment variable. ``None`` means the run pays nothing: no file, no hashing.
-    The directory is a local one (an object store cannot append); it is created if missing.
+    The directory is a local one (an object store cannot append); it is created if missing. ``components``:
+    see ``TraceRecorder`` (user-state capture wires its digests in here, e.g.
+    ``components=lambda: user_state_digests(...)`` in ``ExactResume._trace_from_environment``).
     """
     env = os.environ if environ is None else environ
     directory = env.get(TRACE_ENV)
@@ -254,4 +326,4 @@ def from_environment(
     every = digest_every_from(env.get(DIGEST_EVERY_ENV))
     os.makedirs(directory, exist_ok=True)
     out = TraceFile(os.path.join(directory, f"trace-rank{rank}.jsonl"))
-    return TraceRecorder(out, rank, every, digest, capture_rng, clock)
+    return TraceRecorder(out, rank, every, digest, capture_rng, clock, components)

@@ -29,17 +29,18 @@ def _random_type(value: Any) -> Optional[str]:
     return next((name for cls, name in RANDOM_TYPES.items() if isinstance(value, cls)), None)
 
 
-def unsaved_generators(roots: Mapping[str, Any], registered: Iterable[torch.Generator]) -> list[str]:
-    """Lines naming each random generator reachable from ``roots`` (attributes of the objects, of their
-    submodules, and of the datasets they wrap) that is not among ``registered``."""
+def unsaved_generator_paths(roots: Mapping[str, Any], registered: Iterable[torch.Generator]) -> list[tuple[str, str]]:
+    """``(object path, line)`` of each random generator reachable from ``roots`` (attributes of the objects, of
+    their submodules, and of the datasets they wrap) that is not among ``registered`` (the path is the finding's
+    subject)."""
     saved = {id(g) for g in registered}
-    lines = []
+    found = []
     for path, value in _attributes(roots):
         if id(value) in saved:
             continue
         fix = "register it by name with ExactResume(state={...})"
-        lines.append(f"{path} is a {_random_type(value)} no checkpoint saves; {fix}")
-    return lines
+        found.append((path, f"{path} is a {_random_type(value)} no checkpoint saves; {fix}"))
+    return found
 
 
 def _attributes(roots: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -86,11 +87,3 @@ def wall_clock_stop(has_timer: bool) -> Optional[str]:
         " uninterrupted one would (every step up to there is exact); use max_steps or max_epochs to end at the"
         " same step"
     )
-
-
-def limit_problems(
-    roots: Mapping[str, Any], registered: Iterable[torch.Generator], device: torch.device, has_timer: bool
-) -> list[str]:
-    """Every finding above, one line each."""
-    found = [nondeterministic_kernels(device), wall_clock_stop(has_timer)]
-    return unsaved_generators(roots, registered) + [line for line in found if line is not None]

@@ -77,7 +77,13 @@ class UserState:
     """What a fit saves beyond Lightning: the objects held, and one line per object that cannot be saved."""
 
     held: list[Held] = field(default_factory=list)
-    unsaved: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    """``(path, line)`` of each object found whose state cannot be saved."""
+
+    @property
+    def unsaved(self) -> list[str]:
+        """One line per object found whose state cannot be saved (``refused``)."""
+        return [line for _, line in self.refused]
 
     @property
     def paths(self) -> list[str]:
@@ -110,7 +116,7 @@ def find(
         if problem is None:
             found.held.append(held)
         else:
-            found.unsaved.append(problem)
+            found.refused.append((held.path, problem))
     return found
 
 

@@ -189,56 +189,96 @@ def test_a_relaunch_at_a_step_no_launch_saved():
     assert "did not write" in verdict.cause
 
 
-LOADER_LINE = (
-    "train_dataloader is a MyLoader (a DataLoader subclass, left as it is), so its position is not saved: after a"
-    " resume its epoch goes on at the saved batch count with a fresh iterator"
+def found(kind, subject, line=""):
+    return {"kind": kind, "subject": subject, "line": line or f"{subject}: a {kind} problem"}
+
+
+UNSAVED_LOADER = found(
+    "loader_position_unsaved", "train loader 0",
+    "train loader 0 is a MyLoader (a DataLoader subclass, left as it is), so its position is not saved",
+)  # fmt: skip
+GENERATOR = found(
+    "unsaved_generator", "model.noise", "not exact: model.noise is a numpy.random.Generator no checkpoint saves"
 )
-GENERATOR_LINE = "model.noise is a numpy.random.Generator no checkpoint saves; draw from torch's global RNG"
-BUFFER_LINE = "ExactResume: non-persistent buffers ['model.scale'] are not in checkpoints and differ after restore"
+BUFFER = found("unsaved_buffer", "scale", "non-persistent buffer scale differs after restore")
+# The same problems as the words earlier versions matched: a diagnosis must never come from words alone.
+WORDS = [
+    "train loader 0 is a DataLoader subclass, so its position is not saved",
+    "model.noise is a numpy.random.Generator no checkpoint saves",
+    "non-persistent buffers ['scale'] differ after restore",
+]
 
 
-def relaunched(change, problems=(), kill=5):
-    """B killed at ``kill`` whose relaunch (resumed at 4) warned ``problems``; ``change`` alters its records."""
-    records = [start(), *steps(0, kill + 1), start(4, PATH, problems, pid=101)]
-    return records + [change(r) for r in [*steps(4, STEPS), end()]]
+def relaunched(change, findings=(), kill=5, every=lambda r: r, **facts):
+    """B killed at ``kill`` whose relaunch (resumed at 4) recorded ``findings`` (and the start ``facts``:
+    ``loaders``, ``schedulers``); ``every`` alters all its records, then ``change`` the relaunch's. Its
+    problems lines are ``WORDS`` always."""
+    relaunch = {**start(4, PATH, WORDS, pid=101), "findings": list(findings), **facts}
+    records = [start(), *map(every, steps(0, kill + 1)), relaunch]
+    return records + [change(every(r)) for r in [*steps(4, STEPS), end()]]
 
 
-def test_batch_content_differs_after_the_relaunch():
-    b = relaunched(changed_at(5, batch="other"), problems=[LOADER_LINE, BUFFER_LINE])
+def test_batch_content_differs_with_an_unsaved_loader_position_names_that_loader():
+    b = relaunched(changed_at(5, batch="other"), findings=[UNSAVED_LOADER, BUFFER])
     verdict = compare({0: run()}, {0: b})
     assert (verdict.component, verdict.step, verdict.expected, verdict.got) == ("batch", 5, "b0-5", "other")
     assert verdict.cause.startswith(
-        "batch content differs from step 5: the loader's position (or the data's randomness) was not restored"
+        "batch content differs from step 5: train loader 0 could not have its position saved"
     )
-    assert LOADER_LINE in verdict.cause and BUFFER_LINE not in verdict.cause
+    assert "MyLoader" in verdict.cause and "scale" not in verdict.cause and verdict.sure
+    assert "StatefulDataLoader" in verdict.fix
 
 
-def test_same_batch_and_rng_but_another_loss_is_an_rng_stream_outside_exact_resume():
-    b = relaunched(changed_at(5, loss="3f000000"), problems=[GENERATOR_LINE, LOADER_LINE])
+def test_batch_content_differing_without_evidence_is_not_sure_and_says_what_was_compared():
+    verdict = compare({0: run()}, {0: relaunched(changed_at(5, batch="other"))})  # warning words, no findings
+    assert verdict.component == "batch" and not verdict.sure
+    assert verdict.cause.startswith("not sure why batch content differs from step 5: every train loader's position")
+    assert "RNG streams before it were equal" in verdict.cause
+
+
+COMBINED = {"mode": "max_size", "each": [{"type": "DataLoader", "dataset": "A", "iterable": False}] * 2}
+REPLAY = {"mode": None, "each": [{"type": "DataLoader", "dataset": "ReplayBuffer", "iterable": True}]}
+
+
+def test_a_combined_loader_and_an_iterable_dataset_get_their_own_cause():
+    combined = compare({0: run()}, {0: relaunched(changed_at(5, batch="other"), loaders=COMBINED)})
+    assert "CombinedLoader mode='max_size', 2 loaders" in combined.cause and combined.sure
+    assert "position was not restored" not in combined.cause
+    replay = compare({0: run()}, {0: relaunched(changed_at(5, batch="other"), loaders=REPLAY)})
+    assert "IterableDataset (ReplayBuffer)" in replay.cause and "state_dict/load_state_dict" in replay.fix
+
+
+def test_same_batch_and_rng_but_another_loss_names_the_unsaved_generator():
+    b = relaunched(changed_at(5, loss="3f000000"), findings=[UNSAVED_LOADER, GENERATOR])
     verdict = compare({0: run()}, {0: b})
     assert (verdict.component, verdict.step) == ("loss", 5)
-    assert "an RNG stream outside ExactResume" in verdict.cause and "model.noise" in verdict.cause
-    assert "generators=" in verdict.fix
+    assert "an RNG stream outside ExactResume (model.noise)" in verdict.cause and "generators=" in verdict.fix
+    buffer = compare({0: run()}, {0: relaunched(changed_at(5, loss="3f000000"), findings=[GENERATOR, BUFFER])})
+    assert "non-persistent buffer scale" in buffer.cause and "persistent=True" in buffer.fix  # observed to differ
+    assert "also found generators it does not save: model.noise" in buffer.cause
+    unknown = compare({0: run()}, {0: relaunched(changed_at(5, loss="3f000000"))})
+    assert unknown.cause.startswith("not sure why the loss differs at step 5") and not unknown.sure
 
 
 def test_rng_differing_before_the_step():
     b = relaunched(changed_at(4, rng="fresh", batch="other"))
     verdict = compare({0: run()}, {0: b})
     assert (verdict.component, verdict.step) == ("rng", 4)  # the RNG is reported before the batch it shaped
-    assert "RNG streams differ at the start of step 4" in verdict.cause
+    assert "RNG streams differ at the start of step 4" in verdict.cause and not verdict.sure
+    loader = compare({0: run()}, {0: relaunched(changed_at(4, rng="fresh"), findings=[UNSAVED_LOADER])})
+    assert "train loader 0 could not have its position saved" in loader.cause and "new iterator" in loader.cause
 
 
 def test_weights_differ_right_after_the_restore():
-    b = relaunched(changed_at(8, kind="saved", params="drifted"), problems=[BUFFER_LINE, LOADER_LINE])
+    b = relaunched(changed_at(8, kind="saved", params="drifted"), findings=[BUFFER, UNSAVED_LOADER])
     verdict = compare({0: run()}, {0: b})
     assert (verdict.component, verdict.step) == ("params", 8)
     assert "weights differ right after the restore" in verdict.cause
-    assert "state that is not in the state_dict (a non-persistent buffer, an attribute)" in verdict.cause
-    assert BUFFER_LINE in verdict.cause and LOADER_LINE not in verdict.cause
+    assert "the non-persistent buffer scale" in verdict.cause and "train loader" not in verdict.cause
 
 
 def test_weights_differing_later_are_not_blamed_on_the_restore():
-    b = relaunched(changed_at(12, kind="end", params="drifted"), problems=[BUFFER_LINE])
+    b = relaunched(changed_at(12, kind="end", params="drifted"), findings=[BUFFER])
     verdict = compare({0: run()}, {0: b})
     assert (verdict.component, verdict.step) == ("params", 12)
     assert "right after the restore" not in verdict.cause
@@ -249,6 +289,133 @@ def test_a_difference_before_any_kill_is_not_a_resume_problem():
     verdict = compare({0: run()}, {0: b})
     assert (verdict.component, verdict.step) == ("loss", 2)
     assert "before B was ever killed" in verdict.cause and "deterministic" in verdict.fix
+
+
+# ---------------------------------------------------------------------- learning rates and captured state
+
+
+def with_state(record, sched=None, user=None):
+    """A batch record with the scheduler digests and captured-state digests the trace records per step."""
+    if record["kind"] != "batch":
+        return record
+    step = record["step"]
+    return {**record, "sched": sched or [f"s-{step}"], "user": user or {"model.lr_scheduler": f"u-{step}"}}
+
+
+PLATEAU = [{"type": "ReduceLROnPlateau", "plateau": True, "interval": "epoch"}]
+STEP_LR = [{"type": "StepLR", "plateau": False, "interval": "step"}]
+
+
+def test_a_plateau_scheduler_returned_from_configure_optimizers_is_not_told_to_be_returned():
+    """The reported case: a ReduceLROnPlateau that is returned from configure_optimizers missed its epoch-end
+    step; its state differs at the next epoch's first step, before the learning rate it sets."""
+    a = [with_state(r) for r in run()]
+    missed = changed_at(6, sched=["not stepped"], lr=[0.5])
+    verdict = compare({0: a}, {0: relaunched(missed, every=with_state, schedulers=PLATEAU)})
+    assert (verdict.component, verdict.detail, verdict.step) == ("sched", "0", 6)
+    assert "LR scheduler 0 (ReduceLROnPlateau), returned from configure_optimizers" in verdict.cause
+    assert "return the scheduler" not in verdict.fix and verdict.sure
+    step_lr = compare({0: a}, {0: relaunched(missed, every=with_state, schedulers=STEP_LR)})
+    assert "LR scheduler 0 (StepLR)" in step_lr.cause and "stepped outside Lightning's schedule" in step_lr.cause
+
+
+def test_a_scheduler_stepped_by_hand_that_nobody_saves():
+    """No scheduler in Lightning's lists, yet the LR changes: the LR differs first, and the cause says why."""
+    b = relaunched(changed_at(5, lr=[0.9]), schedulers=[])
+    verdict = compare({0: run()}, {0: b})
+    assert (verdict.component, verdict.step) == ("lr", 5)
+    assert "no LR scheduler is returned from configure_optimizers, yet the learning rate changes" in verdict.cause
+    assert "configure_optimizers" in verdict.fix and verdict.sure
+
+    def constant(record):
+        return {**record, "lr": [0.1]} if record["kind"] == "batch" else record
+
+    relaunch = relaunched(changed_at(5, lr=[0.2]), every=constant)
+    assert not compare({0: [constant(r) for r in run()]}, {0: relaunch}).sure
+
+
+def test_captured_state_that_differs_is_named_as_that_component():
+    a = [with_state(r) for r in run()]
+    b = relaunched(changed_at(5, user={"model.lr_scheduler": "reset"}), every=with_state)
+    verdict = compare({0: a}, {0: b})
+    assert (verdict.component, verdict.detail, verdict.step) == ("user", "model.lr_scheduler", 5)
+    assert verdict.cause.startswith("model.lr_scheduler differs at the start of step 5")
+    assert (verdict.expected, verdict.got) == ("u-5", "reset")
+    assert render(verdict).splitlines()[0] == "DIFFERS at step 5 (rank 0): user model.lr_scheduler"
+
+
+def test_validation_metrics_that_differ_are_named_and_not_sure():
+    val = {"kind": "val", "step": 8, "metrics": {"val/acc": "a", "val/loss": "l"}}
+    a = run()
+    a.insert(next(i for i, r in enumerate(a) if r["kind"] == "saved" and r["step"] == 8), val)
+    b = relaunched(lambda r: r)
+    b.insert(
+        next(i for i, r in enumerate(b) if r["kind"] == "saved" and r["step"] == 8),
+        {**val, "metrics": {"val/acc": "b", "val/loss": "l"}},
+    )
+    verdict = compare({0: a}, {0: b})
+    assert (verdict.component, verdict.detail) == ("val", "val/acc") and not verdict.sure
+    assert "torchmetrics" in verdict.cause
+
+
+# ------------------------------------------------------------------------------- timed snapshots
+
+
+def snapshot(step, **changed):
+    return weights("saved", step, timed=True, **changed)
+
+
+def with_snapshot(records, step, name=None):
+    """``records`` with a timed save after the batch that reaches ``step``, and its file at the end."""
+    out = []
+    for r in records:
+        out.append(r)
+        if r["kind"] == "batch" and r["step"] + 1 == step:
+            out.append(snapshot(step))
+    name = name or f"last-snapshot-step={step:09d}.ckpt"
+    return [
+        {**r, "files": sorted([*r["files"], name]), "timed_files": [name]} if r["kind"] == "end" else r for r in out
+    ]
+
+
+def test_snapshots_at_steps_the_clock_chose_are_not_a_difference():
+    """The reported case: a run longer than min_interval snapshots at a step that depends on machine speed."""
+    a = with_snapshot(run(), 7)
+    b = with_snapshot(run((5,)), 10)  # B snapshots later: its launches ran at another speed
+    assert compare({0: a}, {0: b}).exact
+    assert compare({0: run()}, {0: b}).exact and compare({0: a}, {0: run((5,))}).exact
+    resumed_from_it = [
+        *steps(0, 7),
+        snapshot(7),
+        batch(7),
+        start(7, "/ckpts/last-snapshot-step=000000007.ckpt", pid=101),
+    ]
+    b = with_snapshot([start(), *resumed_from_it, *steps(7, STEPS), end()], 9)
+    assert compare({0: a}, {0: b}).exact  # B resumed from its own snapshot: the cut still reads it
+
+
+def test_a_snapshot_both_runs_took_at_one_step_is_compared_by_content():
+    a = with_snapshot(run(), 10)
+    b = with_snapshot(run((5,)), 10)
+    b = [{**r, "params": "drifted"} if r["kind"] == "saved" and r.get("timed") else r for r in b]
+    verdict = compare({0: a}, {0: b})
+    assert (verdict.component, verdict.step, verdict.detail) == ("params", 10, "snapshot of step 10")
+
+
+def test_a_retention_that_took_a_snapshot_instead_of_its_own_save_is_not_a_difference():
+    """Retention skips its save of a step it just snapshotted, and counts the snapshot in keep_last: the files
+    it keeps depend on when the snapshots came, once any came."""
+    a = [{**r, "retention_files": r["files"]} if r["kind"] == "end" else r for r in run()]
+    b = [snapshot(8) if r["kind"] == "saved" and r["step"] == 8 else r for r in run((5,))]
+    b = [
+        {**r, "files": ["step=12.ckpt", "step=7.ckpt"], "retention_files": ["step=12.ckpt", "step=7.ckpt"]}
+        if r["kind"] == "end"
+        else r
+        for r in b
+    ]
+    assert compare({0: a}, {0: b}).exact
+    untimed = [{**r, "timed": False} if r["kind"] == "saved" else r for r in b]
+    assert not compare({0: a}, {0: untimed}).exact  # without a timed save, retention's files are compared
 
 
 def test_checkpoint_files_differ_at_the_end():
@@ -365,7 +532,8 @@ def test_read_trace_of_no_directory_is_empty(tmp_path):
 
 SCHEMA = {
     "verdict": str, "step": (int, type(None)), "rank": (int, type(None)), "component": (str, type(None)),
-    "cause": str, "fix": str, "launches": dict, "resumed_at": dict, "compared": dict,
+    "cause": str, "fix": str, "launches": dict, "resumed_at": dict, "compared": dict, "sure": bool,
+    "detail": (str, type(None)),
 }  # fmt: skip
 
 

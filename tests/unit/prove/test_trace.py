@@ -24,7 +24,7 @@ from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
 pytestmark = pytest.mark.timeout(120)
 
-BATCH_FIELDS = {"kind", "step", "micro", "epoch", "batch", "rng", "loss", "lr"}
+BATCH_FIELDS = {"kind", "step", "micro", "epoch", "batch", "rng", "sched", "loss", "lr"}
 WEIGHT_FIELDS = {"kind", "step", "params", "optim"}
 
 
@@ -99,7 +99,8 @@ def test_a_fit_writes_every_record_in_the_order_it_happens(tmp_path, monkeypatch
     start, end = records[0], records[-1]
     assert start == {
         "kind": "start", "pid": os.getpid(), "rank": 0, "world_size": 1, "step": 0, "resumed_from": None,
-        "exact": None, "problems": [], "time": start["time"],
+        "exact": None, "problems": [], "findings": [], "schedulers": [], "time": start["time"],
+        "loaders": {"mode": None, "each": [{"type": "ResumableDataLoader", "dataset": "TensorDataset", "iterable": False}]},
     }  # fmt: skip
     assert before <= start["time"] <= time.time()
 
@@ -109,12 +110,12 @@ def test_a_fit_writes_every_record_in_the_order_it_happens(tmp_path, monkeypatch
     assert [r["batch"] for r in batches] == witness.batches  # the batch as the step got it
     assert [r["rng"] for r in batches] == witness.rngs  # the streams at the batch start
     assert [r["loss"] for r in batches] == witness.losses == [_bits(x) for x in trainer.lightning_module.step_losses]
-    assert all(r["lr"] == [0.05] for r in batches)
+    assert all(r["lr"] == [0.05] and r["sched"] == [] for r in batches)
     assert len(set(witness.batches)) == 4  # TinyData in order: the same 4 batches each epoch
     assert len(set(witness.rngs)) == 8  # every step draws its noise after the digest
 
     weights = [r for r in records if r["kind"] in ("state", "saved", "end")]
-    assert all(set(r) - {"sched", "files"} == WEIGHT_FIELDS for r in weights)
+    assert all(set(r) - {"sched", "files", "timed_files", "retention_files"} == WEIGHT_FIELDS for r in weights)
     assert all(r["params"] == witness.params[r["step"]] for r in weights)
     assert {r["optim"] for r in weights} == {fingerprint.digest([opt.state_dict() for opt in trainer.optimizers])}
 
@@ -125,6 +126,7 @@ def test_a_fit_writes_every_record_in_the_order_it_happens(tmp_path, monkeypatch
 
     assert end["sched"] == fingerprint.digest([])  # no LR scheduler
     assert end["files"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    assert end["timed_files"] == end["retention_files"] == []  # no snapshot was taken
 
 
 class OwnStreamModel(TinyModel):
@@ -140,8 +142,54 @@ def test_the_start_record_lists_what_exact_resume_warned_about(tmp_path, monkeyp
     with pytest.warns(ExactResumeWarning) as caught:
         _fit([], model=OwnStreamModel, max_steps=1, enable_checkpointing=False)
     warned = [str(w.message).removeprefix("ExactResume: ") for w in caught if w.category is ExactResumeWarning]
-    problems = _records(tmp_path)[0]["problems"]
-    assert problems == warned and any("noise" in line for line in problems)
+    start = _records(tmp_path)[0]
+    assert start["problems"] == warned and any("noise" in line for line in start["problems"])
+    generator = [f for f in start["findings"] if f["kind"] == "unsaved_generator"]  # the kind, as it was found
+    assert [(f["subject"], f["line"] in warned) for f in generator] == [("model.noise", True)]
+
+
+class PlateauModel(TinyModel):
+    """Returns a ReduceLROnPlateau from configure_optimizers: Lightning saves it, and the trace digests it per step."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss"}}
+
+
+def test_schedulers_and_captured_state_are_digested_as_each_step_starts(tmp_path, monkeypatch):
+    _trace_to(monkeypatch, tmp_path)
+    trainer = _fit([], model=PlateauModel, max_epochs=3, enable_checkpointing=False)
+    records = _records(tmp_path)
+    assert records[0]["schedulers"] == [{"type": "ReduceLROnPlateau", "plateau": True, "interval": "epoch"}]
+    digests = [r["sched"][0] for r in records if r["kind"] == "batch"]
+    assert len(set(digests[:4])) == 1 and digests[4] != digests[3]  # stepped at the end of the first epoch
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert digests[-1] != fingerprint.digest(scheduler.state_dict())  # the last epoch's step came after it
+
+    recorder = trace.from_environment(0, fingerprint.digest, rng.capture_rng, {trace.TRACE_ENV: str(tmp_path / "u")},
+                                      components=lambda: {"model.lr_scheduler": "d1"})  # fmt: skip
+    assert recorder is not None
+    recorder.start(trainer, {}, [])
+    recorder.batch_start(trainer, torch.zeros(1))
+    recorder.batch_end(trainer, {"loss": torch.tensor(1.0)}, 0)
+    recorder.close()
+    assert _records(tmp_path / "u")[1]["user"] == {"model.lr_scheduler": "d1"}
+
+
+def test_a_save_the_clock_chose_is_marked_timed(tmp_path, monkeypatch):
+    _trace_to(monkeypatch, tmp_path / "trace")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)
+    lightning.seed_everything(0, verbose=False)
+    exact = ExactResume(mtbf=None, every_n_train_steps_max=3)
+    trainer = tiny_trainer([exact, ckpt], limit_train_batches=4, max_steps=7)  # ModelCheckpoint's newest: step 4
+    trainer.fit(TinyModel(), TinyData())
+    records = _records(tmp_path / "trace")
+    saves = [(r["step"], r.get("timed", False)) for r in records if r["kind"] == "saved"]
+    assert saves == [(3, True), (4, False), (6, True)]
+    end = records[-1]
+    assert end["timed_files"] == ["last-snapshot-step=000000006.ckpt"] and end["retention_files"] == []
+    assert "last-snapshot-step=000000006.ckpt" in end["files"]
 
 
 def test_state_records_come_every_k_optimizer_steps_not_every_k_micro_batches(tmp_path, monkeypatch):

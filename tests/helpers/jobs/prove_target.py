@@ -6,8 +6,9 @@ model with dropout and AdamW on a plain ``DataLoader(shuffle=True)``, ``ExactRes
 ``ModelCheckpoint`` into ``./ckpt`` (the working directory is the run's own), and relaunched it resumes with
 ``fit(ckpt_path="last")``. Defects, each a way a resumed run differs that ``prove`` must name:
 
-- ``torch_generator``: noise from a ``torch.Generator`` held on the model and not given to ``ExactResume``;
-- ``numpy_generator``: noise from a ``numpy.random.Generator`` on the model;
+- ``torch_generator``: noise from a ``torch.Generator`` kept in a module global (no walk from the model reaches
+  it; one held on the model is saved) and not registered with ``ExactResume(state=...)``;
+- ``numpy_generator``: noise from a ``numpy.random.Generator`` kept in a module global;
 - ``loader_subclass``: a ``DataLoader`` subclass, whose position ExactResume cannot take;
 - ``buffer``: a non-persistent buffer that training changes (a step counter in the loss);
 - ``no_ckpt_path``: ``fit()`` without ``ckpt_path``: every launch starts over.
@@ -48,22 +49,24 @@ class MyLoader(DataLoader):
     """A user's DataLoader subclass (e.g. to add a property)."""
 
 
+NOISE = {"torch": torch.Generator().manual_seed(1), "numpy": np.random.default_rng(1)}
+"""Generators in a global, as a script's top level keeps them: no checkpoint saves them."""
+
+
 class Net(pl.LightningModule):
     def __init__(self, defect: str) -> None:
         super().__init__()
         self.defect = defect
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
-        self.gen = torch.Generator().manual_seed(1)
-        self.np_gen = np.random.default_rng(1)
         self.register_buffer("seen", torch.zeros(()), persistent=False)
 
     def training_step(self, batch, batch_idx):
         time.sleep(0.02)  # a step takes a moment, as real ones do: the kills land while training
         x, y = batch
         if self.defect == "torch_generator":
-            x = x + 0.1 * torch.randn(x.shape, generator=self.gen)
+            x = x + 0.1 * torch.randn(x.shape, generator=NOISE["torch"])
         elif self.defect == "numpy_generator":
-            x = x + torch.from_numpy(self.np_gen.normal(size=tuple(x.shape)).astype("float32")) * 0.1
+            x = x + torch.from_numpy(NOISE["numpy"].normal(size=tuple(x.shape)).astype("float32")) * 0.1
         loss = nn.functional.binary_cross_entropy_with_logits(self.net(x), y)
         if self.defect == "buffer":
             self.seen += 1

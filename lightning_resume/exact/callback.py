@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
 from lightning_resume._compat.botocore import isolate_retry_jitter
+from lightning_resume._compat.lightning_warnings import quiet_last_hint_for_resolvers
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, evidence, lightning_gaps, snapshots
@@ -35,6 +36,13 @@ from lightning_resume.exact.capture import (
 from lightning_resume.exact.elastic import Afterwards, ElasticMode
 from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
+from lightning_resume.exact.own_checkpoints import (
+    BEFORE_TRAINING,
+    OwnCheckpoints,
+    check_trainer,
+    has_position,
+    without_position,
+)
 from lightning_resume.exact.restore import (
     LoadedDigests,
     check_same_checkpoint,
@@ -215,6 +223,7 @@ class ExactResume(Callback):
     ) -> None:
         check_versions()
         lc.resolve_last_through_callbacks()  # fit(ckpt_path="last"): the newest verified checkpoint of any callback
+        quiet_last_hint_for_resolvers()  # ... and Lightning's hint to set save_last=True, which that makes wrong
         isolate_retry_jitter()  # a retried S3 request must not draw from the random stream this callback saves
         problems = _memory_tier_problems(memory_tier, process_mtbf, memory_dir, memory_every_n_train_steps_max)
         try:
@@ -269,6 +278,7 @@ class ExactResume(Callback):
         self.resume_report: dict[str, Any] = {}
         self._last = OncePerFit()
         self._trace: Optional[trace.TraceRecorder] = None
+        self._own = OwnCheckpoints()  # the Tuner's save and restore are not checkpoints of the run
 
     @property
     @override
@@ -286,6 +296,7 @@ class ExactResume(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_trainer(trainer)  # a pytorch_lightning.Trainer is refused, naming the import that fixes it
         self._trainer = trainer
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if stage == "fit":
@@ -293,6 +304,7 @@ class ExactResume(Callback):
             refuse_unencodable_hparams(trainer, pl_module)  # not at the first save, hours in
         if stage == "fit":
             self._trace = self._trace_from_environment(trainer)
+            self._own.setup(trainer)
         if stage == "fit" and self._stop_replacing_loaders is None:
             # The loaders users already have, made resumable in place as Lightning sets them up; put back at the end.
             adopted = AdoptedLoaders()
@@ -362,6 +374,7 @@ class ExactResume(Callback):
             )
             self._loaded = None
             self._user_again = put_back_later(self._user)
+        self._own.train_started(trainer, resumed_every_loader=pending is not None and not unsaved)
         tier = self._resumed_tier(trainer, pending)
         if pending is not None:
             self.resume_report["tier"] = tier
@@ -441,6 +454,7 @@ class ExactResume(Callback):
         self._give_back_hooks()
 
     def _give_back_hooks(self) -> None:
+        self._own.release()
         self._afterwards.teardown()  # samplers an elastic resume planned get their own class back
         if self.memory is not None:
             self.memory.teardown()  # the snapshots stay after an exception: the next process resumes from them
@@ -514,6 +528,8 @@ class ExactResume(Callback):
         trainer = self._trainer
         if trainer is None or not trainer.training and not trainer.validating:
             return {"captured_at": OUTSIDE_FIT}  # trainer.save_checkpoint() after fit: no training position
+        if self._own.before_training(trainer):
+            return {"captured_at": BEFORE_TRAINING}  # the Tuner's save at fit start: no training position yet
         if self.memory is None or not self.memory.dumping:  # a durable save: rank 0's previous write must end
             snapshots.wait_for_previous_write(trainer)
         schedule = self.scheduler.state_dict() if self.scheduler is not None else {}
@@ -531,14 +547,18 @@ class ExactResume(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = state_dict if state_dict and state_dict.get("captured_at") != OUTSIDE_FIT else None
+        if self._own.restoring(self._trainer):
+            return  # the Tuner restoring its own save: no resume, and a resume still to apply stays
+        self._pending = state_dict if has_position(state_dict) else None
 
     @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        if self._own.restoring(trainer):
+            return  # the Tuner restoring its own save: Lightning's restore, untouched, as without ExactResume
         ours = checkpoint.get("callbacks", {}).get(self.state_key)
-        if ours and ours.get("captured_at") != OUTSIDE_FIT:
+        if has_position(ours):
             lc.drop_loader_state(checkpoint)  # ExactResume applies its own aligned positions (none outside fit)
         if not trainer.training:
             return  # validate/test/predict read weights only: nothing of a training position is missed
@@ -553,9 +573,9 @@ class ExactResume(Callback):
                 " uninterrupted one.",
                 category=ExactResumeWarning,
             )
-        elif ours.get("captured_at") == OUTSIDE_FIT:
+        elif not has_position(ours):
             rank_zero_warn(
-                "ExactResume: this checkpoint was saved outside fit (trainer.save_checkpoint() after training), so"
+                f"ExactResume: this checkpoint was {without_position(ours.get('captured_at'))}, so"
                 f" it holds no training position; training resumes but these are not restored:"
                 f" {NOT_RESTORED_WITHOUT_EXACT_RESUME}.",
                 category=ExactResumeWarning,

@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tag or commit to export (default: the installed version's tag, else the newest "
         "tag of the same minor release below it)",
     )
-    p.add_argument("--dirs", nargs="+", default=list(DEFAULT_DIRS), help="folders under tests/tests_pytorch")
+    p.add_argument(
+        "--dirs", nargs="+", default=list(DEFAULT_DIRS), help="folders (or test files) under tests/tests_pytorch"
+    )
     p.add_argument(
         "--mode",
         choices=("both", "stock", "injected", "compare"),
@@ -198,9 +200,15 @@ def environment(warnings_file: Path) -> dict[str, str]:
     return env
 
 
+def run_name(mode: str, folder: str) -> str:
+    """The name of one run's junit, log and warnings files: a folder, or a file under it
+    (``core/test_lightning_optimizer.py``), with the mode."""
+    return f"{mode}-{folder.replace('/', '--')}"
+
+
 def run_mode(args: argparse.Namespace, mode: str, folder: str, workdir: Path) -> int:
     """One pytest process for one folder in one mode; its junit, log and warnings are named after both."""
-    name = f"{mode}-{folder}"
+    name = run_name(mode, folder)
     clean_export(workdir / "lightning")
     (workdir / f"{name}.warnings.jsonl").unlink(missing_ok=True)
     cmd = pytest_command(args, [folder], workdir / f"{name}.xml", injected=mode == "injected")
@@ -294,7 +302,7 @@ def new_warnings(workdir: Path, folders: list[str]) -> dict[str, object]:
     """Warnings of the injected run that the same test did not raise stock: per message, how many tests."""
 
     def read(mode: str) -> set[tuple[str, str, str]]:
-        paths = [workdir / f"{mode}-{folder}.warnings.jsonl" for folder in folders]
+        paths = [workdir / f"{run_name(mode, folder)}.warnings.jsonl" for folder in folders]
         lines = [line for path in paths if path.exists() for line in path.read_text().splitlines()]
         recs = (json.loads(line) for line in lines)
         return {(r["nodeid"], r["category"], _normalised(r["message"])) for r in recs}
@@ -363,7 +371,7 @@ def read_runs(workdir: Path, folders: list[str]) -> tuple[dict, dict, list[str]]
     injected: dict = {}
     missing = []
     for folder in folders:
-        s, i = workdir / f"stock-{folder}.xml", workdir / f"injected-{folder}.xml"
+        s, i = workdir / f"{run_name('stock', folder)}.xml", workdir / f"{run_name('injected', folder)}.xml"
         if not (s.exists() and i.exists()):
             missing.append(folder)
             continue

@@ -24,7 +24,7 @@ from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
 pytestmark = pytest.mark.timeout(120)
 
-BATCH_FIELDS = {"kind", "step", "micro", "epoch", "batch", "rng", "sched", "loss", "lr"}
+BATCH_FIELDS = {"kind", "step", "micro", "epoch", "batch", "rng", "sched", "user", "loss", "lr"}  # user: {} here
 WEIGHT_FIELDS = {"kind", "step", "params", "optim"}
 
 
@@ -129,23 +129,33 @@ def test_a_fit_writes_every_record_in_the_order_it_happens(tmp_path, monkeypatch
     assert end["timed_files"] == end["retention_files"] == []  # no snapshot was taken
 
 
-class OwnStreamModel(TinyModel):
-    """Keeps a random stream ExactResume does not save: a fresh run is warned that resumes will not be exact."""
+class Unsaveable:
+    """State a checkpoint cannot hold pickle-free: its ``state_dict()`` holds a function."""
+
+    def state_dict(self):
+        return {"transform": print}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class OwnStateModel(TinyModel):
+    """Keeps state ExactResume cannot save: a fresh run is warned that resumes will not be exact."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.noise = torch.Generator().manual_seed(1)
+        self.holder = Unsaveable()
 
 
 def test_the_start_record_lists_what_exact_resume_warned_about(tmp_path, monkeypatch):
     _trace_to(monkeypatch, tmp_path)
     with pytest.warns(ExactResumeWarning) as caught:
-        _fit([], model=OwnStreamModel, max_steps=1, enable_checkpointing=False)
+        _fit([], model=OwnStateModel, max_steps=1, enable_checkpointing=False)
     warned = [str(w.message).removeprefix("ExactResume: ") for w in caught if w.category is ExactResumeWarning]
     start = _records(tmp_path)[0]
-    assert start["problems"] == warned and any("noise" in line for line in start["problems"])
-    generator = [f for f in start["findings"] if f["kind"] == "unsaved_generator"]  # the kind, as it was found
-    assert [(f["subject"], f["line"] in warned) for f in generator] == [("model.noise", True)]
+    assert start["problems"] == warned and any("holder" in line for line in start["problems"])
+    unsaved = [f for f in start["findings"] if f["kind"] == "user_state"]  # the kind, as it was found
+    assert [(f["subject"], f["line"] in warned) for f in unsaved] == [("model.holder", True)]
 
 
 class PlateauModel(TinyModel):

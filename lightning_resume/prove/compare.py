@@ -613,11 +613,11 @@ POSITION_FIX = (
     " or give the batch sampler state_dict/load_state_dict"
 )
 GENERATOR_FIX = (
-    "pass each torch.Generator as ExactResume(generators={name: generator}), or draw from torch's global RNG"
-    " (a numpy or random generator: draw from torch's RNG or a registered torch.Generator instead)"
+    "register the generator by name with ExactResume(state={name: generator}) (a torch, numpy or random generator),"
+    " keep it on the model, the datamodule or the dataset where ExactResume finds it, or draw from torch's global RNG"
 )
 BUFFER_FIX = "register that state as a persistent buffer (register_buffer(name, tensor, persistent=True)), or save it in on_save_checkpoint and set it back in on_load_checkpoint"
-SCHEDULER_FIX = "return the scheduler from configure_optimizers ({'scheduler': s, 'interval': 'step'} to step it every batch) so Lightning saves and restores it, instead of stepping it by hand"
+SCHEDULER_FIX = "keep the scheduler on the module (ExactResume saves it there), register it with ExactResume(state={name: scheduler}), or return it from configure_optimizers ({'scheduler': s, 'interval': 'step'}) so Lightning saves it"
 
 
 def _diagnose(f: _Finding) -> tuple[str, str]:
@@ -763,7 +763,7 @@ def _loss(f: _Finding) -> tuple[str, str]:
     )
     return (
         cause,
-        "pass every torch.Generator the model draws from as ExactResume(generators={...}), and keep state the forward reads in the state_dict",
+        "register every generator and stateful object the model reads that ExactResume does not find with ExactResume(state={name: obj}), and keep state the forward reads in the state_dict",
     )
 
 

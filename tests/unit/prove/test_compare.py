@@ -252,7 +252,7 @@ def test_same_batch_and_rng_but_another_loss_names_the_unsaved_generator():
     b = relaunched(changed_at(5, loss="3f000000"), findings=[UNSAVED_LOADER, GENERATOR])
     verdict = compare({0: run()}, {0: b})
     assert (verdict.component, verdict.step) == ("loss", 5)
-    assert "an RNG stream outside ExactResume (model.noise)" in verdict.cause and "generators=" in verdict.fix
+    assert "an RNG stream outside ExactResume (model.noise)" in verdict.cause and "ExactResume(state=" in verdict.fix
     buffer = compare({0: run()}, {0: relaunched(changed_at(5, loss="3f000000"), findings=[GENERATOR, BUFFER])})
     assert "non-persistent buffer scale" in buffer.cause and "persistent=True" in buffer.fix  # observed to differ
     assert "also found generators it does not save: model.noise" in buffer.cause

@@ -43,12 +43,15 @@ timing that decide what is compared (a ``saved`` record's ``timed``, ``end``'s `
 FIELD_COMPONENTS: Mapping[str, Sequence[tuple[str, Component]]] = {
     "batch": (
         ("step", "batch"), ("epoch", "batch"), ("micro", "batch"), ("rng", "rng"), ("sched", "sched"),
-        ("user", "user"), ("batch", "batch"), ("loss", "loss"), ("lr", "lr"),
+        ("user", "user"), ("batch", "batch"), ("loss", "loss"), ("lr", "lr"), ("logged", "val"),
     ),
     "state": (("step", "missing"), ("params", "params"), ("optim", "optim")),
     "saved": (("step", "missing"), ("params", "params"), ("optim", "optim")),
     "val": (("step", "val"), ("metrics", "val")),
-    "end": (("step", "missing"), ("params", "params"), ("optim", "optim"), ("sched", "sched"), ("files", "files")),
+    "end": (
+        ("step", "missing"), ("params", "params"), ("optim", "optim"), ("sched", "sched"), ("metrics", "val"),
+        ("files", "files"),
+    ),
 }  # fmt: skip
 """Per kind, its fields in the order they are compared and the component a difference in each is reported as.
 The order is causal: a batch's position before the RNG streams it started with (a loader restarted on a new
@@ -571,7 +574,7 @@ def _finding(rank: int, i: int, a: Sequence[Record], cut: _Cut, difference: _Dif
     b = cut.records
     record = a[i] if i < len(a) else b[i]
     launch = cut.origins[i] if i < len(b) else len(cut.starts)
-    if component == "val" and name == "metrics":
+    if component == "val" and name in ("metrics", "logged"):
         detail = ", ".join(_differing(expected, got))
     rates = {json.dumps(r.get("lr")) for r in a if r.get("kind") == "batch"}
     return _Finding(
@@ -862,8 +865,19 @@ def _params(f: _Finding) -> tuple[str, str]:
 
 
 def _optim(f: _Finding) -> tuple[str, str]:
-    cause = f"the optimizer state differs at step {f.step} while the weights and batches before were equal: it was not restored (an optimizer made outside configure_optimizers, or state kept outside its state_dict)"
-    return cause, "create the optimizers in configure_optimizers so Lightning saves and restores their state_dict"
+    if f.after_restore and not f.lr_varies:  # the first state B recorded after its restore, at a constant LR
+        cause = f"the optimizer state differs at step {f.step}, right after the restore, while the weights were equal: it was not restored (an optimizer made outside configure_optimizers, or state kept outside its state_dict)"
+        return cause, "create the optimizers in configure_optimizers so Lightning saves and restores their state_dict"
+    cause = _not_sure(
+        f"the optimizer state differs at step {f.step}",
+        "the weights and batches before were equal"
+        + ("" if f.after_restore else ", and it was equal in the first state recorded after the restore"),
+        "something no checkpoint holds changed it during training: an LR scheduler or code that sets"
+        " param_group['lr'] or other hyper-parameters (a scheduler object ExactResume's walk does not reach)"
+        + (", or the optimizer's state was not restored" if f.after_restore else ""),
+    )
+    fix = "return the scheduler from configure_optimizers, keep it on the module (ExactResume saves it there), or register it with ExactResume(state={name: scheduler})"
+    return cause, fix
 
 
 def _val(f: _Finding) -> tuple[str, str]:
@@ -871,8 +885,9 @@ def _val(f: _Finding) -> tuple[str, str]:
         cause = f"validation ran at another point than in the uninterrupted run (step {f.step}): the validation schedule's position was not restored"
         fix = "validate on a step-based schedule (val_check_interval as a number of batches, or check_val_every_n_epoch) and keep ExactResume in every launch"
         return cause, fix
+    which = "logged metrics" if f.field == "logged" else "validation metrics"
     cause = _not_sure(
-        f"the validation metrics {f.detail} differ at step {f.step}",
+        f"the {which} {f.detail} differ at step {f.step}",
         "every training record before (batches, RNG streams, losses, learning rates, weights) was equal",
         "a metric's state accumulated across the resume (a torchmetrics metric on the module: its state is in no"
         " checkpoint), or validation data with randomness of its own",

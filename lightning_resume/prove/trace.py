@@ -205,7 +205,7 @@ class TraceRecorder:
         user = {"user": start.user} if self._components is not None else {}
         self._write(
             "batch", step=start.step, micro=batch_idx, epoch=start.epoch, batch=start.batch, rng=start.rng,
-            sched=start.sched, **user, loss=float_bits(loss_of(outputs)), lr=start.lr,
+            sched=start.sched, **user, loss=float_bits(loss_of(outputs)), lr=start.lr, logged=_logged(trainer),
         )  # fmt: skip
         if state_due(trainer.global_step, self.digest_every, lc.at_optimizer_step(trainer)):
             self._write("state", step=trainer.global_step, **self._weights(trainer))
@@ -224,9 +224,7 @@ class TraceRecorder:
     def validation_end(self, trainer: pl.Trainer) -> None:
         if trainer.sanity_checking:
             return  # not a validation of the training run: a resumed launch may run it or not
-        metrics = {name: float_bits(value) for name, value in trainer.callback_metrics.items()}
-        scalars = {name: bits for name, bits in metrics.items() if bits is not None}
-        self._write("val", step=trainer.global_step, metrics=scalars)
+        self._write("val", step=trainer.global_step, metrics=_logged(trainer))
 
     def end(self, trainer: pl.Trainer, timed_files: Iterable[str] = (), retention_files: Iterable[str] = ()) -> None:
         """The final state and the checkpoint files. Of those, ``timed_files`` are snapshots (their steps were
@@ -236,6 +234,7 @@ class TraceRecorder:
         files = checkpoint_files(trainer)
         self._write(
             "end", step=trainer.global_step, **self._weights(trainer), sched=self._digest(schedulers),
+            metrics=_logged(trainer),  # the last epoch's, logged after its last validation
             files=files, timed_files=sorted(set(timed_files) & set(files)),
             retention_files=sorted(set(retention_files) & set(files)),
         )  # fmt: skip
@@ -252,6 +251,12 @@ class TraceRecorder:
             self._held.append({"kind": kind, **fields})
             return
         self.out.write({"kind": kind, **fields})
+
+
+def _logged(trainer: pl.Trainer) -> dict[str, str]:
+    """The float bits of every scalar the run has logged so far (``trainer.callback_metrics``)."""
+    metrics = {name: float_bits(value) for name, value in trainer.callback_metrics.items()}
+    return {name: bits for name, bits in metrics.items() if bits is not None}
 
 
 @contextlib.contextmanager

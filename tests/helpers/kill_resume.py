@@ -162,6 +162,13 @@ did not make) or snapshots on the wall clock, and which other tests check (test_
 ``compare_saves=True`` compares every save too, with the weights and optimizer state it held."""
 
 
+def prove_verdict(a_out: Path, c_out: Path, ignore: tuple = TRAINING_ONLY) -> Optional[compare.Verdict]:
+    """``lightning-resume prove``'s verdict on the traces of A and of B-then-C (``None`` when either recorded none)."""
+    a_cfg, c_cfg = (json.loads((Path(out) / "config.json").read_text()) for out in (a_out, c_out))
+    a, killed_then_resumed = compare.read_trace(trace_dir(a_cfg)), compare.read_trace(trace_dir(c_cfg))
+    return compare.compare(a, killed_then_resumed, ignore=ignore) if a and killed_then_resumed else None
+
+
 def assert_prove_says_exact(a_out: Path, c_out: Path, ignore: tuple = TRAINING_ONLY) -> None:
     """``lightning-resume prove``'s verdict on the traces of A and of B-then-C (when both recorded one), on
     everything training computed: batches, RNG streams, losses, learning rates, weights and optimizer state

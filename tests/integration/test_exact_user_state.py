@@ -88,3 +88,18 @@ def test_without_the_capture_the_resume_differs(tmp_path: Path, case: str) -> No
     a, c = h.three_runs(cfg, tmp_path, pause=pause)
     a_steps, c_steps = h.steps(a["out"]), h.steps(c["out"])
     assert a_steps[len(a_steps) - len(c_steps) :] != c_steps, f"{case}: the resumed run matched without the capture"
+    verdict = h.prove_verdict(a["out"], c["out"])  # prove, on the same traces, names the part that differs first
+    assert verdict is not None and not verdict.exact, verdict
+    component, words = CONTROL_VERDICTS[case]
+    assert verdict.component == component and words in verdict.cause + verdict.fix, verdict
+
+
+CONTROL_VERDICTS = {
+    "scheduler": ("optim", "ExactResume(state="),  # the LR the unsaved scheduler set, in the optimizer state
+    "metrics": ("val", "torchmetrics"),
+    "metrics_epoch_end": ("val", "torchmetrics"),  # the last epoch's logged metric, in the end record
+    "env": ("loss", "ExactResume(state="),  # "not sure": nothing recorded names the environment's generators
+    "replay": ("batch", "IterableDataset"),
+    "registered": ("batch", "randomness"),
+}
+"""What ``prove`` says of each control: the component that differs first, and words of its cause or fix."""

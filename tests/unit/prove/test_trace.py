@@ -24,7 +24,7 @@ from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
 pytestmark = pytest.mark.timeout(120)
 
-BATCH_FIELDS = {"kind", "step", "micro", "epoch", "batch", "rng", "sched", "user", "loss", "lr"}  # user: {} here
+BATCH_FIELDS = {"kind", "step", "micro", "epoch", "batch", "rng", "sched", "user", "loss", "lr", "logged"}
 WEIGHT_FIELDS = {"kind", "step", "params", "optim"}
 
 
@@ -115,7 +115,9 @@ def test_a_fit_writes_every_record_in_the_order_it_happens(tmp_path, monkeypatch
     assert len(set(witness.rngs)) == 8  # every step draws its noise after the digest
 
     weights = [r for r in records if r["kind"] in ("state", "saved", "end")]
-    assert all(set(r) - {"sched", "files", "timed_files", "retention_files"} == WEIGHT_FIELDS for r in weights)
+    assert all(
+        set(r) - {"sched", "metrics", "files", "timed_files", "retention_files"} == WEIGHT_FIELDS for r in weights
+    )
     assert all(r["params"] == witness.params[r["step"]] for r in weights)
     assert {r["optim"] for r in weights} == {fingerprint.digest([opt.state_dict() for opt in trainer.optimizers])}
 
@@ -125,6 +127,7 @@ def test_a_fit_writes_every_record_in_the_order_it_happens(tmp_path, monkeypatch
     assert vals[0]["metrics"]["val/loss"] != vals[-1]["metrics"]["val/loss"]
 
     assert end["sched"] == fingerprint.digest([])  # no LR scheduler
+    assert end["metrics"] == {name: _bits(value) for name, value in trainer.callback_metrics.items()}
     assert end["files"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
     assert end["timed_files"] == end["retention_files"] == []  # no snapshot was taken
 

@@ -85,6 +85,7 @@ def restore(
     lc.restore_callback_metrics(trainer, dict(mine.get("metrics") or {}))  # the next save decisions read them
     lc.restore_last_saved_steps(trainer, dict(saved.get("last_saved") or {}))  # no second save of this step
     lightning_gaps.restore_callbacks(trainer, saved.get(lightning_gaps.KEY))
+    differences = [*differences, *lightning_gaps.restore_logged(trainer, mine)]  # self.log's epoch so far
     checked: tuple[str, ...] = CHECKED_PARTS
     moved_report: dict[str, Any] = {}
     if moved:
@@ -114,8 +115,8 @@ def restore(
         if unsaved:
             report["unsaved_buffers_differ"] = unsaved
             warn_unsaved_buffers(unsaved)
-    lightning_gaps.owed_plateau_steps(trainer, saved.get(lightning_gaps.KEY), mine)  # after the check: LR changes
-    if mine["epoch_exhausted"]:
+    lightning_gaps.owed_after_save(trainer, saved.get(lightning_gaps.KEY), mine)  # after the check: LR changes
+    if lightning_gaps.next_epoch_is_ours(trainer, mine):
         start_next_epoch(trainer)  # after the check: the next epoch's start hooks may change the state
     return report, afterwards
 

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.combined_loader import _MaxSizeCycle
 
 
 def plateau_configs(trainer: pl.Trainer, interval: str) -> list[Any]:
@@ -138,6 +139,24 @@ def combined_mode(trainer: pl.Trainer) -> Optional[str]:
     """The mode of the training ``CombinedLoader`` Lightning iterates (fit_loop.py:239-251)."""
     combined = trainer.fit_loop._combined_loader
     return None if combined is None else str(combined._mode)
+
+
+def cycle_consumed(trainer: pl.Trainer) -> Optional[list[bool]]:
+    """Which loaders of a ``CombinedLoader(mode="max_size_cycle")`` ran out in this epoch and were cycled
+    (``_MaxSizeCycle._consumed``, combined_loader.py:70, :80); ``None`` in another mode. The epoch ends when the
+    last of them runs out (:81-82), which counts for loaders without a length (an ``IterableDataset``)."""
+    combined = trainer.fit_loop._combined_loader
+    iterator = None if combined is None else combined._iterator
+    return list(iterator._consumed) if isinstance(iterator, _MaxSizeCycle) else None
+
+
+def set_cycle_consumed(trainer: pl.Trainer, consumed: list[bool]) -> None:
+    """Put back what :func:`cycle_consumed` recorded into the restarted mode iterator, which starts them all unread
+    (combined_loader.py:91-94)."""
+    combined = trainer.fit_loop._combined_loader
+    iterator = None if combined is None else combined._iterator
+    if isinstance(iterator, _MaxSizeCycle) and len(iterator._consumed) == len(consumed):
+        iterator._consumed = [bool(flag) for flag in consumed]
 
 
 def restart_with_exhausted(trainer: pl.Trainer, exhausted: set[int], restart: Callable[[], None]) -> None:

@@ -84,7 +84,7 @@ def capture_rank(
         "epoch_exhausted": lc.epoch_exhausted(trainer),
         "validation_pending": after_batch and lc.validation_due(trainer),
         "metrics": decision_metrics(trainer),
-        "logged": lightning_gaps.capture_logged(trainer),  # self.log's values of the epoch so far
+        lightning_gaps.KEY: lightning_gaps.capture_rank(trainer),  # self.log's epoch so far, cycled loaders
         "buffers": rank_local.differing_from_rank_zero(trainer.lightning_module) if replicated(trainer) else {},
     }
     if with_fingerprint:

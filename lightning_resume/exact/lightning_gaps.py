@@ -13,7 +13,9 @@ The gaps of Lightning 2.6, each found by a kill-and-resume test:
   saved epoch yielded again (its next epoch's batches). It stays exhausted (``restart_train_iterator``).
 - What ``self.log(..., on_epoch=True)`` accumulated in the epoch is in no checkpoint: a resumed epoch's value
   covered the resumed batches only, and everything monitoring it (plateau schedulers, best-k, early stopping)
-  decided on it. Each rank's accumulation is saved and put back (``capture_logged``, ``restore_logged``).
+  decided on it. Each rank's accumulation is saved and put back (``capture_rank``, ``restore_logged``).
+- ``CombinedLoader(mode="max_size_cycle")`` ends an epoch when every loader has run out once; a restart forgot
+  which had: with loaders without a length the resumed epoch ran on. The flags are put back.
 - After a save on an epoch's last batch or in its end hooks, Lightning counts the epoch finished and skips the
   rest of its end: its logged values never reach ``callback_metrics`` or the loggers, its plateau step reads a
   stale monitor. The resume ends it (``end_saved_epoch``). After a save at the end of the validation that
@@ -50,9 +52,10 @@ def capture(trainer: pl.Trainer, after_batch: bool) -> dict[str, Any]:
     }
 
 
-def capture_logged(trainer: pl.Trainer) -> dict[str, Any]:
-    """This rank's values logged with ``self.log`` in the training epoch so far (each rank accumulates its own)."""
-    return gaps.logged_results(trainer)
+def capture_rank(trainer: pl.Trainer) -> dict[str, Any]:
+    """This rank's part (under ``KEY`` in its state): the values logged with ``self.log`` in the training epoch
+    so far (each rank accumulates its own), and which loaders a ``max_size_cycle`` ``CombinedLoader`` has cycled."""
+    return {"logged": gaps.logged_results(trainer), "cycle_consumed": gaps.cycle_consumed(trainer)}
 
 
 def restore_callbacks(trainer: pl.Trainer, saved: Optional[Mapping[str, Any]]) -> None:
@@ -66,7 +69,7 @@ def restore_logged(trainer: pl.Trainer, mine: Mapping[str, Any]) -> list[str]:
     A rank an elastic resume added has none: its epoch values cover the batches it trains."""
     if int(mine.get("rank", trainer.global_rank)) != trainer.global_rank:
         return []
-    missing = gaps.restore_logged_results(trainer, dict(mine.get("logged") or {}))
+    missing = gaps.restore_logged_results(trainer, dict((mine.get(KEY) or {}).get("logged") or {}))
     if not next_epoch_is_ours(trainer, mine):
         gaps.continue_epoch_logging(trainer)
     if not missing:
@@ -140,3 +143,6 @@ def restart_train_iterator(trainer: pl.Trainer, mine: Mapping[str, Any]) -> None
     for i in exhausted:
         hold_finished_position(loaders[i])
     gaps.restart_with_exhausted(trainer, exhausted, lambda: lc.restart_train_iterator(trainer, mine["prefetched"]))
+    consumed = (mine.get(KEY) or {}).get("cycle_consumed")
+    if consumed is not None:  # the loaders already cycled in the saved epoch: the epoch ends at the same batch
+        gaps.set_cycle_consumed(trainer, list(consumed))

@@ -158,6 +158,10 @@ class Model(pl.LightningModule):
         self.net = nn.Sequential(
             nn.Linear(DIM, 32), *norm, nn.ReLU(), nn.Dropout(cfg.get("dropout", 0.0)), nn.Linear(32, 1)
         )
+        if cfg.get("log_metric_object"):  # a torchmetrics metric logged as an object (Lightning keeps an entry for it)
+            from torchmetrics import MeanMetric
+
+            self.train_mean = MeanMetric()
         self.log_file = None
         self.automatic_optimization = not cfg.get("manual")  # manual: two optimizers stepped in training_step
 
@@ -193,6 +197,9 @@ class Model(pl.LightningModule):
             when = self.cfg["log_train_loss"]
             sync = bool(self.cfg.get("sync_dist"))
             self.log("train_loss", loss, on_step=when != "epoch", on_epoch=when != "step", sync_dist=sync)
+        if self.cfg.get("log_metric_object"):
+            self.train_mean(loss)
+            self.log("train_mean", self.train_mean, on_step=False, on_epoch=True)
         if self.cfg.get("log_epoch_extremes"):  # epoch values reduced by max and by sum, not only by mean
             self.log("train_loss_max", loss, on_step=False, on_epoch=True, reduce_fx="max")
             self.log("samples", float(len(batch["id"])), on_step=False, on_epoch=True, reduce_fx="sum")
@@ -255,7 +262,8 @@ class Model(pl.LightningModule):
         n, augment = self.cfg.get("n", 40), self.cfg.get("augment", False)
         if self.cfg.get("combined"):  # CombinedLoader of two shuffled loaders of unequal lengths
             spec = self.cfg["combined"]
-            loaders = {name: self._loader(Points(size, augment), shuffle=True) for name, size in spec["sizes"].items()}
+            kind = PointStream if spec.get("iterable") else Points  # iterable: loaders without a length
+            loaders = {name: self._loader(kind(size, augment), shuffle=True) for name, size in spec["sizes"].items()}
             return CombinedLoader(loaders, mode=spec["mode"])
         kind = self.cfg.get("dataset", "stream" if self.cfg.get("iterable") else "points")
         ds = DATASETS[kind](n, augment)

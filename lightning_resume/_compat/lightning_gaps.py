@@ -268,7 +268,8 @@ def _result_metric(
 def continue_epoch_logging(trainer: pl.Trainer) -> None:
     """The logger connector as inside an epoch, past its first batch (logger_connector.py:187-191), so that the
     resumed epoch's first ``self.log`` of each hook does not reset what that hook logged before the save
-    (``should_reset_tensors``, logger_connector.py:223-224, module.py:487-490)."""
+    (``should_reset_tensors``, logger_connector.py:223-224, module.py:487-490), and ``callback_metrics`` read before
+    the epoch's end has its step values, not its epoch values (logger_connector.py:240-250)."""
     trainer._logger_connector._first_loop_iter = False
 
 

@@ -70,8 +70,7 @@ def restore_logged(trainer: pl.Trainer, mine: Mapping[str, Any]) -> list[str]:
     if int(mine.get("rank", trainer.global_rank)) != trainer.global_rank:
         return []
     missing = gaps.restore_logged_results(trainer, dict((mine.get(KEY) or {}).get("logged") or {}))
-    if not next_epoch_is_ours(trainer, mine):
-        gaps.continue_epoch_logging(trainer)
+    gaps.continue_epoch_logging(trainer)  # right after the saved batch; an epoch it ended ends in owed_after_save
     if not missing:
         return []
     line = (

@@ -45,6 +45,7 @@ EXTENDED = frozenset(
         "test_combined_loader[max_size_plain_workers]",
         "test_last_checkpoint_file[epoch_end_saves]",
         "test_last_checkpoint_file[top_k_on_validation]",
+        "test_plateau_scheduler[step_on_step_and_epoch_loss-save_on_last_batch]",
         "test_epoch_metrics[save_on_last_batch]",
         "test_epoch_metrics[save_at_epoch_end_max_steps]",
         "test_epoch_metrics[ddp_sync_dist]",
@@ -67,6 +68,12 @@ PLATEAUS = {
     "epoch_on_training_loss": {**PLATEAU, "monitor": "train_loss", "log_train_loss": "epoch", "max_epochs": 4},
     "step_on_training_loss": {
         **PLATEAU, "scheduler_interval": "step", "monitor": "train_loss", "log_train_loss": "step", "max_epochs": 2
+    },
+    # logged per step and per epoch: callback_metrics["train_loss"] is the step's value until the epoch's end; any
+    # improvement counts, so the saved batch's step decides on that value (its loss is the epoch's lowest so far)
+    "step_on_step_and_epoch_loss": {
+        **PLATEAU, "scheduler_interval": "step", "monitor": "train_loss", "log_train_loss": "both", "max_epochs": 2,
+        "plateau_threshold": 1e-4,
     },
 }  # fmt: skip
 PLATEAU_KILLS = {
@@ -147,6 +154,7 @@ PLATEAU_CASES = [
     ("epoch_on_validation", "save_at_validation_end_max_steps"),
     ("epoch_on_training_loss", "save_at_epoch_end_max_steps"),
     ("step_on_training_loss", "mid_epoch"),
+    ("step_on_step_and_epoch_loss", "save_on_last_batch"),
 ]
 
 

@@ -231,7 +231,8 @@ class Model(pl.LightningModule):
         if not self.cfg.get("scheduler"):
             return opt
         if self.cfg["scheduler"] == "plateau":  # as Lightning's docs write it: the monitor in the scheduler dict
-            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
+            threshold = self.cfg.get("plateau_threshold", 0.5)  # 0.5: only halving losses count as improving
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=threshold)
             config = {"scheduler": plateau, "monitor": self.cfg.get("monitor", "val_loss")}
             config["interval"] = self.cfg.get("scheduler_interval", "epoch")
             return {"optimizer": opt, "lr_scheduler": config}

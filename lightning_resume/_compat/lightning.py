@@ -588,13 +588,14 @@ def set_fsdp_checkpoint_fn(strategy: Any, check_fn: Callable[[nn.Module], bool])
 # ----------------------------------------------------------------------------------------- logging
 
 
-def metrics_lightning_resets(trainer: pl.Trainer, epoch_ended: bool) -> list[Any]:
-    """The ``torchmetrics`` objects logged with ``self.log`` that Lightning resets before their next update,
-    when a checkpoint is taken now: those of validation (reset after ``on_validation_end``, where checkpoints
-    are saved: evaluation_loop.py:363) and, at an epoch's end, those of training (reset after the epoch's
-    saves: fit_loop.py:494, logger_connector.py:181). ``_ResultMetric.value`` is the logged metric (result.py:186)."""
-    loops = [trainer.fit_loop.epoch_loop.val_loop] + ([trainer.fit_loop.epoch_loop] if epoch_ended else [])
-    return [item.value for loop in loops for item in loop._results.values() if not item.is_tensor]
+def metrics_lightning_resets(trainer: pl.Trainer) -> list[Any]:
+    """The ``torchmetrics`` objects logged with ``self.log`` in validation, which Lightning resets before their
+    next update when a checkpoint is taken now (after ``on_validation_end``, where checkpoints are saved:
+    evaluation_loop.py:363). Training's are not: at an epoch's end the resume completes the epoch from the
+    metric's full state (``exact.lightning_gaps``) and Lightning resets it then. ``_ResultMetric.value`` is the
+    logged metric (result.py:186)."""
+    loop = trainer.fit_loop.epoch_loop.val_loop
+    return [item.value for item in loop._results.values() if not item.is_tensor]
 
 
 # ---------------------------------------------------------------------------------------- launchers

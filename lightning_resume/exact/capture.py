@@ -92,6 +92,7 @@ def capture_rank(
         "epoch_exhausted": lc.epoch_exhausted(trainer),
         "validation_pending": after_batch and lc.validation_due(trainer),
         "metrics": decision_metrics(trainer),
+        lightning_gaps.KEY: lightning_gaps.capture_rank(trainer),  # self.log's epoch so far, cycled loaders
         "buffers": rank_local.differing_from_rank_zero(trainer.lightning_module) if replicated(trainer) else {},
         "user": capture_user(user, lightning_resets(trainer, user)),
     }
@@ -102,9 +103,9 @@ def capture_rank(
 
 
 def lightning_resets(trainer: pl.Trainer, user: Optional[UserState]) -> list[Any]:
-    """The held metrics Lightning resets before their next update (logged ones, at an epoch's end or after
-    validation): saved as reset, since the state they hold now is not the one the next update sees."""
-    return lc.metrics_lightning_resets(trainer, lc.epoch_exhausted(trainer)) if metrics_held(user) else []
+    """The held metrics Lightning resets before their next update (those logged in validation): saved as reset,
+    since the state they hold now is not the one the next update sees."""
+    return lc.metrics_lightning_resets(trainer) if metrics_held(user) else []
 
 
 def files_prove_tensors(trainer: pl.Trainer) -> bool:

@@ -93,6 +93,7 @@ def restore(
     if unmatched:
         warn_approximate(unmatched)
         differences = [*differences, *unmatched]
+    differences = [*differences, *lightning_gaps.restore_logged(trainer, mine)]  # self.log's epoch so far
     checked: tuple[str, ...] = CHECKED_PARTS
     moved_report: dict[str, Any] = {}
     if moved:
@@ -123,8 +124,8 @@ def restore(
         if unsaved:
             report["unsaved_buffers_differ"] = unsaved
             warn_unsaved_buffers(unsaved)
-    lightning_gaps.owed_plateau_steps(trainer, saved.get(lightning_gaps.KEY), mine)  # after the check: LR changes
-    if mine["epoch_exhausted"]:
+    lightning_gaps.owed_after_save(trainer, saved.get(lightning_gaps.KEY), mine)  # after the check: LR changes
+    if lightning_gaps.next_epoch_is_ours(trainer, mine):
         start_next_epoch(trainer)  # after the check: the next epoch's start hooks may change the state
     return report, afterwards
 

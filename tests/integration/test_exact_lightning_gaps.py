@@ -12,10 +12,19 @@ step and the checkpoint callback's state (best-k list, last file) inside each eq
   the save yielded its next epoch's batches after the resume.
 - ``ModelCheckpoint(save_last=True)``: a resumed run with nothing left to save rewrote ``last.ckpt`` at train end
   at the final step, which the uninterrupted run never wrote.
+- ``self.log(..., on_epoch=True)`` in ``training_step`` (mean, max, sum; with ``sync_dist`` under DDP): a resumed
+  epoch's value covered the resumed batches only, and the plateau scheduler and best-k checkpoint monitoring it
+  decided on that; after a save on an epoch's last batch or in its end hooks the epoch's row was never logged.
+  Every row the logger got after the save is compared, as float bits.
+- A save at the end of the validation that ends an epoch (``val_check_interval=0.5``, ``check_val_every_n_epoch=2``,
+  an interval in batches): the resumed run's next epoch had another sample order while the report said exact.
+- ``CombinedLoader(mode="max_size_cycle")`` of loaders without a length: the resumed epoch ran on until every loader
+  had run out again.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +45,13 @@ EXTENDED = frozenset(
         "test_combined_loader[max_size_plain_workers]",
         "test_last_checkpoint_file[epoch_end_saves]",
         "test_last_checkpoint_file[top_k_on_validation]",
+        "test_plateau_scheduler[step_on_step_and_epoch_loss-save_on_last_batch]",
+        "test_epoch_metrics[save_on_last_batch]",
+        "test_epoch_metrics[save_at_epoch_end_max_steps]",
+        "test_epoch_metrics[ddp_sync_dist]",
+        "test_validation_ending_an_epoch[check_val_every_2_epochs]",
+        "test_validation_ending_an_epoch[every_4_batches]",
+        "test_validation_ending_an_epoch[every_8_batches_across_epochs]",
     }
 )
 
@@ -52,6 +68,12 @@ PLATEAUS = {
     "epoch_on_training_loss": {**PLATEAU, "monitor": "train_loss", "log_train_loss": "epoch", "max_epochs": 4},
     "step_on_training_loss": {
         **PLATEAU, "scheduler_interval": "step", "monitor": "train_loss", "log_train_loss": "step", "max_epochs": 2
+    },
+    # logged per step and per epoch: callback_metrics["train_loss"] is the step's value until the epoch's end; any
+    # improvement counts, so the saved batch's step decides on that value (its loss is the epoch's lowest so far)
+    "step_on_step_and_epoch_loss": {
+        **PLATEAU, "scheduler_interval": "step", "monitor": "train_loss", "log_train_loss": "both", "max_epochs": 2,
+        "plateau_threshold": 1e-4,
     },
 }  # fmt: skip
 PLATEAU_KILLS = {
@@ -86,15 +108,44 @@ def checkpoint_files(ckpt_dir: str) -> dict[str, Any]:
     return out
 
 
-def assert_same_run_and_files(a: dict[str, Any], c: dict[str, Any]) -> None:
+def assert_same_run_and_files(a: dict[str, Any], c: dict[str, Any], ranks: int = 1) -> None:
     """C continues A bit for bit (losses, samples, LRs, final state), and writes A's checkpoint files: the same
-    names, steps and callback states; C's directory may also hold the file it resumed from."""
-    h.assert_exact_resume(a["out"], c["out"], resumed_after=None)
-    a_files, c_files = checkpoint_files(a["ckpt_dir"]), checkpoint_files(c["ckpt_dir"])
-    extra = set(c_files) - set(a_files)  # at most the file resumed from, which Lightning never deletes
-    assert set(a_files) <= set(c_files) and len(extra) <= 1, (sorted(a_files), sorted(c_files))
-    for name, inside in a_files.items():
-        assert c_files[name] == inside, f"{name}:\n uninterrupted {inside}\n resumed       {c_files[name]}"
+    names, steps and callback states; C's directory may also hold the file it resumed from. With a second, monitored
+    checkpoint callback (``monitor_ckpt``), its directory too."""
+    h.assert_exact_resume(a["out"], c["out"], resumed_after=None, ranks=ranks)
+    suffixes = [""] + (["-monitor"] if a.get("monitor_ckpt") else [])
+    for suffix in suffixes:
+        a_files, c_files = checkpoint_files(a["ckpt_dir"] + suffix), checkpoint_files(c["ckpt_dir"] + suffix)
+        extra = set(c_files) - set(a_files)  # at most the file resumed from, which Lightning never deletes
+        assert a_files and set(a_files) <= set(c_files) and len(extra) <= 1, (sorted(a_files), sorted(c_files))
+        for name, inside in a_files.items():
+            assert c_files[name] == inside, f"{name}:\n uninterrupted {inside}\n resumed       {c_files[name]}"
+
+
+def resumed_step(c: dict[str, Any]) -> int:
+    """The global step C resumed at (its report's; the file it resumed from may be rewritten since, as ``last``)."""
+    return int(json.loads((Path(c["out"]) / "report-rank0.json").read_text())["step"])
+
+
+def logged_rows(out: str) -> list[dict[str, Any]]:
+    """The rows the trainee's logger got (``record_metrics``), in order, each value as ``float.hex``."""
+    path = Path(out) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_same_logged_rows(a: dict[str, Any], c: dict[str, Any]) -> None:
+    """C logged what A logged after the checkpoint C resumed from, bit for bit: its rows are A's last ones, and
+    among them the row of every epoch from the saved one on (``samples`` marks the epoch rows of the trainee's
+    ``log_epoch_extremes``): the saved epoch's, whose end came after the save, is not left out."""
+    a_rows, c_rows = logged_rows(a["out"]), logged_rows(c["out"])
+    assert c_rows, "the resumed run logged nothing"
+    assert c_rows == a_rows[len(a_rows) - len(c_rows) :], "\n".join(
+        f" uninterrupted {x}\n resumed       {y}" for x, y in zip(a_rows[len(a_rows) - len(c_rows) :], c_rows) if x != y
+    )
+    saved_epoch = (resumed_step(c) - 1) // EPOCH  # the epoch of the last batch trained before the save
+    epoch_rows = lambda rows: [r for r in rows if "samples" in r]
+    expected = [r for r in epoch_rows(a_rows) if float.fromhex(r["epoch"]) >= saved_epoch]
+    assert expected and epoch_rows(c_rows) == expected, (saved_epoch, epoch_rows(c_rows), expected)
 
 
 PLATEAU_CASES = [
@@ -103,6 +154,7 @@ PLATEAU_CASES = [
     ("epoch_on_validation", "save_at_validation_end_max_steps"),
     ("epoch_on_training_loss", "save_at_epoch_end_max_steps"),
     ("step_on_training_loss", "mid_epoch"),
+    ("step_on_step_and_epoch_loss", "save_on_last_batch"),
 ]
 
 
@@ -120,6 +172,8 @@ COMBINED_MODES = {
     "max_size_cycle": {"combined": {**COMBINED, "mode": "max_size_cycle"}},
     "min_size": {"combined": {**COMBINED, "mode": "min_size"}, "max_epochs": 4},
     "max_size_plain_workers": {"combined": {**COMBINED, "mode": "max_size"}, "pipeline": "plain", "num_workers": 1},
+    # loaders without a length: the epoch ends when the long one runs out, the short one cycled since batch 5
+    "max_size_cycle_without_length": {"combined": {**COMBINED, "mode": "max_size_cycle", "iterable": True}},
 }
 
 
@@ -144,3 +198,60 @@ def test_last_checkpoint_file(tmp_path: Path, checkpoint: str) -> None:
     cfg = {**BASE, "ckpt": ckpt, "max_epochs": None, "max_steps": 2 * EPOCH + 9, "val_check_interval": 1.0}
     a, c = h.three_runs(cfg, tmp_path, pause)
     assert_same_run_and_files(a, c)
+
+
+EPOCH_METRICS = {**BASE, "record_metrics": True, "log_train_loss": "both", "log_epoch_extremes": True}
+"""``train_loss`` logged per step and per epoch (mean), ``train_loss_max`` (max) and ``samples`` (sum) per epoch;
+every row the logger gets recorded."""
+ON_TRAIN_LOSS = {**EPOCH_METRICS, "scheduler": "plateau", "lr": 0.05, "monitor": "train_loss"}
+"""A plateau scheduler on the epoch's mean training loss (``callback_metrics["train_loss"]`` at the epoch's end)."""
+BEST_TWO_EPOCHS = {"monitor": "train_loss_epoch", "save_top_k": 2, "filename": "{epoch}-{step}-{train_loss_epoch}"}
+"""A second checkpoint callback keeping the two epochs of least training loss, saved in ``on_train_epoch_end``."""
+EPOCH_METRIC_CASES = {
+    # resumed at step 15, inside the second epoch
+    "mid_epoch": ({**ON_TRAIN_LOSS, "max_epochs": 3, "ckpt": MID_EPOCH, "monitor_ckpt": BEST_TWO_EPOCHS}, EPOCH + 4),
+    # saved in on_train_batch_end of the first epoch's last batch: Lightning counts the epoch finished on resume
+    "save_on_last_batch": (
+        {**ON_TRAIN_LOSS, "max_epochs": 3, "ckpt": {**MID_EPOCH, "every_n_train_steps": EPOCH}}, EPOCH + 2
+    ),
+    # saved in on_train_epoch_end (no validation), the run bounded by max_steps
+    "save_at_epoch_end_max_steps": (
+        {**ON_TRAIN_LOSS, "max_epochs": None, "max_steps": 3 * EPOCH, "ckpt": AT_EPOCH_END}, EPOCH + 2
+    ),
+    # two ranks, each accumulating its own part of the epoch, synchronized at the epoch's end
+    "ddp_sync_dist": ({**EPOCH_METRICS, "devices": 2, "n": 8 * EPOCH, "sync_dist": True, "ckpt": MID_EPOCH}, EPOCH + 4),
+}  # fmt: skip
+"""name: (config, kill before this micro-batch)."""
+
+
+@pytest.mark.parametrize("case", list(EPOCH_METRIC_CASES))
+def test_epoch_metrics(tmp_path: Path, case: str) -> None:
+    cfg, pause = EPOCH_METRIC_CASES[case]
+    a, c = h.three_runs(cfg, tmp_path, pause)
+    assert_same_run_and_files(a, c, ranks=cfg.get("devices", 1))
+    assert_same_logged_rows(a, c)
+
+
+VALIDATION_ENDING_AN_EPOCH = {
+    # validation twice an epoch; the top-2 checkpoint on val_loss saved at the end of the one after batch 12
+    "val_check_interval_half": ({"val_check_interval": 0.5, "max_epochs": 3}, EPOCH + 4),
+    # validation at the end of every second epoch only: saved after batch 24
+    "check_val_every_2_epochs": ({"val_check_interval": 1.0, "check_val_every_n_epoch": 2, "max_epochs": 4}, 26),
+    # validation every 4 batches of an epoch: saved after batch 12, among others
+    "every_4_batches": ({"val_check_interval": 4, "max_epochs": 3}, EPOCH + 2),
+    # validation every 8 batches counted across epochs: the one after batch 24 ends the second epoch
+    "every_8_batches_across_epochs": (
+        {"val_check_interval": 8, "check_val_every_n_epoch": None, "max_epochs": 3}, 2 * EPOCH + 2
+    ),
+}  # fmt: skip
+"""name: (config, kill before this micro-batch); each resumes from the save at the validation ending an epoch."""
+
+
+@pytest.mark.parametrize("case", list(VALIDATION_ENDING_AN_EPOCH))
+def test_validation_ending_an_epoch(tmp_path: Path, case: str) -> None:
+    extra, pause = VALIDATION_ENDING_AN_EPOCH[case]
+    cfg = {**EPOCH_METRICS, "ckpt": {"monitor": "val_loss", "save_top_k": 2, "filename": "{epoch}-{step}"}, **extra}
+    a, c = h.three_runs(cfg, tmp_path, pause)
+    assert resumed_step(c) % EPOCH == 0, f"resumed at step {resumed_step(c)}, not after an epoch's last batch"
+    assert_same_run_and_files(a, c)
+    assert_same_logged_rows(a, c)

@@ -27,8 +27,9 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
-from lightning.pytorch.utilities import CombinedLoader  # noqa: E402
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_only  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
@@ -157,6 +158,10 @@ class Model(pl.LightningModule):
         self.net = nn.Sequential(
             nn.Linear(DIM, 32), *norm, nn.ReLU(), nn.Dropout(cfg.get("dropout", 0.0)), nn.Linear(32, 1)
         )
+        if cfg.get("log_metric_object"):  # a torchmetrics metric logged as an object (Lightning keeps an entry for it)
+            from torchmetrics import MeanMetric
+
+            self.train_mean = MeanMetric()
         self.log_file = None
         self.automatic_optimization = not cfg.get("manual")  # manual: two optimizers stepped in training_step
 
@@ -188,9 +193,16 @@ class Model(pl.LightningModule):
             time.sleep(self.cfg["slow"])
         loss = self._loss(batch)
         self._log_step(batch, loss)
-        if self.cfg.get("log_train_loss"):  # "epoch" or "step": a training metric a plateau scheduler may monitor
-            per_epoch = self.cfg["log_train_loss"] == "epoch"
-            self.log("train_loss", loss, on_step=not per_epoch, on_epoch=per_epoch)
+        if self.cfg.get("log_train_loss"):  # "epoch", "step" or "both": a training metric a scheduler may monitor
+            when = self.cfg["log_train_loss"]
+            sync = bool(self.cfg.get("sync_dist"))
+            self.log("train_loss", loss, on_step=when != "epoch", on_epoch=when != "step", sync_dist=sync)
+        if self.cfg.get("log_metric_object"):
+            self.train_mean(loss)
+            self.log("train_mean", self.train_mean, on_step=False, on_epoch=True)
+        if self.cfg.get("log_epoch_extremes"):  # epoch values reduced by max and by sum, not only by mean
+            self.log("train_loss_max", loss, on_step=False, on_epoch=True, reduce_fx="max")
+            self.log("samples", float(len(batch["id"])), on_step=False, on_epoch=True, reduce_fx="sum")
         if self.cfg.get("manual"):
             first, second = self.optimizers()
             self.manual_backward(loss)
@@ -219,7 +231,8 @@ class Model(pl.LightningModule):
         if not self.cfg.get("scheduler"):
             return opt
         if self.cfg["scheduler"] == "plateau":  # as Lightning's docs write it: the monitor in the scheduler dict
-            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
+            threshold = self.cfg.get("plateau_threshold", 0.5)  # 0.5: only halving losses count as improving
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=threshold)
             config = {"scheduler": plateau, "monitor": self.cfg.get("monitor", "val_loss")}
             config["interval"] = self.cfg.get("scheduler_interval", "epoch")
             return {"optimizer": opt, "lr_scheduler": config}
@@ -250,7 +263,8 @@ class Model(pl.LightningModule):
         n, augment = self.cfg.get("n", 40), self.cfg.get("augment", False)
         if self.cfg.get("combined"):  # CombinedLoader of two shuffled loaders of unequal lengths
             spec = self.cfg["combined"]
-            loaders = {name: self._loader(Points(size, augment), shuffle=True) for name, size in spec["sizes"].items()}
+            kind = PointStream if spec.get("iterable") else Points  # iterable: loaders without a length
+            loaders = {name: self._loader(kind(size, augment), shuffle=True) for name, size in spec["sizes"].items()}
             return CombinedLoader(loaders, mode=spec["mode"])
         kind = self.cfg.get("dataset", "stream" if self.cfg.get("iterable") else "points")
         ds = DATASETS[kind](n, augment)
@@ -347,6 +361,32 @@ class EpochStartCounter(Callback):
         self.epochs_started += 1
 
 
+class MetricsRecorder(Logger):
+    """Every row Lightning logs, each value as ``float.hex`` (equal strings: equal bits): ``<out>/metrics.jsonl``."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.path = out / "metrics.jsonl"
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None) -> None:
+        row = {"step": step, **{k: float(v).hex() for k, v in sorted(metrics.items())}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
 def _seed(cfg: dict) -> None:
     if cfg.get("seed_everything", True):
         pl.seed_everything(cfg.get("seed", 0), workers=True)
@@ -412,6 +452,7 @@ class CollectiveTimeout(Callback):
 
 
 def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
+    """The run's trainer; ``record_metrics``: every logged row to ``<out>/metrics.jsonl`` (a row every step)."""
     devices = cfg.get("devices", 1)
     if cfg.get("slow_write"):
         _slow_writes(cfg["slow_write"])
@@ -421,8 +462,9 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
     plugins: list = [SafetensorsCheckpointIO(**io_args)] if cfg.get("safetensors") else []
     if cfg.get("slurm_auto_requeue") is not None:
         plugins.append(SLURMEnvironment(auto_requeue=cfg["slurm_auto_requeue"]))
+    logging = {"logger": MetricsRecorder(Path(cfg["out"])), "log_every_n_steps": 1} if cfg.get("record_metrics") else {}
     return pl.Trainer(
-        **QUIET,
+        **{**QUIET, **logging},
         plugins=plugins,
         accelerator="cpu",
         devices=devices,
@@ -432,6 +474,7 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
         max_epochs=cfg.get("max_epochs", 2),
         max_steps=cfg.get("max_steps", -1),
         val_check_interval=cfg.get("val_check_interval") or 1.0,
+        check_val_every_n_epoch=cfg.get("check_val_every_n_epoch", 1),
         limit_val_batches=cfg.get("limit_val_batches", 2) if cfg.get("val_check_interval") else 0,
         accumulate_grad_batches=cfg.get("accumulate", 1),
         precision=cfg.get("precision", "32-true"),

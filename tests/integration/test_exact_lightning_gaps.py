@@ -49,6 +49,7 @@ EXTENDED = frozenset(
         "test_epoch_metrics[save_on_last_batch]",
         "test_epoch_metrics[save_at_epoch_end_max_steps]",
         "test_epoch_metrics[ddp_sync_dist]",
+        "test_epoch_metrics[metric_object_mid_epoch]",
         "test_validation_ending_an_epoch[check_val_every_2_epochs]",
         "test_validation_ending_an_epoch[every_4_batches]",
         "test_validation_ending_an_epoch[every_8_batches_across_epochs]",
@@ -217,6 +218,15 @@ EPOCH_METRIC_CASES = {
     # saved in on_train_epoch_end (no validation), the run bounded by max_steps
     "save_at_epoch_end_max_steps": (
         {**ON_TRAIN_LOSS, "max_epochs": None, "max_steps": 3 * EPOCH, "ckpt": AT_EPOCH_END}, EPOCH + 2
+    ),
+    # a torchmetrics MeanMetric logged as an object too (its state is ExactResume's user state, Lightning's entry
+    # for it is put back): mid-epoch, and saved in on_train_epoch_end, before Lightning computes and resets it
+    "metric_object_mid_epoch": (
+        {**ON_TRAIN_LOSS, "log_metric_object": True, "max_epochs": 3, "ckpt": MID_EPOCH}, EPOCH + 4
+    ),
+    "metric_object_at_epoch_end": (
+        {**ON_TRAIN_LOSS, "log_metric_object": True, "max_epochs": None, "max_steps": 3 * EPOCH, "ckpt": AT_EPOCH_END},
+        EPOCH + 2,
     ),
     # two ranks, each accumulating its own part of the epoch, synchronized at the epoch's end
     "ddp_sync_dist": ({**EPOCH_METRICS, "devices": 2, "n": 8 * EPOCH, "sync_dist": True, "ckpt": MID_EPOCH}, EPOCH + 4),

@@ -141,10 +141,11 @@ def hparams_fix(names: Iterable[str]) -> str:
     listed = sorted(set(names))
     again = ", ".join(f"{n}=..." for n in listed)
     return (
-        "It is a hyper-parameter, and an nn.Module or a function (a functools.partial) has no encoding that loads"
+        "It is a hyper-parameter; an nn.Module or a function (a functools.partial) has no encoding that loads"
         f" without running code. Leave such values out with self.save_hyperparameters(ignore={listed!r}) (and"
-        f" pass them again to load_from_checkpoint(..., {again})), or make them plain values (numbers, strings,"
-        " lists and dicts of them)."
+        f" pass them again to load_from_checkpoint(..., {again})), make them plain values (numbers, strings,"
+        " lists and dicts of them), or, for another type that plain values rebuild, register a converter with"
+        " lightning_resume.register_converter(type, encode, decode, name)."
     )
 
 

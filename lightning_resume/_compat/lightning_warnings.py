@@ -77,6 +77,9 @@ def _parse_quietly(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, *a
         return _LIGHTNING_PARSE_CKPT_PATH(self, state_fn, ckpt_path, *args, **kwargs)
 
 
+_parse_quietly.__name__ = "_parse_ckpt_path"  # a bound method pickles by its name
+
+
 def quiet_last_hint_for_resolvers() -> None:
     """Route ``_CheckpointConnector._parse_ckpt_path`` (checkpoint_connector.py:116) through a version that
     leaves out the ``save_last`` hint when a ``LastResolver`` answered "last" (module docstring). Idempotent."""

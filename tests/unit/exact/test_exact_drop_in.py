@@ -7,6 +7,7 @@ import os
 import pickle
 import signal
 import warnings
+from unittest.mock import Mock, call
 
 import lightning
 import pytest
@@ -153,3 +154,19 @@ def test_ddp_spawn_can_send_the_trainers_methods_to_its_processes(tmp_path):
     for method in sent:
         received = pickle.loads(pickle.dumps(method))
         assert received.__func__ is method.__func__  # the spawned process calls the same function
+
+
+def test_a_mock_the_module_holds_is_neither_called_nor_reported(tmp_path):
+    """Lightning's own tests wrap a module's hooks in ``Mock(wraps=...)`` and assert the exact calls; a mock has
+    every attribute, ``state_dict`` included, but no state: the walk for user state leaves it alone."""
+    model, tracker = BoringModel(), Mock()
+    model.val_dataloader = Mock(wraps=model.val_dataloader)
+    tracker.attach_mock(model.val_dataloader, "val_dataloader")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(
+            default_root_dir=tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
+            enable_progress_bar=False, callbacks=[ExactResume()],
+        ).fit(model)  # fmt: skip
+    assert tracker.mock_calls == [call.val_dataloader()]  # Lightning's one call, no state_dict()
+    assert _ours(caught) == []

@@ -1,4 +1,4 @@
-"""Two warnings of Lightning's that contradict what lightning-resume does, each silenced only where it is wrong.
+"""Two warnings of Lightning's that contradict what lightning-resume does, each changed only where it is wrong.
 
 - A resume that ended mid-epoch warns that the dataloader "is not resumable ... unreliable results"
   (loops/training_epoch_loop.py:219-229) when the loaders are not Lightning's ``_Stateful``, even though

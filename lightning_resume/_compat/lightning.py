@@ -456,6 +456,9 @@ def _find_last(self: ModelCheckpoint, trainer: pl.Trainer) -> set[str]:
     }
 
 
+_find_last.__name__ = "_find_last_checkpoints"  # a bound method pickles by its name
+
+
 def resolve_last_through_callbacks() -> None:
     """Route every ``ModelCheckpoint``'s "last" search (model_checkpoint.py:867) through :func:`_find_last`, so a
     ``LastResolver`` decides, and stock callbacks resume from ``s3://`` too. Idempotent; without a resolver,
@@ -480,6 +483,9 @@ def _fit_impl_remembering(
 ) -> None:
     self._lightning_resume_weights_only = weights_only  # type: ignore[attr-defined]  # read by fit_weights_only
     return _LIGHTNING_FIT_IMPL(self, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+
+
+_fit_impl_remembering.__name__ = "_fit_impl"  # ddp_spawn pickles ``trainer._fit_impl`` by this name (issue 39 suite)
 
 
 def remember_fit_weights_only() -> None:
@@ -515,6 +521,9 @@ _LIGHTNING_SELECT_CKPT_PATH = _CheckpointConnector._select_ckpt_path
 def _select_remembering_request(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, **kwargs: Any) -> Any:
     self._lightning_resume_requested = ckpt_path  # type: ignore[attr-defined]  # read by requested_ckpt_path
     return _LIGHTNING_SELECT_CKPT_PATH(self, state_fn, ckpt_path, **kwargs)
+
+
+_select_remembering_request.__name__ = "_select_ckpt_path"  # a bound method pickles by its name
 
 
 def remember_ckpt_path_requests() -> None:

@@ -295,7 +295,9 @@ def read_junit(path: Path) -> dict[str, dict[str, object]]:
 
 
 def _normalised(message: str) -> str:
-    return re.sub(r"\d+(\.\d+)?", "N", re.sub(r"(/[^\s'\"]+)+", "PATH", message))[:160]
+    """A message with its paths, object addresses and numbers made the same in both runs."""
+    message = re.sub(r"0x[0-9a-fA-F]+", "ADDR", re.sub(r"(/[^\s'\"]+)+", "PATH", message))
+    return re.sub(r"\d+(\.\d+)?", "N", message)[:160]
 
 
 def new_warnings(workdir: Path, folders: list[str]) -> dict[str, object]:

@@ -138,9 +138,16 @@ def _kind(value: Any) -> Optional[str]:
         return METRIC
     if isinstance(value, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
         return SCHEDULER
-    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+    if _has_state_protocol(type(value)):
         return STATEFUL
     return None
+
+
+def _has_state_protocol(cls: type) -> bool:
+    """Whether ``cls`` defines ``state_dict`` and ``load_state_dict``. Asked of the class, not the object: an
+    object that makes attributes up on request (a ``unittest.mock.Mock``, a proxy's ``__getattr__``) has no
+    state of its own, and calling them would act on it (a mock records the call)."""
+    return callable(getattr(cls, "state_dict", None)) and callable(getattr(cls, "load_state_dict", None))
 
 
 NEVER_WALKED = (

@@ -4,8 +4,10 @@ writes none, no warning where nothing is lost, Lightning's SIGTERM behaviour and
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import warnings
+from unittest.mock import Mock, call
 
 import lightning
 import pytest
@@ -139,3 +141,32 @@ def test_a_loader_that_saves_no_position_resumes_as_lightning_does_and_says_so(t
             BoringModel(), batches, ckpt_path=tmp_path / "epoch=0-step=1.ckpt"
         )
     assert exact.resume_report["exact"] is False and any("Batches" in d for d in exact.resume_report["differences"])
+
+
+def test_ddp_spawn_can_send_the_trainers_methods_to_its_processes(tmp_path):
+    """``ddp_spawn`` pickles ``trainer._fit_impl`` (strategies/launchers/multiprocessing.py:125-139), a bound
+    method pickled by its name; the process it starts looks that name up on its Trainer. The methods
+    ``ExactResume`` routes through its own functions keep Lightning's names, so that lookup finds them."""
+    trainer = Trainer(default_root_dir=tmp_path, callbacks=[ExactResume(), ModelCheckpoint(dirpath=tmp_path)])
+    sent = [trainer._fit_impl, trainer._checkpoint_connector._select_ckpt_path,
+            trainer._checkpoint_connector._parse_ckpt_path, trainer.checkpoint_callback._find_last_checkpoints]  # fmt: skip
+    assert Trainer._fit_impl.__module__ == "lightning_resume._compat.lightning"  # routed through ours
+    for method in sent:
+        received = pickle.loads(pickle.dumps(method))
+        assert received.__func__ is method.__func__  # the spawned process calls the same function
+
+
+def test_a_mock_the_module_holds_is_neither_called_nor_reported(tmp_path):
+    """Lightning's own tests wrap a module's hooks in ``Mock(wraps=...)`` and assert the exact calls; a mock has
+    every attribute, ``state_dict`` included, but no state: the walk for user state leaves it alone."""
+    model, tracker = BoringModel(), Mock()
+    model.val_dataloader = Mock(wraps=model.val_dataloader)
+    tracker.attach_mock(model.val_dataloader, "val_dataloader")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(
+            default_root_dir=tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
+            enable_progress_bar=False, callbacks=[ExactResume()],
+        ).fit(model)  # fmt: skip
+    assert tracker.mock_calls == [call.val_dataloader()]  # Lightning's one call, no state_dict()
+    assert _ours(caught) == []

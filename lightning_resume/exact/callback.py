@@ -356,9 +356,10 @@ class ExactResume(Callback):
         unsaved_found = evidence.unsaved_positions(loaders)
         unsaved = [finding.line for finding in unsaved_found]
         resuming = self._pending is not None
-        self._user = find_in_fit(trainer, self._roots(trainer, pl_module, loaders), self.state, self.generators)
+        roots = self._roots(trainer, pl_module, loaders)
+        self._user = find_in_fit(trainer, roots, self.state, self.generators)
         # A fresh run is never refused: each loader whose position is unsaved is named once, after the rest.
-        found = self._what_cannot_be_exact(trainer, pl_module, loaders)
+        found = self._what_cannot_be_exact(trainer, loaders, roots)
         warned = [finding.line for finding in found]
         warned += [] if resuming else [f"resume will not be exact: {line}" for line in unsaved]
         for problem in warned:
@@ -413,13 +414,12 @@ class ExactResume(Callback):
         return self.memory.resumed_tier or (DURABLE if trainer.ckpt_path else None)
 
     def _what_cannot_be_exact(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaders: list
+        self, trainer: pl.Trainer, loaders: list, roots: dict[str, Any]
     ) -> list[evidence.Finding]:
         """One finding (its kind, subject and line) per loader configuration, unsaved random stream, state that
         cannot be saved or launcher setting that defeats exactness."""
         user = self._user or UserState()
         saved = [*self.generators.values(), *(held.obj for held in user.held)]
-        roots = self._roots(trainer, pl_module, loaders)
         return evidence.cannot_be_exact(trainer, loaders, roots, saved, user.refused)
 
     @staticmethod

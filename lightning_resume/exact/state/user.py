@@ -32,8 +32,9 @@ from lightning_resume._compat import torchmetrics as tm
 from lightning_resume.exact.state.fingerprint import digest
 
 MAX_DEPTH = 4
-"""Attribute and container hops from a root (a module's submodules count as one): deep enough for
-``model.env.np_random`` or ``datamodule.train_set.buffer``, shallow enough to stay cheap."""
+"""Attribute, submodule and container hops from a root (each level of submodules is one hop): deep enough for
+``model.env.np_random``, ``model.head.metrics`` or ``datamodule.train_set.buffer``, shallow enough to stay
+cheap. A generator deeper in the module tree is not held; ``state.limits`` names it at train start."""
 
 MAX_ITEMS = 64
 """Containers with more items are not walked (a replay buffer's transitions, a dataset's samples)."""

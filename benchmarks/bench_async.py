@@ -66,10 +66,10 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from benchmarks.bench_io import make_state, raw_write  # noqa: E402
 from benchmarks.flat_state import model_state  # noqa: E402
 from lightning_resume import SafetensorsCheckpointIO  # noqa: E402
-from lightning_resume.io import write  # noqa: E402
-from lightning_resume.io.buffers import HostBuffers  # noqa: E402
-from lightning_resume.io.codec import TreeEncoder  # noqa: E402
-from lightning_resume.io.framing import host_bytes  # noqa: E402
+from lightning_resume.format import write  # noqa: E402
+from lightning_resume.format.codec import TreeEncoder  # noqa: E402
+from lightning_resume.format.framing import host_bytes  # noqa: E402
+from lightning_resume.staging.buffers import HostBuffers  # noqa: E402
 
 Timing = Tuple[float, float]  # (blocked, total) seconds
 

@@ -101,7 +101,7 @@ def child_rss(kind: str, path: str) -> None:
     import torch
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-    from lightning_resume.io import read
+    from lightning_resume.format import read
 
     torch.set_num_threads(1)
     loaders: Dict[str, Callable[[], object]] = {
@@ -172,7 +172,7 @@ def raw_parallel_get(url: str) -> float:
 
     import fsspec
 
-    from lightning_resume import storage
+    from lightning_resume.storage import files as storage
 
     fs, key = fsspec.core.url_to_fs(url)
     size = fs.size(key)
@@ -202,7 +202,7 @@ def single_get(url: str) -> float:
 
 
 def our_load(url: str) -> float:
-    from lightning_resume.io import read
+    from lightning_resume.format import read
 
     started = time.perf_counter()
     read.load_file(url)
@@ -210,7 +210,7 @@ def our_load(url: str) -> float:
 
 
 def newest(dirpath: str) -> str:
-    from lightning_resume import storage
+    from lightning_resume.storage import files as storage
 
     names = sorted(e.name for e in storage.list_dir(dirpath) if e.name.endswith(".ckpt") and "step=" in e.name)
     return storage.join(dirpath, names[-1])
@@ -218,7 +218,7 @@ def newest(dirpath: str) -> str:
 
 def first_step(base: str, size_mb: int, repeats: int, env: Dict[str, str], traffic=None) -> Dict[str, List[float]]:
     """Interleaved: resume from ``base/ckpt``, fresh start on an empty directory, raw read of the checkpoint."""
-    from lightning_resume import storage
+    from lightning_resume.storage import files as storage
 
     ckpt = storage.join(base, "ckpt")
     spawn(["fit", "prepare", ckpt, str(size_mb)], env)
@@ -262,7 +262,7 @@ def throughput(url: str, repeats: int) -> Dict[str, List[float]]:
 
 
 def print_throughput(where: str, url: str, m: Dict[str, List[float]]) -> None:
-    from lightning_resume import storage
+    from lightning_resume.storage import files as storage
 
     mb = storage.size(url) / (1 << 20)
     ours = statistics.median(m["ours"])
@@ -276,7 +276,8 @@ def print_throughput(where: str, url: str, m: Dict[str, List[float]]) -> None:
 def memory(size_mb: int, base: str, s3_base: str, env: Dict[str, str]) -> None:
     import torch
 
-    from lightning_resume import SafetensorsCheckpointIO, storage
+    from lightning_resume import SafetensorsCheckpointIO
+    from lightning_resume.storage import files as storage
 
     g = torch.Generator().manual_seed(0)
     n = size_mb * (1 << 20) // 4 // 8

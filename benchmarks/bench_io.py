@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_resume import SafetensorsCheckpointIO
-from lightning_resume.io.framing import host_bytes
+from lightning_resume.format.framing import host_bytes
 from lightning_resume.io.verify import verify
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.flat_state import flat_state, memcpy_seconds, size_parser
 from lightning_resume import SafetensorsCheckpointIO
-from lightning_resume.io.multipart import DEFAULT_UPLOAD
+from lightning_resume.storage.multipart import DEFAULT_UPLOAD
 from tests.helpers.paths import free_port
 from tests.helpers.s3 import S3Server, s3_env
 

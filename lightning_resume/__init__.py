@@ -44,9 +44,9 @@ _SOURCES: dict[str, str] = {
     "RetentionWarning": "lightning_resume.errors",
     "SafetensorsCheckpointIO": "lightning_resume.io.plugin",
     "ScheduleConfig": "lightning_resume.schedule.config",
-    "ShardedCheckpointIO": "lightning_resume.sharded.strategy",
+    "ShardedCheckpointIO": "lightning_resume.io.sharded_strategy",
     "ShardedCheckpointWarning": "lightning_resume.errors",
-    "ShardedModelParallelStrategy": "lightning_resume.sharded.strategy",
+    "ShardedModelParallelStrategy": "lightning_resume.io.sharded_strategy",
     "ShardedSaveError": "lightning_resume.errors",
     "ShardedSaveHandle": "lightning_resume.sharded.background",
     "SkippedCheckpointWarning": "lightning_resume.errors",
@@ -60,10 +60,10 @@ _SOURCES: dict[str, str] = {
     "load_full": "lightning_resume.sharded.api",
     "load_sharded": "lightning_resume.sharded.api",
     "measure_saved_bytes": "lightning_resume.activation.measure",
-    "newest_committed": "lightning_resume.sharded.api",
+    "newest_committed": "lightning_resume.io.resolve",
     "newest_verified": "lightning_resume.io.resolve",
     "plan_checkpointing": "lightning_resume.activation.policy",
-    "register_converter": "lightning_resume.io.codec",
+    "register_converter": "lightning_resume.format.codec",
     "save_sharded": "lightning_resume.sharded.api",
     "save_sharded_async": "lightning_resume.sharded.background",
     "verify": "lightning_resume.io.verify",
@@ -121,15 +121,15 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from lightning_resume.exact.callback import ExactResume
     from lightning_resume.exact.state.data import ResumableDataset, ResumableIterableDataset
-    from lightning_resume.io.codec import register_converter
+    from lightning_resume.format.codec import register_converter
     from lightning_resume.io.plugin import SafetensorsCheckpointIO
-    from lightning_resume.io.resolve import newest_verified
+    from lightning_resume.io.resolve import newest_committed, newest_verified
+    from lightning_resume.io.sharded_strategy import ShardedCheckpointIO, ShardedModelParallelStrategy
     from lightning_resume.io.verify import verify
     from lightning_resume.retention.checkpoint import RetentionCheckpoint
     from lightning_resume.retention.policy import CheckpointRecord, KeepDecision, RetentionPolicy
     from lightning_resume.schedule.config import ScheduleConfig
     from lightning_resume.schedule.formulas import Formula, daly_interval, expected_waste, young_interval
     from lightning_resume.schedule.preemption import PreemptionFlag
-    from lightning_resume.sharded.api import load_full, load_sharded, newest_committed, save_sharded, verify_sharded
+    from lightning_resume.sharded.api import load_full, load_sharded, save_sharded, verify_sharded
     from lightning_resume.sharded.background import AsyncShardedSaver, ShardedSaveHandle, save_sharded_async
-    from lightning_resume.sharded.strategy import ShardedCheckpointIO, ShardedModelParallelStrategy

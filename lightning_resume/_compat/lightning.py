@@ -35,9 +35,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_resume import storage
 from lightning_resume._compat import torchdata as td
 from lightning_resume.protocols import LastResolver
+from lightning_resume.storage import files as storage
 
 
 def train_loaders(trainer: pl.Trainer) -> list[Any]:

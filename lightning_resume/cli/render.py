@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from lightning_resume.io.read import Loaded
+from lightning_resume.format.read import Loaded
 
 TOP_KEYS = ("epoch", "global_step", "pytorch-lightning_version")
 

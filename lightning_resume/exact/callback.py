@@ -34,7 +34,6 @@ from lightning_resume.exact.capture import (
     checkpoint_state,
 )
 from lightning_resume.exact.elastic import Afterwards, ElasticMode
-from lightning_resume.exact.memory import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
 from lightning_resume.exact.own_checkpoints import (
     BEFORE_TRAINING,
@@ -61,8 +60,9 @@ from lightning_resume.exact.state.user import (
     user_state_digests,
 )
 from lightning_resume.exact.state.user import capture as capture_user_state
-from lightning_resume.io.memory_tier import DEFAULT_MEMORY_DIR, RUN_KEY
 from lightning_resume.io.plugin import loaded_in_place, offer_module, refuse_unencodable_hparams
+from lightning_resume.memory.store import DEFAULT_MEMORY_DIR, RUN_KEY
+from lightning_resume.memory.tier import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.prove import trace
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.schedule.config import (
@@ -329,7 +329,7 @@ class ExactResume(Callback):
             if warn_sharded(trainer):
                 self._drop_memory_tier()
             else:
-                self.memory.setup(trainer)
+                self.memory.setup(trainer, snapshots.snapshot_dir(trainer))
 
     def _trace_from_environment(self, trainer: pl.Trainer) -> Optional[trace.TraceRecorder]:
         """The recorder ``lightning-resume prove`` asks for, read once per fit (``None``: nothing is recorded)."""

@@ -16,19 +16,20 @@ from typing import Any, Callable, Mapping, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_resume import collective, storage
+from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.exact import snapshots
 from lightning_resume.exact.launchers import requeue
-from lightning_resume.exact.memory import MemoryTier
 from lightning_resume.exact.notices import REQUEUE, STOP, NoticeWatch, margin_metrics
-from lightning_resume.io.lending import Offer
+from lightning_resume.memory.tier import MemoryTier
 from lightning_resume.schedule import state as machine
 from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.preemption import PreemptionFlag
 from lightning_resume.schedule.scheduler import SnapshotScheduler
 from lightning_resume.schedule.state import Tier
+from lightning_resume.staging.lending import Offer
+from lightning_resume.storage import files as storage
 
 PREEMPTION = "preemption"
 

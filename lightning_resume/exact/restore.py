@@ -38,8 +38,8 @@ from lightning_resume.exact.state.fingerprint import (
 )
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
 from lightning_resume.exact.state.user import UserState, restore_user_state
-from lightning_resume.io import integrity
-from lightning_resume.io.framing import host_bytes
+from lightning_resume.format import integrity
+from lightning_resume.format.framing import host_bytes
 
 CHECKED_PARTS = ("weights", "optimizer", "rng", "step")
 """Fingerprint parts compared after a restore (the data part is compared through the loader states)."""

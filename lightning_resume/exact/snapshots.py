@@ -21,19 +21,20 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_resume import collective, storage
+from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact.capture import sharded
-from lightning_resume.io.atomic import (
+from lightning_resume.format.atomic import (
     atomic_write,
     fsync_directory,
     fsync_file_and_dir,
     temp_name,
 )
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget, StagingCheckpointIO
+from lightning_resume.storage import files as storage
 
 SNAPSHOT_PREFIX = "last-snapshot-step="
 SNAPSHOT_KEY = "lightning_resume_snapshot"

@@ -1,3 +1,3 @@
-"""Safe checkpoint files: the tree codec, the safetensors framing, atomic writes, reads, the one verifier,
-"last" resolution, async staging and the ``SafetensorsCheckpointIO`` plugin. Imports nothing itself:
-import the module you need (the public names are re-exported by ``lightning_resume``)."""
+"""Lightning's side of the files: the ``SafetensorsCheckpointIO`` plugin, the sharded strategy's IO, the one
+verifier of any checkpoint, and the "last" resolver (the newest verified checkpoint by training progress).
+Imports nothing itself: import the module you need (the public names are re-exported by ``lightning_resume``)."""

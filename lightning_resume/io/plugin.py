@@ -28,7 +28,6 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_resume import storage
 from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import resolve_last_through_callbacks
 from lightning_resume.durations import Duration, parse_duration
@@ -39,13 +38,9 @@ from lightning_resume.errors import (
     ConfigurationError,
     SkippedCheckpointWarning,
 )
-from lightning_resume.io import hparams, multipart, read, write
-from lightning_resume.io.async_save import AsyncSaver, WriterKind, commit_staged
-from lightning_resume.io.atomic import clean_stale_temporaries
-from lightning_resume.io.buffers import StagedTensors
-from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
-from lightning_resume.io.lending import Offer
-from lightning_resume.io.overlap import CopyStats
+from lightning_resume.format import hparams, read, write
+from lightning_resume.format.atomic import clean_stale_temporaries
+from lightning_resume.format.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from lightning_resume.io.resolve import (
     Skipped,
     is_last_name,
@@ -57,7 +52,13 @@ from lightning_resume.io.resolve import (
 )
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.io.verify import verify as verify_file
-from lightning_resume.storage import is_local
+from lightning_resume.staging.async_save import AsyncSaver, WriterKind, commit_staged
+from lightning_resume.staging.buffers import StagedTensors
+from lightning_resume.staging.lending import Offer
+from lightning_resume.staging.overlap import CopyStats
+from lightning_resume.storage import files as storage
+from lightning_resume.storage import multipart
+from lightning_resume.storage.files import is_local
 
 STATE_DICT = "state_dict"
 """Where Lightning keeps the module's weights in a checkpoint."""
@@ -94,7 +95,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
             optimizers, ``GradScaler``, after ``accumulate_grad_batches`` micro-batches) waits for what is left.
             Exact: until then an in-place write through torch to a tensor not copied yet copies it first, and a
             write torch's Python API did not see is found by the version counter, copied again and warned about
-            (``io/overlap.py``; docs/async-saving.md, "Overlapped copy"). Off by default (see there why).
+            (``staging/overlap.py``; docs/async-saving.md, "Overlapped copy"). Off by default (see there why).
         writer: with ``async_save``, where the write and its hashing run: ``"thread"`` (default), a worker thread
             of the training process; ``"process"``, a writer process of its own that maps the staging memory
             (shared, anonymous), so training's Python thread shares the GIL with nothing that hashes or

@@ -18,14 +18,15 @@ import re
 import warnings
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
-from lightning_resume import storage
 from lightning_resume.errors import SkippedCheckpointWarning
-from lightning_resume.io.codec import parse_tree
-from lightning_resume.io.legacy import is_zip, load_legacy
-from lightning_resume.io.marker import commit_order, is_sharded_checkpoint
-from lightning_resume.io.read import is_safetensors, read_summary
+from lightning_resume.format.codec import parse_tree
+from lightning_resume.format.legacy import is_zip, load_legacy
+from lightning_resume.format.read import is_safetensors, read_summary
 from lightning_resume.io.verify import problem
 from lightning_resume.io.verify import verify as verify_checkpoint
+from lightning_resume.sharded.marker import commit_order, is_sharded_checkpoint
+from lightning_resume.sharded.verify import verify_directory
+from lightning_resume.storage import files as storage
 
 CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors")
 _LAST_STEM = re.compile(r"^last(-v\d+)?$")
@@ -150,3 +151,13 @@ def siblings(path: str) -> List[str]:
     """The other checkpoints in the directory of ``path`` (:func:`candidates`, ``path`` left out)."""
     parent = storage.split(str(path))[0]
     return [e.path for e in candidates(parent) if storage.basename(e.path) != storage.basename(str(path))]
+
+
+def newest_committed(root: str, digests: bool = True) -> Optional[str]:
+    """The newest committed checkpoint directory directly under ``root`` that verifies (``None`` if none).
+
+    Newest = highest step, then latest commit; each one that does not verify is skipped with a
+    ``SkippedCheckpointWarning`` naming it.
+    """
+    directories = [e.path for e in candidates(root) if e.is_dir]
+    return newest_verified(directories, lambda path: verify_directory(path, digests))

@@ -24,13 +24,13 @@ from __future__ import annotations
 import zipfile
 from typing import Any, Callable, Optional
 
-from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
-from lightning_resume.io.legacy import is_zip, unsafe_globals
-from lightning_resume.io.marker import DCP_METADATA, CommitRecord, verify_committed
-from lightning_resume.io.read import check_regular_file, is_safetensors, load_file, read_summary, verify_local
+from lightning_resume.format.legacy import is_zip, unsafe_globals
+from lightning_resume.format.read import check_regular_file, is_safetensors, load_file, read_summary, verify_local
 from lightning_resume.protocols import VerifyingCheckpointIO
-from lightning_resume.storage import is_local, local_path
+from lightning_resume.sharded.verify import verify_directory
+from lightning_resume.storage import files as storage
+from lightning_resume.storage.files import is_local, local_path
 
 
 def verify(path: str, checkpoint_io: Any = None, digests: bool = True, weights_only: bool = True) -> None:
@@ -54,17 +54,6 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True, weights_o
         checkpoint_io.verify_checkpoint(path)
     else:
         load_file(path, weights_only=weights_only)  # a legacy pickle, or the reader refuses the format
-
-
-def verify_directory(directory: str, digests: bool = True) -> CommitRecord:
-    """A sharded checkpoint directory: committed, and every file its marker lists intact."""
-    from lightning_resume.io.safe_pickle import load_checked_metadata  # DCP only where directories are
-
-    record = verify_committed(directory, digests)
-    if DCP_METADATA not in record.files:
-        raise CheckpointCorruptError(directory, f"commit marker does not list {DCP_METADATA}")
-    load_checked_metadata(record.location, record.files)  # where the files are: the directory or its data prefix
-    return record
 
 
 def precheck(path: str, weights_only: bool = True) -> None:

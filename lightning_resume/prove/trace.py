@@ -26,10 +26,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_resume import storage
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ConfigurationError
 from lightning_resume.prove.findings import Finding
+from lightning_resume.storage import files as storage
 
 TRACE_ENV = "LIGHTNING_RESUME_TRACE"
 """The directory the trace goes to (``<dir>/trace-rank<R>.jsonl``); unset or empty: no recorder."""

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_resume import collective, storage
+from lightning_resume import collective
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
 from lightning_resume.durations import Duration, parse_duration
@@ -33,7 +33,7 @@ from lightning_resume.errors import (
     RetentionWarning,
     TreeFormatError,
 )
-from lightning_resume.io.atomic import fsync_file_and_dir
+from lightning_resume.format.atomic import fsync_file_and_dir
 from lightning_resume.io.plugin import offer_module, refuse_unencodable_hparams
 from lightning_resume.io.resolve import candidates
 from lightning_resume.io.verify import precheck, problem
@@ -44,6 +44,7 @@ from lightning_resume.retention.naming import parse_rolling_name, rolling_name
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
 from lightning_resume.retention.records import owned_record, read_checkpoint_callback_state
 from lightning_resume.retention.tiers import AnchorUpload, TieredPolicy, local_keep_last_problems
+from lightning_resume.storage import files as storage
 
 _STATE = "retention"
 MIRROR_FLUSH_S = 600.0

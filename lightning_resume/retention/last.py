@@ -37,12 +37,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_resume import storage
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import NoLoadableCheckpointError, SkippedCheckpointWarning
 from lightning_resume.io.resolve import candidates, newest_verified, progress, step_in_name
 from lightning_resume.io.verify import pickled_globals, verify
 from lightning_resume.protocols import ResolvingCheckpointIO
+from lightning_resume.storage import files as storage
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional
 
-from lightning_resume import storage
 from lightning_resume._compat.botocore import isolate_retry_jitter
-from lightning_resume.io.atomic import atomic_write
-from lightning_resume.io.worker import Job, OrderedWriter
+from lightning_resume.format.atomic import atomic_write
 from lightning_resume.retention.tiers import UploadRetry
+from lightning_resume.storage import files as storage
+from lightning_resume.threads import Job, OrderedWriter
 
 COPY_CHUNK = 8 << 20
 """Bytes read from the local file per write into the upload (the client buffers parts of its own size)."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from lightning_resume import storage
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 from lightning_resume.io.resolve import candidates, step_in_name
 from lightning_resume.io.verify import problem
 from lightning_resume.retention.naming import parse_rolling_name
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord
+from lightning_resume.storage import files as storage
 
 
 def read_checkpoint_callback_state(path: str, state_key: Optional[str] = None) -> Optional[dict]:

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping, Optional, Sequence
 
-from lightning_resume import storage
 from lightning_resume.errors import HistoryWarning
-from lightning_resume.io.atomic import atomic_write
+from lightning_resume.format.atomic import atomic_write
 from lightning_resume.schedule.state import Tier
+from lightning_resume.storage import files as storage
 
 HISTORY_FILENAME = "resume_history.json"
 FORMAT_VERSION = 1

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
-from lightning_resume import collective, storage
+from lightning_resume import collective
 from lightning_resume._compat import dcp as dcp_compat
 from lightning_resume.errors import (
     CheckpointCorruptError,
@@ -33,15 +33,15 @@ from lightning_resume.errors import (
     UnencodableValueError,
     UnsafeCheckpointError,
 )
-from lightning_resume.io import marker
-from lightning_resume.io.codec import encode
-from lightning_resume.io.marker import DCP_METADATA, META_FILE
-from lightning_resume.io.read import load_file
-from lightning_resume.io.resolve import candidates, newest_verified
-from lightning_resume.io.safe_pickle import SafeLoadPlanner, safe_reader
-from lightning_resume.io.verify import verify_directory
-from lightning_resume.io.write import save_file
+from lightning_resume.format.codec import encode
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import save_file
 from lightning_resume.sharded import commit as commits
+from lightning_resume.sharded import marker
+from lightning_resume.sharded.marker import DCP_METADATA, META_FILE
+from lightning_resume.sharded.safe_pickle import SafeLoadPlanner, safe_reader
+from lightning_resume.sharded.verify import verify_directory
+from lightning_resume.storage import files as storage
 
 
 def _written(future: Any) -> List[str]:
@@ -193,7 +193,7 @@ def discard_quietly(staging: str) -> None:
 def verify_sharded(directory: str, digests: bool = True) -> marker.CommitRecord:
     """The directory is committed and every file it lists is intact; ``CheckpointCorruptError`` otherwise.
 
-    The same check as ``lightning-resume verify`` and "last" resolution (``io.verify.verify_directory``).
+    The same check as ``lightning-resume verify`` and "last" resolution (``sharded.verify.verify_directory``).
     """
     return verify_directory(directory, digests)
 
@@ -256,16 +256,6 @@ def load_full(directory: str, digests: bool = True) -> Dict[str, Any]:
         reader = safe_reader(record.location, record.files)
         dcp_compat.load_without_template(state, reader, _SafeFullLoadPlanner())
     return state
-
-
-def newest_committed(root: str, digests: bool = True) -> Optional[str]:
-    """The newest committed checkpoint directory directly under ``root`` that verifies (``None`` if none).
-
-    Newest = highest step, then latest commit; each one that does not verify is skipped with a
-    ``SkippedCheckpointWarning`` naming it.
-    """
-    directories = [e.path for e in candidates(root) if e.is_dir]
-    return newest_verified(directories, lambda path: verify_directory(path, digests))
 
 
 def clean_uncommitted(root: str, keep: Mapping[str, Any] | Sequence[str] = ()) -> List[str]:

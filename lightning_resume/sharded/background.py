@@ -39,12 +39,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from lightning_resume import collective, storage
+from lightning_resume import collective
 from lightning_resume._compat.dcp import host_dtensor
 from lightning_resume.errors import ShardedCheckpointWarning, ShardedSaveError, UnencodableValueError
-from lightning_resume.io import marker, write
-from lightning_resume.io.marker import META_FILE
+from lightning_resume.format import write
 from lightning_resume.sharded import commit as commits
+from lightning_resume.sharded import marker
 from lightning_resume.sharded.api import (
     checkpoint_path,
     commit_and_publish,
@@ -53,6 +53,8 @@ from lightning_resume.sharded.api import (
     rank_zero_files,
     recording_writer,
 )
+from lightning_resume.sharded.marker import META_FILE
+from lightning_resume.storage import files as storage
 
 Path = Tuple[Any, ...]
 

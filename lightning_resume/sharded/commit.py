@@ -36,10 +36,9 @@ import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError, ShardedCheckpointWarning
-from lightning_resume.io.atomic import STALE_AFTER_S, atomic_write, fsync_directory, owner_token, pid_alive
-from lightning_resume.io.marker import (
+from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, fsync_directory, owner_token, pid_alive
+from lightning_resume.sharded.marker import (
     DATA,
     DCP_METADATA,
     DELETED,
@@ -56,6 +55,7 @@ from lightning_resume.io.marker import (
     read_marker,
     verify_committed,
 )
+from lightning_resume.storage import files as storage
 
 
 def hidden_sibling(final: str, kind: str) -> str:

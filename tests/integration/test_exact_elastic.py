@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resume.io import memory_tier
+from lightning_resume.memory import store as memory_tier
 from tests.helpers import kill_resume as h
 from tests.helpers.compare import assert_bitwise
 

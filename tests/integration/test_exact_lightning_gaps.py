@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 from tests.helpers import kill_resume as h
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]

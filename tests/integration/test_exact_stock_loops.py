@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 from tests.helpers import kill_resume as h
 
 # Outside `make test` (see tests/integration/conftest.py). The subset keeps both stops, both checkpoint

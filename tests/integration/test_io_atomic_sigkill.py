@@ -10,7 +10,7 @@ import time
 import torch
 
 from lightning_resume import SafetensorsCheckpointIO
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 
 NUMEL = 5_000_000  # 20 MB of float32
 

@@ -12,8 +12,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from lightning_resume.io import memory_tier
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
+from lightning_resume.memory import store as memory_tier
 from lightning_resume.schedule import history
 from lightning_resume.schedule.state import Tier
 from tests.helpers import kill_resume as h

@@ -15,8 +15,9 @@ import fsspec
 import pytest
 import torch
 
-from lightning_resume import SafetensorsCheckpointIO, storage
-from lightning_resume.io import atomic
+from lightning_resume import SafetensorsCheckpointIO
+from lightning_resume.format import atomic
+from lightning_resume.storage import files as storage
 from tests.helpers import processes
 from tests.helpers.s3 import s3_env
 
@@ -27,7 +28,8 @@ NUMEL = 10_000_000  # 40 MB: 8 parts of 5 MiB
 CHILD = """
 import sys, time
 import torch
-from lightning_resume.io import multipart, write
+from lightning_resume.storage import multipart
+from lightning_resume.format import write
 
 real = multipart.S3Multipart.put_part
 

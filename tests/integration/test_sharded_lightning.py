@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_resume import load_full, newest_committed, verify_sharded
+from lightning_resume.io.sharded_strategy import ShardedCheckpointIO
 from lightning_resume.sharded.api import load_meta
-from lightning_resume.sharded.strategy import ShardedCheckpointIO
 from tests.helpers import sharded_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

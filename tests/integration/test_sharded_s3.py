@@ -17,8 +17,8 @@ import torch
 
 from lightning_resume import load_full, newest_committed, verify_sharded
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.marker import DATA, MARKER
 from lightning_resume.sharded.api import load_meta
+from lightning_resume.sharded.marker import DATA, MARKER
 from tests.helpers import processes, sharded_runs
 from tests.helpers.paths import job_script
 from tests.helpers.s3 import s3_env

@@ -142,7 +142,7 @@ def _heavy_modules_after(statement: str) -> list[str]:
 def test_pure_modules_import_without_lightning_or_dcp():
     pure = (
         "lightning_resume.schedule.state, lightning_resume.retention.policy, lightning_resume.schedule.history,"
-        " lightning_resume.cloud.detect, lightning_resume.cloud.protocols, lightning_resume.io.remote_budget,"
+        " lightning_resume.cloud.detect, lightning_resume.cloud.protocols, lightning_resume.storage.remote_budget,"
         " lightning_resume.prove.compare"
     )
     assert _heavy_modules_after(f"import {pure}") == []
@@ -221,11 +221,33 @@ def test_no_import_cycles_between_packages():
 
 def test_the_cycle_check_finds_a_cycle_between_packages_made_of_acyclic_modules():
     modules = {
-        "lightning_resume.io.verify": {"lightning_resume.sharded.commit"},
-        "lightning_resume.sharded.api": {"lightning_resume.io.read"},
+        "lightning_resume.format.read": {"lightning_resume.sharded.commit"},
+        "lightning_resume.sharded.api": {"lightning_resume.format.write"},
     }
     assert not _first_cycle(modules)
-    assert _first_cycle(_package_graph(modules)) == ["io", "sharded", "io"]
+    assert _first_cycle(_package_graph(modules)) == ["format", "sharded", "format"]
+
+
+MAX_MODULES_PER_FOLDER = 12
+"""A folder is one concern a newcomer can name; past a dozen modules it is a drawer."""
+
+
+def test_no_folder_is_a_drawer():
+    folders = {p.parent for p in _modules(include_compat=True)}
+    crowded = {
+        str(f.relative_to(ROOT)): n
+        for f in folders
+        if (n := len([m for m in f.glob("*.py") if m.name != "__init__.py"])) > MAX_MODULES_PER_FOLDER
+    }
+    assert not crowded, f"split these folders by concern: {crowded}"
+
+
+def test_the_layer_order_of_the_storage_stack():
+    """storage < format < sharded < staging < io < memory: a lower layer never imports a higher one."""
+    order = ["storage", "format", "sharded", "staging", "io", "memory"]
+    packages = _package_graph(_import_graph())
+    upward = [(p, d) for p in order for d in packages.get(p, ()) if d in order and order.index(d) > order.index(p)]
+    assert not upward, f"a lower layer imports a higher one: {upward}"
 
 
 def _our_classes() -> list[type]:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lightning_resume import storage
+from lightning_resume.storage import files as storage
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def root(request, tmp_path) -> str:
 
 
 def _put(path: str, data: bytes) -> None:
-    from lightning_resume.io.atomic import atomic_write
+    from lightning_resume.format.atomic import atomic_write
 
     atomic_write(path, lambda f: f.write(data))
 

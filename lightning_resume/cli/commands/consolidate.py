@@ -2,7 +2,7 @@
 
 Loads every shard in this one process (DCP reshards to full tensors; pickle-restricted reader, the
 directory's commit marker and digests verified first), adds the non-sharded part (loop counters,
-callback state, RNG streams), and writes the whole tree with ``lightning_resume.io.write.save_file``:
+callback state, RNG streams), and writes the whole tree with ``lightning_resume.format.write.save_file``:
 the same safetensors + typed JSON format, integrity record and atomic commit as
 ``SafetensorsCheckpointIO``, so ``lightning-resume verify`` / ``inspect`` and that plugin read it.
 Tensors are named by their path (``state_dict.net.0.weight``). Needs memory for the whole state.
@@ -16,7 +16,7 @@ from typing import Any, Dict
 import torch
 
 from lightning_resume.cli.render import iter_leaves
-from lightning_resume.io.write import save_file
+from lightning_resume.format.write import save_file
 
 
 def consolidate(directory: str, out: str) -> Dict[str, Any]:

@@ -17,10 +17,10 @@ from typing import Any, Dict, Sequence
 from lightning_resume.cli.commands.verify import add_weights_only_option
 from lightning_resume.cli.render import tensor_groups
 from lightning_resume.errors import UnencodableValueError, hparam_name
-from lightning_resume.io import hparams
-from lightning_resume.io.integrity import ALGORITHMS, DEFAULT_ALGORITHM
-from lightning_resume.io.read import load_file
-from lightning_resume.io.write import save_file
+from lightning_resume.format import hparams
+from lightning_resume.format.integrity import ALGORITHMS, DEFAULT_ALGORITHM
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import save_file
 
 
 def register(subparsers: Any) -> None:

@@ -6,9 +6,9 @@ import argparse
 import json
 from typing import Any, Dict
 
-from lightning_resume import storage
 from lightning_resume.cli.render import diff
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
+from lightning_resume.storage import files as storage
 
 
 def register(subparsers: Any) -> None:

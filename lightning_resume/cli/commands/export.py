@@ -2,7 +2,7 @@
 
 Reads any checkpoint this product reads, with no code run: a sharded checkpoint directory (verified,
 pickle-restricted, resharded to full tensors in this process), a ``SafetensorsCheckpointIO`` file
-(checksums verified), or a ``torch.save`` ``.ckpt`` (``lightning_resume.io.legacy``: weights-only
+(checksums verified), or a ``torch.save`` ``.ckpt`` (``lightning_resume.format.legacy``: weights-only
 unpickling plus the few Lightning classes real checkpoints hold, e.g. ``AttributeDict`` hparams).
 Takes the model state (``state_dict``, else ``model``), casts floating tensors to ``--dtype`` and
 leaves integer buffers as they are; optimizer state and everything else is dropped. The output is a
@@ -17,10 +17,10 @@ from typing import Any, Dict
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.atomic import atomic_write
-from lightning_resume.io.read import load_file
+from lightning_resume.format.atomic import atomic_write
+from lightning_resume.format.read import load_file
+from lightning_resume.storage import files as storage
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODEL_KEYS = ("state_dict", "model")

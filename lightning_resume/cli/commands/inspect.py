@@ -9,7 +9,7 @@ from typing import Any, Dict
 from lightning_resume.cli.commands.diff import require
 from lightning_resume.cli.render import describe
 from lightning_resume.exact.state.describe import describe_exact_state
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 
 
 def register(subparsers: Any) -> None:

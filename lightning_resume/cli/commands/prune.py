@@ -12,11 +12,11 @@ import json
 import os
 from typing import Any
 
-from lightning_resume import storage
 from lightning_resume.durations import parse_duration
 from lightning_resume.retention.policy import KeepDecision, RetentionPolicy
 from lightning_resume.retention.records import records_in
 from lightning_resume.sharded.commit import discard
+from lightning_resume.storage import files as storage
 
 
 def register(subparsers: Any) -> None:

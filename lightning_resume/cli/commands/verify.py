@@ -17,11 +17,11 @@ import argparse
 import json
 from typing import Any
 
-from lightning_resume import storage
 from lightning_resume.errors import UNPICKLING_FIXES, PickledCheckpointError
-from lightning_resume.io.marker import is_sharded_checkpoint
 from lightning_resume.io.resolve import candidates, newest_verified, progress
 from lightning_resume.io.verify import problem, verify
+from lightning_resume.sharded.marker import is_sharded_checkpoint
+from lightning_resume.storage import files as storage
 
 
 def register(subparsers: Any) -> None:

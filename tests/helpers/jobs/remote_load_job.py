@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root ho
 import fsspec
 import torch
 
-from lightning_resume import storage
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.storage import files as storage
 
 
 def _state(size_mb: int) -> dict:

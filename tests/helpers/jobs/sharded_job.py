@@ -54,8 +54,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from lightning_resume import load_sharded, newest_committed, save_sharded
-from lightning_resume.io import marker
-from lightning_resume.sharded import background
+from lightning_resume.sharded import background, marker
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import clean_uncommitted, load_meta
 from tests.helpers.paths import free_port

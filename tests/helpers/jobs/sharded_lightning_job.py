@@ -38,9 +38,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from lightning_resume import ExactResume, RetentionCheckpoint
+from lightning_resume.io.sharded_strategy import ShardedModelParallelStrategy
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.sharded import background
-from lightning_resume.sharded.strategy import ShardedModelParallelStrategy
 
 if __name__ == "__main__":  # run as a script (also by Lightning's launcher): the repo root holds ``tests``
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))

@@ -328,7 +328,7 @@ def _slow_copies(seconds: float) -> None:
     thread, so the training thread's next writes come first (the copy-on-write guard must catch them)."""
     import threading
 
-    from lightning_resume.io import overlap
+    from lightning_resume.staging import overlap
 
     copy = overlap._copy_batch
 

@@ -16,7 +16,7 @@ import torch
 
 from lightning_resume import save_sharded
 from lightning_resume.cli.main import main
-from lightning_resume.io.write import save_file
+from lightning_resume.format.write import save_file
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_resume import SafetensorsCheckpointIO
 from lightning_resume.cli.main import main
 from lightning_resume.errors import UnsafeCheckpointError
-from lightning_resume.io.read import is_safetensors, load_file
+from lightning_resume.format.read import is_safetensors, load_file
 from tests.helpers.compare import assert_same
 from tests.helpers.models import TinyWithScheduler
 

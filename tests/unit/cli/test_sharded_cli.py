@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_resume import SafetensorsCheckpointIO, save_sharded
 from lightning_resume.cli.main import main
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -11,7 +11,7 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
-from lightning_resume.io.read import is_safetensors
+from lightning_resume.format.read import is_safetensors
 from tests.helpers.models import TINY_TRAINER, TinyData, TinyModel
 from tests.helpers.paths import REPO_ROOT as REPO
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_resume import ExactResume, SafetensorsCheckpointIO
 from lightning_resume.errors import NoLoadableCheckpointError, PickledCheckpointError, UnencodableValueError
-from lightning_resume.io.legacy import load_legacy
+from lightning_resume.format.legacy import load_legacy
 from tests.helpers.filesystem import listing
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 

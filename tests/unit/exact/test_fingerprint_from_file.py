@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_resume import ExactResume, ResumeMismatchError, SafetensorsCheckpointIO
 from lightning_resume.exact.state import fingerprint
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 from tests.helpers.jobs.trainee import Model
 from tests.helpers.models import tiny_trainer
 

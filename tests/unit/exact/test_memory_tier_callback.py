@@ -94,7 +94,7 @@ def test_memory_options_come_from_lightning_cli_yaml() -> None:
 def test_an_exception_lets_the_snapshot_being_written_commit(tmp_path: Path, shm: Path, monkeypatch) -> None:
     """A slow memory-tier write (step 8) still in flight when training raises at step 9 is committed before
     the exception leaves ``fit``: the relaunch resumes from step 8, not from the snapshot before it."""
-    from lightning_resume.io import write
+    from lightning_resume.format import write
 
     commit = write.commit
 

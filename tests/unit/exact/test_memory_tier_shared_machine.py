@@ -22,11 +22,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_resume import ExactResume, ExactResumeWarning, SafetensorsCheckpointIO
-from lightning_resume.exact.memory import MemoryTier
-from lightning_resume.io import memory_tier, write
-from lightning_resume.io.atomic import STALE_AFTER_S
-from lightning_resume.io.memory_tier import MemoryStore, memory_root
-from lightning_resume.io.private import UntrustedDirectory
+from lightning_resume.format import write
+from lightning_resume.format.atomic import STALE_AFTER_S
+from lightning_resume.memory import store as memory_tier
+from lightning_resume.memory.store import MemoryStore, memory_root
+from lightning_resume.memory.tier import MemoryTier
+from lightning_resume.storage.private import UntrustedDirectory
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
 OTHER = "lr-test-other"

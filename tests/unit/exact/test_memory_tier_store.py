@@ -14,11 +14,11 @@ import torch
 
 from lightning_resume import ConfigurationError, ExactResume, ExactResumeWarning
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.exact.memory import MemoryTier, _why_not_memory
-from lightning_resume.io import memory_tier
-from lightning_resume.io.atomic import owner_token
-from lightning_resume.io.memory_tier import MemoryStore, NotEnoughSharedMemory, durable_run, durable_step, slot_key
-from lightning_resume.io.write import save_file
+from lightning_resume.format.atomic import owner_token
+from lightning_resume.format.write import save_file
+from lightning_resume.memory import store as memory_tier
+from lightning_resume.memory.store import MemoryStore, NotEnoughSharedMemory, durable_run, durable_step, slot_key
+from lightning_resume.memory.tier import MemoryTier, _why_not_memory
 
 K = "0123456789abcdef"
 """A slot name (16 hex digits, as ``slot_key`` makes them)."""
@@ -78,7 +78,7 @@ def test_a_failed_save_leaves_the_previous_snapshot(
     def crash(src: str, dst: str, **dir_fds: int) -> None:
         raise OSError("killed before the rename")
 
-    monkeypatch.setattr("lightning_resume.io.atomic.os.replace", crash)
+    monkeypatch.setattr("lightning_resume.format.atomic.os.replace", crash)
     with pytest.raises(OSError, match="before the rename"):
         store.save(_state(9), step=9, seq=2, run="r")
         store.wait()  # asynchronous: the worker's failure is reported here

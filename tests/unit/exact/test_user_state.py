@@ -18,7 +18,7 @@ from torchmetrics.classification import BinaryAccuracy
 from lightning_resume import ExactResume
 from lightning_resume.errors import ConfigurationError
 from lightning_resume.exact.state import user
-from lightning_resume.io import codec
+from lightning_resume.format import codec
 
 
 class Env:

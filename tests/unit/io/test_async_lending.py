@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_resume.errors import AsyncWriteWarning
-from lightning_resume.io import read
-from lightning_resume.io.async_save import AsyncSaver, commit_staged
+from lightning_resume.format import read
+from lightning_resume.staging.async_save import AsyncSaver, commit_staged
 from tests.helpers.compare import tensor_bits
 
 

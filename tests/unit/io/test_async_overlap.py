@@ -12,8 +12,9 @@ import torch
 
 from lightning_resume import SafetensorsCheckpointIO
 from lightning_resume.errors import AsyncWriteWarning, ConfigurationError
-from lightning_resume.io import overlap, read
-from lightning_resume.io.async_save import AsyncSaver, commit_staged
+from lightning_resume.format import read
+from lightning_resume.staging import overlap
+from lightning_resume.staging.async_save import AsyncSaver, commit_staged
 
 torch.set_num_threads(1)
 

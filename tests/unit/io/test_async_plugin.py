@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
-from lightning_resume.io import read, write
+from lightning_resume.format import read, write
 from lightning_resume.protocols import AsyncCheckpointWriter
 from tests.helpers.compare import assert_same
 from tests.helpers.models import TinyMLP as Tiny

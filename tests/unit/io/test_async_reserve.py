@@ -16,8 +16,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resume import ExactResume, SafetensorsCheckpointIO
-from lightning_resume.io import read
-from lightning_resume.io.buffers import HostBuffers
+from lightning_resume.format import read
+from lightning_resume.staging.buffers import HostBuffers
 from tests.helpers.compare import assert_same
 from tests.helpers.models import TinyMLP as Tiny
 from tests.helpers.models import io_trainer as _trainer
@@ -95,7 +95,7 @@ def test_exact_resume_reserves_once_before_the_first_async_save(tmp_path) -> Non
 def test_a_failed_reservation_is_logged_and_saves_still_work(tmp_path, caplog) -> None:
     io = ImpossibleReservationIO()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    with caplog.at_level(logging.WARNING, logger="lightning_resume.io.async_save"):
+    with caplog.at_level(logging.WARNING, logger="lightning_resume.staging.async_save"):
         _trainer(tmp_path, 4, [ExactResume(mtbf=None, preemption_signals=None), ckpt], io).fit(Tiny())
     assert "could not reserve" in caplog.text
     read.load_file(str(tmp_path / "epoch=0-step=3.ckpt"))

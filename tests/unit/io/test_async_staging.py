@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
-from lightning_resume.io import buffers as pool
-from lightning_resume.io import framing as container
-from lightning_resume.io.async_save import AsyncSaver
-from lightning_resume.io.buffers import Devices, HostBuffers
-from lightning_resume.io.codec import TreeText
-from lightning_resume.io.framing import BLOCK
-from lightning_resume.io.worker import Job, OrderedWriter
+from lightning_resume.format import framing as container
+from lightning_resume.format.codec import TreeText
+from lightning_resume.format.framing import BLOCK
+from lightning_resume.staging import buffers as pool
+from lightning_resume.staging.async_save import AsyncSaver
+from lightning_resume.staging.buffers import Devices, HostBuffers
+from lightning_resume.threads import Job, OrderedWriter
 from tests.helpers.compare import tensor_bits
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]

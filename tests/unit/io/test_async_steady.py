@@ -13,9 +13,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_resume import SafetensorsCheckpointIO
-from lightning_resume.io import framing, worker
-from lightning_resume.io.buffers import HostBuffers
-from lightning_resume.io.worker import Job, OrderedWriter
+from lightning_resume import threads as worker
+from lightning_resume.format import framing
+from lightning_resume.staging.buffers import HostBuffers
+from lightning_resume.threads import Job, OrderedWriter
 from tests.helpers.compare import assert_same, tensor_bits
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_resume import SafetensorsCheckpointIO
 from lightning_resume.errors import AsyncWriteError, ConfigurationError, WriterProcessDied
-from lightning_resume.io import read, write
+from lightning_resume.format import read, write
 from tests.helpers.compare import assert_same
 from tests.helpers.models import TinyMLP as Tiny
 from tests.helpers.models import io_trainer as _trainer

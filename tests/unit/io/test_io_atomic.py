@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_resume import SafetensorsCheckpointIO
-from lightning_resume.io.atomic import STALE_AFTER_S, atomic_write, clean_stale_temporaries, owner_token, temp_name
+from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, clean_stale_temporaries, owner_token, temp_name
 
 
 def test_failed_write_keeps_old_file_and_leaves_no_temporary(tmp_path):

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from lightning_resume.cli.main import main
 from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
-from lightning_resume.io import framing, integrity, read
-from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
-from lightning_resume.io.read import load_file
+from lightning_resume.format import framing, integrity, read
+from lightning_resume.format.framing import INTEGRITY_KEY, TREE_KEY
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import save_file
 from lightning_resume.io.verify import verify
-from lightning_resume.io.write import save_file
 from tests.helpers.compare import assert_same
 from tests.helpers.filesystem import rewrite_header
 

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.read import load_file
-from lightning_resume.io.write import commit
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import commit
 from tests.helpers.tracebacks import raised_in
 
 MERSENNE = 2**61 - 1  # CPython reduces int hashes modulo this prime
@@ -59,7 +59,7 @@ def test_tree_of_tiny_containers_is_refused_before_it_is_built(tmp_path):
     code = f"""
 import json, resource
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     load_file({path!r})

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
-from lightning_resume.io.codec import UnencodableValueError, UnknownTypeError, register_converter
-from lightning_resume.io.read import load_file
-from lightning_resume.io.write import save_file
+from lightning_resume.format.codec import UnencodableValueError, UnknownTypeError, register_converter
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import save_file
 from tests.helpers.compare import assert_same
 
 DTYPES = [
@@ -173,7 +173,7 @@ def test_registered_converter_round_trips_and_unknown_converter_is_refused(tmp_p
     register_converter(Point, lambda p: [p.x, p.y], lambda v: Point(*v), name="tests.Point")
     save_file({"p": Point(1, 2.5)}, str(tmp_path / "p.ckpt"))
     assert load_file(str(tmp_path / "p.ckpt")).checkpoint["p"] == Point(1, 2.5)
-    from lightning_resume.io import codec as fmt
+    from lightning_resume.format import codec as fmt
 
     conv = fmt._CONVERTERS_BY_NAME.pop("tests.Point")
     try:

@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_resume.errors import LightningResumeError
-from lightning_resume.io import codec
-from lightning_resume.io.read import _decode_tree, load_file
+from lightning_resume.format import codec
+from lightning_resume.format.read import _decode_tree, load_file
+from lightning_resume.format.write import save_file
 from lightning_resume.io.verify import verify as verify_checkpoint
-from lightning_resume.io.write import save_file
 
 EXAMPLES = int(os.environ.get("LR_FUZZ_EXAMPLES", "40"))
 SECONDS_PER_INPUT = 120.0  # liveness only, far above any real input (milliseconds): catches hangs, not speed

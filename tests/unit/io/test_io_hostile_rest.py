@@ -13,11 +13,11 @@ import torch
 
 from lightning_resume.cli.main import main
 from lightning_resume.errors import CheckpointCorruptError, TreeFormatError, UnencodableValueError
-from lightning_resume.io import codec, framing
-from lightning_resume.io.read import load_file
+from lightning_resume.format import codec, framing
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import save_file
 from lightning_resume.io.resolve import newest_verified
 from lightning_resume.io.verify import verify
-from lightning_resume.io.write import save_file
 
 
 class _BadNamespace:
@@ -133,7 +133,7 @@ def test_duplicate_json_keys_are_refused_in_the_tree_the_header_and_the_integrit
     prefix = len(raw).to_bytes(8, "little") + raw
     with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
         framing.parse_header("f.ckpt", prefix, len(prefix))
-    from lightning_resume.io.integrity import parse_record
+    from lightning_resume.format.integrity import parse_record
 
     with pytest.raises(CheckpointCorruptError):
         parse_record("f.ckpt", '{"version": 1, "version": 1}')

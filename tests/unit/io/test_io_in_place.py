@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
 from lightning_resume.errors import CheckpointCorruptError, ResumeMismatchError
-from lightning_resume.io import framing, in_place, read, write
-from lightning_resume.io.codec import encode
-from lightning_resume.io.framing import Entry
+from lightning_resume.format import framing, in_place, read, write
+from lightning_resume.format.codec import encode
+from lightning_resume.format.framing import Entry
 
 
 def flip_byte_of_tensor(path: str, name: str) -> None:

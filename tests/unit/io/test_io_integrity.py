@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
-from lightning_resume.io import framing as container
-from lightning_resume.io.read import load_file
-from lightning_resume.io.write import save_file
+from lightning_resume.format import framing as container
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import save_file
 from tests.helpers.compare import assert_same
 from tests.helpers.filesystem import rewrite_header
 
@@ -251,8 +251,8 @@ def test_hostile_tree_with_valid_checksums_gives_clean_errors(tree):
     """A crafted file can carry matching checksums; decoding its tree must still fail cleanly or succeed."""
     import json
 
-    from lightning_resume.io import integrity
-    from lightning_resume.io.read import INTEGRITY_KEY, TREE_KEY
+    from lightning_resume.format import integrity
+    from lightning_resume.format.read import INTEGRITY_KEY, TREE_KEY
 
     tree_json = json.dumps({"@": "dict", "v": {"x": tree}})
     entry = container.Entry("t", "F32", (1,), 0, 4)
@@ -265,8 +265,8 @@ def test_hostile_tree_with_valid_checksums_gives_clean_errors(tree):
 
 
 def test_deeply_nested_tree_is_refused_cleanly():
-    from lightning_resume.io import integrity
-    from lightning_resume.io.read import INTEGRITY_KEY, TREE_KEY
+    from lightning_resume.format import integrity
+    from lightning_resume.format.read import INTEGRITY_KEY, TREE_KEY
 
     tree_json = '{"@":"dict","v":{"x":' + "[" * 100_000 + "]" * 100_000 + "}}"
     meta = {TREE_KEY: tree_json, INTEGRITY_KEY: integrity.make_record("sha256", tree_json, [], {})}
@@ -287,8 +287,8 @@ def test_crafted_values_torch_refuses_give_clean_errors(tree, entry):
     """Values a well-formed file can carry but torch rejects: a library error or a clean load, never a raw one."""
     import json
 
-    from lightning_resume.io import integrity
-    from lightning_resume.io.read import INTEGRITY_KEY, TREE_KEY
+    from lightning_resume.format import integrity
+    from lightning_resume.format.read import INTEGRITY_KEY, TREE_KEY
 
     tree_json = json.dumps({"@": "dict", "v": {"x": tree}})
     nbytes = entry.end - entry.begin

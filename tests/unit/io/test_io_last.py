@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_resume import SafetensorsCheckpointIO, SkippedCheckpointWarning, newest_verified
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 from lightning_resume.io.resolve import is_last_name, siblings
 
 

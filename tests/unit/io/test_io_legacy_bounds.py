@@ -19,7 +19,7 @@ import torch
 
 from lightning_resume.cli.main import main
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 from tests.helpers.tracebacks import raised_in
 
 
@@ -93,7 +93,7 @@ def test_deflate_bomb_pickle_is_refused_before_it_is_inflated(tmp_path):
     code = f"""
 import json, resource
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.read import load_file
+from lightning_resume.format.read import load_file
 from lightning_resume.retention.records import read_checkpoint_callback_state
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 outcome = []

@@ -19,11 +19,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_resume import storage
 from lightning_resume.errors import ConfigurationError
-from lightning_resume.io import multipart, write
-from lightning_resume.io.multipart import MAX_PARTS, MIN_PART_SIZE, Segment, UploadOptions, part_ranges
+from lightning_resume.format import write
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.storage import files as storage
+from lightning_resume.storage import multipart
+from lightning_resume.storage.multipart import MAX_PARTS, MIN_PART_SIZE, Segment, UploadOptions, part_ranges
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_resume import SafetensorsCheckpointIO, SkippedCheckpointWarning
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.read import is_safetensors
+from lightning_resume.format.read import is_safetensors
 from lightning_resume.protocols import VerifyingCheckpointIO
 from tests.helpers.models import TinyWithScheduler as Tiny
 

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from lightning_resume import storage
+from lightning_resume.storage import files as storage
 
 pytestmark = pytest.mark.timeout(60)
 

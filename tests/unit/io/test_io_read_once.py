@@ -17,8 +17,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO, storage
+from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO
 from lightning_resume.errors import SkippedCheckpointWarning
+from lightning_resume.storage import files as storage
 
 pytestmark = pytest.mark.timeout(300)
 

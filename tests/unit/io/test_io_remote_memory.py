@@ -19,11 +19,12 @@ import fsspec
 import pytest
 import torch
 
-from lightning_resume import storage
 from lightning_resume.errors import ConfigurationError, RemoteLoadMemoryError
-from lightning_resume.io import host_memory, read, remote_budget
-from lightning_resume.io.host_memory import Available
+from lightning_resume.format import read
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.storage import files as storage
+from lightning_resume.storage import host_memory, remote_budget
+from lightning_resume.storage.host_memory import Available
 from tests.helpers import processes
 from tests.helpers.paths import REPO_ROOT
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lightning_resume.errors import TreeFormatError, UnencodableValueError
-from lightning_resume.io.codec import decode
-from lightning_resume.io.read import load_file
+from lightning_resume.format.codec import decode
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import save_file
 from lightning_resume.io.verify import problem
-from lightning_resume.io.write import save_file
 
 
 class Perm(enum.Flag):

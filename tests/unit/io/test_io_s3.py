@@ -6,11 +6,11 @@ import fsspec
 import pytest
 import torch
 
-from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import atomic
+from lightning_resume.format import atomic
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.io.verify import verify
+from lightning_resume.storage import files as storage
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,12 +16,13 @@ import fsspec
 import pytest
 import torch
 
-from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import multipart, write
+from lightning_resume.format import write
+from lightning_resume.format.read import read_summary
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
-from lightning_resume.io.read import read_summary
 from lightning_resume.io.verify import verify
+from lightning_resume.storage import files as storage
+from lightning_resume.storage import multipart
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from lightning_resume.io import atomic
-from lightning_resume.io.atomic import STALE_AFTER_S, clean_stale_temporaries, temp_name
+from lightning_resume.format import atomic
+from lightning_resume.format.atomic import STALE_AFTER_S, clean_stale_temporaries, temp_name
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
 
 DEAD_PID = 999_999_999  # beyond any pid_max: no such process here
@@ -65,7 +65,7 @@ def _unshare_works() -> bool:
 WRITER = textwrap.dedent(
     """
     import os, sys, time
-    from lightning_resume.io.atomic import temp_name
+    from lightning_resume.format.atomic import temp_name
     alive_outside, directory = set(map(int, sys.argv[1].split(","))), sys.argv[2]
     while True:  # use up pids until this namespace hands out one that is free in the caller's
         pid = os.fork()

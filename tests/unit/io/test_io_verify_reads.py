@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from lightning_resume.io.read import load_file
-from lightning_resume.io.write import save_file
+from lightning_resume.format.read import load_file
+from lightning_resume.format.write import save_file
 
 
 def test_truncate_during_verify_is_an_error_not_a_sigbus(tmp_path):
@@ -24,7 +24,7 @@ def test_truncate_during_verify_is_an_error_not_a_sigbus(tmp_path):
     save_file({"state_dict": {"w": torch.ones(4 << 20)}, "epoch": 0}, path)  # 16 MB of data after the header
     code = f"""
 import json, os
-from lightning_resume.io import framing
+from lightning_resume.format import framing
 from lightning_resume.io.verify import problem
 parse = framing.parse_header
 

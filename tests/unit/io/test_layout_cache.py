@@ -22,10 +22,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from lightning_resume import SafetensorsCheckpointIO
 from lightning_resume.errors import UnencodableValueError
-from lightning_resume.io import buffers as buffers_module
-from lightning_resume.io import codec, write
-from lightning_resume.io.buffers import HostBuffers
-from lightning_resume.io.codec import TreeEncoder
+from lightning_resume.format import codec, write
+from lightning_resume.format.codec import TreeEncoder
+from lightning_resume.staging import buffers as buffers_module
+from lightning_resume.staging.buffers import HostBuffers
 from tests.helpers.compare import assert_same, tensor_bits
 
 

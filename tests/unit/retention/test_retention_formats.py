@@ -8,7 +8,7 @@ import pytest
 
 from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO
 from lightning_resume.cli import main as cli
-from lightning_resume.io.read import is_safetensors
+from lightning_resume.format.read import is_safetensors
 from lightning_resume.io.verify import problem as verify_problem
 from lightning_resume.io.verify import verify as verify_file
 from lightning_resume.retention.naming import rolling_name

@@ -15,11 +15,12 @@ import pytest
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO, storage
+from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO
 from lightning_resume.errors import ConfigurationError, RetentionWarning
 from lightning_resume.retention.mirror import Mirror, UploadFailed, copy_file
 from lightning_resume.retention.naming import rolling_name
 from lightning_resume.retention.tiers import UploadRetry
+from lightning_resume.storage import files as storage
 from tests.helpers.models import TINY_TRAINER, TinyData, TinyModel, tiny_fit
 from tests.helpers.paths import REPO_ROOT
 

@@ -57,7 +57,7 @@ def test_a_fit_on_s3_rides_out_server_errors_and_prunes_and_resumes_last(
     s3_bucket: str, s3_server, monkeypatch
 ) -> None:
     """HTTP 500s during the run: every save retries and lands; keep_last=2 prunes on S3; "last" resolves there."""
-    from lightning_resume import storage
+    from lightning_resume.storage import files as storage
     from tests.helpers.models import tiny_fit
 
     monkeypatch.setattr(storage, "RETRY_BASE_S", 0.01)

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_resume import storage
 from lightning_resume.errors import HistoryWarning
 from lightning_resume.schedule import history
 from lightning_resume.schedule import state as machine
 from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.scheduler import CHECKPOINT_SOURCE, SnapshotScheduler
+from lightning_resume.storage import files as storage
 
 HOUR = 3600.0
 NOW = 1.7e9  # the wall clock of the resumed process

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lightning_resume import load_full, newest_committed
+from lightning_resume.io.sharded_strategy import ShardedModelParallelStrategy
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.sharded.background import AsyncShardedSaver, HostShards, save_sharded_async
-from lightning_resume.sharded.strategy import ShardedModelParallelStrategy
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

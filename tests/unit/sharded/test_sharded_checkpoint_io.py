@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lightning_resume.sharded.strategy import ShardedCheckpointIO
+from lightning_resume.io.sharded_strategy import ShardedCheckpointIO
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

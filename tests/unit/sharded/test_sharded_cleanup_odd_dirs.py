@@ -8,8 +8,8 @@ import os
 import pytest
 
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.marker import FORMAT, IN_PROGRESS, MARKER, read_marker
 from lightning_resume.sharded.commit import clean_uncommitted
+from lightning_resume.sharded.marker import FORMAT, IN_PROGRESS, MARKER, read_marker
 
 
 def test_a_symlinked_hidden_directory_is_neither_followed_nor_reported_removed(tmp_path):

@@ -16,9 +16,9 @@ from lightning.fabric.utilities.data import AttributeDict
 
 from lightning_resume import ShardedSaveError, load_full, load_sharded, newest_committed, save_sharded, verify_sharded
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import marker
 from lightning_resume.io.verify import verify as verify_file
 from lightning_resume.sharded import commit as commits
+from lightning_resume.sharded import marker
 from lightning_resume.sharded.api import META_FILE, clean_uncommitted, load_meta
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

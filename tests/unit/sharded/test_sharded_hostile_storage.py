@@ -21,9 +21,9 @@ import torch
 from lightning_resume import load_full, load_sharded, save_sharded, verify_sharded
 from lightning_resume.cli.main import main
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.marker import CommitRecord, digest_files
-from lightning_resume.io.safe_pickle import load_metadata
 from lightning_resume.sharded.commit import commit
+from lightning_resume.sharded.marker import CommitRecord, digest_files
+from lightning_resume.sharded.safe_pickle import load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

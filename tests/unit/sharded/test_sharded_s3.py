@@ -17,13 +17,13 @@ import fsspec
 import pytest
 import torch
 
-from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError, ShardedSaveError, UnsafeCheckpointError
-from lightning_resume.io import atomic, marker
-from lightning_resume.io.marker import DATA, DCP_METADATA, MARKER, read_marker
+from lightning_resume.format import atomic
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.io.resolve import candidates, newest_verified
+from lightning_resume.io.sharded_strategy import ShardedCheckpointIO
 from lightning_resume.sharded import commit as commits
+from lightning_resume.sharded import marker
 from lightning_resume.sharded.api import (
     clean_uncommitted,
     load_full,
@@ -34,7 +34,8 @@ from lightning_resume.sharded.api import (
     verify_sharded,
 )
 from lightning_resume.sharded.background import save_sharded_async
-from lightning_resume.sharded.strategy import ShardedCheckpointIO
+from lightning_resume.sharded.marker import DATA, DCP_METADATA, MARKER, read_marker
+from lightning_resume.storage import files as storage
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 

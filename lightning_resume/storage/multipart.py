@@ -26,8 +26,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
-from lightning_resume import storage
 from lightning_resume.errors import ConfigurationError
+from lightning_resume.storage import files as storage
 
 MIN_PART_SIZE = 5 << 20
 """S3's smallest part (every part but the last)."""

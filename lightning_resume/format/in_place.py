@@ -15,7 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from lightning_resume.io.framing import DTYPES, Entry
+from lightning_resume.format.framing import DTYPES, Entry
 
 TreePath = Tuple[str, ...]
 """Keys from the root of a checkpoint's tree to a tensor, e.g. ``("state_dict", "layer.weight")``."""

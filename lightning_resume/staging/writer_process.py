@@ -43,14 +43,14 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from lightning_resume.errors import WriterProcessDied
-from lightning_resume.io.buffers import Devices, Placement, StagedTensors
-from lightning_resume.io.worker import WRITER_NICE
+from lightning_resume.staging.buffers import Devices, Placement, StagedTensors
+from lightning_resume.threads import WRITER_NICE
 
 _LAUNCH = (
     "import sys\n"
-    "from lightning_resume.io.worker import lower_thread_priority\n"
+    "from lightning_resume.threads import lower_thread_priority\n"
     "lower_thread_priority(int(sys.argv[2]))\n"  # before importing torch: that takes a core for a second
-    "from lightning_resume.io.writer_process import main\n"
+    "from lightning_resume.staging.writer_process import main\n"
     "sys.exit(main(sys.argv))\n"
 )
 """The writer's entry: a fresh interpreter (never the user's ``__main__``), at lowered priority from its start."""
@@ -273,8 +273,8 @@ def _remove_temporaries(path: str) -> None:
     """Remove the temporaries in ``path``'s directory of processes of this host that are gone (the dead
     writer's among them; ``atomic.clean_stale_temporaries``). A remote upload left incomplete is invisible
     and is cleaned by age later."""
-    from lightning_resume import storage
-    from lightning_resume.io.atomic import clean_stale_temporaries
+    from lightning_resume.format.atomic import clean_stale_temporaries
+    from lightning_resume.storage import files as storage
 
     if storage.is_local(path):
         directory = os.path.dirname(os.path.abspath(storage.local_path(path)))
@@ -285,7 +285,7 @@ def _remove_temporaries(path: str) -> None:
 def refuse_process_local(path: str) -> None:
     """Raise ``ValueError`` for a URL whose filesystem lives inside the training process (``memory://``):
     the writer process would write into a filesystem of its own that the trainer never sees."""
-    from lightning_resume import storage
+    from lightning_resume.storage import files as storage
 
     if storage.is_remote(path):
         import fsspec
@@ -342,7 +342,8 @@ class _Writer:
     def _write(
         self, path: str, tree_json: str, algorithm: str, mode: int, layout_key: int, upload: Tuple[int, int]
     ) -> Tuple[Any, ...]:
-        from lightning_resume.io import multipart, write
+        from lightning_resume.format import write
+        from lightning_resume.storage import multipart
 
         started = time.monotonic()
         try:

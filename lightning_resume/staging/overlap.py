@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_resume._compat.torch_ops import NBYTES, function_mode_on_top, version, versions
 from lightning_resume.errors import AsyncWriteWarning
-from lightning_resume.io.buffers import NOTIFY_BYTES, Devices, StagedTensors, _copy_batch
+from lightning_resume.staging.buffers import NOTIFY_BYTES, Devices, StagedTensors, _copy_batch
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ from typing import Any, BinaryIO, Callable, List, Optional, Sequence, Tuple
 
 import fsspec
 
-from lightning_resume import storage
-from lightning_resume.io import multipart
-from lightning_resume.io.private import read_small
-from lightning_resume.storage import is_local, local_path
+from lightning_resume.storage import files as storage
+from lightning_resume.storage import multipart
+from lightning_resume.storage.files import is_local, local_path
+from lightning_resume.storage.private import read_small
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<owner>[0-9a-f]{12})-)?(?P<pid>\d+)-[0-9a-f]{8}$")
 

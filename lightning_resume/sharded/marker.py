@@ -23,9 +23,9 @@ import stat
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
-from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.framing import unique_keys
+from lightning_resume.format.framing import unique_keys
+from lightning_resume.storage import files as storage
 
 DCP_METADATA = ".metadata"
 """DCP's metadata file: a sharded checkpoint's index of every shard."""

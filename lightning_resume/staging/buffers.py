@@ -27,8 +27,8 @@ import torch
 
 from lightning_resume._compat.torch_ops import foreach_copy_
 from lightning_resume.errors import StagingAborted
-from lightning_resume.io import framing
-from lightning_resume.io.framing import BLOCK
+from lightning_resume.format import framing
+from lightning_resume.format.framing import BLOCK
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,15 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from lightning_resume import storage
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io import framing, host_memory, in_place, integrity, remote_budget
-from lightning_resume.io.codec import decode, parse_tree
-from lightning_resume.io.framing import INTEGRITY_KEY, TREE_KEY
-from lightning_resume.io.legacy import load_legacy
-from lightning_resume.io.worker import Background
-from lightning_resume.storage import is_local, local_path
+from lightning_resume.format import framing, in_place, integrity
+from lightning_resume.format.codec import decode, parse_tree
+from lightning_resume.format.framing import INTEGRITY_KEY, TREE_KEY
+from lightning_resume.format.legacy import load_legacy
+from lightning_resume.storage import files as storage
+from lightning_resume.storage import host_memory, remote_budget
+from lightning_resume.storage.files import is_local, local_path
+from lightning_resume.threads import Background
 
 
 @dataclass

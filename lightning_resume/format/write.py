@@ -26,11 +26,12 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tupl
 
 import torch
 
-from lightning_resume import storage
-from lightning_resume.io import framing, integrity, multipart
-from lightning_resume.io.atomic import atomic_upload, atomic_write
-from lightning_resume.io.framing import BLOCK, FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY, TREE_KEY
-from lightning_resume.io.worker import Background
+from lightning_resume.format import framing, integrity
+from lightning_resume.format.atomic import atomic_upload, atomic_write
+from lightning_resume.format.framing import BLOCK, FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY, TREE_KEY
+from lightning_resume.storage import files as storage
+from lightning_resume.storage import multipart
+from lightning_resume.threads import Background
 
 
 def save_file(
@@ -46,7 +47,7 @@ def save_file(
 
 def encode_tree(checkpoint: Dict[str, Any]) -> Tuple[str, Dict[str, torch.Tensor]]:
     """The typed JSON text of ``checkpoint`` and its tensors by name (the tensors are not copied)."""
-    from lightning_resume.io.codec import encode, to_json  # imports Lightning: not needed by a commit alone
+    from lightning_resume.format.codec import encode, to_json  # imports Lightning: not needed by a commit alone
 
     encoded = encode(checkpoint)
     return to_json(encoded.tree), encoded.tensors

@@ -51,18 +51,18 @@ from torch.distributed.checkpoint.metadata import (
 )
 from typing_extensions import override
 
-from lightning_resume import storage
 from lightning_resume._compat.dcp import FsspecReader, StorageInfo, metadata_path, set_nested
 from lightning_resume.errors import CheckpointCorruptError, UnsafeCheckpointError
-from lightning_resume.io.legacy import check_tree, check_zip
-from lightning_resume.io.marker import DCP_METADATA, MARKER, FileDigest, read_marker
+from lightning_resume.format.legacy import check_tree, check_zip
+from lightning_resume.sharded.marker import DCP_METADATA, MARKER, FileDigest, read_marker
+from lightning_resume.storage import files as storage
 
 MAX_METADATA_BYTES = 256 << 20
 """Largest ``.metadata`` file read (a real one is a few hundred bytes per tensor chunk). Raise it by
-assigning ``lightning_resume.io.safe_pickle.MAX_METADATA_BYTES`` before loading."""
+assigning ``lightning_resume.sharded.safe_pickle.MAX_METADATA_BYTES`` before loading."""
 MAX_CHUNKS_PER_TENSOR = 16384
 """Most chunks one tensor may be split into (checking that chunks do not overlap is quadratic in it).
-Raise it by assigning ``lightning_resume.io.safe_pickle.MAX_CHUNKS_PER_TENSOR``."""
+Raise it by assigning ``lightning_resume.sharded.safe_pickle.MAX_CHUNKS_PER_TENSOR``."""
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 ALLOWED_GLOBALS = frozenset(
@@ -124,7 +124,7 @@ def _check_metadata_size(path: str, size: int) -> None:
     if size > MAX_METADATA_BYTES:
         raise CheckpointCorruptError(
             path,
-            "DCP metadata is larger than MAX_METADATA_BYTES (raise lightning_resume.io.safe_pickle."
+            "DCP metadata is larger than MAX_METADATA_BYTES (raise lightning_resume.sharded.safe_pickle."
             "MAX_METADATA_BYTES to read it)",
             MAX_METADATA_BYTES,
             size,

@@ -46,20 +46,20 @@ import numpy as np
 import torch
 
 from lightning_resume.errors import TreeFormatError, UnencodableValueError, UnknownTypeError, short_repr
-from lightning_resume.io.framing import check_storable, unique_keys
+from lightning_resume.format.framing import check_storable, unique_keys
 
 MAX_DEPTH = 512
 """Deepest nesting accepted on decode (and in a legacy file's tree): a hostile file cannot exhaust the
-stack. Raise it by assigning ``lightning_resume.io.codec.MAX_DEPTH`` before loading."""
+stack. Raise it by assigning ``lightning_resume.format.codec.MAX_DEPTH`` before loading."""
 MAX_TREE_NODES = 2_000_000
 """Most nodes (containers, keys and leaves) a checkpoint tree may have, in a typed JSON header or a legacy
 file (where a container reached twice counts twice): bounds the memory and time of decoding and of every
 later walk. A real Lightning checkpoint has a few per tensor. Raise it by assigning
-``lightning_resume.io.codec.MAX_TREE_NODES`` before loading."""
+``lightning_resume.format.codec.MAX_TREE_NODES`` before loading."""
 MAX_HASH_COLLISIONS = 64
 """Most keys of one decoded dict or set that may share a hash value. Integers that differ by multiples of
 2**61 - 1 all hash alike, and building a dict of n of them takes n**2 steps (hash flooding); real keys
-almost never share a hash. Raise it by assigning ``lightning_resume.io.codec.MAX_HASH_COLLISIONS``."""
+almost never share a hash. Raise it by assigning ``lightning_resume.format.codec.MAX_HASH_COLLISIONS``."""
 
 RESERVED_TENSOR_NAMES = frozenset({"__metadata__"})
 """Names safetensors keeps for itself: a tensor at such a key path is stored under another name."""
@@ -774,7 +774,7 @@ def parse_tree(tree_json: str) -> Any:
     if estimate > MAX_TREE_NODES:
         raise TreeFormatError(
             f"tree has more than MAX_TREE_NODES={MAX_TREE_NODES} values (about {estimate}); raise "
-            "lightning_resume.io.codec.MAX_TREE_NODES to read it"
+            "lightning_resume.format.codec.MAX_TREE_NODES to read it"
         )
     return json.loads(tree_json, object_pairs_hook=unique_keys)
 
@@ -934,7 +934,7 @@ def _check_hash_spread(what: str, keys: List[Any]) -> None:
     if count > MAX_HASH_COLLISIONS:
         raise TreeFormatError(
             f"{what} has {count} keys with the same hash {value} (hash flooding?); at most "
-            f"MAX_HASH_COLLISIONS={MAX_HASH_COLLISIONS} (raise lightning_resume.io.codec.MAX_HASH_COLLISIONS)"
+            f"MAX_HASH_COLLISIONS={MAX_HASH_COLLISIONS} (raise lightning_resume.format.codec.MAX_HASH_COLLISIONS)"
         )
 
 

@@ -1,6 +1,6 @@
 """ExactResume's memory tier in a Lightning run: where its snapshots live, taking them, resuming from them.
 
-The store (``io.memory_tier``) keeps one verified file per rank in this user's private shared-memory root.
+The store (``memory.store``) keeps one verified file per rank in this user's private shared-memory root.
 Here: the run's slot is named by the durable checkpoint directory, and the run by an id that every
 checkpoint carries (``RUN_KEY`` in ``ExactResume``'s state): made at a fresh start, kept across resumes. A
 snapshot is the trainer's full checkpoint dict, built on every rank; on ``fit(ckpt_path="last")`` the memory
@@ -23,9 +23,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import AsyncWriteError, CheckpointCorruptError, ConfigurationError, ExactResumeWarning
-from lightning_resume.exact import snapshots
-from lightning_resume.io.lending import Offer
-from lightning_resume.io.memory_tier import (
+from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.memory.store import (
     MemorySnapshot,
     MemoryStore,
     NotEnoughSharedMemory,
@@ -34,8 +33,8 @@ from lightning_resume.io.memory_tier import (
     memory_root,
     slot_key,
 )
-from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.schedule.state import Tier
+from lightning_resume.staging.lending import Offer
 
 MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
 """The tiers a run can resume from (``ExactResume.resume_report["tier"]``)."""
@@ -63,10 +62,10 @@ class MemoryTier:
         self._remove_hook: Optional[Callable[[], None]] = None
         self.weights_only = True
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        """Find this rank's slot and, for ``fit(ckpt_path="last")``, have the resume consider the memory tier
-        first. Nothing is made here: a fresh run's directories appear at its first snapshot."""
-        directory = snapshots.snapshot_dir(trainer)
+    def setup(self, trainer: pl.Trainer, directory: Optional[str]) -> None:
+        """Find this rank's slot in ``directory`` (the durable checkpoints', which names the run) and, for
+        ``fit(ckpt_path="last")``, have the resume consider the memory tier first. Nothing is made here: a
+        fresh run's directories appear at its first snapshot."""
         if directory is None:
             raise ConfigurationError("ExactResume", [
                 "memory_tier=True needs a checkpoint directory to name the run: add a RetentionCheckpoint or"

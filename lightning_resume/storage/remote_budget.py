@@ -16,7 +16,7 @@ import math
 from typing import Literal, Mapping, Optional
 
 from lightning_resume.errors import RemoteLoadMemoryError
-from lightning_resume.io.host_memory import Available
+from lightning_resume.storage.host_memory import Available
 
 Format = Literal["safetensors", "torch.save"]
 

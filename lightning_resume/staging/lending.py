@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, List, Mapping, Tuple
 import torch
 
 from lightning_resume._compat.torch_ops import version
-from lightning_resume.io.buffers import StagedTensors
-from lightning_resume.io.worker import Job
+from lightning_resume.staging.buffers import StagedTensors
+from lightning_resume.threads import Job
 
 
 def _key(t: torch.Tensor) -> Tuple[Any, ...]:

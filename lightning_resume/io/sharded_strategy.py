@@ -20,17 +20,18 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_resume import storage
 from lightning_resume._compat import check_versions
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
-from lightning_resume.io.marker import MARKER
 from lightning_resume.io.resolve import newest_verified
-from lightning_resume.io.verify import verify, verify_directory
+from lightning_resume.io.verify import verify
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded.api import checkpoint_path as sharded_path  # load_checkpoint's argument has the name
 from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded
 from lightning_resume.sharded.background import AsyncShardedSaver
+from lightning_resume.sharded.marker import MARKER
+from lightning_resume.sharded.verify import verify_directory
+from lightning_resume.storage import files as storage
 
 
 def lightning_path(directory: str) -> str:

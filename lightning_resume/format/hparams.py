@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, List, Mapping
 
 from lightning_resume.errors import HPARAMS_KEYS, UnencodableValueError, hparam_name, hparams_fix
-from lightning_resume.io.codec import encode
+from lightning_resume.format.codec import encode
 
 
 def unencodable(tree: Mapping[str, Any]) -> List[UnencodableValueError]:

@@ -35,12 +35,12 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from lightning_resume.errors import CheckpointCorruptError, PickledCheckpointError
-from lightning_resume.io import codec
+from lightning_resume.format import codec
 
 MAX_PICKLE_BYTES = 256 << 20
 """Largest pickle record (``data.pkl``) of a ``torch.save`` zip that is read: tensors live in their own
 records, so a real checkpoint's pickle is a few hundred bytes per tensor. Raise it by assigning
-``lightning_resume.io.legacy.MAX_PICKLE_BYTES`` before loading."""
+``lightning_resume.format.legacy.MAX_PICKLE_BYTES`` before loading."""
 
 
 def lightning_safe_globals() -> List[Any]:
@@ -163,7 +163,7 @@ def check_zip(path: str, fileobj: Any) -> None:
             raise CheckpointCorruptError(
                 path,
                 f"pickle record {info.filename!r} is larger than MAX_PICKLE_BYTES (raise "
-                "lightning_resume.io.legacy.MAX_PICKLE_BYTES to read it)",
+                "lightning_resume.format.legacy.MAX_PICKLE_BYTES to read it)",
                 MAX_PICKLE_BYTES,
                 info.file_size,
             )
@@ -217,7 +217,7 @@ def _check_hash_spread(path: str, pickled: bytes) -> None:
         raise CheckpointCorruptError(
             path,
             f"pickle holds {count} numbers with the same hash {value} (hash flooding?); at most "
-            f"MAX_HASH_COLLISIONS={codec.MAX_HASH_COLLISIONS} (raise lightning_resume.io.codec.MAX_HASH_COLLISIONS)",
+            f"MAX_HASH_COLLISIONS={codec.MAX_HASH_COLLISIONS} (raise lightning_resume.format.codec.MAX_HASH_COLLISIONS)",
         )
 
 
@@ -249,7 +249,7 @@ def check_tree(path: str, tree: Any) -> None:
             raise CheckpointCorruptError(
                 path,
                 "checkpoint tree has more nodes than MAX_TREE_NODES (shared containers count each time they are"
-                " reached; raise lightning_resume.io.codec.MAX_TREE_NODES to read it)",
+                " reached; raise lightning_resume.format.codec.MAX_TREE_NODES to read it)",
                 limit,
                 f"> {limit}",
             )

@@ -24,13 +24,14 @@ import torch
 
 from lightning_resume._compat.torch_ops import versions, without_function_modes
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
-from lightning_resume.io import multipart, write
-from lightning_resume.io.buffers import HostBuffers, StagedTensors, _Recopy
-from lightning_resume.io.codec import TreeEncoder, TreeText
-from lightning_resume.io.lending import BorrowedStaged, Offer
-from lightning_resume.io.overlap import CopyStats, OptimizerWatch, OverlappedCopy, copy_now
-from lightning_resume.io.worker import Job, OrderedWriter
-from lightning_resume.io.writer_process import SharedMemory, WriterProcess, refuse_process_local
+from lightning_resume.format import write
+from lightning_resume.format.codec import TreeEncoder, TreeText
+from lightning_resume.staging.buffers import HostBuffers, StagedTensors, _Recopy
+from lightning_resume.staging.lending import BorrowedStaged, Offer
+from lightning_resume.staging.overlap import CopyStats, OptimizerWatch, OverlappedCopy, copy_now
+from lightning_resume.staging.writer_process import SharedMemory, WriterProcess, refuse_process_local
+from lightning_resume.storage import multipart
+from lightning_resume.threads import Job, OrderedWriter
 
 log = logging.getLogger(__name__)
 

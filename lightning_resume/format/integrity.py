@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterable, Literal, Mapping, Protocol, Tu
 import xxhash
 
 from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
-from lightning_resume.io.framing import Entry, unique_keys
+from lightning_resume.format.framing import Entry, unique_keys
 
 Algorithm = Literal["xxh3-128", "crc32", "sha256", "blake2b"]
 DEFAULT_ALGORITHM: Algorithm = "xxh3-128"

@@ -31,14 +31,15 @@ from typing import Any, Dict, List, Optional
 
 from lightning_resume._compat.torch_ops import NBYTES
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning
-from lightning_resume.io import read, resolve, write
-from lightning_resume.io.async_save import AsyncSaver, commit_staged
-from lightning_resume.io.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive, remove_quietly
-from lightning_resume.io.buffers import StagedTensors
-from lightning_resume.io.integrity import DEFAULT_ALGORITHM
-from lightning_resume.io.lending import Offer
-from lightning_resume.io.overlap import CopyStats
-from lightning_resume.io.private import (
+from lightning_resume.format import read, write
+from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive, remove_quietly
+from lightning_resume.format.integrity import DEFAULT_ALGORITHM
+from lightning_resume.io import resolve
+from lightning_resume.staging.async_save import AsyncSaver, commit_staged
+from lightning_resume.staging.buffers import StagedTensors
+from lightning_resume.staging.lending import Offer
+from lightning_resume.staging.overlap import CopyStats
+from lightning_resume.storage.private import (
     PRIVATE_FILE_MODE,
     check_private,
     owned_by_me,

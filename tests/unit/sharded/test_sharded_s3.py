@@ -20,7 +20,7 @@ import torch
 from lightning_resume.errors import CheckpointCorruptError, ShardedSaveError, UnsafeCheckpointError
 from lightning_resume.format import atomic
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
-from lightning_resume.io.resolve import candidates, newest_verified
+from lightning_resume.io.resolve import candidates, newest_committed, newest_verified
 from lightning_resume.io.sharded_strategy import ShardedCheckpointIO
 from lightning_resume.sharded import commit as commits
 from lightning_resume.sharded import marker
@@ -29,7 +29,6 @@ from lightning_resume.sharded.api import (
     load_full,
     load_meta,
     load_sharded,
-    newest_committed,
     save_sharded,
     verify_sharded,
 )

@@ -39,6 +39,7 @@ _SOURCES: dict[str, str] = {
     "ResumableDataset": "lightning_resume.exact.state.data",
     "ResumableIterableDataset": "lightning_resume.exact.state.data",
     "ResumeMismatchError": "lightning_resume.errors",
+    "ResumeReport": "lightning_resume.exact.restore",
     "RetentionCheckpoint": "lightning_resume.retention.checkpoint",
     "RetentionPolicy": "lightning_resume.retention.policy",
     "RetentionWarning": "lightning_resume.errors",
@@ -120,6 +121,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         WriterProcessDied,
     )
     from lightning_resume.exact.callback import ExactResume
+    from lightning_resume.exact.restore import ResumeReport
     from lightning_resume.exact.state.data import ResumableDataset, ResumableIterableDataset
     from lightning_resume.format.codec import register_converter
     from lightning_resume.io.plugin import SafetensorsCheckpointIO

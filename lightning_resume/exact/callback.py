@@ -44,6 +44,8 @@ from lightning_resume.exact.own_checkpoints import (
 )
 from lightning_resume.exact.restore import (
     LoadedDigests,
+    ResumeReport,
+    as_launched,
     check_same_checkpoint,
     loaded_digests,
     restore,
@@ -275,7 +277,7 @@ class ExactResume(Callback):
         self._in_validation = False
         self._requeue_signal: Optional[signal.Signals] = None
         self._stop_replacing_loaders: Optional[Callable[[], None]] = None
-        self.resume_report: dict[str, Any] = {}
+        self.resume_report = ResumeReport()
         self._last = OncePerFit()
         self._trace: Optional[trace.TraceRecorder] = None
         self._own = OwnCheckpoints()  # the Tuner's save and restore are not checkpoints of the run
@@ -368,32 +370,24 @@ class ExactResume(Callback):
             warn_approximate(unsaved)
         pending, self._pending = self._pending, None
         check_same_checkpoint(trainer, pending)
-        self.resume_report = {}
+        report = ResumeReport()
         if pending is not None:
-            self.resume_report, self._afterwards = restore(
+            report, self._afterwards = restore(
                 trainer, pending, self.generators, self.strict, self.fingerprint, self.elastic, self._loaded, self._user
             )
             self._loaded = None
             self._user_again = put_back_later(self._user)
         self._own.train_started(trainer, resumed_every_loader=pending is not None and not unsaved)
         tier = self._resumed_tier(trainer, pending)
-        if pending is not None:
-            self.resume_report["tier"] = tier
-            if self.memory is not None and "world_size" in self.resume_report:
-                saved_world = self.resume_report["world_size"]["checkpoint"]
-                self.resume_report["memory_tier"] = f"snapshots of {saved_world} ranks not used: resumed from disk"
-            if unsaved:
-                self.resume_report["exact"] = False
-                self.resume_report["differences"] = [*self.resume_report.get("differences", []), *unsaved]
-        self.resume_report["source"] = resumed_from(trainer)
+        self.resume_report = as_launched(report, resumed_from(trainer), tier, self.memory is not None, unsaved)
         if self._trace is not None:  # after the restore: the step this launch resumed at
-            unsaved_buffers = self.resume_report.get("unsaved_buffers_differ") or []
+            unsaved_buffers = list(self.resume_report.unsaved_buffers_differ)
             buffers = [f"non-persistent buffers {unsaved_buffers} differ after restore"] if unsaved_buffers else []
             restored = evidence.after_restore(trainer, pending, self.resume_report, unsaved)
             self._trace.start(
                 trainer,
-                self.resume_report,
-                [*warned, *self.resume_report.get("differences", []), *buffers],
+                self.resume_report.exact,
+                [*warned, *self.resume_report.differences, *buffers],
                 [*found, *unsaved_found, *restored],
             )
         if self.scheduler is not None:

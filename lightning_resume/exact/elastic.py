@@ -1,14 +1,16 @@
 """Resuming on another number of ranks (``ExactResume(elastic=...)``): the mechanism in a Lightning run.
 
-Every rank, inside ``restore``: rebuilds each saving rank's order of the interrupted epoch from what the
-checkpoint recorded (``capture.order_record`` per rank: the distributed sampler's arguments and epoch, or
-the plan an earlier elastic resume dealt) and the batches its loader had handed out, deals the untrained
-rest to the new ranks (``state.elastic``: every sample once, the rule there), makes this rank's sampler
-yield its part of it (``samplers.install_plan``) and tells Lightning the epoch's new length. RNG streams:
-new rank ``r`` starts from saved rank ``r % W``'s; ranks ``r >= W`` then seed every stream from
-``elastic.derived_seed`` (a digest of that state and of the move), so no two ranks draw alike and the same
-elastic resume draws the same. A checkpoint written inside a planned epoch, resumed on the same world size,
-takes the ordinary exact path with the plan put back (``put_back_plan``). Decides nothing the policy does not.
+``DealtPosition`` is the variant of ``restore``'s one sequence for another world size (that sequence,
+``restore_position_and_rng``, alone fixes the order of random draws). Every rank rebuilds each saving
+rank's order of the interrupted epoch from what the checkpoint recorded (``capture.order_record`` per
+rank: the distributed sampler's arguments and epoch, or the plan an earlier elastic resume dealt) and the
+batches its loader had handed out, deals the untrained rest to the new ranks (``state.elastic``: every
+sample once, the rule there), makes this rank's sampler yield its part of it (``samplers.install_plan``)
+and tells Lightning the epoch's new length. RNG streams: new rank ``r`` starts from saved rank ``r % W``'s;
+ranks ``r >= W`` then seed every stream from ``elastic.derived_seed`` (a digest of that state and of the
+move), so no two ranks draw alike and the same elastic resume draws the same. A checkpoint written inside
+a planned epoch, resumed on the same world size, takes the ordinary exact path with the plan put back
+(``put_back_plan``). Decides nothing the policy does not.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume._compat import torchdata as td
 from lightning_resume.errors import ResumeMismatchError
-from lightning_resume.exact import epoch_hooks
 from lightning_resume.exact.state import elastic as policy
 from lightning_resume.exact.state.data import batching, distributed_sampler
-from lightning_resume.exact.state.rng import capture_rng, reseed, restore_rng
+from lightning_resume.exact.state.rng import reseed
 from lightning_resume.exact.state.samplers import EpochPlan, install_plan
 
 ElasticMode = Union[bool, Literal["keep_global_batch"]]
@@ -140,19 +141,6 @@ class Move:
         (before, after), b = self.accumulate, self.batch_size
         return self.old_world * before * b, self.new_world * after * b
 
-    def report(self) -> dict[str, Any]:
-        before, after = self.global_batch()
-        out: dict[str, Any] = {
-            "exact": False,
-            "sample_exact": True,
-            "world_size": {"checkpoint": self.old_world, "now": self.new_world},
-            "global_batch": {"before": before, "after": after},
-            "accumulate_grad_batches": {"before": self.accumulate[0], "after": self.accumulate[1]},
-        }
-        if self.deal is not None:
-            out.update(untrained=self.deal.untrained, repeated=len(self.deal.padded), dropped=len(self.deal.dropped))
-        return out
-
     def sentence(self) -> str:
         before, after = self.global_batch()
         if self.deal is None:
@@ -178,45 +166,54 @@ class Move:
         )
 
 
-def restore_position_and_rng(
-    trainer: pl.Trainer,
-    saved: Mapping[str, Any],
-    mine: Mapping[str, Any],
-    generators: Mapping[str, torch.Generator],
-    mode: ElasticMode,
-    afterwards: Afterwards,
-) -> tuple[Move, Any]:
-    """The elastic counterpart of ``restore.restore_position_and_rng``; return the move and the RNG as restored."""
-    old_world, new_world, rank = int(saved["world_size"]), trainer.world_size, trainer.global_rank
-    problems = collective.agreed(unremappable(trainer, saved, mode))
-    if problems:
-        raise ResumeMismatchError(str(trainer.ckpt_path or "the checkpoint"), problems, FIX)
-    accumulate = _accumulation(trainer, saved, mode)
-    loader = lc.train_loaders(trainer)[0]
-    batch_size = saved_batch_size(saved, loader)  # not the signature's alone: ``batching`` says why
-    dealt = None
-    if not mine["epoch_exhausted"]:
-        epoch_hooks.warn_not_replayed(epoch_hooks.replay_epoch_start(trainer))
-        orders, batches = rank_orders(saved, batch_size)
-        sampler = distributed_sampler(loader)
+class DealtPosition:
+    """Another world size, as a ``restore.Position`` of the one restore sequence: the untrained rest of the
+    interrupted epoch dealt to this run's ranks (every sample once), new rank ``r`` continuing saved rank
+    ``r % W``'s streams and, past the old world, reseeded from them (``derived_seed``); the accumulation that
+    keeps the global batch (``keep_global_batch``) set after the due validation."""
+
+    def __init__(self, saved: Mapping[str, Any], accumulate: tuple[int, int], loader: Any, batch_size: int):
+        self.saved, self.accumulate, self.loader, self.batch_size = saved, accumulate, loader, batch_size
+        self.old_world = int(saved["world_size"])
+        self.dealt: Optional[policy.Deal] = None  # by ``place``, inside an epoch under way
+
+    @classmethod
+    def prepare(cls, trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMode) -> DealtPosition:
+        """Check, on every rank alike, that the checkpoint's epoch can be dealt to this run's ranks (else
+        ``ResumeMismatchError``), and settle the accumulation from now on."""
+        problems = collective.agreed(unremappable(trainer, saved, mode))
+        if problems:
+            raise ResumeMismatchError(str(trainer.ckpt_path or "the checkpoint"), problems, FIX)
+        accumulate = _accumulation(trainer, saved, mode)
+        loader = lc.train_loaders(trainer)[0]
+        return cls(saved, accumulate, loader, saved_batch_size(saved, loader))  # not the signature's alone
+
+    def place(self, trainer: pl.Trainer, mine: Mapping[str, Any], afterwards: Afterwards) -> Optional[EpochPlan]:
+        if mine["epoch_exhausted"]:
+            return None  # the next epoch starts in the sampler's order for the new world size
+        orders, batches = rank_orders(self.saved, self.batch_size)
+        sampler = distributed_sampler(self.loader)
         assert sampler is not None  # unremappable() said so
-        dealt = policy.deal(policy.untrained(orders), new_world, bool(sampler.drop_last))
-        plan = EpochPlan(trainer.current_epoch, dealt.per_rank[rank], batches)
+        self.dealt = policy.deal(policy.untrained(orders), trainer.world_size, bool(sampler.drop_last))
+        plan = EpochPlan(trainer.current_epoch, self.dealt.per_rank[trainer.global_rank], batches)
         afterwards.at_teardown.append(install_plan(sampler, plan))
-        lc.set_sampler_epoch([loader], trainer.current_epoch)
+        lc.set_sampler_epoch([self.loader], trainer.current_epoch)
         lc.restart_train_iterator(trainer)
-    restore_rng(mine["rng"], generators)
-    if rank >= old_world:
-        reseed(policy.derived_seed(mine["rng"], old_world, new_world, rank), generators)
-    restored_rng = capture_rng(generators)
-    if dealt is not None:
-        planned_length(trainer, plan, afterwards)
-    if mine["validation_pending"]:  # due right after the saved step, on every rank as on the old ones
-        lc.run_due_validation(trainer, mine["epoch_exhausted"], int(mine.get("epoch", trainer.current_epoch)))
-    if accumulate[1] != trainer.accumulate_grad_batches:
-        lc.set_accumulation(trainer, accumulate[1])
-    move = Move(old_world, new_world, accumulate, batch_size, int(mine.get("epoch", trainer.current_epoch)), dealt)
-    return move, restored_rng
+        return plan
+
+    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+        rank = trainer.global_rank
+        if rank >= self.old_world:
+            reseed(policy.derived_seed(mine["rng"], self.old_world, trainer.world_size, rank), generators)
+
+    def finish(self, trainer: pl.Trainer) -> None:
+        if self.accumulate[1] != trainer.accumulate_grad_batches:
+            lc.set_accumulation(trainer, self.accumulate[1])
+
+    def move(self, trainer: pl.Trainer, mine: Mapping[str, Any]) -> Move:
+        """The move, as the report says it (after the sequence: the deal is known)."""
+        epoch = int(mine.get("epoch", trainer.current_epoch))
+        return Move(self.old_world, trainer.world_size, self.accumulate, self.batch_size, epoch, self.dealt)
 
 
 def _accumulation(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMode) -> tuple[int, int]:

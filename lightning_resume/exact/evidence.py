@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Timer
 
 from lightning_resume.exact.launchers import torchelastic_problem
-from lightning_resume.exact.restore import capture_point_problem
+from lightning_resume.exact.restore import ResumeReport, capture_point_problem
 from lightning_resume.exact.state import limits
 from lightning_resume.exact.state.data import loader_problems, unsaved_position
 from lightning_resume.prove import findings as kinds
@@ -63,7 +63,7 @@ def unsaved_positions(loaders: list) -> list[Finding]:
 
 
 def after_restore(
-    trainer: pl.Trainer, pending: Optional[Mapping[str, Any]], report: Mapping[str, Any], known: Iterable[str] = ()
+    trainer: pl.Trainer, pending: Optional[Mapping[str, Any]], report: ResumeReport, known: Iterable[str] = ()
 ) -> list[Finding]:
     """What the restore of ``pending`` reported, by kind: non-persistent buffers that differ, a checkpoint
     captured mid-step, another world size, and each other difference line (``known``: lines already given a
@@ -71,7 +71,7 @@ def after_restore(
     if pending is None:
         return []
     out = [Finding(kinds.UNSAVED_BUFFER, str(name), f"non-persistent buffer {name} differs after restore")
-           for name in report.get("unsaved_buffers_differ") or ()]  # fmt: skip
+           for name in report.unsaved_buffers_differ]  # fmt: skip
     mid_step = capture_point_problem(pending)
     if mid_step is not None:
         out.append(Finding(kinds.MID_STEP_CAPTURE, str(pending.get("captured_at")), mid_step))
@@ -80,5 +80,5 @@ def after_restore(
         subject = f"{saved_world} -> {trainer.world_size}"
         out.append(Finding(kinds.WORLD_SIZE, subject, f"world size {subject} (checkpoint -> this run)"))
     given = {f.line for f in out} | set(known)
-    rest = [line for line in report.get("differences") or () if line not in given]
+    rest = [line for line in report.differences if line not in given]
     return out + [Finding(kinds.RESUME_DIFFERENCE, "", str(line)) for line in rest]

@@ -11,8 +11,10 @@ trainer only through ``_compat.lightning``.
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, NamedTuple, Optional, Protocol, Union
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +26,7 @@ from lightning_resume.errors import ExactResumeWarning, ResumeMismatchError
 from lightning_resume.exact import capture, epoch_hooks, lightning_gaps
 from lightning_resume.exact import elastic as elastic_restore
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
-from lightning_resume.exact.elastic import Afterwards, ElasticMode
+from lightning_resume.exact.elastic import Afterwards, ElasticMode, Move
 from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import is_resumable, load_loader_state, loader_signature
 from lightning_resume.exact.state.elastic import old_rank_for
@@ -37,6 +39,7 @@ from lightning_resume.exact.state.fingerprint import (
     weights_digest,
 )
 from lightning_resume.exact.state.rng import capture_rng, restore_rng, rng_mismatches
+from lightning_resume.exact.state.samplers import EpochPlan
 from lightning_resume.exact.state.user import UserState, restore_user_state
 from lightning_resume.format import integrity
 from lightning_resume.format.framing import host_bytes
@@ -54,7 +57,7 @@ def restore(
     elastic: ElasticMode = False,
     loaded: Optional[LoadedDigests] = None,
     user: Optional[UserState] = None,
-) -> tuple[dict[str, Any], Afterwards]:
+) -> tuple[ResumeReport, Afterwards]:
     """Restore ``saved`` into the running ``trainer`` (every rank calls it); return the resume report and what
     the restore changed for a while (put back at the resumed epoch's end and at teardown).
 
@@ -95,39 +98,57 @@ def restore(
         differences = [*differences, *unmatched]
     differences = [*differences, *lightning_gaps.restore_logged(trainer, mine)]  # self.log's epoch so far
     checked: tuple[str, ...] = CHECKED_PARTS
-    moved_report: dict[str, Any] = {}
+    moved_fields: dict[str, Any] = {}
     if moved:
-        move, restored_rng = elastic_restore.restore_position_and_rng(
-            trainer, saved, mine, generators, elastic or True, afterwards
-        )
+        dealt = elastic_restore.DealtPosition.prepare(trainer, saved, elastic or True)
+        restored_rng = restore_position_and_rng(trainer, mine, generators, afterwards, dealt)
+        move = dealt.move(trainer, mine)
         who = f"ExactResume(elastic={elastic!r})" if elastic else "ExactResume(strict=False)"
         rank_zero_warn(f"{who}: {move.sentence()}", category=ExactResumeWarning)
         differences = [*differences, move.sentence()]
-        moved_report = move.report()
+        moved_fields = moved_report(move)
         checked = ("weights", "optimizer", "step") if not capture.sharded(trainer) else ()
     else:
         elastic_restore.keep_accumulation(trainer, saved, elastic)
-        restored_rng = restore_position_and_rng(trainer, mine, saved, generators, afterwards)
-    report: dict[str, Any] = {"step": trainer.global_step, "exact": not differences, "differences": differences}
-    report.update(moved_report)
-    report["user_state"] = restored_user
+        position = SavedPosition(saved.get("signature", {}).get("loaders", []))
+        restored_rng = restore_position_and_rng(trainer, mine, generators, afterwards, position)
+    fingerprint_ok: Optional[bool] = None
+    unsaved: list[str] = []
     if check_fingerprint and "fingerprint" in mine and checked:
-        saved_print = dict(mine["fingerprint"])
-        restored = fingerprint_of(trainer, restored_rng, None, algorithm=algorithm_of(saved_print))
-        if loaded is not None and "weights" not in saved_print:  # the file proved what was saved: compare with it
-            saved_print, restored = compared_with_loaded(trainer, loaded, mine, saved_print, restored)
-        bad = collective.agreed(fingerprint_mismatches(saved_print, restored, checked))
-        report["fingerprint_ok"] = not bad
-        if bad:
-            refuse_or_warn(strict, trainer.ckpt_path, [f"fingerprint after restore: {line}" for line in bad])
-        unsaved = collective.agreed(unsaved_buffer_mismatches(mine["fingerprint"], restored))
-        if unsaved:
-            report["unsaved_buffers_differ"] = unsaved
-            warn_unsaved_buffers(unsaved)
+        fingerprint_ok, unsaved = check_restored(trainer, strict, mine, restored_rng, checked, loaded)
+    report = ResumeReport(
+        step=trainer.global_step, exact=not differences, differences=tuple(differences),
+        user_state=tuple(restored_user), fingerprint_ok=fingerprint_ok, unsaved_buffers_differ=tuple(unsaved),
+        **moved_fields,
+    )  # fmt: skip
     lightning_gaps.owed_after_save(trainer, saved.get(lightning_gaps.KEY), mine)  # after the check: LR changes
     if lightning_gaps.next_epoch_is_ours(trainer, mine):
         start_next_epoch(trainer)  # after the check: the next epoch's start hooks may change the state
     return report, afterwards
+
+
+def check_restored(
+    trainer: pl.Trainer,
+    strict: bool,
+    mine: Mapping[str, Any],
+    restored_rng: Any,
+    checked: tuple[str, ...],
+    loaded: Optional[LoadedDigests],
+) -> tuple[bool, list[str]]:
+    """Compare the state after the restore with this rank's saved fingerprint (the ``checked`` parts, every rank
+    agreeing); refuse or warn on a mismatch. Return whether it matched and the non-persistent buffers that
+    differ (warned, not refused)."""
+    saved_print = dict(mine["fingerprint"])
+    restored = fingerprint_of(trainer, restored_rng, None, algorithm=algorithm_of(saved_print))
+    if loaded is not None and "weights" not in saved_print:  # the file proved what was saved: compare with it
+        saved_print, restored = compared_with_loaded(trainer, loaded, mine, saved_print, restored)
+    bad = collective.agreed(fingerprint_mismatches(saved_print, restored, checked))
+    if bad:
+        refuse_or_warn(strict, trainer.ckpt_path, [f"fingerprint after restore: {line}" for line in bad])
+    unsaved = collective.agreed(unsaved_buffer_mismatches(mine["fingerprint"], restored))
+    if unsaved:
+        warn_unsaved_buffers(unsaved)
+    return not bad, unsaved
 
 
 LoadedDigests = dict[str, Any]
@@ -205,32 +226,76 @@ def state_for_this_rank(trainer: pl.Trainer, saved: Mapping[str, Any]) -> dict[s
     return dict(ranks[old_rank_for(trainer.global_rank, len(ranks))])
 
 
+class Position(Protocol):
+    """Where the resumed epoch's data comes from and whose RNG streams a rank continues: the part of the one
+    restore sequence (``restore_position_and_rng``) that differs between the saved world size (``SavedPosition``)
+    and another (``exact.elastic.DealtPosition``). Neither decides when it runs: the sequence does."""
+
+    def place(self, trainer: pl.Trainer, mine: Mapping[str, Any], afterwards: Afterwards) -> Optional[EpochPlan]:
+        """Put the data position in place and make the epoch's iterator (both may draw); return the planned
+        epoch whose length Lightning must be told, if any."""
+        ...
+
+    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+        """After this rank's saved streams are restored: the streams of a rank that has none of its own."""
+        ...
+
+    def finish(self, trainer: pl.Trainer) -> None:
+        """After the due validation: what the position changes for the rest of the run."""
+        ...
+
+
+@dataclass(frozen=True)
+class SavedPosition:
+    """The saved world size: each loader takes this rank's saved position, the iterator its prefetched batches
+    (and the plan of an epoch an elastic resume dealt), and every rank continues its own streams."""
+
+    signatures: list[Mapping[str, Any]]
+    """The saved loaders' signatures (a loader whose workers changed restarts its epoch)."""
+
+    def place(self, trainer: pl.Trainer, mine: Mapping[str, Any], afterwards: Afterwards) -> Optional[EpochPlan]:
+        loaders = lc.train_loaders(trainer)
+        plan = elastic_restore.put_back_plan(trainer, mine, afterwards)  # an epoch an elastic resume dealt
+        _load_loader_states(loaders, mine["loaders"], self.signatures)
+        if mine["epoch_exhausted"]:
+            lc.apply_loader_states(loaders)
+        else:
+            # The sampler's epoch picks its order; the iterator Lightning made before the restore had the default.
+            lc.set_sampler_epoch(loaders, trainer.current_epoch)
+            lightning_gaps.restart_train_iterator(trainer, mine)  # with the saved prefetched batches
+        return plan
+
+    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+        """Every rank has its own saved streams: nothing to add."""
+
+    def finish(self, trainer: pl.Trainer) -> None:
+        """Nothing changes for the rest of the run (``keep_accumulation`` ran before the sequence)."""
+
+
 def restore_position_and_rng(
     trainer: pl.Trainer,
     mine: Mapping[str, Any],
-    saved: Mapping[str, Any],
     generators: Mapping[str, torch.Generator],
     afterwards: Afterwards,
+    position: Position,
 ) -> Any:
-    """Restore in the order the uninterrupted run consumed randomness; return the RNG as restored."""
+    """The one order of a restore, the order in which the uninterrupted run consumed randomness; return the RNG
+    as restored. Every step that draws comes before the streams are put back, so what it drew is undone: the
+    replayed epoch-start hooks of an epoch under way, then the data position and the epoch's new iterator
+    (``position.place``). Then this rank's saved streams, and a new rank's own (``position.reseed``), captured as
+    restored. Then the planned epoch's length, and the validation that was due right after the saved step,
+    which draws from the restored streams. Last, what the position changes for the rest of the run."""
     if not mine["epoch_exhausted"]:
-        # Before the RNG is restored: whatever the replayed hooks draw is put back.
         epoch_hooks.warn_not_replayed(epoch_hooks.replay_epoch_start(trainer))
-    loaders = lc.train_loaders(trainer)
-    plan = elastic_restore.put_back_plan(trainer, mine, afterwards)  # an epoch an elastic resume dealt
-    _load_loader_states(loaders, mine["loaders"], saved.get("signature", {}).get("loaders", []))
-    if mine["epoch_exhausted"]:
-        lc.apply_loader_states(loaders)
-    else:
-        # The sampler's epoch picks its order; the iterator Lightning made before the restore had the default.
-        lc.set_sampler_epoch(loaders, trainer.current_epoch)
-        lightning_gaps.restart_train_iterator(trainer, mine)  # with the saved prefetched batches
-        if plan is not None:
-            elastic_restore.planned_length(trainer, plan, afterwards)
+    plan = position.place(trainer, mine, afterwards)
     restore_rng(mine["rng"], generators)
+    position.reseed(trainer, mine, generators)
     restored_rng = capture_rng(generators)
-    if mine["validation_pending"]:
-        lc.run_due_validation(trainer, mine["epoch_exhausted"], mine.get("epoch", trainer.current_epoch))
+    if plan is not None:
+        elastic_restore.planned_length(trainer, plan, afterwards)
+    if mine["validation_pending"]:  # on every rank, as the saving run's ranks did
+        lc.run_due_validation(trainer, mine["epoch_exhausted"], int(mine.get("epoch", trainer.current_epoch)))
+    position.finish(trainer)
     return restored_rng
 
 
@@ -378,3 +443,135 @@ def check_same_checkpoint(trainer: pl.Trainer, pending: Optional[Mapping[str, An
         "Every rank must resume from the same checkpoint: keep checkpoints on a filesystem all nodes share, or"
         " copy rank 0's checkpoint directory to every node before relaunching.",
     )
+
+
+class BeforeAfter(NamedTuple):
+    """A quantity in the saving run and from the resume on (``ResumeReport`` on another world size)."""
+
+    before: int
+    after: int
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """What ``ExactResume`` restored when training started: ``ExactResume.resume_report``.
+
+    Set at ``on_train_start`` on every rank; before it (and on a fresh start) every field but ``source`` is
+    empty. ``report.exact`` says whether the run continues bit for bit; where it does not, ``differences`` says
+    why, one line each (each was also warned). ``report["key"]``, the dict of earlier versions, still works in
+    this release with a ``DeprecationWarning`` naming the attribute; ``to_dict()`` gives that dict."""
+
+    source: Optional[str] = None
+    """The checkpoint file resumed from (the one that loaded, where ``"last"`` fell back); ``None``: a fresh start."""
+    step: Optional[int] = None
+    """The global step training resumed at; ``None``: nothing was restored (a fresh start, or a checkpoint
+    without ExactResume's state)."""
+    exact: Optional[bool] = None
+    """``True``: the run continues bit for bit; ``False``: not exactly (``differences``); ``None``: nothing restored."""
+    differences: tuple[str, ...] = ()
+    """Every way this resume is not exact (a checkpoint that does not fit the run under ``strict=False``, a
+    capture mid-step, a loader whose position cannot be saved, another world size), one line each."""
+    user_state: tuple[str, ...] = ()
+    """The paths of the state kept outside Lightning that was restored (``"model.lr_scheduler"``)."""
+    fingerprint_ok: Optional[bool] = None
+    """The state's fingerprint after the restore matched the saved one; ``None``: not checked
+    (``ExactResume(fingerprint=False)``, no fingerprint saved, or a sharded run resumed on another world size)."""
+    unsaved_buffers_differ: tuple[str, ...] = ()
+    """Non-persistent buffers (in no checkpoint) that differed from the saving run's right after the restore."""
+    tier: Optional[str] = None
+    """Where the run resumed from: ``"memory"`` (a memory-tier snapshot) or ``"durable"`` (a checkpoint file);
+    ``None``: nothing restored."""
+    memory_tier: Optional[str] = None
+    """Why the memory tier's snapshots were not used (they were taken on another world size); ``None``: no reason."""
+    sample_exact: Optional[bool] = None
+    """On another world size (``elastic``): ``True``, every sample of the interrupted epoch is trained once;
+    ``None`` on the saved world size (where ``exact`` says more)."""
+    world_size: Optional[BeforeAfter] = None
+    """On another world size: the checkpoint's number of processes and this run's; else ``None``."""
+    global_batch: Optional[BeforeAfter] = None
+    """On another world size: samples per optimizer step, before and after; else ``None``."""
+    accumulate_grad_batches: Optional[BeforeAfter] = None
+    """On another world size: gradient accumulation before and after (``elastic="keep_global_batch"`` changes
+    it); else ``None``."""
+    untrained: Optional[int] = None
+    """Dealt inside an interrupted epoch: the samples of it not yet trained, dealt to the new ranks."""
+    repeated: Optional[int] = None
+    """Dealt inside an interrupted epoch: samples trained twice so that every rank has as many."""
+    dropped: Optional[int] = None
+    """Dealt inside an interrupted epoch: samples left out (the sampler's ``drop_last``)."""
+
+    @property
+    def resumed(self) -> bool:
+        """Whether anything was restored (``step`` is set)."""
+        return self.step is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as the plain, JSON-ready dict of earlier versions: ``source`` always, the lists only when
+        something was restored, ``unsaved_buffers_differ`` only when some differ, other fields unless ``None``;
+        ``world_size`` as ``{"checkpoint", "now"}``, the other pairs as ``{"before", "after"}``."""
+        out: dict[str, Any] = {"source": self.source}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "source" or value is None or (f.name == "unsaved_buffers_differ" and not value):
+                continue
+            if f.name in ("differences", "user_state") and not self.resumed:
+                continue
+            if isinstance(value, BeforeAfter):
+                names = ("checkpoint", "now") if f.name == "world_size" else ("before", "after")
+                value = dict(zip(names, value, strict=True))
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def __getitem__(self, key: str) -> Any:
+        _deprecated_key(key)
+        return self.to_dict()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``report.get("key")`` of earlier versions (deprecated: read the attribute)."""
+        _deprecated_key(key)
+        return self.to_dict().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        _deprecated_key(str(key))
+        return key in self.to_dict()
+
+
+def _deprecated_key(key: str) -> None:
+    known = key in {f.name for f in fields(ResumeReport)}
+    use = f"ExactResume.resume_report.{key}" if known else "the attributes of ResumeReport"
+    warnings.warn(
+        f"ExactResume.resume_report[{key!r}] is deprecated (the report is a ResumeReport): use {use}; "
+        "to_dict() gives the earlier dict. Item access goes in the next release.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def moved_report(move: Move) -> dict[str, Any]:
+    """The ``ResumeReport`` fields of a resume on another world size."""
+    before, after = move.global_batch()
+    out: dict[str, Any] = {
+        "sample_exact": True,
+        "world_size": BeforeAfter(move.old_world, move.new_world),
+        "global_batch": BeforeAfter(before, after),
+        "accumulate_grad_batches": BeforeAfter(*move.accumulate),
+    }
+    if move.deal is not None:
+        out.update(untrained=move.deal.untrained, repeated=len(move.deal.padded), dropped=len(move.deal.dropped))
+    return out
+
+
+def as_launched(
+    report: ResumeReport, source: Optional[str], tier: Optional[str], memory_tier: bool, unsaved: list[str]
+) -> ResumeReport:
+    """The report of a launch: the ``source`` resumed from and, where something was restored, what the callback
+    adds: the ``tier`` resumed from, why a memory tier's snapshots were not used (another world size), and the
+    loaders whose position could not be saved (then not exact)."""
+    if not report.resumed:
+        return replace(report, source=source)
+    memory = None
+    if memory_tier and report.world_size is not None:
+        memory = f"snapshots of {report.world_size.before} ranks not used: resumed from disk"
+    exact = False if unsaved else report.exact
+    differences = (*report.differences, *unsaved)
+    return replace(report, source=source, tier=tier, memory_tier=memory, exact=exact, differences=differences)

@@ -37,7 +37,7 @@ from lightning_resume.schedule.state import Tier
 from lightning_resume.staging.lending import Offer
 
 MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
-"""The tiers a run can resume from (``ExactResume.resume_report["tier"]``)."""
+"""The tiers a run can resume from (``ExactResume.resume_report.tier``)."""
 
 
 FLUSH_TIMEOUT_S = 60.0

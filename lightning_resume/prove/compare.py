@@ -339,7 +339,7 @@ def compare(a: Trace, b: Trace, *, require_relaunch: bool = True, ignore: Sequen
     cause, fix = first.diagnosis or _diagnose(first)
     return Verdict(
         False, step=first.step, rank=first.rank, component=first.component, expected=first.expected,
-        got=first.got, cause=cause, fix=fix, detail=first.detail, sure=not cause.startswith(NOT_SURE), **summary,
+        got=first.got, cause=cause, fix=fix, detail=first.detail, sure=not isinstance(cause, Unsure), **summary,
     )  # fmt: skip
 
 
@@ -609,7 +609,13 @@ def _last_step(records: Sequence[Record]) -> Optional[int]:
 # ------------------------------------------------------------------------------------------ diagnosis
 
 NOT_SURE = "not sure"
-"""How a cause begins when the recorded evidence does not single one out (``Verdict.sure`` is then ``False``)."""
+"""How a cause begins when the recorded evidence does not single one out."""
+
+
+class Unsure(str):
+    """A cause the recorded evidence does not single out: ``Verdict.sure`` is then ``False``, decided by this
+    type where the cause is made (``_not_sure``), never by reading the cause's words."""
+
 
 POSITION_FIX = (
     "use a torch DataLoader or torchdata's StatefulDataLoader (same arguments), whose position ExactResume saves,"
@@ -636,8 +642,8 @@ def _named(found: Sequence[Finding]) -> str:
     return "; ".join(f.line for f in found)
 
 
-def _not_sure(what: str, compared: str, possible: str) -> str:
-    return f"{NOT_SURE} why {what}: {compared}; nothing recorded singles out one cause; possible: {possible}"
+def _not_sure(what: str, compared: str, possible: str) -> Unsure:
+    return Unsure(f"{NOT_SURE} why {what}: {compared}; nothing recorded singles out one cause; possible: {possible}")
 
 
 def _not_deterministic(f: _Finding) -> tuple[str, str]:

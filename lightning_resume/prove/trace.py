@@ -169,19 +169,20 @@ class TraceRecorder:
     def start(
         self,
         trainer: pl.Trainer,
-        resume_report: Mapping[str, Any],
+        exact: Optional[bool],
         problems: Sequence[str],
         findings: Iterable[Finding] = (),
     ) -> None:
         """After any restore: the step is the one this launch resumed at. What the restore itself ran (the
         validation that was due right after the saved step) was held back and follows this record: it
-        belongs to this launch. ``findings``: the same problems with their kinds (``prove.findings``), which
-        the diagnosis reads; ``loaders`` and ``schedulers`` say what the run trains with."""
+        belongs to this launch. ``exact``: the resume report's (``None``: nothing restored). ``findings``: the
+        same problems with their kinds (``prove.findings``), which the diagnosis reads; ``loaders`` and
+        ``schedulers`` say what the run trains with."""
         ckpt = trainer.ckpt_path
         held, self._held = self._held or [], None
         self._write(
             "start", pid=os.getpid(), rank=self.rank, world_size=trainer.world_size, step=trainer.global_step,
-            resumed_from=None if ckpt is None else str(ckpt), exact=resume_report.get("exact"),
+            resumed_from=None if ckpt is None else str(ckpt), exact=exact,
             problems=list(problems), findings=[f.to_record() for f in findings], loaders=loader_facts(trainer),
             schedulers=scheduler_facts(trainer), time=self._clock(),
         )  # fmt: skip

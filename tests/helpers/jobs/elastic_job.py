@@ -77,7 +77,7 @@ class WriteReport(Callback):
         self.exact, self.out = exact, out
 
     def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:  # after ExactResume's (listed first)
-        report = {**self.exact.resume_report, "world_size_now": trainer.world_size}
+        report = {**self.exact.resume_report.to_dict(), "world_size_now": trainer.world_size}
         path = self.out / f"report-rank{trainer.global_rank}-attempt{restart_count()}.json"
         path.write_text(json.dumps(report, default=str))
 
@@ -133,7 +133,7 @@ def main(cfg: dict) -> None:
     trainer.fit(model, ckpt_path="last")
     attempt = {
         "restart": restart_count(),
-        "resumed_from": (exact.resume_report or {}).get("step"),
+        "resumed_from": exact.resume_report.step,
         "mtbf_s": exact.scheduler.state.mtbf_s if exact.scheduler and exact.scheduler.state else None,
         "world_size": trainer.world_size,
     }

@@ -156,9 +156,9 @@ def main(a: Any) -> None:
     except Exception as err:
         with open(os.path.join(out, f"error-{trainer.global_rank}.txt"), "w") as handle:
             handle.write(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
-    if exact.resume_report is not None:  # what the resume said it did: OUT/report-rank<R>.json
-        with open(os.path.join(out, f"report-rank{trainer.global_rank}.json"), "w") as handle:
-            json.dump(exact.resume_report, handle, default=str)
+    # What the resume said it did: OUT/report-rank<R>.json
+    with open(os.path.join(out, f"report-rank{trainer.global_rank}.json"), "w") as handle:
+        json.dump(exact.resume_report.to_dict(), handle, default=str)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
         torch.save({"model": full, "losses": model.losses}, os.path.join(out, "final.pt"))

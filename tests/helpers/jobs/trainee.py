@@ -506,7 +506,7 @@ def main(cfg: dict) -> None:
     torch.save(_final_state(trainer, model), out / ("final.pt" if rank == 0 else f"final-rank{rank}.pt"))
     exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactResume)), None)
     if exact is not None:  # what the resume said it did, for the tests to read: ``<out>/report-rank<R>.json``
-        report = {**exact.resume_report, "accumulate_grad_batches_now": trainer.accumulate_grad_batches}
+        report = {**exact.resume_report.to_dict(), "accumulate_grad_batches_now": trainer.accumulate_grad_batches}
         saver = getattr(trainer.strategy.checkpoint_io, "_saver", None)
         if getattr(saver, "overlap_copy", False):  # what the overlapped copies did, for the tests to check
             report["overlap_copy"] = {"guarded": saver.guarded, "recopied": saver.recopied}

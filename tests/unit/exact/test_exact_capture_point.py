@@ -54,14 +54,14 @@ def test_a_checkpoint_saved_inside_a_step_resumes_as_not_exact_and_says_why(tmp_
     exact = ExactResume(strict=False, preemption_signals=None)
     with pytest.warns(ExactResumeWarning, match="captured inside training step"):
         _fit(tmp_path, [], exact, ckpt_path=str(inside))
-    assert exact.resume_report["exact"] is False
-    assert any("inside training step" in line for line in exact.resume_report["differences"])
+    assert exact.resume_report.exact is False
+    assert any("inside training step" in line for line in exact.resume_report.differences)
 
     # not a mismatch with the run: Lightning's own mid-step checkpoints resume under strict=True too, said so
     exact = ExactResume(preemption_signals=None)
     with pytest.warns(ExactResumeWarning, match="captured inside training step"):
         _fit(tmp_path, [], exact, ckpt_path=str(inside))
-    assert exact.resume_report["exact"] is False
+    assert exact.resume_report.exact is False
 
 
 def test_a_checkpoint_saved_at_a_step_boundary_is_exact(tmp_path: Path) -> None:
@@ -71,4 +71,4 @@ def test_a_checkpoint_saved_at_a_step_boundary_is_exact(tmp_path: Path) -> None:
     assert state["captured_at"] == "step_boundary"
     exact = ExactResume(preemption_signals=None)
     _fit(tmp_path, [], exact, ckpt_path=str(boundary))
-    assert exact.resume_report["exact"] is True and exact.resume_report["fingerprint_ok"] is True
+    assert exact.resume_report.exact is True and exact.resume_report.fingerprint_ok is True

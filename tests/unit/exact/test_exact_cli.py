@@ -47,5 +47,5 @@ def test_shipped_yaml_trains_snapshots_and_resumes(tmp_path: Path) -> None:
         save_config_callback=None,
     )
     exact = next(c for c in resumed.trainer.callbacks if isinstance(c, ExactResume))
-    assert exact.resume_report["exact"] and exact.resume_report["fingerprint_ok"]
+    assert exact.resume_report.exact and exact.resume_report.fingerprint_ok
     assert resumed.trainer.global_step == 14

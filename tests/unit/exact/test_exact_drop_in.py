@@ -140,7 +140,7 @@ def test_a_loader_that_saves_no_position_resumes_as_lightning_does_and_says_so(t
         Trainer(callbacks=[exact], enable_checkpointing=False, **kwargs).fit(
             BoringModel(), batches, ckpt_path=tmp_path / "epoch=0-step=1.ckpt"
         )
-    assert exact.resume_report["exact"] is False and any("Batches" in d for d in exact.resume_report["differences"])
+    assert exact.resume_report.exact is False and any("Batches" in d for d in exact.resume_report.differences)
 
 
 def test_ddp_spawn_can_send_the_trainers_methods_to_its_processes(tmp_path):

@@ -67,7 +67,7 @@ def test_last_refuses_a_partial_naming_it_and_both_fixes_and_resumes_with_weight
     assert set(refused.value.pickled) == {str(tmp_path / "last.ckpt"), str(tmp_path / "epoch=1-step=8.ckpt")}
     exact = ExactResume(mtbf=None)
     trainer = _fit(PartialOptimizer(), [exact, ModelCheckpoint(dirpath=tmp_path)], "last", 3, weights_only=False)
-    assert exact.resume_report["step"] == 8 and trainer.global_step == 12
+    assert exact.resume_report.step == 8 and trainer.global_step == 12
 
 
 def test_safetensors_io_refuses_module_and_partial_hparams_when_fit_starts(tmp_path):

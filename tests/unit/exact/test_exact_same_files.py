@@ -65,7 +65,7 @@ def test_the_resumed_run_writes_the_files_the_uninterrupted_run_writes(tmp_path,
     resume_source = listing(b_dir)[-1]
     c_callback = CALLBACKS[kind](b_dir)
     c_trainer, c_model, c_saves = _fit(c_callback, 24, ckpt_path="last")
-    assert c_trainer.callbacks[0].resume_report["source"].endswith(resume_source)
+    assert c_trainer.callbacks[0].resume_report.source.endswith(resume_source)
     assert c_saves == [step for step in a_saves if step > 9]  # the same saves at the same steps
     # the file resumed from is never deleted by the resumed run (Lightning's rule and ours); else the same files
     assert sorted(set(listing(b_dir)) - {resume_source}) == sorted(set(listing(a_dir)) - {resume_source})

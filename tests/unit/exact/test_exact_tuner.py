@@ -17,7 +17,7 @@ from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_resume import ExactResume
+from lightning_resume import ExactResume, ResumeReport
 from tests.helpers.models import QUIET, sum_data
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,7 +98,7 @@ def test_a_fit_after_the_tuner_is_the_fit_without_exact_resume(tmp_path, tuner):
     assert _weights(ours) == _weights(stock)
     assert (ours.learning_rate, ours.batch_size) == (stock.learning_rate, stock.batch_size)
     exact = next(cb for cb in trainer.callbacks if isinstance(cb, ExactResume))
-    assert exact.resume_report == {"source": None}  # a fresh start, not a resume of the tuner's temporary file
+    assert exact.resume_report == ResumeReport()  # a fresh start, not a resume of the tuner's temporary file
     assert not list(tmp_path.rglob(".lr_find_*")) and not list(tmp_path.rglob(".scale_batch_size_*"))
 
 
@@ -110,7 +110,7 @@ def test_a_resume_of_a_tuned_run_is_exact(tmp_path, tuner):
     step4 = tmp_path / "a" / "ckpt" / "epoch=0-step=4.ckpt"
     c, trainer = run(tmp_path / "c", tuner, exact=True, ckpt_path=str(step4))
     exact = next(cb for cb in trainer.callbacks if isinstance(cb, ExactResume))
-    assert exact.resume_report["source"] == str(step4)  # the tuner's restore did not replace the resume's source
-    assert exact.resume_report["exact"], exact.resume_report
+    assert exact.resume_report.source == str(step4)  # the tuner's restore did not replace the resume's source
+    assert exact.resume_report.exact, exact.resume_report
     assert c.loss_bits == a.loss_bits[4:]
     assert _weights(c) == _weights(a)

@@ -59,7 +59,7 @@ def test_the_save_hashes_no_weights_and_the_resume_checks_them_against_the_file(
     assert rank["fingerprint"]["hash"] == fingerprint.HASH and "rng" in rank["fingerprint"]
     exact = ExactResume(preemption_signals=None)
     _fit(tmp_path, exact, ckpt_path=str(saved))
-    assert exact.resume_report["exact"] is True and exact.resume_report["fingerprint_ok"] is True
+    assert exact.resume_report.exact is True and exact.resume_report.fingerprint_ok is True
 
 
 def test_a_state_changed_after_the_load_is_still_refused(saved: Path, tmp_path: Path):

@@ -61,8 +61,8 @@ def test_crash_keeps_the_snapshot_and_last_resumes_from_memory(tmp_path: Path, s
         _fit(tmp_path, shm, ckpt_path="last", crash_at=9)
     assert len(list(shm.glob("*/*/rank-0-of-1.safetensors"))) == 1  # kept after the exception
     resumed = _fit(tmp_path, shm, ckpt_path="last")
-    assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8
-    assert resumed.resume_report["exact"] and resumed.resume_report["fingerprint_ok"]
+    assert resumed.resume_report.tier == "memory" and resumed.resume_report.step == 8
+    assert resumed.resume_report.exact and resumed.resume_report.fingerprint_ok
     assert not list(shm.glob("*/*/rank-*")), "a clean end frees the memory tier"
 
 
@@ -73,7 +73,7 @@ def test_a_fresh_start_drops_the_snapshot_of_another_line(tmp_path: Path, shm: P
         _fit(tmp_path, shm, ckpt_path=None, crash_at=1)  # starts over: step 8's snapshot is not its own
     assert not list(shm.glob("*/*/rank-*.safetensors"))
     resumed = _fit(tmp_path, shm, ckpt_path="last")
-    assert resumed.resume_report.get("tier") != "memory"
+    assert resumed.resume_report.tier != "memory"
 
 
 def test_memory_options_come_from_lightning_cli_yaml() -> None:
@@ -108,7 +108,7 @@ def test_an_exception_lets_the_snapshot_being_written_commit(tmp_path: Path, shm
         _fit(tmp_path, shm, ckpt_path="last", crash_at=9)
     monkeypatch.undo()
     resumed = _fit(tmp_path, shm, ckpt_path="last")
-    assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8
+    assert resumed.resume_report.tier == "memory" and resumed.resume_report.step == 8
 
 
 def _overlapped_fit(
@@ -154,8 +154,8 @@ def test_with_overlap_copy_memory_snapshots_are_overlapped_and_resume_bitwise(tm
     copy = None if store is None else store.last_copy
     assert copy is not None and copy.deferred_bytes > 0 and not copy.recopied
     resumed, weights = _overlapped_fit(tmp_path / "b", shm / "b")
-    assert resumed.resume_report["tier"] == "memory" and resumed.resume_report["step"] == 8
-    assert resumed.resume_report["exact"] and resumed.resume_report["fingerprint_ok"]
+    assert resumed.resume_report.tier == "memory" and resumed.resume_report.step == 8
+    assert resumed.resume_report.exact and resumed.resume_report.fingerprint_ok
     assert weights.keys() == reference.keys()
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
@@ -210,6 +210,6 @@ def test_a_memory_snapshot_at_a_durable_step_writes_that_saves_staging_and_resum
     resumed: list[ExactResume] = []
     weights = _lending_fit(tmp_path / "b", shm / "b", overlap, made=resumed)
     report = resumed[0].resume_report
-    assert report["tier"] == "memory" and report["step"] == 8 and report["exact"] and report["fingerprint_ok"]
+    assert report.tier == "memory" and report.step == 8 and report.exact and report.fingerprint_ok
     assert weights.keys() == reference.keys()
     assert all(torch.equal(weights[k], reference[k]) for k in reference)

@@ -281,7 +281,7 @@ def test_clearing_the_checkpoint_directory_starts_a_new_run(tmp_path: Path, shm:
     for p in ckpt.glob("*"):  # what `rm -rf ckpt/*` removes: every name without a leading dot
         p.unlink()
     fresh = _fit(ckpt, shm, "last")
-    assert fresh.resume_report.get("tier") is None and fresh.resume_report["source"] is None
+    assert fresh.resume_report.tier is None and fresh.resume_report.source is None
     assert not _snapshot_steps(shm), "the old run's snapshot is dropped, and this run's freed at its end"
 
 
@@ -293,7 +293,7 @@ def test_a_newer_torch_save_checkpoint_beats_an_older_memory_snapshot(tmp_path: 
         _fit(ckpt, shm, "last", crash_at=5, durable_every=100, **own_schedule)
     assert _snapshot_steps(shm) == [4] and (ckpt / "epoch=1-step=5.ckpt").exists()
     resumed = _fit(ckpt, shm, "last", durable_every=100, **own_schedule)
-    assert resumed.resume_report["tier"] == "durable" and resumed.resume_report["step"] == 5
+    assert resumed.resume_report.tier == "durable" and resumed.resume_report.step == 5
 
 
 def test_a_fit_whose_root_another_user_holds_trains_on_with_the_tier_off_and_says_so(

@@ -236,6 +236,16 @@ def test_batch_content_differing_without_evidence_is_not_sure_and_says_what_was_
     assert "RNG streams before it were equal" in verdict.cause
 
 
+def test_sure_comes_from_how_the_cause_was_found_never_from_its_words(monkeypatch):
+    """A cause the evidence singles out is sure whatever words begin it: ``Verdict.sure`` reads no text."""
+    from lightning_resume.prove import compare as module
+
+    words = "not sure is how this cause happens to begin"
+    monkeypatch.setitem(module._CAUSES, "batch", lambda f: (words, "fix"))
+    verdict = compare({0: run()}, {0: relaunched(changed_at(5, batch="other"))})
+    assert verdict.cause == words and verdict.sure
+
+
 COMBINED = {"mode": "max_size", "each": [{"type": "DataLoader", "dataset": "A", "iterable": False}] * 2}
 REPLAY = {"mode": None, "each": [{"type": "DataLoader", "dataset": "ReplayBuffer", "iterable": True}]}
 

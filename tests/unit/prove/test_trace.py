@@ -183,7 +183,7 @@ def test_schedulers_and_captured_state_are_digested_as_each_step_starts(tmp_path
     recorder = trace.from_environment(0, fingerprint.digest, rng.capture_rng, {trace.TRACE_ENV: str(tmp_path / "u")},
                                       components=lambda: {"model.lr_scheduler": "d1"})  # fmt: skip
     assert recorder is not None
-    recorder.start(trainer, {}, [])
+    recorder.start(trainer, None, [])
     recorder.batch_start(trainer, torch.zeros(1))
     recorder.batch_end(trainer, {"loss": torch.tensor(1.0)}, 0)
     recorder.close()

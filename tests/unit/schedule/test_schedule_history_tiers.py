@@ -12,6 +12,7 @@ from lightning_resume.schedule.state import Tier
 
 HOUR = 3600.0
 
+
 def test_memory_resume_after_a_crash_is_a_process_failure_and_a_disk_resume_a_node_failure():
     h = history.record_start(history.FailureHistory(), now=0.0, checkpoint_time=None)
     h = history.record_start(h, now=1000.0, checkpoint_time=990.0, tier=Tier.MEMORY)  # crash, memory survived

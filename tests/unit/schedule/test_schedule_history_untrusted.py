@@ -122,7 +122,9 @@ def test_only_the_newest_events_are_kept() -> None:
     n = history.MAX_EVENTS + 3
     restarts = [NOW - 10.0 - (n + 1 - i) * HOUR for i in range(1, n + 1)]  # a failure every hour of uptime
     events = [dict(EVENT, restart_time=t, checkpoint_time=t, uptime_s=HOUR) for t in restarts]
-    match = rf"^{re.escape(CHECKPOINT_SOURCE)}: the resume history holds {n} events, more than the 10000 kept; the oldest 3"
+    match = (
+        rf"^{re.escape(CHECKPOINT_SOURCE)}: the resume history holds {n} events, more than the 10000 kept; the oldest 3"
+    )
     with pytest.warns(HistoryWarning, match=match):
         sched = _resume(_history(*events))
     _assert_usable(sched)

@@ -169,13 +169,6 @@ class NoticePoller:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def poll_once(self) -> Optional[Notice]:
-        """One round over every cloud on the caller's thread (what the thread does each interval);
-        returns ``notice``. Not while the thread runs: the two would share the AWS token."""
-        if self.running:
-            raise RuntimeError("NoticePoller.poll_once: the polling thread is running; read .notice instead")
-        return self._poll_round()
-
     # ----------------------------------------------------------------------------------- internals
 
     def _run(self) -> None:

@@ -20,7 +20,7 @@ from lightning_resume._compat import lightning as lc
 from lightning_resume.exact import lightning_gaps
 from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import loader_signature, loader_state, order_record
-from lightning_resume.exact.state.fingerprint import HASH, digest, fingerprint
+from lightning_resume.exact.state.fingerprint import digest, fingerprint
 from lightning_resume.exact.state.rng import capture_rng
 from lightning_resume.exact.state.user import UserState, metrics_held
 from lightning_resume.exact.state.user import capture as capture_user
@@ -137,9 +137,7 @@ def decision_metrics(trainer: pl.Trainer) -> dict[str, Any]:
     }
 
 
-def fingerprint_of(
-    trainer: pl.Trainer, rng: Any, data: Any, bulk: bool = True, algorithm: str = HASH
-) -> dict[str, str]:
+def fingerprint_of(trainer: pl.Trainer, rng: Any, data: Any, bulk: bool = True) -> dict[str, str]:
     """The fingerprint of this rank's weights and optimizer state (``bulk``), RNG, data position, step, and of
     each module buffer checkpoints do not hold (``persistent=False``)."""
     module = trainer.lightning_module
@@ -147,7 +145,7 @@ def fingerprint_of(
     unsaved = {name: buffer for name, buffer in module.named_buffers() if name not in state}
     optimizers = [opt.state_dict() for opt in trainer.optimizers] if bulk else None
     step = trainer.global_step
-    return fingerprint(state if bulk else None, optimizers, rng, data, step, unsaved, algorithm)
+    return fingerprint(state if bulk else None, optimizers, rng, data, step, unsaved)
 
 
 def signature(trainer: pl.Trainer) -> dict[str, Any]:

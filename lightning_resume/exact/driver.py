@@ -66,7 +66,6 @@ def start(
         checkpoint_wall_time=pending.get("saved_at"),
         resumed_tier=resumed_tier,
         keep_history=scheduler.takes_snapshots and not quick,
-        legacy_history_dir=snapshots.snapshot_dir(trainer),
     )
 
 

@@ -100,7 +100,7 @@ def owed_after_save(trainer: pl.Trainer, saved: Optional[Mapping[str, Any]], min
         lc.leave_finished_epoch(trainer)  # what start_next_epoch does first: then Lightning's count is final
         epoch = int(mine.get("epoch", trainer.current_epoch))
         if trainer.current_epoch > epoch:
-            end_saved_epoch(trainer, epoch, after_batch=bool(saved.get("after_batch", saved.get("step_plateau_owed"))))
+            end_saved_epoch(trainer, epoch, after_batch=bool(saved.get("after_batch")))
 
 
 def end_saved_epoch(trainer: pl.Trainer, epoch: int, after_batch: bool) -> None:

@@ -31,7 +31,6 @@ from lightning_resume.exact.state import rank_local
 from lightning_resume.exact.state.data import is_resumable, load_loader_state, loader_signature
 from lightning_resume.exact.state.elastic import old_rank_for
 from lightning_resume.exact.state.fingerprint import (
-    algorithm_of,
     digest,
     fingerprint_mismatches,
     tensor_digests,
@@ -139,7 +138,7 @@ def check_restored(
     agreeing); refuse or warn on a mismatch. Return whether it matched and the non-persistent buffers that
     differ (warned, not refused)."""
     saved_print = dict(mine["fingerprint"])
-    restored = fingerprint_of(trainer, restored_rng, None, algorithm=algorithm_of(saved_print))
+    restored = fingerprint_of(trainer, restored_rng, None)
     if loaded is not None and "weights" not in saved_print:  # the file proved what was saved: compare with it
         saved_print, restored = compared_with_loaded(trainer, loaded, mine, saved_print, restored)
     bad = collective.agreed(fingerprint_mismatches(saved_print, restored, checked))
@@ -364,11 +363,6 @@ def differences_from(
     return out
 
 
-UNRECORDED = ("batch_size", "drop_last")
-"""Loader fields checkpoints before this version recorded as ``None`` where Lightning had rebuilt the loader
-around a batch sampler (``data.batching``): unknown, so not compared."""
-
-
 def _signature_differences(
     then: Mapping[str, Any],
     now: Mapping[str, Any],
@@ -384,7 +378,7 @@ def _signature_differences(
         out += [
             f"train loader {i} {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}"
             for k in b
-            if a.get(k) != b[k] and k not in ignored and not (k in UNRECORDED and a.get(k) is None)
+            if a.get(k) != b[k] and k not in ignored
         ]
     if len(then.get("loaders", [])) != len(now["loaders"]):
         out.append(f"number of train loaders: checkpoint {len(then.get('loaders', []))}, now {len(now['loaders'])}")

@@ -39,11 +39,10 @@ from lightning_resume.storage import multipart
 from lightning_resume.storage.files import is_local, local_path
 from lightning_resume.storage.private import read_small
 
-_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<owner>[0-9a-f]{12})-)?(?P<pid>\d+)-[0-9a-f]{8}$")
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<owner>[0-9a-f]{12})-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 STALE_AFTER_S = 24 * 3600.0
-"""A temporary whose pid cannot be checked here (another owner, or written before owners were recorded)
-is removed only once untouched this long: no save takes a day, and a live one keeps writing."""
+"""A temporary whose pid cannot be checked here (another owner: host, boot or PID namespace) is removed only once untouched this long: no save takes a day, and a live one keeps writing."""
 
 
 def temp_name(final_name: str) -> str:
@@ -204,9 +203,9 @@ def fsync_file_and_dir(path: str) -> None:
 def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List[str]:
     """Remove temporaries in ``directory`` left by interrupted saves; return what was removed.
 
-    Call it only from a writer, never from a reader. Only names matching ``.<name>.tmp-[<owner>-]<pid>-<8 hex>``
+    Call it only from a writer, never from a reader. Only names matching ``.<name>.tmp-<owner>-<pid>-<8 hex>``
     are considered: one of this owner (host, boot, PID namespace) when ``<pid>`` is not alive; any other
-    (another container or host, or no owner recorded) only when untouched for ``STALE_AFTER_S`` seconds,
+    (another container or host) only when untouched for ``STALE_AFTER_S`` seconds,
     so a save in flight elsewhere is never touched. ``now`` is the clock (``time.time()``). A remote
     ``directory`` (a URL) is listed through fsspec, and on S3 its incomplete multi-part uploads older
     than ``STALE_AFTER_S`` are aborted too (they have no owner to ask).

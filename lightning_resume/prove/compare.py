@@ -1,7 +1,7 @@
 """The verdict of ``lightning-resume prove``: run B (killed and relaunched) compared with run A (uninterrupted).
 
 This module owns the comparison rule of ``docs/prove.md``: reading the trace files (``read_trace``, its only
-file access), cutting B's launches where the next one resumed (``effective``), finding the first record
+file access), cutting B's launches where the next one resumed (``_cut``), finding the first record
 that differs on any rank (``compare``), with saves and files whose steps the clock chose (snapshots)
 compared by content where both runs have them, not by presence; naming the cause and fix from the component
 that first differed and the evidence recorded (the ``findings`` of that launch's start, each with a kind,
@@ -154,20 +154,15 @@ STALE_FIX = (
 )
 
 
-def effective(records: Sequence[Record]) -> tuple[list[Record], list[str]]:
+def _cut(records: Sequence[Record]) -> _Cut:
     """B's records of one rank as one uninterrupted history, and the problems its relaunches show.
 
     Each relaunch keeps what came before it up to and including the last ``saved`` record of the step it
     resumed at (a validation between two saves of that step, and the later save, are kept: ``"last"`` is the
     newer one), then its own records; what a killed process did after that checkpoint was lost and redone.
-    Only the compared kinds are returned (no ``start``). Problems: a relaunch that loaded no checkpoint
+    Only the compared kinds are kept (no ``start``). Problems: a relaunch that loaded no checkpoint
     after one was saved (it starts the history over), and a launch that resumed at a step the history it
     continues never saved (cut before the first record past that step)."""
-    cut = _cut(records)
-    return list(cut.records), [p.cause for p in cut.problems]
-
-
-def _cut(records: Sequence[Record]) -> _Cut:
     kept: list[tuple[Record, int]] = []
     starts, resumed_at = [], []
     problems: list[_Problem] = []
@@ -306,7 +301,7 @@ class _Finding:
 
 
 def compare(a: Trace, b: Trace, *, require_relaunch: bool = True, ignore: Sequence[str] = ()) -> Verdict:
-    """Compare B's effective records (``effective``) with A's, record by record, per rank, in order.
+    """Compare B's effective records (``_cut``) with A's, record by record, per rank, in order.
 
     The first difference decides: the lowest position over ranks, the lowest rank on a tie. A relaunch
     problem counts as a difference where that relaunch's records begin. With ``require_relaunch`` (the

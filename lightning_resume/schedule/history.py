@@ -1,28 +1,25 @@
-"""The run's failure history: a small JSON file next to the checkpoints, and the M it implies.
+"""The run's failure history, carried inside every checkpoint, and the M it implies.
 
 Each resume appends one event (when the process restarted, the time of the snapshot it resumed
 from, the time lost, the interval since the previous failure, whether the previous process
 died or stopped cleanly, and which tier it resumed from). A failure resumed from the memory tier
 is a *process failure* (the machine survived: its shared memory still held the snapshot); any
-other failure is counted as a *node failure* (the conservative reading of a disk resume, and of
-events written before tiers were recorded). ``mtbf="observed"`` turns that history into the job's M with
-``estimate_mtbf``. The record functions and the estimate are pure (clock passed in); only
-``load_history`` / ``save_history`` touch the file, and they never take training down: a corrupt,
-oversized or unreadable file gives a ``HistoryWarning`` and a fresh history, a failed write a warning.
-A history is untrusted input wherever it comes from (the file, or the ``history`` entry of the
-checkpoint resumed from): ``read_history`` checks every value (finite, non-negative, durations at
-most ``MAX_DURATION_S``) and keeps the newest ``MAX_EVENTS`` events, and the estimate clamps what it
-returns, so no history can make the schedule fail.
+other failure is counted as a *node failure* (the conservative reading of a disk resume, or of a
+resume whose tier is unknown). ``mtbf="observed"`` turns that history into the job's M with
+``estimate_mtbf``. Everything here is pure (clock passed in): the scheduler stores
+``history_to_json`` in the checkpoint's schedule state and reads it back with ``read_history``.
+The ``history`` entry of the checkpoint resumed from is untrusted input: ``read_history`` checks every
+value (finite, non-negative, durations at most ``MAX_DURATION_S``), keeps the newest ``MAX_EVENTS``
+events and never raises (a bad history gives a ``HistoryWarning`` and a fresh one), and the estimate
+clamps what it returns, so no history can make the schedule fail.
 Times are wall-clock seconds since the epoch (``time.time()``), since they span processes.
-This module knows nothing about Lightning; rank 0 alone should read and write the file.
+This module knows nothing about Lightning or files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -30,11 +27,8 @@ from enum import Enum
 from typing import Any, Mapping, Optional, Sequence
 
 from lightning_resume.errors import HistoryWarning
-from lightning_resume.format.atomic import atomic_write
 from lightning_resume.schedule.state import Tier
-from lightning_resume.storage import files as storage
 
-HISTORY_FILENAME = "resume_history.json"
 FORMAT_VERSION = 1
 
 MAX_DURATION_S = 100 * 365.25 * 24 * 3600.0
@@ -43,10 +37,6 @@ MAX_DURATION_S = 100 * 365.25 * 24 * 3600.0
 MAX_EVENTS = 10_000
 """Events a history keeps: the newest; older ones are dropped, so the estimate reads the newest
 ``MAX_EVENTS`` lives (a run that restarted that often has evidence enough without them)."""
-
-MAX_FILE_BYTES = 4 * 1024 * 1024
-"""The largest history file read (``MAX_EVENTS`` events, as written, take about 2.3 MB); a bigger one is
-refused unread."""
 
 MIN_MTBF_S = 1e-3
 """The floor of an estimated M (a millisecond): with the ceiling ``MAX_DURATION_S``, the range in which
@@ -65,7 +55,7 @@ class ResumeEvent:
     """One resume. ``lost_s`` = restart time - time of the snapshot resumed from (redone work plus
     downtime); ``uptime_s`` = how long the ended process ran, counted (conservatively, for a
     failure) up to that snapshot; ``interval_s`` = time since the previous failure's restart, or the run start.
-    ``tier``: the tier resumed from (``None``: not recorded, as in files written before tiers)."""
+    ``tier``: the tier resumed from (``None``: unknown)."""
 
     restart_time: float
     checkpoint_time: float
@@ -112,11 +102,6 @@ class FailureHistory:
     def life_start(self) -> Optional[float]:
         """When the current process (life) started."""
         return self.events[-1].restart_time if self.events else self.run_start
-
-
-def history_path(dirpath: str) -> str:
-    """``dirpath/resume_history.json``; a URL (``s3://...``) keeps its scheme."""
-    return storage.join(os.fspath(dirpath), HISTORY_FILENAME)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,12 +204,11 @@ def _posterior_mtbf(n: int, history: FailureHistory, prior_mtbf_s: float, prior_
 
 
 # --------------------------------------------------------------------------------------------
-# The file
+# The stored form (the checkpoint's ``history`` entry)
 # --------------------------------------------------------------------------------------------
 
 
 def history_to_json(history: FailureHistory) -> dict:
-    # "tier" is an extra key of version 1: readers that predate it ignore it, and a missing one reads as None
     events = [
         {**dataclasses.asdict(e), "kind": e.kind.value, "tier": None if e.tier is None else e.tier.value}
         for e in history.events
@@ -238,7 +222,7 @@ def history_to_json(history: FailureHistory) -> dict:
 
 
 def history_from_json(data: Any) -> FailureHistory:
-    """Parse a version-1 history (the file's JSON, or a checkpoint's ``history`` entry); ``ValueError``
+    """Parse a version-1 history (a checkpoint's ``history`` entry); ``ValueError``
     naming the first thing wrong with it. Strict: ``read_history`` is the reader that never fails."""
     if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION or isinstance(data["version"], bool):
         raise ValueError(f"not a version-{FORMAT_VERSION} resume history")
@@ -265,10 +249,16 @@ def _event(index: int, e: Any) -> ResumeEvent:
             interval_s=_duration(e, "interval_s"),
             uptime_s=_duration(e, "uptime_s"),
             kind=EventKind(_choice(e, "kind", EventKind)),
-            tier=None if e.get("tier") is None else Tier(_choice(e, "tier", Tier)),
+            tier=_optional_tier(e),
         )
     except ValueError as err:
         raise ValueError(f"event {index}: {err}") from err
+
+
+def _optional_tier(e: Mapping[str, Any]) -> Optional[Tier]:
+    if "tier" not in e:
+        raise ValueError("no tier")
+    return None if e["tier"] is None else Tier(_choice(e, "tier", Tier))
 
 
 def _wall_time(obj: Mapping[str, Any], key: str) -> float:
@@ -321,7 +311,7 @@ def _kind(value: Any) -> str:
 
 
 def read_history(data: Any, source: str) -> FailureHistory:
-    """``data`` as a history, from ``source`` (a file, a checkpoint: untrusted either way); never raises.
+    """``data`` as a history, from ``source`` (a checkpoint: untrusted input); never raises.
 
     More than ``MAX_EVENTS`` events: the newest are kept, with a ``HistoryWarning`` saying how many were
     dropped. Anything else wrong: a ``HistoryWarning`` naming ``source`` and the problem, and a fresh
@@ -349,34 +339,3 @@ def _fresh(source: str, problem: str) -> FailureHistory:
         stacklevel=3,
     )
     return FailureHistory()
-
-
-def load_history(path: str) -> FailureHistory:
-    """The history stored at ``path``; a fresh one if it is missing, or (with a ``HistoryWarning``)
-    unreadable or bigger than ``MAX_FILE_BYTES`` (refused before it is read)."""
-    nbytes = storage.size(str(path))
-    if nbytes is not None and nbytes > MAX_FILE_BYTES:
-        return _fresh(str(path), f"{nbytes} bytes, more than the {MAX_FILE_BYTES} a history is read up to")
-    try:
-        data = json.loads(storage.read_bytes(str(path)).decode("utf-8"))
-    except FileNotFoundError:
-        return FailureHistory()
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
-        return _fresh(str(path), f"{type(err).__name__}: {err}")
-    return read_history(data, str(path))
-
-
-def save_history(path: str, history: FailureHistory) -> bool:
-    """Write atomically (temp file, fsync, ``os.replace``, directory fsync). Returns ``False`` and
-    warns on an OS error (disk full, permissions): losing the history must not stop training."""
-    data = json.dumps(history_to_json(history), indent=1, sort_keys=True).encode("utf-8")
-    try:
-        atomic_write(path, lambda f: f.write(data))
-        return True
-    except OSError as err:
-        warnings.warn(
-            f"{path}: could not write the resume history ({err}); training continues without it.",
-            HistoryWarning,
-            stacklevel=2,
-        )
-        return False

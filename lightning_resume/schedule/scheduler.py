@@ -79,14 +79,12 @@ class SnapshotScheduler:
         checkpoint_wall_time: Optional[float],
         resumed_tier: Optional[str] = None,
         keep_history: bool = True,
-        legacy_history_dir: Optional[str] = None,
     ) -> None:
         """Begin timing at ``step``; with ``keep_history``, record this start in the failure history.
 
         The history travels inside the checkpoints (``state_dict()["history"]``): the one resumed from
-        (``restored``) holds every earlier start, so no file is written beside the checkpoints. A
-        ``resume_history.json`` an earlier version left in ``legacy_history_dir`` is read when the
-        checkpoint holds none. ``resumed_tier`` is the tier this start resumed from (``"memory"`` or
+        (``restored``) holds every earlier start, so no file is written beside the checkpoints.
+        ``resumed_tier`` is the tier this start resumed from (``"memory"`` or
         ``"durable"``; ``None`` for a fresh start or when unknown): a failure resumed from memory is a
         process failure."""
         config = self.config.with_nodes(num_nodes)
@@ -95,7 +93,7 @@ class SnapshotScheduler:
         if keep_history:
             tier = None if resumed_tier is None else Tier(resumed_tier)
             now = self.wall_clock()
-            past = _past_history(restored, legacy_history_dir)
+            past = _past_history(restored)
             snapshot_time = _snapshot_time(checkpoint_wall_time, past, now)
             self.history = history.record_start(past, now, snapshot_time, tier=tier)
             mtbf, process_mtbf = _observed(config, self.history, now)
@@ -181,13 +179,11 @@ class SnapshotScheduler:
         return out
 
 
-def _past_history(restored: Optional[dict], legacy_dir: Optional[str]) -> history.FailureHistory:
-    """The history the resumed checkpoint carries; else an earlier version's file; else a fresh one.
-    Either is checked as untrusted input (``history.read_history``): a bad one warns and starts fresh."""
+def _past_history(restored: Optional[dict]) -> history.FailureHistory:
+    """The history the resumed checkpoint carries, else a fresh one. It is checked as untrusted input
+    (``history.read_history``): a bad one warns and starts fresh."""
     if restored and HISTORY_KEY in restored:
         return history.read_history(restored[HISTORY_KEY], CHECKPOINT_SOURCE)
-    if legacy_dir is not None:
-        return history.load_history(history.history_path(legacy_dir))  # a missing file is a fresh history
     return history.FailureHistory()
 
 

@@ -40,13 +40,10 @@ from lightning_resume.errors import CheckpointCorruptError, ShardedCheckpointWar
 from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, fsync_directory, owner_token, pid_alive
 from lightning_resume.sharded.marker import (
     DATA,
-    DCP_METADATA,
     DELETED,
     FORMAT,
     HIDDEN,
-    IN_PROGRESS,
     MARKER,
-    META_FILE,
     REPLACED,
     STAGING,
     VERSIONED_FORMAT,
@@ -199,8 +196,7 @@ def clean_uncommitted(root: str, keep: Iterable[str] = (), now: Optional[float] 
     """Finish or undo what killed saves left under ``root``; return the paths removed.
 
     A final name left absent by a crash between the two renames of :func:`publish` gets back its
-    newest committed staging or replaced sibling; every other hidden directory is removed, and so
-    is a directory with ``IN_PROGRESS`` and no marker. Call it only when no save is in flight (at
+    newest committed staging or replaced sibling; every other hidden directory is removed. Call it only when no save is in flight (at
     the start of a run, before the first save). On an object store: the versions no marker names, by owner
     and age (:func:`_stale_version`; ``now``: the clock, ``time.time()``).
     """
@@ -211,7 +207,7 @@ def clean_uncommitted(root: str, keep: Iterable[str] = (), now: Optional[float] 
     removed = []
     for path in _subdirs(root, links=False):
         hidden = HIDDEN.match(os.path.basename(path)) is not None
-        if (hidden or _unfinished_save(path)) and os.path.abspath(path) not in kept:
+        if hidden and os.path.abspath(path) not in kept:
             try:
                 shutil.rmtree(path)
             except OSError as err:
@@ -257,22 +253,6 @@ def _stale_version(path: str, now: float) -> bool:
         return not pid_alive(int(match["pid"]))
     newest = max((e.mtime for e in storage.list_dir(path)), default=0.0)
     return now - newest > STALE_AFTER_S
-
-
-_SAVE_FILE_NAMES = frozenset({IN_PROGRESS, DCP_METADATA, META_FILE})
-
-
-def _unfinished_save(path: str) -> bool:
-    """An in-place save of the first release that never committed: ``IN_PROGRESS``, no marker, and only
-    files such a save writes (shards, DCP's metadata, the meta file, hidden temporaries). A directory
-    that also holds anything else is a user's directory, never removed for one file's name."""
-    if not os.path.isfile(os.path.join(path, IN_PROGRESS)) or os.path.lexists(os.path.join(path, MARKER)):
-        return False
-    for entry in os.scandir(path):
-        ours = entry.name in _SAVE_FILE_NAMES or entry.name.endswith(".distcp") or entry.name.startswith(".")
-        if not ours or not entry.is_file(follow_symlinks=False):
-            return False
-    return True
 
 
 def _restore_missing_finals(root: str) -> None:

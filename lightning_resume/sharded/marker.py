@@ -32,7 +32,6 @@ DCP_METADATA = ".metadata"
 META_FILE = "meta.safetensors"
 """The non-sharded part (loop counters, callback state, RNG...): one file of ``lightning_resume.io``'s format."""
 MARKER = "COMMITTED"
-IN_PROGRESS = "IN_PROGRESS"  # written by the first release's in-place saves; still recognised by cleanup
 FORMAT = "lightning-resume/sharded/2"
 VERSIONED_FORMAT = "lightning-resume/sharded/3"
 """A marker naming the sub-prefix (``data``) that holds the files it lists: what object stores get."""
@@ -143,7 +142,7 @@ def verify_committed(directory: str, digests: bool = True) -> CommitRecord:
     sizes = _sizes(record)
     for name, expected in record.files.items():
         path = storage.join(location, name)
-        if storage.basename(name) != name or name in (MARKER, IN_PROGRESS) or "/" in name or name in ("", ".", ".."):
+        if storage.basename(name) != name or name == MARKER or "/" in name or name in ("", ".", ".."):
             raise CheckpointCorruptError(storage.join(directory, MARKER), f"marker lists an invalid file name {name!r}")
         size = sizes(path)
         if size != expected.size:
@@ -201,12 +200,12 @@ def pick_newest(records: Iterable[CommitRecord], mtimes: Mapping[str, float]) ->
 
 
 def is_sharded_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a sharded checkpoint directory (committed or not): it holds our marker, an
-    in-progress file, DCP's metadata or a shard. Such a directory is one checkpoint, never a folder of them."""
+    """Whether ``path`` is a sharded checkpoint directory (committed or not): it holds our marker, DCP's
+    metadata or a shard. Such a directory is one checkpoint, never a folder of them."""
     if not storage.is_dir(path):
         return False
     names = {e.name for e in storage.list_dir(path)}
-    return bool(names & {MARKER, IN_PROGRESS, DCP_METADATA}) or any(n.endswith(".distcp") for n in names)
+    return bool(names & {MARKER, DCP_METADATA}) or any(n.endswith(".distcp") for n in names)
 
 
 def commit_order(directory: str) -> Optional[Tuple[int, float]]:

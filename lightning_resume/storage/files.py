@@ -25,7 +25,7 @@ import io
 import os
 import shutil
 import time
-from typing import IO, Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import IO, Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -255,52 +255,8 @@ def read_range(path: str, start: int, end: int) -> bytes:
 
 
 READ_CHUNK = 4 << 20
-"""Bytes of one ranged GET of ``read_into``. The client holds each chunk about twice while it arrives (s3fs
-joins the pieces aiohttp received), so ``read_into`` holds ``read_window`` bytes beside its buffer."""
-READ_STREAMS = 8
-"""Most ranged GETs of one ``read_into`` in flight: an object store serves one connection at a fraction of
-what several give (S3's guidance: parallel ranged GETs of 8-16 MB), as s3fs's own whole-file read does (10)."""
-
-
-def read_streams(size: int) -> int:
-    """Ranged GETs in flight for a file of ``size`` bytes: one per 16 chunks, 1 to ``READ_STREAMS``, so what is
-    in flight stays under 1/8 of the file once it is past 64 MiB (and is 8 MiB below that)."""
-    return max(1, min(READ_STREAMS, size // (16 * READ_CHUNK)))
-
-
-def read_window(size: int) -> int:
-    """Host bytes ``read_into`` holds beside its buffer while it reads a remote file of ``size`` bytes."""
-    return 2 * READ_CHUNK * read_streams(size)
-
-
-def read_into(path: str, into: memoryview, start: int = 0, streams: Optional[int] = None) -> int:
-    """Fill ``into`` with the bytes of ``path`` from ``start`` on and return how many arrived (fewer only at
-    the end of the file). Remotely in ranged GETs of ``READ_CHUNK`` bytes, ``read_streams`` at a time, each
-    retried like a whole transfer and copied into its place at once: beside ``into`` only ``read_window``
-    bytes are held (a whole-file GET through s3fs holds two or three copies of the file)."""
-    path, total = str(path), len(into)
-    if is_local(path):
-        with open(local_path(path), "rb", buffering=0) as f:
-            f.seek(start)
-            got = 0
-            while got < total and (k := f.readinto(into[got:])):
-                got += k
-            return got
-    fs, fs_path = fsspec.core.url_to_fs(path)
-
-    def fetch(at: int) -> int:
-        end = min(at + READ_CHUNK, total)
-        chunk = with_retries(functools.partial(fs.cat_file, fs_path, start=start + at, end=start + end), path, "read")
-        n = min(len(chunk), end - at)
-        into[at : at + n] = memoryview(chunk)[:n]
-        return n
-
-    starts = range(0, total, READ_CHUNK)
-    streams = read_streams(total) if streams is None else max(1, min(streams, len(starts)))
-    if streams == 1:
-        return _arrived(starts, map(fetch, starts), total)  # lazy: no GET after a short chunk
-    with concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="lightning-resume-read") as pool:
-        return _arrived(starts, pool.map(fetch, starts), total)
+"""Bytes of one ranged GET of a :class:`RangedReader`. The client holds each chunk about twice while it
+arrives (s3fs joins the pieces aiohttp received): ``reader_overhead`` counts it so."""
 
 
 READER_WINDOW = 8 * READ_CHUNK
@@ -402,14 +358,6 @@ class RangedReader(io.RawIOBase):
             self._chunk = memoryview(b"")
             self._pool.shutdown(wait=True, cancel_futures=True)  # no GET outlives the reader
         super().close()
-
-
-def _arrived(starts: range, lengths: Iterator[int], total: int) -> int:
-    """Bytes that arrived without a gap: up to the end of the first chunk that came short (the file ended)."""
-    for at, n in zip(starts, lengths, strict=True):
-        if n < min(READ_CHUNK, total - at):
-            return at + n
-    return total
 
 
 def remove(path: str) -> None:

@@ -277,7 +277,8 @@ def test_proxies_from_the_environment_are_not_used(metadata, make_poller, wait_u
         monkeypatch.delenv(name, raising=False)
     metadata.gce_preempted = b"TRUE"
     poller = make_poller(["gcp"], endpoint=metadata.url)
-    assert poller.poll_once() is not None
+    poller.start()
+    wait_until(lambda: poller.notice is not None)
 
 
 # ------------------------------------------------------------------------------------- lifecycle
@@ -294,18 +295,18 @@ def test_without_clouds_no_thread_starts_and_no_socket_is_opened(tmp_path, monke
     poller = NoticePoller(clouds)
     assert poller.start() is False and not poller.running
     assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
-    assert poller.poll_once() is None and poller.stop()
+    assert poller.notice is None and poller.stop()
 
 
-def test_the_no_socket_check_can_fail(metadata, monkeypatch, caught):
+def test_the_no_socket_check_can_fail(metadata, monkeypatch, caught, make_poller, wait_until):
     """The patch above does catch a connect: the same poller with a cloud is refused."""
 
     def refuse(*args, **kwargs):
         raise OSError("connect refused by the test")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    NoticePoller(["gcp"], endpoint=metadata.url).poll_once()
-    assert any("connect refused by the test" in m for m in _ours(caught))
+    make_poller(["gcp"], endpoint=metadata.url).start()
+    wait_until(lambda: any("connect refused by the test" in m for m in _ours(caught)))
 
 
 def test_the_thread_is_a_named_daemon_and_stop_ends_it(metadata, make_poller):
@@ -313,8 +314,6 @@ def test_the_thread_is_a_named_daemon_and_stop_ends_it(metadata, make_poller):
     poller.start()
     threads = [t for t in threading.enumerate() if t.name == THREAD_NAME]
     assert len(threads) == 1 and threads[0].daemon
-    with pytest.raises(RuntimeError, match="running"):
-        poller.poll_once()
     assert poller.start()  # already running: nothing more is started
     assert len([t for t in threading.enumerate() if t.name == THREAD_NAME]) == 1
     assert poller.stop(timeout=60) and not poller.running

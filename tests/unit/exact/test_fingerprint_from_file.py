@@ -76,9 +76,11 @@ def test_without_the_verified_format_the_save_keeps_hashing_the_weights(tmp_path
         _fit(tmp_path, ExactResume(preemption_signals=None), ckpt_path=str(path), model=Perturbed, io=False)
 
 
-def test_a_fingerprint_written_before_names_no_hash_and_is_blake2b():
+def test_a_fingerprint_that_names_another_hash_is_one_mismatch_not_compared_digest_by_digest():
     state = {"w": torch.arange(6.0)}
-    legacy = fingerprint.fingerprint(state, [], {}, None, 3, algorithm=fingerprint.LEGACY_HASH)
-    assert "hash" not in legacy and fingerprint.algorithm_of(legacy) == fingerprint.LEGACY_HASH
-    assert legacy["weights"] == fingerprint.digest(state, fingerprint.LEGACY_HASH)
-    assert fingerprint.fingerprint(state, [], {}, None, 3)["weights"] != legacy["weights"]
+    made = fingerprint.fingerprint(state, [], {}, None, 3)
+    assert made["hash"] == fingerprint.HASH and fingerprint.fingerprint_mismatches(made, made, ["weights"]) == []
+    unnamed = {part: value for part, value in made.items() if part != "hash"}
+    assert fingerprint.fingerprint_mismatches(unnamed, made, ["weights", "step"]) == [
+        "hash: the checkpoint's fingerprint names None, this version makes 'xxh3-128'"
+    ]

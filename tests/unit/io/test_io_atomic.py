@@ -29,15 +29,16 @@ def test_failed_write_keeps_old_file_and_leaves_no_temporary(tmp_path):
 
 def test_stale_cleanup_only_touches_dead_writers_temporaries(tmp_path):
     dead = tmp_path / f".x.ckpt.tmp-{owner_token()}-999999999-0123abcd"  # this host, no such process
-    unowned = tmp_path / ".x.ckpt.tmp-999999999-0123abcd"  # no owner recorded: the pid proves nothing
+    elsewhere = tmp_path / f".x.ckpt.tmp-{'0' * 12}-999999999-0123abcd"  # another host: the pid proves nothing
     live = tmp_path / temp_name("y.ckpt")  # our own pid: a save in flight
     other = tmp_path / ".x.ckpt.tmp-notours"
-    for p in (dead, unowned, live, other):
+    unowned = tmp_path / ".x.ckpt.tmp-999999999-0123abcd"  # names no owner: no save of ours, never touched
+    for p in (dead, elsewhere, live, other, unowned):
         p.write_bytes(b"")
     assert clean_stale_temporaries(str(tmp_path)) == [str(dead)]
-    assert sorted(os.listdir(tmp_path)) == sorted([unowned.name, live.name, other.name])
-    later = os.stat(unowned).st_mtime + STALE_AFTER_S + 1
-    assert clean_stale_temporaries(str(tmp_path), now=later) == [str(unowned)]
+    assert sorted(os.listdir(tmp_path)) == sorted([elsewhere.name, live.name, other.name, unowned.name])
+    later = os.stat(elsewhere).st_mtime + STALE_AFTER_S + 1
+    assert clean_stale_temporaries(str(tmp_path), now=later) == [str(elsewhere)]
 
 
 def test_memory_filesystem_save_load_and_no_leftovers():

@@ -1,7 +1,7 @@
-"""The failure history file (resume_history.json) and the observed-MTBF estimate."""
+"""The failure history (carried in the checkpoints' schedule state) and the observed-MTBF estimate."""
 
 import json
-import os
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -12,32 +12,37 @@ from lightning_resume.schedule.history import (
     FailureHistory,
     HistoryWarning,
     estimate_mtbf,
-    history_path,
-    load_history,
+    history_to_json,
+    read_history,
     record_clean_stop,
     record_start,
-    save_history,
 )
 
 HOUR = 3600.0
+SOURCE = "the checkpoint"
 
 
-def test_a_run_with_two_crashes_and_a_preemption(tmp_path):
-    path = history_path(tmp_path)
-    h = record_start(load_history(path), now=1000.0, checkpoint_time=None)  # fresh run
-    assert save_history(path, h)
+def _stored(h: FailureHistory) -> Any:
+    """``h`` as a checkpoint carries it: its JSON form, through a serializer."""
+    return json.loads(json.dumps(history_to_json(h)))
+
+
+def _loaded(stored: Any) -> FailureHistory:
+    return read_history(stored, SOURCE)
+
+
+def test_a_run_with_two_crashes_and_a_preemption():
+    h = record_start(FailureHistory(), now=1000.0, checkpoint_time=None)  # fresh run
     # crash; the newest durable snapshot was taken at t=4000; restart at t=4600
-    h = record_start(load_history(path), now=4600.0, checkpoint_time=4000.0)
-    save_history(path, h)
+    h = record_start(_loaded(_stored(h)), now=4600.0, checkpoint_time=4000.0)
     # preempted: a snapshot at 8000 then a clean stop, requeued at 9000
-    save_history(path, record_clean_stop(h, now=8001.0))
-    h = record_start(load_history(path), now=9000.0, checkpoint_time=8000.0)
-    save_history(path, h)
+    stored = _stored(record_clean_stop(h, now=8001.0))
+    h = record_start(_loaded(stored), now=9000.0, checkpoint_time=8000.0)
     # crash again, snapshot at 12000, restart at 12500
-    h = record_start(load_history(path), now=12500.0, checkpoint_time=12000.0)
-    save_history(path, h)
+    h = record_start(_loaded(_stored(h)), now=12500.0, checkpoint_time=12000.0)
 
-    loaded = load_history(path)
+    raw = _stored(h)
+    loaded = _loaded(raw)
     assert loaded == h
     kinds = [e.kind for e in loaded.events]
     assert kinds == [EventKind.FAILURE, EventKind.CLEAN_STOP, EventKind.FAILURE]
@@ -45,9 +50,7 @@ def test_a_run_with_two_crashes_and_a_preemption(tmp_path):
     assert (first.lost_s, first.interval_s, first.uptime_s) == (600.0, 3600.0, 3000.0)
     assert clean.lost_s == 1000.0 and clean.uptime_s == 8001.0 - 4600.0
     assert second.interval_s == 12500.0 - 4600.0 and second.uptime_s == 12000.0 - 9000.0
-    raw = json.loads(open(path).read())
     assert raw["version"] == 1 and raw["events"][0]["kind"] == "failure"
-    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]  # no temp file left behind
 
 
 def test_estimate_blends_prior_and_observations():
@@ -79,34 +82,23 @@ def test_more_failures_in_the_same_time_never_raise_the_estimate(gaps, prior):
 
 
 @pytest.mark.parametrize(
-    "content",
+    "stored",
     [
-        b"{not json",
-        b"[]",
-        b'{"version": 99, "events": []}',
-        b'{"version": 1, "run_start": "x", "events": []}',
-        b'{"version": 1, "run_start": 0, "clean_stop_time": null, "events": [{"kind": "meteor"}]}',
-        b"\xff\xfe\x00",
+        "{not json",
+        [],
+        {"version": 99, "events": []},
+        {"version": 1, "run_start": "x", "events": []},
+        {"version": 1, "run_start": 0, "clean_stop_time": None, "events": [{"kind": "meteor"}]},
     ],
 )
-def test_corrupt_history_warns_and_starts_fresh(tmp_path, content):
-    path = history_path(tmp_path)
-    with open(path, "wb") as f:
-        f.write(content)
-    with pytest.warns(HistoryWarning, match="resume_history.json: unreadable resume history"):
-        h = load_history(path)
+def test_corrupt_history_warns_and_starts_fresh(stored):
+    with pytest.warns(HistoryWarning, match=f"{SOURCE}: unreadable resume history"):
+        h = _loaded(stored)
     assert h == FailureHistory()
-    # the next start still works and overwrites the bad file
+    # the next start still works, and the next checkpoint carries a good history
     h = record_start(h, now=50.0, checkpoint_time=40.0)
-    assert save_history(path, h) and load_history(path) == h
+    assert _loaded(_stored(h)) == h
     assert h.run_start == 40.0 and h.events[0].uptime_s == 0.0
-
-
-def test_missing_file_is_a_fresh_history_and_a_write_error_only_warns(tmp_path):
-    assert load_history(str(tmp_path / "nope.json")) == FailureHistory()
-    (tmp_path / "a_file").write_text("not a directory")
-    with pytest.warns(HistoryWarning, match="could not write"):
-        assert not save_history(str(tmp_path / "a_file" / "resume_history.json"), FailureHistory(run_start=1.0))
 
 
 def test_fresh_run_discards_an_old_history():

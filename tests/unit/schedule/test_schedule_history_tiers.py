@@ -1,6 +1,5 @@
 """The failure history records the tier each resume came from: a memory-tier resume after a crash is
-a process failure (the machine survived), a disk resume after an unclean stop a node failure; old
-files (no tier) still load, and files with tiers stay readable by the version-1 reader."""
+a process failure (the machine survived), a disk resume after an unclean stop a node failure."""
 
 import json
 
@@ -13,32 +12,16 @@ from lightning_resume.schedule.state import Tier
 
 HOUR = 3600.0
 
-OLD_FILE = {  # written by lightning-resume before tiers were recorded (version 1, no "tier" key)
-    "version": 1,
-    "run_start": 0.0,
-    "clean_stop_time": None,
-    "events": [
-        {
-            "restart_time": 4600.0,
-            "checkpoint_time": 4000.0,
-            "lost_s": 600.0,
-            "interval_s": 4600.0,
-            "uptime_s": 4000.0,
-            "kind": "failure",
-        }
-    ],
-}
 
-
-def test_memory_resume_after_a_crash_is_a_process_failure_and_a_disk_resume_a_node_failure(tmp_path):
-    path = history.history_path(tmp_path)
-    h = history.record_start(history.load_history(path), now=0.0, checkpoint_time=None)
+def test_memory_resume_after_a_crash_is_a_process_failure_and_a_disk_resume_a_node_failure():
+    h = history.record_start(history.FailureHistory(), now=0.0, checkpoint_time=None)
     h = history.record_start(h, now=1000.0, checkpoint_time=990.0, tier=Tier.MEMORY)  # crash, memory survived
     h = history.record_start(h, now=5000.0, checkpoint_time=3000.0, tier=Tier.DURABLE)  # crash, node lost
     h = history.record_clean_stop(h, now=6000.0)
     h = history.record_start(h, now=7000.0, checkpoint_time=6000.0, tier=Tier.MEMORY)  # clean stop: no failure at all
-    assert history.save_history(path, h)
-    loaded = history.load_history(path)
+    raw = json.loads(json.dumps(history.history_to_json(h)))  # as the checkpoint carries it
+    assert [e["tier"] for e in raw["events"]] == ["memory", "durable", "memory"]
+    loaded = history.read_history(raw, "the checkpoint")
     assert loaded == h
     assert [e.tier for e in loaded.events] == [Tier.MEMORY, Tier.DURABLE, Tier.MEMORY]
     assert [e.kind for e in loaded.events] == [
@@ -49,24 +32,6 @@ def test_memory_resume_after_a_crash_is_a_process_failure_and_a_disk_resume_a_no
     assert [e.restart_time for e in loaded.process_failures] == [1000.0]
     assert [e.restart_time for e in loaded.node_failures] == [5000.0]
     assert len(loaded.failures) == 2
-
-
-def test_old_history_files_load_and_count_their_failures_as_node_failures(tmp_path):
-    path = history.history_path(tmp_path)
-    with open(path, "w") as f:
-        json.dump(OLD_FILE, f)
-    loaded = history.load_history(path)  # no HistoryWarning: pytest's filterwarnings=error would fail it
-    assert loaded.events[0].tier is None and loaded.events[0].kind is history.EventKind.FAILURE
-    assert loaded.node_failures == loaded.failures and loaded.process_failures == ()
-
-
-def test_new_files_keep_the_version_1_layout_for_older_readers(tmp_path):
-    path = history.history_path(tmp_path)
-    h = history.record_start(history.record_start(history.FailureHistory(), 0.0, None), 100.0, 90.0, tier=Tier.MEMORY)
-    history.save_history(path, h)
-    raw = json.loads(open(path).read())
-    assert raw["version"] == 1 and raw["events"][0]["tier"] == "memory"
-    assert set(raw["events"][0]) - set(OLD_FILE["events"][0]) == {"tier"}  # only an added key
 
 
 def test_estimates_count_each_class_of_failure():
@@ -81,7 +46,7 @@ def test_estimates_count_each_class_of_failure():
     assert history.estimate_mtbf(h, 2 * HOUR, 1.0, now) == pytest.approx((2 * HOUR + exposure) / 10)
 
 
-def test_scheduler_records_the_resumed_tier_and_uses_observed_m1_and_m2(tmp_path):
+def test_scheduler_records_the_resumed_tier_and_uses_observed_m1_and_m2():
     cfg = ScheduleConfig.from_user(
         mtbf="observed", mtbf_prior="24h", process_mtbf="observed", process_mtbf_prior="1h", min_interval=1
     )
@@ -92,7 +57,7 @@ def test_scheduler_records_the_resumed_tier_and_uses_observed_m1_and_m2(tmp_path
         sched = SnapshotScheduler(cfg, wall_clock=lambda: restart)
         sched.start(10, 1, saved, restart - 10.0, resumed_tier="memory")
     past = sched.history
-    assert past is not None and not (tmp_path / history.HISTORY_FILENAME).exists()
+    assert past is not None
     assert [e.tier for e in past.events] == [Tier.MEMORY] * 3 and len(past.process_failures) == 3
     assert [e.restart_time for e in past.events] == [2000.0, 3000.0, 4000.0]  # on the injected wall clock
     assert sched.memory is not None and sched.state is not None

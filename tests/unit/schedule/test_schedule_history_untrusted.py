@@ -1,6 +1,6 @@
-"""A failure history is untrusted input, from the legacy file or from inside the checkpoint resumed from:
-out-of-range values, deep nesting, an oversized file or too many events give a ``HistoryWarning`` naming
-the source and the problem, and the schedule starts anyway, with a finite, positive interval."""
+"""A failure history is untrusted input (it comes from inside the checkpoint resumed from): out-of-range
+values, deep nesting or too many events give a ``HistoryWarning`` naming the source and the problem, and
+the schedule starts anyway, with a finite, positive interval."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 import re
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -20,7 +19,6 @@ from lightning_resume.schedule import history
 from lightning_resume.schedule import state as machine
 from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.scheduler import CHECKPOINT_SOURCE, SnapshotScheduler
-from lightning_resume.storage import files as storage
 
 HOUR = 3600.0
 NOW = 1.7e9  # the wall clock of the resumed process
@@ -50,16 +48,10 @@ def _nested(depth: int) -> list:
     return deep
 
 
-def _resume(tmp_path: Path, source: str, data: Any, saved_at: Optional[float] = NOW - 10.0) -> SnapshotScheduler:
-    """A process resuming at ``NOW`` with ``data`` as the failure history the checkpoint carries
-    (``source="checkpoint"``) or as an earlier version's ``resume_history.json`` (``"file"``)."""
-    if source == "file":
-        Path(history.history_path(tmp_path)).write_text(data if isinstance(data, str) else json.dumps(data))
-        restored: dict = {}
-    else:
-        restored = {"history": data}
+def _resume(data: Any, saved_at: Optional[float] = NOW - 10.0) -> SnapshotScheduler:
+    """A process resuming at ``NOW`` with ``data`` as the failure history the checkpoint carries."""
     sched = SnapshotScheduler(CONFIG, clock=lambda: 100.0, wall_clock=lambda: NOW)
-    sched.start(10, 1, restored, saved_at, resumed_tier="durable", legacy_history_dir=str(tmp_path))
+    sched.start(10, 1, {"history": data}, saved_at, resumed_tier="durable")
     return sched
 
 
@@ -78,10 +70,6 @@ def _assert_fresh(sched: SnapshotScheduler) -> None:
     """The bad history counted for nothing: only this start's failure, no uptime, so M = prior / 2."""
     assert sched.history is not None and len(sched.history.events) == 1
     assert sched.state is not None and sched.state.mtbf_s == pytest.approx(24 * HOUR / 2)
-
-
-def _source_name(tmp_path: Path, source: str) -> str:
-    return history.history_path(tmp_path) if source == "file" else CHECKPOINT_SOURCE
 
 
 BAD_VALUES = {
@@ -107,67 +95,38 @@ BAD_VALUES = {
 }
 
 
-def _warns_unreadable(tmp_path: Path, source: str, problem: str) -> Any:
+def _warns_unreadable(problem: str) -> Any:
     """Expect the one ``HistoryWarning`` that names the source and the problem."""
-    where = _source_name(tmp_path, source)
-    return pytest.warns(HistoryWarning, match=rf"^{re.escape(where)}: unreadable resume history \(.*{problem}")
+    return pytest.warns(
+        HistoryWarning, match=rf"^{re.escape(CHECKPOINT_SOURCE)}: unreadable resume history \(.*{problem}"
+    )
 
 
-@pytest.mark.parametrize(
-    "case, source",
-    [
-        (case, source)
-        for case in BAD_VALUES
-        for source in ("file", "checkpoint")
-        if "nested" not in case or source != "file"
-    ],
-)  # json.dumps cannot write a deeply nested value: a deeply nested file is the next test's
-def test_an_out_of_range_or_malformed_history_warns_and_the_schedule_starts_from_the_prior(
-    tmp_path: Path, source: str, case: str
-) -> None:
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_an_out_of_range_or_malformed_history_warns_and_the_schedule_starts_from_the_prior(case: str) -> None:
     data, problem = BAD_VALUES[case]
-    with _warns_unreadable(tmp_path, source, problem):
-        sched = _resume(tmp_path, source, data)
+    with _warns_unreadable(problem):
+        sched = _resume(data)
     _assert_usable(sched)
     _assert_fresh(sched)
 
 
-@pytest.mark.parametrize(
-    "source, data",
-    [("file", "[" * 100_000), ("file", '{"version": 1, "events": ' + "[" * 100_000), ("checkpoint", _nested(100_000))],
-)
-def test_deep_nesting_warns_instead_of_a_recursion_error(tmp_path: Path, source: str, data: Any) -> None:
-    problem = "RecursionError" if source == "file" else "not a version-1 resume history"
-    with _warns_unreadable(tmp_path, source, problem):
-        sched = _resume(tmp_path, source, data)
+def test_deep_nesting_warns_instead_of_a_recursion_error() -> None:
+    with _warns_unreadable("not a version-1 resume history"):
+        sched = _resume(_nested(100_000))
     _assert_usable(sched)
     _assert_fresh(sched)
 
 
-def test_a_file_over_the_size_bound_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = history.history_path(tmp_path)
-    with open(path, "wb") as f:
-        f.truncate(history.MAX_FILE_BYTES + 1)  # sparse: costs no disk, and reading it would cost 4 MiB
-
-    def never(path: str) -> bytes:
-        raise AssertionError(f"{path} was read")
-
-    monkeypatch.setattr(storage, "read_bytes", never)
-    sched = SnapshotScheduler(CONFIG, clock=lambda: 100.0, wall_clock=lambda: NOW)
-    with _warns_unreadable(tmp_path, "file", rf"{history.MAX_FILE_BYTES + 1} bytes, more than the 4194304"):
-        sched.start(10, 1, {}, NOW - 10.0, resumed_tier="durable", legacy_history_dir=str(tmp_path))
-    _assert_usable(sched)
-    _assert_fresh(sched)
-
-
-@pytest.mark.parametrize("source", ["file", "checkpoint"])
-def test_only_the_newest_events_are_kept(tmp_path: Path, source: str) -> None:
+def test_only_the_newest_events_are_kept() -> None:
     n = history.MAX_EVENTS + 3
     restarts = [NOW - 10.0 - (n + 1 - i) * HOUR for i in range(1, n + 1)]  # a failure every hour of uptime
     events = [dict(EVENT, restart_time=t, checkpoint_time=t, uptime_s=HOUR) for t in restarts]
-    match = rf"^{re.escape(_source_name(tmp_path, source))}: the resume history holds {n} events, more than the 10000 kept; the oldest 3"
+    match = (
+        rf"^{re.escape(CHECKPOINT_SOURCE)}: the resume history holds {n} events, more than the 10000 kept; the oldest 3"
+    )
     with pytest.warns(HistoryWarning, match=match):
-        sched = _resume(tmp_path, source, _history(*events))
+        sched = _resume(_history(*events))
     _assert_usable(sched)
     kept = sched.history
     assert kept is not None and len(kept.events) == history.MAX_EVENTS  # this start pushed one more out
@@ -179,10 +138,10 @@ def test_only_the_newest_events_are_kept(tmp_path: Path, source: str) -> None:
 
 
 @pytest.mark.parametrize("saved_at", [math.inf, math.nan, -1.0, "yesterday"])
-def test_a_checkpoint_time_that_is_no_wall_time_warns_and_credits_no_uptime(tmp_path: Path, saved_at: Any) -> None:
+def test_a_checkpoint_time_that_is_no_wall_time_warns_and_credits_no_uptime(saved_at: Any) -> None:
     past = _history(EVENT)  # the previous process started at 4600
     with pytest.warns(HistoryWarning, match="saved_at is not a wall time"):
-        sched = _resume(tmp_path, "checkpoint", past, saved_at=saved_at)
+        sched = _resume(past, saved_at=saved_at)
     _assert_usable(sched)
     assert sched.history is not None and sched.history.events[-1].uptime_s == 0.0
     assert sched.history.events[-1].checkpoint_time == EVENT["restart_time"]

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.sharded.commit import clean_uncommitted
-from lightning_resume.sharded.marker import FORMAT, IN_PROGRESS, MARKER, read_marker
+from lightning_resume.sharded.marker import FORMAT, MARKER, read_marker
 
 
 def test_a_symlinked_hidden_directory_is_neither_followed_nor_reported_removed(tmp_path):
@@ -22,18 +22,18 @@ def test_a_symlinked_hidden_directory_is_neither_followed_nor_reported_removed(t
     assert (elsewhere / "precious.txt").read_text() == "keep"
 
 
-def test_a_directory_with_in_progress_and_other_files_is_not_an_unfinished_save(tmp_path):
+def test_a_directory_without_a_hidden_name_is_never_removed(tmp_path):
+    """Only the hidden siblings a save leaves are removed: an uncommitted directory under a plain name
+    (a user's, or another tool's DCP save) is left as it is."""
     user = tmp_path / "notes"
     user.mkdir()
-    (user / IN_PROGRESS).write_text("")
     (user / "draft.md").write_text("mine")
-    unfinished = tmp_path / "step-1"
-    unfinished.mkdir()
-    (unfinished / IN_PROGRESS).write_text("")
-    (unfinished / "__0_0.distcp").write_bytes(b"x")
-    (unfinished / ".metadata").write_bytes(b"x")
-    assert clean_uncommitted(str(tmp_path)) == [str(unfinished)]
-    assert (user / "draft.md").read_text() == "mine"
+    foreign = tmp_path / "step-1"
+    foreign.mkdir()
+    (foreign / "__0_0.distcp").write_bytes(b"x")
+    (foreign / ".metadata").write_bytes(b"x")
+    assert clean_uncommitted(str(tmp_path)) == []
+    assert (user / "draft.md").read_text() == "mine" and sorted(os.listdir(foreign)) == [".metadata", "__0_0.distcp"]
 
 
 def test_a_commit_marker_with_a_key_twice_or_nested_too_deep_is_corrupt(tmp_path):

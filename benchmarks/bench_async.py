@@ -85,8 +85,7 @@ class Methods:
         self.tensors = every_tensor(state)
         self.views = [host_bytes(t) for t in self.tensors]
         self.buffers = [torch.empty_like(t).fill_(0) for t in self.tensors]  # preallocated and touched
-        self.ours_async = SafetensorsCheckpointIO(async_save=True)
-        self.ours_overlap = SafetensorsCheckpointIO(async_save=True, overlap_write=True)
+        self.ours_async = SafetensorsCheckpointIO(save="async")
         self.nbytes = sum(len(v) for v in self.views)
         self.image = mmap.mmap(-1, -(-self.nbytes // 4096) * 4096)  # page-aligned: usable for O_DIRECT
         offset = 0
@@ -117,9 +116,6 @@ class Methods:
 
     def ours_async_save(self) -> Timing:
         return _async(self.ours_async, self.state, self.path())
-
-    def ours_async_overlap(self) -> Timing:
-        return _async(self.ours_overlap, self.state, self.path())
 
     def ours_sync_save(self) -> Timing:
         t = _timed(lambda: self.ours_sync.save_checkpoint(self.state, self.path()))
@@ -198,8 +194,7 @@ ROWS = [
     ("memcpy into preallocated buffers (blocked limit)", "memcpy"),
     ("raw write+fsync (total limit)", "raw_write"),
     ("raw O_DIRECT write+fsync (disk limit)", "raw_direct"),
-    ("SafetensorsCheckpointIO(async_save=True)", "ours_async_save"),
-    ("SafetensorsCheckpointIO(async_save=True, overlap_write=True)", "ours_async_overlap"),
+    ("SafetensorsCheckpointIO(save='async')", "ours_async_save"),
     ("SafetensorsCheckpointIO() sync", "ours_sync_save"),
     ("torch.save + fsync", "torch_save"),
     ("Lightning TorchCheckpointIO (no fsync)", "lightning_torch_io"),
@@ -254,7 +249,7 @@ def verdict(med: Dict[str, Tuple[float, float]], results: Dict[str, List[Timing]
         f"- blocked vs best peer ({best_b:.3f}s): {'better' if b < best_b else 'NOT better'}",
         f"- total vs best peer ({best_t:.3f}s): {'better' if t < best_t else 'NOT better'}",
         "spread of per-repeat ratios (min-median-max):",
-        *[f"- {key}: {_spread(results, key)}" for key in ("ours_async_save", "ours_async_overlap", "ours_sync_save")],
+        *[f"- {key}: {_spread(results, key)}" for key in ("ours_async_save", "ours_sync_save")],
     ])  # fmt: skip
 
 
@@ -424,7 +419,7 @@ def memory_probe(kind: str, size_mb: float, root: str) -> Tuple[float, float]:
     if kind == "dcp_async_save":
         rss = peak_extra_rss(lambda: blocked.append(_dcp_once(state, root)))
         return rss, blocked[0] / memcpy
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     if kind == "ours_async_first_reserved":  # as ExactResume does after the first optimizer step
         io.reserve(int(sum(t.nbytes for t in tensors) * 1.01) + (16 << 20))
         io.wait()  # training steps run meanwhile; the first save then finds the pool touched
@@ -516,12 +511,12 @@ def step_slowdown(
         step()
     if writers:
         ios = {
-            "thread (default)": SafetensorsCheckpointIO(async_save=True),
-            "process": SafetensorsCheckpointIO(async_save=True, writer="process"),
+            "thread (default)": SafetensorsCheckpointIO(save="async"),
+            "process": SafetensorsCheckpointIO(save="async", writer="process"),
         }
     else:
-        ios = {"lowered priority (default)": SafetensorsCheckpointIO(async_save=True)}
-        same = SafetensorsCheckpointIO(async_save=True)
+        ios = {"lowered priority (default)": SafetensorsCheckpointIO(save="async")}
+        same = SafetensorsCheckpointIO(save="async")
         same._saver.writer.nice = 0  # type: ignore[union-attr]  # the comparison: a writer at training's priority
         ios["training's priority"] = same
     for io in ios.values():  # warm-up: the pool allocated, the writer process started
@@ -574,8 +569,8 @@ def writer_rows(size_mb: float, root: str, rounds: int) -> List[str]:
 def writer_save_times(state: Dict, root: str, rounds: int) -> Dict[str, Tuple[List[float], List[float]]]:
     """Each writer's blocked and durable seconds per save of ``state`` (the first save of each untimed)."""
     ios = {
-        "thread": SafetensorsCheckpointIO(async_save=True),
-        "process": SafetensorsCheckpointIO(async_save=True, writer="process"),
+        "thread": SafetensorsCheckpointIO(save="async"),
+        "process": SafetensorsCheckpointIO(save="async", writer="process"),
     }
     out: Dict[str, Tuple[List[float], List[float]]] = {k: ([], []) for k in ios}
     for r in range(rounds + 1):
@@ -652,7 +647,7 @@ def measure_fits(root: str, every: int, steps: int, width: int, repeats: int) ->
         "Lightning default (TorchCheckpointIO)": lambda: "lightning",
         "Lightning AsyncCheckpointIO": lambda: AsyncCheckpointIO(TorchCheckpointIO()),
         "SafetensorsCheckpointIO() sync": lambda: SafetensorsCheckpointIO(),
-        "SafetensorsCheckpointIO(async_save=True)": lambda: SafetensorsCheckpointIO(async_save=True),
+        "SafetensorsCheckpointIO(save='async')": lambda: SafetensorsCheckpointIO(save="async"),
     }
     runs: Dict[str, List[float]] = {k: [] for k in kinds}
     names = list(kinds)
@@ -666,12 +661,12 @@ def measure_fits(root: str, every: int, steps: int, width: int, repeats: int) ->
 
 
 def overlap_rows(size_mb: float, saves: int, root: str) -> List[str]:
-    """``overlap_copy``: per save, the caller's time blocked at the save and at the barrier (the next optimizer
+    """``save="overlapped"``: per save, the caller's time blocked at the save and at the barrier (the next optimizer
     step), against a memcpy of the same bytes measured just before it. The state is a real model and AdamW
     (so the optimizer watch defers it); between the save and the step, a forward/backward-sized CPU matmul."""
     state = model_state(size_mb)
-    io = SafetensorsCheckpointIO(async_save=True, overlap_copy=True)
-    plain = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="overlapped")
+    plain = SafetensorsCheckpointIO(save="async")
     nbytes = state.nbytes
     rows: Dict[str, List[float]] = {"save": [], "barrier": [], "save+barrier": [], "async (no overlap)": []}
     for i in range(saves + 1):
@@ -699,7 +694,9 @@ def overlap_rows(size_mb: float, saves: int, root: str) -> List[str]:
     io.teardown()
     plain.teardown()
     load = os.getloadavg()
-    out = [f"overlap_copy, {nbytes / 1e6:.0f} MB (model + AdamW), {saves} saves, load {load[0]:.2f} {load[1]:.2f}:"]
+    out = [
+        f"save='overlapped', {nbytes / 1e6:.0f} MB (model + AdamW), {saves} saves, load {load[0]:.2f} {load[1]:.2f}:"
+    ]
     for name, ratios in rows.items():
         ratios.sort()
         out.append(

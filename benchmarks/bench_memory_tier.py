@@ -10,7 +10,7 @@ durable save of the same state with ``write.save_file`` into a local directory (
 Then ``--model``: a real model and AdamW of about ``--size-mb`` (weights plus two moments) saved every
 step of a CPU training loop, as the memory tier takes its snapshots: (a) the async store, blocked for one
 copy, against (b) the store with ``overlap_copy=True`` (what ``ExactResume`` uses when the
-``SafetensorsCheckpointIO`` has ``overlap_copy=True``): blocked at the save plus at the barrier before the
+``SafetensorsCheckpointIO`` has ``save="overlapped"``): blocked at the save plus at the barrier before the
 next optimizer step, while the copy of the weights and moments runs beside the forward and backward.
 Medians, spreads (min-max) and the ratios to the memcpy of the same run: absolute times swing on a
 shared machine, ratios less.
@@ -130,24 +130,23 @@ def run_both(size_mb: int, repeats: int, shm: str, disk: str) -> None:
     for overlap in (False, True):
         for borrow in (False, True):
             name = f"{'overlap_copy' if overlap else 'async'}, {'one copy' if borrow else 'copied twice'}"
-            io = SafetensorsCheckpointIO(async_save=True, overlap_copy=overlap)
-            if borrow:
-                io.lend_staging()
+            io = SafetensorsCheckpointIO(save="overlapped" if overlap else "async")
+            lending = io.lend_staging() if borrow else None
             key = f"both-{int(overlap)}{int(borrow)}"
-            rows[name] = (io, MemoryStore(shm, key, rank=0, world_size=1, overlap_copy=overlap), borrow)
+            rows[name] = (io, MemoryStore(shm, key, rank=0, world_size=1, overlap_copy=overlap), lending)
     times: Dict[str, List[float]] = {"memcpy": [], **{name: [] for name in rows}}
     borrowed: Dict[str, int] = {}
     for i in range(repeats + 1):
         memcpy = state.memcpy_seconds()
-        for name, (io, store, borrow) in rows.items():
+        for name, (io, store, lending) in rows.items():
             started = time.perf_counter()
             io.save_checkpoint(state.checkpoint(), os.path.join(disk, f"{name}.ckpt"))
-            offer = io.staging_offer if borrow else None
+            offer = lending.newest() if lending is not None else None
             store.save(state.checkpoint(), step=i, seq=i + 1, run="bench", borrow=offer)
             blocked = time.perf_counter() - started
             state.step()  # the barriers of both (overlap_copy) run at this optimizer step
-            copies = [io.last_copy_stats, store.last_copy]
-            barrier = sum(c.barrier_seconds for c in copies if c is not None) if io.overlap_copy else 0.0
+            copies = [io._saver.stats.copy if io._saver is not None else None, store.last_copy]
+            barrier = sum(c.barrier_seconds for c in copies if c is not None) if io.save == "overlapped" else 0.0
             store.wait()
             io.wait()
             borrowed[name] = store.last_borrowed_bytes

@@ -136,7 +136,7 @@ def run(size_mb: int, repeats: int, server: str) -> None:
     times: Dict[str, List[float]] = {name: [] for name in names}
     loads = []
     buffers = {k: torch.empty_like(v) for k, v in state["state_dict"].items()}
-    sync_io, async_io = SafetensorsCheckpointIO(), SafetensorsCheckpointIO(async_save=True)
+    sync_io, async_io = SafetensorsCheckpointIO(), SafetensorsCheckpointIO(save="async")
     with tempfile.NamedTemporaryFile() as local:
         local.write(raw)
         local.flush()

@@ -12,7 +12,7 @@ row (one fit's own memcpy swings too much on this machine to divide by). The fir
 Median and spread over the saves of ``--repeats`` fits per configuration, configurations interleaved.
 
 Then, per configuration, each step k after a save over the calm step (k = 0 is the step that saved; with
-``overlap_copy`` k = 1 runs beside the copy and its optimizer step hands over the write): where the time goes.
+``save="overlapped"`` k = 1 runs beside the copy and its optimizer step hands over the write): where the time goes.
 
 Also per configuration: ExactResume's own part of each save (its ``state_dict``, on the training thread)
 over the same memcpy; the training step while a write runs (steps that start with a write in flight, the
@@ -20,7 +20,7 @@ saving step left out) over the undisturbed step; and the fit's steps/s over whol
 second save's step to the last's) against the floor: the same fit through Lightning's checkpoint path with a
 ``CheckpointIO`` that writes nothing.
 
-Configurations: ``SafetensorsCheckpointIO(async_save=True)`` with and without ``overlap_copy`` and
+Configurations: ``SafetensorsCheckpointIO`` with ``save="async"`` and ``"overlapped"``, with and without
 ``ExactResume``; Lightning's ``AsyncCheckpointIO`` and default ``TorchCheckpointIO`` with ``ExactResume``;
 ``torch.distributed.checkpoint.async_save`` of the model and optimizer every ``--every`` steps from a
 callback (thread staging; process staging, which needs a process group: a one-rank gloo group in that
@@ -76,9 +76,7 @@ from lightning_resume import ExactResume, SafetensorsCheckpointIO  # noqa: E402
 FLOOR = "ExactResume + null CheckpointIO (Lightning's checkpoint path, writes nothing: the floor)"
 BARE = "machine limit: the floor + a bare thread copy until the next optimizer step, then a raw O_DIRECT write"
 NONE = "no checkpoints"
-PAIRED = (
-    "paired: ExactResume + SafetensorsCheckpointIO(async_save=True, overlap_copy=True), the limit between its saves"
-)
+PAIRED = "paired: ExactResume + SafetensorsCheckpointIO(save='overlapped'), the limit between its saves"
 
 
 class Wide(pl.LightningModule):
@@ -347,21 +345,28 @@ def _in_flight(trainer: pl.Trainer) -> bool:
 
 
 CONFIGS: Dict[str, Config] = {
-    "ExactResume + SafetensorsCheckpointIO(async_save=True, overlap_copy=True)": Config(
-        lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True)
+    "ExactResume + SafetensorsCheckpointIO(save='overlapped')": Config(
+        lambda: SafetensorsCheckpointIO(save="overlapped")
     ),
-    "ExactResume + SafetensorsCheckpointIO(async_save=True, overlap_copy=True, writer='process')": Config(
-        lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True, writer="process")
+    "ExactResume + SafetensorsCheckpointIO(save='overlapped', writer='process')": Config(
+        lambda: SafetensorsCheckpointIO(save="overlapped", writer="process")
     ),
-    "ExactResume + SafetensorsCheckpointIO(async_save=True)": Config(lambda: SafetensorsCheckpointIO(async_save=True)),
-    "SafetensorsCheckpointIO(async_save=True, overlap_copy=True), no ExactResume": Config(
-        lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True), exact=False
+    "ExactResume + SafetensorsCheckpointIO(save='async')": Config(lambda: SafetensorsCheckpointIO(save="async")),
+    "ExactResume + SafetensorsCheckpointIO(save='async', writer='process')": Config(
+        lambda: SafetensorsCheckpointIO(save="async", writer="process")
+    ),
+    "ExactResume + SafetensorsCheckpointIO(save='sync')": Config(lambda: SafetensorsCheckpointIO(save="sync")),
+    "ExactResume + SafetensorsCheckpointIO(save='sync', writer='process')": Config(
+        lambda: SafetensorsCheckpointIO(save="sync", writer="process")
+    ),
+    "SafetensorsCheckpointIO(save='overlapped'), no ExactResume": Config(
+        lambda: SafetensorsCheckpointIO(save="overlapped"), exact=False
     ),
     "ExactResume + Lightning AsyncCheckpointIO": Config(CountedAsyncIO),
     "ExactResume + Lightning TorchCheckpointIO (default)": Config(TorchCheckpointIO),
     "dcp.async_save, thread staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.THREAD),
     "dcp.async_save, process staging (callback, no ExactResume)": Config(None, False, AsyncCheckpointerType.PROCESS),
-    PAIRED: Config(lambda: SafetensorsCheckpointIO(async_save=True, overlap_copy=True), paired=True),
+    PAIRED: Config(lambda: SafetensorsCheckpointIO(save="overlapped"), paired=True),
     BARE: Config(NullCheckpointIO, bare=True),
     BARE + ", + xxh3 beside the write": Config(NullCheckpointIO, bare=True, bare_hash="write"),
     BARE + ", + xxh3 after each tensor's copy": Config(NullCheckpointIO, bare=True, bare_hash="copy"),

@@ -91,7 +91,7 @@ class PickledCheckpointError(UnsafeCheckpointError):
 
 class RemoteLoadMemoryError(LightningResumeError):
     """Loading a checkpoint from a URL would hold more host memory than ``limit`` allows (the memory the
-    host or its cgroup has left, or ``max_remote_load_bytes``); refused before its data was downloaded."""
+    host or its cgroup has left, or ``RemoteOptions.max_load_bytes``); refused before its data was downloaded."""
 
     def __init__(self, url: str, size: int, needed: int, limit: int, what: str, cap_option: bool) -> None:
         self.url = str(url)
@@ -100,9 +100,9 @@ class RemoteLoadMemoryError(LightningResumeError):
         self.limit = limit
         self.what = what
         raise_it = (
-            "or raise the cap (SafetensorsCheckpointIO(max_remote_load_bytes=...), in bytes)"
+            "or raise the cap (SafetensorsCheckpointIO(remote=RemoteOptions(max_load_bytes=...)), in bytes)"
             if cap_option
-            else "or run where more memory is free (a cap, max_remote_load_bytes, only lowers this bound)"
+            else "or run where more memory is free (a cap, remote.max_load_bytes, only lowers this bound)"
         )
         super().__init__(
             f"{self.url}: refused to load this {byte_size(size)} checkpoint from remote storage: the load holds about"

@@ -2,15 +2,28 @@
 
 They let a hook use a mechanism without importing it: ``RetentionCheckpoint`` verifies files with
 whatever ``CheckpointIO`` the trainer has, if that IO can verify, and lets it resolve "last" if it can; ``ExactResume`` triggers saves
-through whatever checkpoint callback can take a snapshot on demand.
+through whatever checkpoint callback can take a snapshot on demand. The memory tier reuses a durable save's
+staging through :class:`StagingLender`; a restore reads weights into the live module through
+:class:`InPlaceLoading`. :func:`checkpoint_io_as` finds the trainer's IO that has a given protocol.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
+    import torch
 
 
 @runtime_checkable
@@ -96,3 +109,69 @@ class StagingCheckpointIO(Protocol):
 
     def reserve(self, nbytes: int, pinned: bool = False) -> None:
         """Allocate and touch staging memory for a checkpoint of about ``nbytes``, in the background."""
+
+
+@runtime_checkable
+class DigestingCheckpointIO(Protocol):
+    """A ``CheckpointIO`` whose files record every tensor's digest, checked when the file is loaded: hashing the
+    state again at each save proves nothing more (``ExactResume``'s fingerprint then takes the file's)."""
+
+    records_digests: bool
+
+
+class Loan(Protocol):
+    """What a :class:`StagingLender` lends (``staging.lending.Lending``)."""
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether the lender's saves copy the optimizer-stepped state while the next step runs."""
+
+    @property
+    def newest(self) -> Callable[[], Any]:
+        """Returns the lender's newest ``staging.lending.Offer`` (``None`` before its first save)."""
+
+
+@runtime_checkable
+class StagingLender(Protocol):
+    """A ``CheckpointIO`` whose async saves can lend their staged tensors to a second snapshot of the same state
+    at the same point (``staging.lending``): ``ExactResume``'s memory tier, at the step of a durable save."""
+
+    def lend_staging(self) -> Optional[Loan]:
+        """Keep an offer of each save's staged tensors from now on, and return the handle that reads the newest
+        one; ``None`` when this IO stages nothing (its saves write from the tensors themselves)."""
+
+
+@runtime_checkable
+class InPlaceLoading(Protocol):
+    """A ``CheckpointIO`` that can read a checkpoint's weights straight into the module the run already built."""
+
+    def load_into(self, module: Optional[torch.nn.Module]) -> None:
+        """Offer ``module``'s tensors to the next load, or withdraw them (``None``)."""
+
+    def loaded_in_place(self) -> Dict[str, Tuple[str, str]]:
+        """The weights the latest load read in place: state-dict name -> the file's ``(algorithm, digest)``."""
+
+
+def checkpoint_io_as(trainer: Any, protocol: type) -> Any:
+    """The trainer's ``CheckpointIO`` if it has ``protocol``, also inside a wrapping IO (Lightning's
+    ``AsyncCheckpointIO`` keeps the IO it wraps as ``checkpoint_io``); ``None`` otherwise."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    while io is not None and not isinstance(io, protocol):
+        io = getattr(io, "checkpoint_io", None)
+    return io
+
+
+def offer_module(trainer: Any, module: Optional[torch.nn.Module]) -> None:
+    """Hand ``module`` to the trainer's :class:`InPlaceLoading` IO for the load that restores it, or withdraw it
+    (``None``). Nothing for another IO, or for a strategy that restores after its own setup (FSDP, DeepSpeed:
+    the module is wrapped and sharded by then)."""
+    io: Optional[InPlaceLoading] = checkpoint_io_as(trainer, InPlaceLoading)
+    if io is not None:
+        later = getattr(getattr(trainer, "strategy", None), "restore_checkpoint_after_setup", False)
+        io.load_into(None if later else module)
+
+
+def loaded_in_place(trainer: Any) -> Dict[str, Tuple[str, str]]:
+    """The weights the trainer's latest load read in place (empty for an IO without :class:`InPlaceLoading`)."""
+    io: Optional[InPlaceLoading] = checkpoint_io_as(trainer, InPlaceLoading)
+    return {} if io is None else io.loaded_in_place()

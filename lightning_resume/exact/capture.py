@@ -24,7 +24,7 @@ from lightning_resume.exact.state.fingerprint import digest, fingerprint
 from lightning_resume.exact.state.rng import capture_rng
 from lightning_resume.exact.state.user import UserState, metrics_held
 from lightning_resume.exact.state.user import capture as capture_user
-from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.protocols import DigestingCheckpointIO
 
 FORMAT_VERSION = 1
 """Layout of the state below; a resume refuses another."""
@@ -112,7 +112,8 @@ def files_prove_tensors(trainer: pl.Trainer) -> bool:
     """The checkpoint files record every tensor's digest and verify it on load (``SafetensorsCheckpointIO``),
     so hashing the weights and optimizer state at each save, on the training thread, would prove nothing
     more: the restored state is compared with the loaded, verified checkpoint instead."""
-    return isinstance(trainer.strategy.checkpoint_io, SafetensorsCheckpointIO)
+    io = trainer.strategy.checkpoint_io
+    return isinstance(io, DigestingCheckpointIO) and io.records_digests is True
 
 
 def replicated(trainer: pl.Trainer) -> bool:

@@ -134,7 +134,7 @@ def _announce(notice: Notice, now: float, durable_cost_s: Optional[float]) -> No
         log.warning(
             "ExactResume: a durable save took %.1f s so far, more than the %.1f s the %s notice leaves: it may not"
             " finish before the instance goes (the memory tier does not outlive the instance); shorten saves"
-            " (async_save=True, a faster store) or take scheduled snapshots more often",
+            " (save='async', a faster store) or take scheduled snapshots more often",
             durable_cost_s, max(left, 0.0), notice.cloud,
         )  # fmt: skip
 

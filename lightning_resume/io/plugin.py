@@ -7,9 +7,11 @@ newest ``last*.ckpt`` by mtime and hands that path to ``load_checkpoint``
 fails verification, the plugin loads the newest sibling checkpoint that verifies instead and warns
 naming both. A file asked for by any other name is never substituted.
 
-With ``async_save=True`` a save blocks only for the snapshot (``async_save.AsyncSaver``): the write,
-and every deletion after it, run in order on one worker; ``_commit`` is that write, the hook a
-subclass extends to act around each background commit. Failures reach the training thread at the
+With ``save="async"`` or ``"overlapped"`` a save blocks only for the snapshot (``staging.async_save.AsyncSaver``):
+the write, and every deletion after it, run in order on one worker; ``_commit`` is that write, the hook a
+subclass extends to act around each background commit. The plugin also implements the seams other parts use
+without naming it (``protocols``): verifying, resolving "last", async status, staging and lending, loading in
+place. Failures reach the training thread at the
 next save, ``wait`` or ``teardown``. ``teardown`` runs inside Lightning's exception handler too
 (``lightning/pytorch/trainer/call.py`` ``_call_and_handle_interrupt``); there it flushes for at most
 ``flush_timeout`` and warns instead of raising, so the original exception is the one that propagates.
@@ -41,6 +43,7 @@ from lightning_resume.errors import (
 from lightning_resume.format import hparams, read, write
 from lightning_resume.format.atomic import clean_stale_temporaries
 from lightning_resume.format.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
+from lightning_resume.io.options import DEFAULT_REMOTE, SAVE_MODES, WRITERS, RemoteOptions, SaveMode, WriterKind
 from lightning_resume.io.resolve import (
     Skipped,
     is_last_name,
@@ -52,12 +55,11 @@ from lightning_resume.io.resolve import (
 )
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.io.verify import verify as verify_file
-from lightning_resume.staging.async_save import AsyncSaver, WriterKind, commit_staged
+from lightning_resume.protocols import checkpoint_io_as
+from lightning_resume.staging.async_save import AsyncSaver, commit_staged
 from lightning_resume.staging.buffers import StagedTensors
-from lightning_resume.staging.lending import Offer
-from lightning_resume.staging.overlap import CopyStats
+from lightning_resume.staging.lending import Lending
 from lightning_resume.storage import files as storage
-from lightning_resume.storage import multipart
 from lightning_resume.storage.files import is_local
 
 STATE_DICT = "state_dict"
@@ -77,56 +79,43 @@ class SafetensorsCheckpointIO(CheckpointIO):
             (collision-resistant). Each file records its own, so files written with any of them still load.
         fallback_to_verified: when a ``last*.ckpt`` file fails verification on load, load the newest
             sibling checkpoint that verifies (with a warning) instead of failing.
-        mmap: load tensors as copy-on-write views of the file instead of copies: no extra memory and
-            no read copy, but the file's disk space stays in use while any loaded tensor lives (the
-            optimizer keeps its loaded moments for the whole run), even after the file is deleted.
-        async_save: block training only to copy the state into reusable host buffers; a background
-            worker writes the file (atomic, checksummed). At most one write is in flight: the next save
-            waits for it. Deletions are queued behind the writes they follow. Locally the file is
-            written with direct I/O from those buffers (no page-cache copy) where the filesystem allows.
-        overlap_write: with ``async_save``, start writing each chunk as soon as it is copied instead of
-            after the whole snapshot: durable sooner by about the copy time, but the write competes with
-            the copy, so training is blocked longer (benchmarks/RESULTS.md, "Async saving", has the figures). Worth it
-            where saves are back to back and cores are spare.
-        overlap_copy: with ``async_save``, copy at the save only what may change before the next optimizer step
-            (buffers a forward updates, frozen parameters, every tensor no optimizer steps) and copy the
-            parameters and optimizer state the optimizers step while the next forward and backward run; the
-            next optimizer step (of any ``torch.optim`` optimizer: automatic or manual optimization, several
-            optimizers, ``GradScaler``, after ``accumulate_grad_batches`` micro-batches) waits for what is left.
-            Exact: until then an in-place write through torch to a tensor not copied yet copies it first, and a
-            write torch's Python API did not see is found by the version counter, copied again and warned about
-            (``staging/overlap.py``; docs/async-saving.md, "Overlapped copy"). Off by default (see there why).
-        writer: with ``async_save``, where the write and its hashing run: ``"thread"`` (default), a worker thread
-            of the training process; ``"process"``, a writer process of its own that maps the staging memory
-            (shared, anonymous), so training's Python thread shares the GIL with nothing that hashes or
-            writes. A write in flight when the training process dies is still completed and committed by the
-            writer; a writer that dies fails its write with an ``AsyncWriteError`` naming its pid at the next
-            save or teardown (no partial file; the next save starts a new writer). The write starts once the
-            snapshot is copied, so it excludes ``overlap_write``; ``memory://`` URLs need ``"thread"``
-            (docs/async-saving.md, "Writer process").
+        mmap: load a local file's tensors as copy-on-write views of the file instead of copies: no extra
+            memory and no read copy, but the file's disk space stays in use while any loaded tensor lives
+            (the optimizer keeps its loaded moments for the whole run), even after the file is deleted. A
+            load from a URL always copies.
+        save: when a save copies the state, and so how long it blocks training (docs/async-saving.md).
+            ``"sync"`` (default): the save returns once the file is durable. ``"async"``: the save copies the
+            state into reusable host buffers and returns; the write runs in the background. ``"overlapped"``:
+            the save copies only what the next forward may change; the weights and optimizer state are copied
+            while the next forward and backward run, and the next optimizer step waits for that copy. Exact
+            under the conditions in docs/async-saving.md, "Overlapped copy"; off by default for that reason.
+            In the background modes at most one write is in flight (the next save waits for it), and
+            deletions queue behind the writes before them.
+        writer: where the write and its hashing run. ``"thread"`` (default): in the training process (a worker
+            thread; for ``save="sync"`` the training thread). ``"process"``: a writer process of its own that
+            maps the staging memory, so training's Python thread shares the GIL with nothing that hashes or
+            writes. A write in flight when the training process dies is still committed. ``memory://`` URLs
+            need ``"thread"`` (docs/async-saving.md, "Writer process").
         on_error: what a failed background write does at the next save, ``wait`` or teardown:
-            ``"raise"`` an ``AsyncWriteError`` naming the file (default), or ``"warn"`` and go on.
+            ``"raise"`` an ``AsyncWriteError`` naming the file (default), or ``"warn"`` and go on. A
+            ``"sync"`` save always raises.
         flush_timeout: longest wait for a pending write when the run ends by an exception,
             ``KeyboardInterrupt`` or interpreter exit (``"10min"``, seconds or a ``timedelta``).
-        max_remote_load_bytes: the most host memory, in bytes, a load from a URL (``s3://``...) may hold; such a
-            load downloads the file into memory before it builds the tensors (about 1.0x the file's size for this
-            format, 2.0x for a ``torch.save`` file). ``None`` (default): no cap. Either way a load that would
-            hold more than the host (or its cgroup) has left is refused with ``RemoteLoadMemoryError``
-            before anything is downloaded, instead of running out of memory half-way. Local loads are unaffected.
+        remote: limits of loads from and uploads to object stores (``RemoteOptions``: ``max_load_bytes``,
+            ``upload_part_size``, ``upload_concurrency``; docs/remote-storage.md).
         load_in_place: read a checkpoint's weights straight into the module the run already built, instead of
-            into new memory that Lightning then copies over (one copy of the weights fewer, and no new pages:
-            at 1 GB most of the time to the first resumed step on a VM). Takes effect for the restore of a
-            fit with ``ExactResume`` or ``RetentionCheckpoint``, which hand the module over (``load_into``)
-            in ``setup`` and withdraw it in ``on_fit_start``, for each weight on the CPU whose dtype and
-            shape match the file's; not when the module overrides ``on_load_checkpoint`` (it may change the
-            dict before Lightning copies it), nor for strategies that restore after their own setup (FSDP).
-            The others load as before. If the file then fails a checksum, the weights read before the
-            failure hold the file's bytes (the error says so); the ``"last"`` fallback overwrites them with
-            the checkpoint that verifies. Default ``True``; no effect with ``mmap``.
-        upload_part_size: bytes of one part of a multi-part upload to an object store (S3; at least 5 MiB;
-            default 16 MiB). ``upload_concurrency``: most parts in flight at once (default 8); an upload holds at
-            most ``upload_part_size * upload_concurrency`` bytes beside the state (``io.multipart``).
+            into new memory that Lightning then copies over (one copy of the weights fewer, and no new pages).
+            Takes effect for the restore of a fit with ``ExactResume`` or ``RetentionCheckpoint``, which offer
+            the module (:meth:`load_into`) in ``setup`` and withdraw it in ``on_fit_start``, for each weight on
+            the CPU whose dtype and shape match the file's; not when the module overrides
+            ``on_load_checkpoint`` (it may change the dict before Lightning copies it), nor for strategies that
+            restore after their own setup (FSDP). If the file then fails a checksum, the weights read before
+            the failure hold the file's bytes (the error says so); the ``"last"`` fallback overwrites them with
+            the checkpoint that verifies. Default ``True``; no effect on a local load with ``mmap``.
     """
+
+    records_digests = True
+    """Every file records each tensor's digest (``protocols.DigestingCheckpointIO``)."""
 
     def __init__(
         self,
@@ -134,106 +123,43 @@ class SafetensorsCheckpointIO(CheckpointIO):
         checksum: Algorithm = DEFAULT_ALGORITHM,
         fallback_to_verified: bool = True,
         mmap: bool = False,
-        async_save: bool = False,
-        overlap_write: bool = False,
-        overlap_copy: bool = False,
+        save: SaveMode = "sync",
         writer: WriterKind = "thread",
         on_error: Literal["raise", "warn"] = "raise",
         flush_timeout: Duration = "10min",
-        max_remote_load_bytes: Optional[int] = None,
-        upload_part_size: int = multipart.DEFAULT_UPLOAD.part_size,
-        upload_concurrency: int = multipart.DEFAULT_UPLOAD.concurrency,
+        remote: RemoteOptions = DEFAULT_REMOTE,
         load_in_place: bool = True,
     ) -> None:
         check_versions()
         resolve_last_through_callbacks()
-        problems = []
-        if checksum not in ALGORITHMS:
-            problems.append(f"checksum={checksum!r} is not supported; use one of {list(ALGORITHMS)}")
-        if not isinstance(verify, bool):
-            problems.append(f"verify={verify!r} must be True or False")
-        if not isinstance(load_in_place, bool):
-            problems.append(f"load_in_place={load_in_place!r} must be True or False")
-        if overlap_write and not async_save:
-            problems.append(
-                "overlap_write=True overlaps the background write with the snapshot copy; it needs async_save=True"
-            )
-        if overlap_copy and not async_save:
-            problems.append(
-                "overlap_copy=True copies the optimizer-written state while the next step runs; it needs async_save=True"
-            )
-        if overlap_copy and overlap_write:
-            problems.append(
-                "overlap_copy=True and overlap_write=True: the overlapped copy already lets the write start on what"
-                " is copied at the save; pass one of them"
-            )
-        if writer not in ("thread", "process"):
-            problems.append(f"writer={writer!r} is not supported; use 'thread' or 'process'")
-        elif writer == "process" and not async_save:
-            problems.append("writer='process' runs the background write in another process; it needs async_save=True")
-        elif writer == "process" and overlap_write:
-            problems.append(
-                "writer='process' and overlap_write=True: the writer process starts once the snapshot is copied;"
-                " pass one of them"
-            )
-        if on_error not in ("raise", "warn"):
-            problems.append(f"on_error={on_error!r} is not supported; use 'raise' or 'warn'")
-        if max_remote_load_bytes is not None and (type(max_remote_load_bytes) is not int or max_remote_load_bytes < 1):
-            problems.append(
-                f"max_remote_load_bytes={max_remote_load_bytes!r} must be a number of bytes >= 1, or None for no cap"
-            )
+        problems = _problems(checksum, verify, load_in_place, save, writer, on_error, remote)
         try:
             self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
         except ValueError as err:
             problems.append(str(err))
-        try:
-            self.upload = multipart.UploadOptions(upload_part_size, upload_concurrency)
-        except ConfigurationError as err:
-            problems += [p.replace("part_size=", "upload_part_size=").replace("concurrency=", "upload_concurrency=")
-                         for p in err.problems]  # fmt: skip
         if problems:
             raise ConfigurationError("SafetensorsCheckpointIO", problems)
-        self.verify = verify
-        self.checksum = checksum
-        self.fallback_to_verified = fallback_to_verified
-        self.mmap = mmap
-        self.max_remote_load_bytes = max_remote_load_bytes
+        self.verify, self.checksum, self.fallback_to_verified, self.mmap = verify, checksum, fallback_to_verified, mmap
+        self.save, self.writer, self.on_error, self.remote = save, writer, on_error, remote
         self.load_in_place = load_in_place
-        self.on_error = on_error
+        self._upload = remote.upload
         self._into: Optional[weakref.ReferenceType[torch.nn.Module]] = None  # the module the next load fills
         self._in_place: Dict[str, Tuple[str, str]] = {}  # of the latest load: weights read in place
         self._cleaned: Set[str] = set()  # directories cleaned, normalised
         self._seen_parents: Set[str] = set()  # their parents as the paths spelled them (a string split per save)
         self._resolved: Dict[str, List[str]] = {}  # a "last" choice -> the candidates ranked below it
         self._loaded: Dict[str, str] = {}  # a path asked for -> the file its load read
-        self._saver: Optional[AsyncSaver] = None
-        if async_save:
-            self._saver = AsyncSaver(
-                self._commit, on_error, overlap=overlap_write, overlap_copy=overlap_copy, writer=writer
-            )
+        self._saver: Optional[AsyncSaver] = None  # every mode stages but a sync save on the training thread
+        if save != "sync" or writer == "process":
+            self._saver = AsyncSaver(self._commit, on_error, overlapped=save == "overlapped", writer=writer)
             atexit.register(_flush_at_exit, weakref.ref(self))
 
-    @property
-    def async_save(self) -> bool:
-        return self._saver is not None
-
-    @property
-    def overlap_copy(self) -> bool:
-        """Whether saves copy the optimizer-written state while the next step runs (``overlap_copy=True``);
-        ``ExactResume``'s memory tier then takes its snapshots the same way."""
-        return self._saver is not None and self._saver.overlap_copy
-
-    def lend_staging(self) -> None:
-        """Keep an offer of each async save's staged tensors (:attr:`staging_offer`), for a second snapshot of the
-        same state at the same point to write from instead of copying it again (``io.lending``; ``ExactResume``'s
-        memory tier at the step of a durable save). No-op without ``async_save``."""
-        if self._saver is not None:
-            self._saver.lend = True
-
-    @property
-    def staging_offer(self) -> Optional[Offer]:
-        """The newest async save's staged tensors, with :meth:`lend_staging` (``None`` before, or without it)."""
-        return None if self._saver is None else self._saver.offer
+    def lend_staging(self) -> Optional[Lending]:
+        """Keep an offer of each save's staged tensors from now on, for a second snapshot of the same state at the
+        same point to write from instead of copying it again (``staging.lending``; ``ExactResume``'s memory tier
+        at the step of a durable save); the handle that reads it. ``None`` for a ``"sync"`` save on the training
+        thread, which stages nothing (``protocols.StagingLender``)."""
+        return None if self._saver is None else self._saver.lend_staging()
 
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -241,16 +167,20 @@ class SafetensorsCheckpointIO(CheckpointIO):
             raise TypeError(
                 f"SafetensorsCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r})"
             )
-        self._clean_once(str(path))
-        if self._saver is not None:
-            self._saver.save(checkpoint, str(path))
-        else:
-            write.save_file(checkpoint, str(path), algorithm=self.checksum, upload=self.upload)
+        path = str(path)
+        self._clean_once(path)
+        if self._saver is None:
+            write.save_file(checkpoint, path, algorithm=self.checksum, upload=self._upload)
+            return
+        self._saver.save(checkpoint, path)
+        if self.save == "sync":  # the writer process writes it; the save returns once it is durable
+            self._saver.wait(path, on_error="raise")
 
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
-        """The background write of an async save (on the worker thread): atomic, checksummed, at ``path``; with
-        ``writer="process"`` the writer process writes and this returns once it has committed."""
-        commit_staged(path, tree_json, staged, self.checksum, upload=self.upload)
+        """The write of a staged save (on the worker thread): atomic, checksummed, at ``path``; with
+        ``writer="process"`` the writer process writes and this returns once it has committed. A subclass
+        extends it to act around each commit."""
+        commit_staged(path, tree_json, staged, self.checksum, upload=self._upload)
 
     @override
     def load_checkpoint(
@@ -286,7 +216,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         module = self._into() if self._into is not None else None
         into = destinations(module) if self.load_in_place and not self.mmap and module is not None else None
         loaded = read.load_file(
-            path, self.verify, map_location, mmap=self.mmap, max_remote_load_bytes=self.max_remote_load_bytes,
+            path, self.verify, map_location, mmap=self.mmap, max_remote_load_bytes=self.remote.max_load_bytes,
             into=into, weights_only=weights_only,
         )  # fmt: skip
         self._in_place = {where[1]: digest for where, digest in loaded.in_place.items()}
@@ -294,13 +224,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     def load_into(self, module: Optional[torch.nn.Module]) -> None:
         """Offer ``module``'s own tensors to the next ``load_checkpoint`` (``load_in_place``), its fallback
-        included; ``None`` withdraws it. Held weakly, and for that one load. ``ExactResume`` and ``RetentionCheckpoint`` call this in ``setup``: Lightning loads the
-        checkpoint after ``setup`` and before it moves the module to its device."""
+        included; ``None`` withdraws it. Held weakly, and for that one load (``protocols.InPlaceLoading``).
+        ``ExactResume`` and ``RetentionCheckpoint`` call this in ``setup``: Lightning loads the checkpoint after
+        ``setup`` and before it moves the module to its device."""
         self._into = None if module is None else weakref.ref(module)
 
     def loaded_in_place(self) -> Dict[str, Tuple[str, str]]:
         """The weights the latest load read in place: state-dict name -> the file's recorded ``(algorithm,
-        digest)`` of their bytes (``io.integrity``), to check the restored module against."""
+        digest)`` of their bytes (``format.integrity``), to check the restored module against."""
         return dict(self._in_place)
 
     def _load_fallback(
@@ -356,8 +287,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete ``path``; in async mode, queued after every write submitted before it."""
-        if self._saver is not None:
+        """Delete ``path``; with a background save, queued after every write submitted before it."""
+        if self._saver is not None and self.save != "sync":
             self._saver.remove(str(path), lambda: storage.remove(str(path)))
         else:
             storage.remove(str(path))
@@ -366,12 +297,13 @@ class SafetensorsCheckpointIO(CheckpointIO):
         """Return if ``path`` verifies; raise ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) if not."""
         verify_file(str(path))
 
-    # ---- async status (``lightning_resume.protocols.AsyncCheckpointWriter``) ----------------------
+    # ---- staged saves (``protocols.AsyncCheckpointWriter``, ``protocols.StagingCheckpointIO``) ----------
 
     def reserve(self, nbytes: int, pinned: bool = False) -> None:
-        """With ``async_save``, allocate and touch the staging memory for a checkpoint of about ``nbytes`` now,
-        in the background, so the first save blocks for one copy instead of the page faults of fresh memory
-        (``ExactResume`` calls this after the first optimizer step). A no-op for synchronous saves."""
+        """Allocate and touch the staging memory for a checkpoint of about ``nbytes`` now, in the background, so
+        the first save blocks for one copy instead of the page faults of fresh memory (``ExactResume`` calls
+        this after the first optimizer step; call it yourself without ``ExactResume``). A no-op for a
+        ``"sync"`` save on the training thread."""
         if self._saver is not None:
             self._saver.reserve(nbytes, pinned)
 
@@ -386,19 +318,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     @property
     def last_blocked_seconds(self) -> Optional[float]:
-        """Training-thread time of the newest async save: encoding the tree and copying the tensors."""
-        return None if self._saver is None else self._saver.last_blocked_seconds
-
-    @property
-    def last_copy_stats(self) -> Optional[CopyStats]:
-        """With ``overlap_copy``: the newest overlapped copy that ended (bytes deferred and copied at the save,
-        seconds blocked at the barrier, tensors the guard copied and tensors copied again)."""
-        return None if self._saver is None else self._saver.last_copy
-
-    @property
-    def last_wait_seconds(self) -> Optional[float]:
-        """How long the newest async save waited for the write before it (back-pressure)."""
-        return None if self._saver is None else self._saver.last_wait_seconds
+        """Training-thread time of the newest staged save: encoding the tree and copying the tensors."""
+        return None if self._saver is None else self._saver.stats.blocked_seconds
 
     @property
     def last_write_seconds(self) -> Optional[float]:
@@ -415,11 +336,11 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if self._saver is None:
             return
         if sys.exc_info()[1] is not None:
-            self.flush(self.flush_timeout)
+            self._flush(self.flush_timeout)
             return
         self._saver.close()
 
-    def flush(self, timeout: Optional[float] = None) -> bool:
+    def _flush(self, timeout: Optional[float] = None) -> bool:
         """Wait at most ``timeout`` for pending writes and warn (never raise) about failures or a timeout."""
         if self._saver is None:
             return True
@@ -455,7 +376,7 @@ def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:
     """At interpreter exit (the worker is a daemon thread), give a pending write ``flush_timeout`` to finish."""
     io = ref()
     if io is not None and io.write_in_flight():
-        io.flush(io.flush_timeout)
+        io._flush(io.flush_timeout)
 
 
 def destinations(module: torch.nn.Module) -> Optional[Dict[Tuple[str, ...], torch.Tensor]]:
@@ -477,16 +398,6 @@ def _default_on_load_checkpoint() -> Any:
     return CheckpointHooks.on_load_checkpoint
 
 
-def offer_module(trainer: Any, module: Optional[torch.nn.Module]) -> None:
-    """Hand ``module`` to the trainer's ``SafetensorsCheckpointIO`` for the load that restores it, or withdraw
-    it (``None``); nothing for another checkpoint IO, or for a strategy that restores after its own setup
-    (FSDP, DeepSpeed: the module is wrapped and sharded by then)."""
-    io = _safetensors_io(trainer)
-    if io is not None:
-        later = getattr(getattr(trainer, "strategy", None), "restore_checkpoint_after_setup", False)
-        io.load_into(None if later else module)
-
-
 def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
     """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise ``UnencodableValueError`` now for the
     hyper-parameters (of ``module`` and the datamodule) every save would refuse (``io.hparams``), naming them
@@ -502,15 +413,27 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
     hparams.refuse_unencodable(tree)
 
 
-def loaded_in_place(trainer: Any) -> Dict[str, Tuple[str, str]]:
-    """``SafetensorsCheckpointIO.loaded_in_place`` of the trainer's IO (empty for another checkpoint IO)."""
-    io = _safetensors_io(trainer)
-    return {} if io is None else io.loaded_in_place()
-
-
 def _safetensors_io(trainer: Any) -> Optional[SafetensorsCheckpointIO]:
     """The trainer's ``SafetensorsCheckpointIO``, also inside a wrapping IO (Lightning's ``AsyncCheckpointIO``)."""
-    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
-    while io is not None and not isinstance(io, SafetensorsCheckpointIO):
-        io = getattr(io, "checkpoint_io", None)
+    io: Optional[SafetensorsCheckpointIO] = checkpoint_io_as(trainer, SafetensorsCheckpointIO)
     return io
+
+
+def _problems(
+    checksum: str, verify: Any, load_in_place: Any, save: str, writer: str, on_error: str, remote: Any
+) -> List[str]:
+    """Every invalid option, named with its value and the fix. Each option is checked alone: every
+    combination of valid values works."""
+    found = []
+    if checksum not in ALGORITHMS:
+        found.append(f"checksum={checksum!r} is not supported; use one of {list(ALGORITHMS)}")
+    for name, value in (("verify", verify), ("load_in_place", load_in_place)):
+        if not isinstance(value, bool):
+            found.append(f"{name}={value!r} must be True or False")
+    for name, value, allowed in (("save", save, SAVE_MODES), ("writer", writer, WRITERS),
+                                 ("on_error", on_error, ("raise", "warn"))):  # fmt: skip
+        if value not in allowed:
+            found.append(f"{name}={value!r} is not supported; use one of {list(allowed)}")
+    if not isinstance(remote, RemoteOptions):
+        found.append(f"remote={remote!r} must be a RemoteOptions(max_load_bytes=..., upload_part_size=..., ...)")
+    return found

@@ -116,7 +116,7 @@ class MemoryStore:
             previous snapshot. ``False``: the snapshot is committed when :meth:`save` returns.
         overlap_copy: with ``asynchronous``, copy at the save only what may change before the next optimizer
             step and the rest while the next forward and backward run (``io.overlap``, as
-            ``SafetensorsCheckpointIO(overlap_copy=True)``): the snapshot is committed after that step's
+            ``SafetensorsCheckpointIO(save="overlapped")``): the snapshot is committed after that step's
             barrier, and holds the state as it was at the save.
     """
 
@@ -137,7 +137,7 @@ class MemoryStore:
         stem = f"rank-{rank}-of-{world_size}"
         self.path = os.path.join(self.directory, f"{stem}.safetensors")
         self.owner_path = os.path.join(self.directory, f"{stem}.owner")
-        self._saver = AsyncSaver(self._commit, on_error="raise", overlap_copy=overlap_copy) if asynchronous else None
+        self._saver = AsyncSaver(self._commit, on_error="raise", overlapped=overlap_copy) if asynchronous else None
 
     def save(
         self,
@@ -178,12 +178,12 @@ class MemoryStore:
     @property
     def last_borrowed_bytes(self) -> int:
         """Bytes the newest snapshot took from a durable save's staging instead of copying them (``borrow``)."""
-        return 0 if self._saver is None else self._saver.last_borrowed_bytes
+        return 0 if self._saver is None else self._saver.stats.borrowed_bytes
 
     @property
     def last_copy(self) -> Optional[CopyStats]:
         """With ``overlap_copy``: the newest snapshot's overlapped copy once its barrier passed (``None`` before)."""
-        return None if self._saver is None else self._saver.last_copy
+        return None if self._saver is None else self._saver.stats.copy
 
     def _make_private(self) -> None:
         """The root and the slot, made (0700) or checked: this user's alone, real directories, not links."""

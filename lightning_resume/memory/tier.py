@@ -23,7 +23,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import AsyncWriteError, CheckpointCorruptError, ConfigurationError, ExactResumeWarning
-from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.memory.store import (
     MemorySnapshot,
     MemoryStore,
@@ -33,6 +32,7 @@ from lightning_resume.memory.store import (
     memory_root,
     slot_key,
 )
+from lightning_resume.protocols import Loan, StagingLender, checkpoint_io_as
 from lightning_resume.schedule.state import Tier
 from lightning_resume.staging.lending import Offer
 
@@ -60,6 +60,7 @@ class MemoryTier:
         self._warned_failed = False
         self.directory, self.rank, self.world_size = "", 0, 1
         self._remove_hook: Optional[Callable[[], None]] = None
+        self._lending: Optional[Loan] = None  # the durable IO's staging, when it lends it
         self.weights_only = True
 
     def setup(self, trainer: pl.Trainer, directory: Optional[str]) -> None:
@@ -72,11 +73,11 @@ class MemoryTier:
                 " ModelCheckpoint, or pass memory_tier=False"
             ])  # fmt: skip
         self.directory, self.rank, self.world_size = directory, trainer.global_rank, trainer.world_size
-        io = trainer.strategy.checkpoint_io
-        overlap = isinstance(io, SafetensorsCheckpointIO) and io.overlap_copy  # the user's choice, for both tiers
+        lender: Optional[StagingLender] = checkpoint_io_as(trainer, StagingLender)
+        # a snapshot at a durable save's step writes from that save's staging, and copies as it does
+        self._lending = None if lender is None else lender.lend_staging()
+        overlap = self._lending is not None and self._lending.overlapped  # the user's choice, for both tiers
         self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size, overlap_copy=overlap)
-        if isinstance(io, SafetensorsCheckpointIO):
-            io.lend_staging()  # a snapshot at a durable save's step writes from that save's staging
         self.resumed_tier, self.run = None, None
         self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
@@ -138,8 +139,7 @@ class MemoryTier:
     def offer(self, trainer: pl.Trainer) -> Optional[Offer]:
         """The durable IO's newest staged save on this rank (``io.lending``), or ``None``: read before and after a
         durable save, it tells whether that save staged the state here (only rank 0 writes a DDP checkpoint)."""
-        io = trainer.strategy.checkpoint_io
-        return io.staging_offer if isinstance(io, SafetensorsCheckpointIO) else None
+        return None if self._lending is None else self._lending.newest()
 
     def save(self, trainer: pl.Trainer, borrow: Optional[Offer] = None) -> Optional[int]:
         """Every rank: snapshot the full checkpoint into its slot; the bytes written, or ``None`` (warned)

@@ -34,10 +34,10 @@ from lightning_resume.errors import (
     TreeFormatError,
 )
 from lightning_resume.format.atomic import fsync_file_and_dir
-from lightning_resume.io.plugin import offer_module, refuse_unencodable_hparams
+from lightning_resume.io.plugin import refuse_unencodable_hparams
 from lightning_resume.io.resolve import candidates
 from lightning_resume.io.verify import precheck, problem
-from lightning_resume.protocols import AsyncCheckpointWriter
+from lightning_resume.protocols import AsyncCheckpointWriter, offer_module
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.retention.mirror import Mirror, Outcome
 from lightning_resume.retention.naming import parse_rolling_name, rolling_name
@@ -404,7 +404,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
                 type(self).__name__,
                 [
                     "Lightning's AsyncCheckpointIO cannot tell when a file is durable, so retention cannot run"
-                    " safely with it; use plugins=[SafetensorsCheckpointIO(async_save=True)] instead"
+                    " safely with it; use plugins=[SafetensorsCheckpointIO(save='async')] instead"
                 ],
             )
         if self._mirror is not None and trainer.world_size > 1 and not _replicated(trainer):

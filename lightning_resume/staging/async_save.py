@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Literal, Optional, Tuple
 
 import torch
@@ -27,7 +28,7 @@ from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.format import write
 from lightning_resume.format.codec import TreeEncoder, TreeText
 from lightning_resume.staging.buffers import HostBuffers, StagedTensors, _Recopy
-from lightning_resume.staging.lending import BorrowedStaged, Offer
+from lightning_resume.staging.lending import BorrowedStaged, Lending, Offer
 from lightning_resume.staging.overlap import CopyStats, OptimizerWatch, OverlappedCopy, copy_now
 from lightning_resume.staging.writer_process import SharedMemory, WriterProcess, refuse_process_local
 from lightning_resume.storage import multipart
@@ -42,7 +43,7 @@ each tensor only after ``staged.wait(name)``: it may start while the snapshot is
 
 WriterKind = Literal["thread", "process"]
 """Where an async save's commit runs: on the saver's worker thread, or in a writer process of its own
-(``io.writer_process``: the training process then shares its GIL with no hashing or writing)."""
+(``staging.writer_process``: the training process then shares its GIL with no hashing or writing)."""
 
 
 def commit_staged(
@@ -64,22 +65,41 @@ def commit_staged(
         )
 
 
+@dataclass
+class SaverStats:
+    """What the newest saves of an :class:`AsyncSaver` cost and did (timings in seconds)."""
+
+    wait_seconds: float = 0.0
+    """How long the newest save waited for the write before it (back-pressure)."""
+    blocked_seconds: float = 0.0
+    """The caller's time in the newest save: encoding the tree and copying (what it did not defer of) the tensors."""
+    write_seconds: Optional[float] = None
+    """Worker time of the newest write known to have completed."""
+    borrowed_bytes: int = 0
+    """Bytes the newest save took from another saver's snapshot instead of copying them (``borrow``)."""
+    copy: Optional[CopyStats] = None
+    """The newest overlapped copy that ended: bytes deferred, barrier time, recopies."""
+    guarded: int = 0
+    """In-place writes the copy-on-write guard held for a copy in flight, over every save."""
+    recopied: int = 0
+    """Tensors copied again at a barrier (changed unseen before their copy ended), over every save."""
+
+
 class AsyncSaver:
     """Snapshot on the caller's thread, commit on the worker; at most one save in flight.
 
-    ``commit`` runs on the worker (a :data:`WriteFn`). ``overlap=True`` starts it while the snapshot is
-    still being copied (each chunk once it is copied): the file is durable sooner by about the copy time,
-    but the write then competes with the copy for CPU and memory bandwidth, so the caller is blocked
-    longer. Off by default: blocking is what training pays. A failed job is reported on the caller's
-    thread by the next :meth:`save`, :meth:`wait`, :meth:`report` or :meth:`close`: raised as
+    ``commit`` runs on the worker (a :data:`WriteFn`), once the snapshot is copied. A failed job is reported
+    on the caller's thread by the next :meth:`save`, :meth:`wait`, :meth:`report` or :meth:`close`: raised as
     ``AsyncWriteError`` (``on_error="raise"``) or warned (``"warn"``).
 
-    ``writer="process"``: the pool is shared memory and ``commit_staged`` hands each write to a writer
-    process (``io.writer_process``), started with the saver and again after it ended; the worker thread
-    only waits for it. The write then starts once the whole snapshot is copied (after the barrier, with
-    ``overlap_copy``), so ``overlap`` is refused with it. :meth:`close` ends the writer process too.
+    ``overlapped=True`` copies at the save only what may change before the next optimizer step and the rest
+    on a helper thread until then (``staging.overlap``); the write is handed over at that barrier.
 
-    ``lend = True`` keeps an :attr:`offer` of each snapshot (``io.lending``), from which another saver's
+    ``writer="process"``: the pool is shared memory and ``commit_staged`` hands each write to a writer
+    process (``staging.writer_process``), started with the saver and again after it ended; the worker thread
+    only waits for it. :meth:`close` ends the writer process too.
+
+    :meth:`lend_staging` keeps an offer of each snapshot (``staging.lending``), from which another saver's
     :meth:`save_text` given ``borrow=`` takes the tensors it shares, instead of copying them again.
     """
 
@@ -87,28 +107,18 @@ class AsyncSaver:
         self,
         commit: WriteFn,
         on_error: str = "raise",
-        overlap: bool = False,
-        overlap_copy: bool = False,
-        check_versions: bool = True,
+        overlapped: bool = False,
         writer: WriterKind = "thread",
+        check_versions: bool = True,
     ) -> None:
         if writer not in ("thread", "process"):
             raise ValueError(f"writer={writer!r} is not supported; use 'thread' or 'process'")
-        if writer == "process" and overlap:
-            raise ValueError("overlap=True follows the copy with the write on a thread; it needs writer='thread'")
         self._commit = commit
         self.on_error = on_error
-        self.overlap = overlap
-        self.overlap_copy = overlap_copy
         self.check_versions = check_versions
-        self.watch = OptimizerWatch() if overlap_copy else None
+        self.watch = OptimizerWatch() if overlapped else None
         self._copy: Optional[OverlappedCopy] = None
-        self.last_copy: Optional[CopyStats] = None
-        """The newest overlapped copy that ended (``overlap_copy``): bytes deferred, barrier time, recopies."""
-        self.guarded = 0
-        """In-place writes the copy-on-write guard held for a copy in flight, over every save (``overlap_copy``)."""
-        self.recopied = 0
-        """Tensors copied again at a barrier (changed unseen before their copy ended), over every save."""
+        self.stats = SaverStats()
         self.process: Optional[WriterProcess] = None
         """With ``writer="process"``: the handle on the writer process (its ``pid``, how many were ``started``)."""
         if writer == "process":
@@ -123,31 +133,36 @@ class AsyncSaver:
         self.writer = OrderedWriter()
         self._last_write: Optional[Job] = None
         self._held: Optional[List[Job]] = None  # an overlapped snapshot's write, and what follows it, until its barrier
-        self.last_wait_seconds = 0.0
-        self.last_blocked_seconds = 0.0
-        self._write_seconds: Optional[float] = None
-        self.lend = False
+        self._lend = False
         self.offer: Optional[Offer] = None
-        """With ``lend``: the newest snapshot, for another saver to take its tensors from (``io.lending``)."""
+        """After :meth:`lend_staging`: the newest snapshot, for another saver to take its tensors from."""
         self._borrowers: List[Job] = []  # other savers' writes that read this pool
         self._borrowed: Optional[Offer] = None  # the offer this saver's newest write reads from
         self._after_barrier: List[Callable[[], None]] = []  # borrowers' hand-overs waiting for this copy
-        self.last_borrowed_bytes = 0
-        """Bytes the newest save took from another saver's snapshot instead of copying them (``borrow``)."""
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether saves defer the copy of the optimizer-stepped state to the next optimizer step."""
+        return self.watch is not None
+
+    def lend_staging(self) -> Lending:
+        """Keep an :attr:`offer` of each snapshot from now on; the handle another saver reads it through."""
+        self._lend = True
+        return Lending(self.overlapped, lambda: self.offer)
 
     @property
     def last_write_seconds(self) -> Optional[float]:
         """Worker time of the newest write that completed (``None`` before the first)."""
         job = self._last_write
         if job is not None and job.done.is_set() and job.error is None:
-            self._write_seconds = job.seconds
-        return self._write_seconds
+            self.stats.write_seconds = job.seconds
+        return self.stats.write_seconds
 
     def save(self, checkpoint: dict, path: str) -> None:
         """Wait for the previous save (measured), report its failure, snapshot ``checkpoint``, queue its commit.
 
-        Returns once every tensor is copied, so the caller may then change its state freely. With
-        ``overlap`` the commit is queued before the copy starts and follows it chunk by chunk.
+        Returns once every tensor is copied (``overlapped``: every tensor the next forward may change), so the
+        caller may then change its state freely.
         """
         self._save(path, checkpoint=checkpoint)
 
@@ -180,7 +195,7 @@ class AsyncSaver:
         self.offer = None
         self._wait_borrowers()  # and so must every other saver's write that reads it
         snapshot_start = time.monotonic()
-        self.last_wait_seconds = snapshot_start - started
+        self.stats.wait_seconds = snapshot_start - started
         self.report()
         with without_function_modes():  # a lender's copy guards this thread: its guard sees none of this
             encoded, recopy = self._encode(checkpoint, encoded)
@@ -192,26 +207,24 @@ class AsyncSaver:
                 staged = self._borrowing(staged, tensors, taken, borrow)
         staged.writer = self.process
         job = Job("write", path, lambda: self._commit(path, tree_json, staged))
-        self.last_borrowed_bytes, self._borrowed = 0, None
-        if self.lend:
+        self.stats.borrowed_bytes, self._borrowed = 0, None
+        if self._lend:
             self.offer = Offer(
                 staged, tensors, versions(tensors.values()), self.end_copy, self.when_copied, self._borrowers
             )
         if taken:
             assert borrow is not None and isinstance(staged, BorrowedStaged)
             borrow.borrowers.append(job)
-            self._borrowed, self.last_borrowed_bytes = borrow, staged.borrowed_bytes
+            self._borrowed, self.stats.borrowed_bytes = borrow, staged.borrowed_bytes
             self._held = [job]  # handed over once the lender's copy is over, as the lender's own write is
             borrow.when_copied(self._submit_held)
-        elif self.overlap_copy:
+        elif self.watch is not None:
             self._copy_overlapped(staged, tensors, job)
-        elif self.overlap:
-            self._fill_while_writing(staged, encoded, job)
         else:
             if not self.buffers.adopt(recopy, staged, tensors):
                 self.buffers.fill(staged, tensors, encoded.pointers, encoded.plain)
             self._submit(job)
-        self.last_blocked_seconds = time.monotonic() - snapshot_start
+        self.stats.blocked_seconds = time.monotonic() - snapshot_start
         self._last_write = job
 
     def _encode(self, checkpoint: Optional[dict], encoded: Optional[TreeText]) -> Tuple[TreeText, Optional[_Recopy]]:
@@ -221,7 +234,7 @@ class AsyncSaver:
         if encoded is None:
             encoded = self.encoder.reuse(checkpoint)  # the usual save: only its tensor-free subtrees encoded
         if encoded is None:  # encoded in full: long Python work, so the same tensors are copied meanwhile
-            recopy = None if self.overlap or self.overlap_copy else self.buffers.recopy_last()
+            recopy = None if self.watch is not None else self.buffers.recopy_last()
             try:
                 encoded = self.encoder.encode_in_full(checkpoint)  # unencodable values fail here, before any file
             finally:
@@ -230,7 +243,7 @@ class AsyncSaver:
         return encoded, recopy
 
     def _copy_overlapped(self, staged: StagedTensors, tensors: Dict[str, torch.Tensor], job: Job) -> None:
-        """Copy now what may change before the next optimizer step; defer the rest (``io.overlap``)."""
+        """Copy now what may change before the next optimizer step; defer the rest (``staging.overlap``)."""
         assert self.watch is not None
         names = list(staged)
         with without_function_modes():
@@ -277,7 +290,7 @@ class AsyncSaver:
             self._borrowers.remove(job)
 
     def end_copy(self) -> Optional[CopyStats]:
-        """The barrier of the snapshot whose copy is still running (``overlap_copy``): wait for it, copy again
+        """The barrier of the snapshot whose copy is still running (``overlapped``): wait for it, copy again
         what changed unseen; its stats, or ``None`` when no copy was running. Also run by the next optimizer
         step, save, :meth:`wait` and :meth:`close`."""
         copy, self._copy = self._copy, None
@@ -286,7 +299,7 @@ class AsyncSaver:
         return None if copy is None else copy.finish()
 
     def when_copied(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once the newest snapshot is copied: at its barrier (``overlap_copy``), else now."""
+        """Run ``callback`` once the newest snapshot is copied: at its barrier (``overlapped``), else now."""
         if self._copy is not None and not self._copy.finished:
             self._after_barrier.append(callback)
         else:
@@ -308,18 +321,9 @@ class AsyncSaver:
             callback()
 
     def _copy_ended(self, stats: CopyStats) -> None:
-        self.last_copy = stats
-        self.guarded += stats.guarded
-        self.recopied += len(stats.recopied)
-
-    def _fill_while_writing(self, staged: StagedTensors, encoded: TreeText, job: Job) -> None:
-        self._submit(job)
-        try:
-            self.buffers.fill(staged, encoded.tensors, encoded.pointers, encoded.plain)
-        except BaseException:
-            self.writer.wait([job])  # the write stops at the first byte not copied and leaves no file
-            self.writer.discard(job)  # the caller gets the copy's own error, now; not a second one later
-            raise
+        self.stats.copy = stats
+        self.stats.guarded += stats.guarded
+        self.stats.recopied += len(stats.recopied)
 
     def reserve(self, nbytes: int, pinned: bool = False) -> None:
         """Prepare the pool for snapshots of about ``nbytes`` on the worker (at its lowered priority), so the

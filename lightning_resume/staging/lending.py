@@ -1,7 +1,7 @@
 """One copy for two snapshots of the same state at the same point: the second reads the first's staged bytes.
 
 At the step of a durable save, ``ExactResume``'s memory tier takes its snapshot right after it, of the same
-weights and optimizer state. A saver that lends (``async_save.AsyncSaver`` with ``lend``) keeps an
+weights and optimizer state. A saver that lends (``async_save.AsyncSaver.lend_staging``) keeps an
 :class:`Offer` of its newest snapshot: its staged tensors, the source tensors they were copied from, and
 each source's version counter at the save. The saver of the second snapshot takes from the offer every
 tensor whose source is the same memory (data pointer, dtype, shape, strides, device, conjugate and negative
@@ -19,7 +19,7 @@ Lightning.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -44,7 +44,7 @@ class Offer:
     versions: List[int]
     """Each source's version counter at the save, in ``sources``' order."""
     end_copy: Callable[[], Any]
-    """The lender's barrier (``overlap_copy``): a borrower that waits for its write ends the lender's copy first."""
+    """The lender's barrier (``overlapped``): a borrower that waits for its write ends the lender's copy first."""
     when_copied: Callable[[Callable[[], None]], None]
     """Runs a callback once the lender's copy is over (at its barrier, or at once): a borrower hands its write to
     its worker then, so the write's start does not take the GIL from the training thread before it."""
@@ -67,6 +67,17 @@ class Offer:
                 if lent is not None:
                     out[name] = lent
         return out
+
+
+@dataclass(frozen=True)
+class Lending:
+    """A lender's side of the loan, for the saver that borrows: how the lender copies, and its newest offer."""
+
+    overlapped: bool
+    """Whether the lender's saves copy the optimizer-stepped state while the next step runs (``staging.overlap``);
+    the borrower's saves then copy the same way, so both snapshots hold the same point."""
+    newest: Callable[[], Optional[Offer]]
+    """The lender's newest snapshot (``None`` before its first save)."""
 
 
 class BorrowedStaged(StagedTensors):

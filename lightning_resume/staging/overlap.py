@@ -1,6 +1,6 @@
 """Overlapped snapshot copies: what only the optimizer step writes is copied while the next step computes.
 
-An async save (``async_save.AsyncSaver`` with ``overlap_copy``) copies on the caller's thread only the
+An overlapped save (``async_save.AsyncSaver`` with ``overlapped``; ``SafetensorsCheckpointIO(save="overlapped")``) copies on the caller's thread only the
 tensors that something other than an optimizer step may change (buffers a forward updates, such as
 BatchNorm statistics; frozen parameters; every other tensor of the checkpoint), and defers the ones an
 optimizer step writes (its parameters and its state, found by :class:`OptimizerWatch`) to a copy that runs
@@ -391,7 +391,7 @@ class OverlappedCopy:
             f"overlapped snapshot: {shown} changed in place between the save and the next optimizer step through"
             " a path the copy-on-write guard does not see (C++ code, torch functions disabled); copied again, so"
             " the checkpoint holds its value at that optimizer step, not at the save, and a resume from it is not"
-            " exact for these tensors. Make that change through torch's Python API, or save with overlap_copy=False.",
+            " exact for these tensors. Make that change through torch's Python API, or save with save='async'.",
             AsyncWriteWarning,
             stacklevel=4,
         )

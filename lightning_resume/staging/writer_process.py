@@ -1,6 +1,6 @@
 """The writer process: an async save's commit (writing and hashing) in a process of its own.
 
-With ``SafetensorsCheckpointIO(async_save=True, writer="process")`` the staging pool of
+With ``SafetensorsCheckpointIO(writer="process")`` the staging pool of
 ``buffers.HostBuffers`` is anonymous shared memory (:class:`SharedMemory`: a ``memfd``, no name in any
 directory, so no other user can open it and nothing is left behind by a crash), and the commit of each
 save runs in one long-lived writer process per saver, which maps the same memory and calls the same

@@ -37,7 +37,7 @@ def refusal(
     """The error to raise before downloading ``url``, or ``None`` if the load fits under ``cap`` and ``memory``."""
     needed = held_bytes(size, fmt, in_flight)
     if cap is not None and needed > cap:
-        return RemoteLoadMemoryError(url, size, needed, cap, "max_remote_load_bytes", cap_option=True)
+        return RemoteLoadMemoryError(url, size, needed, cap, "remote.max_load_bytes", cap_option=True)
     if memory is not None and needed > memory.nbytes:
         return RemoteLoadMemoryError(url, size, needed, memory.nbytes, memory.where, cap_option=False)
     return None

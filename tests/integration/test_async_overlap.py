@@ -1,4 +1,4 @@
-"""Overlapped snapshot copies (``SafetensorsCheckpointIO(async_save=True, overlap_copy=True)``) under a real
+"""Overlapped snapshot copies (``SafetensorsCheckpointIO(save="overlapped")``) under a real
 kill: run A uninterrupted, B SIGKILLed, C resumed in a fresh process; C continues A bit for bit.
 
 Each case edits every weight in place at every batch start (``EditWeights``: between each save and the next

@@ -319,3 +319,52 @@ def test_no_test_module_imports_another_test_module():
             modules += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             found += [f"{path.relative_to(ROOT)}: {m}" for m in modules if m.split(".")[-1].startswith("test_")]
     assert not found, "share code through tests/helpers instead:\n" + "\n".join(found)
+
+
+SEAM_FOLDERS = ("exact", "memory")
+"""Folders that reach the checkpoint IO only through ``lightning_resume.protocols``, never by its class."""
+
+
+def _isinstance_of_a_plugin(path: Path) -> list[str]:
+    """Every ``isinstance(x, C)`` in ``path`` whose ``C`` (or a member of a tuple ``C``) is a ``CheckpointIO`` class."""
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    module = importlib.import_module(name.removesuffix(".__init__"))
+    found = []
+    for node in ast.walk(_tree(path)):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2):
+            continue
+        second = node.args[1]
+        for expr in second.elts if isinstance(second, ast.Tuple) else [second]:
+            try:
+                cls = eval(compile(ast.Expression(expr), str(path), "eval"), vars(module))  # a name or dotted name
+            except Exception:  # a local variable: not a class the module names
+                continue
+            is_protocol = getattr(cls, "_is_protocol", False)
+            if inspect.isclass(cls) and issubclass(cls, CheckpointIO) and not is_protocol:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} isinstance(..., {ast.unparse(expr)})")
+    return found
+
+
+def test_exact_and_memory_reach_the_checkpoint_io_through_protocols_only():
+    found = [line for folder in SEAM_FOLDERS for p in sorted((PACKAGE / folder).rglob("*.py"))
+             for line in _isinstance_of_a_plugin(p)]  # fmt: skip
+    assert not found, "use a protocol of lightning_resume.protocols instead:\n" + "\n".join(found)
+
+
+def test_the_plugin_isinstance_check_catches_one(tmp_path, monkeypatch):
+    package = tmp_path / "lightning_resume_probe"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "probe.py").write_text(
+        "from lightning_resume.io.plugin import SafetensorsCheckpointIO\n"
+        "from lightning_resume.protocols import InPlaceLoading\n\n"
+        "def f(io):\n"
+        "    return isinstance(io, InPlaceLoading) or isinstance(io, (int, SafetensorsCheckpointIO))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _isinstance_of_a_plugin(package / "probe.py") == [
+        "lightning_resume_probe/probe.py:5 isinstance(..., SafetensorsCheckpointIO)"
+    ]

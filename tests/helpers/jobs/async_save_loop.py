@@ -1,4 +1,4 @@
-"""Save a checkpoint under one name in a loop through ``SafetensorsCheckpointIO(async_save=True)`` until
+"""Save a checkpoint under one name in a loop through ``SafetensorsCheckpointIO(save="async")`` until
 killed, so its background writer is busy nearly all the time (run by the kill-during-write tests).
 
 Usage: python tests/helpers/jobs/async_save_loop.py EVENTS TARGET NUMEL. Step ``s`` saves
@@ -20,7 +20,7 @@ class Logged(SafetensorsCheckpointIO):
     """Each background write logged around the plugin's documented ``_commit`` hook."""
 
     def __init__(self, events: str, writer: str = "thread") -> None:
-        super().__init__(async_save=True, writer=writer)
+        super().__init__(save="async", writer=writer)
         self.log = open(events, "a", buffering=1)
 
     def _commit(self, path, tree_json, tensors):

@@ -458,7 +458,7 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
         _slow_writes(cfg["slow_write"])
     if cfg.get("slow_copy"):
         _slow_copies(cfg["slow_copy"])
-    io_args = {"async_save": cfg.get("async", False), "overlap_copy": cfg.get("overlap_copy", False)}
+    io_args = {"save": ("overlapped" if cfg.get("overlap_copy") else "async") if cfg.get("async") else "sync"}
     plugins: list = [SafetensorsCheckpointIO(**io_args)] if cfg.get("safetensors") else []
     if cfg.get("slurm_auto_requeue") is not None:
         plugins.append(SLURMEnvironment(auto_requeue=cfg["slurm_auto_requeue"]))
@@ -508,8 +508,8 @@ def main(cfg: dict) -> None:
     if exact is not None:  # what the resume said it did, for the tests to read: ``<out>/report-rank<R>.json``
         report = {**exact.resume_report.to_dict(), "accumulate_grad_batches_now": trainer.accumulate_grad_batches}
         saver = getattr(trainer.strategy.checkpoint_io, "_saver", None)
-        if getattr(saver, "overlap_copy", False):  # what the overlapped copies did, for the tests to check
-            report["overlap_copy"] = {"guarded": saver.guarded, "recopied": saver.recopied}
+        if getattr(saver, "overlapped", False):  # what the overlapped copies did, for the tests to check
+            report["overlap_copy"] = {"guarded": saver.stats.guarded, "recopied": saver.stats.recopied}
         (out / f"report-rank{rank}.json").write_text(json.dumps(report, default=str))
     if torch.distributed.is_initialized():  # close gloo before exit: its threads may otherwise abort the process
         torch.distributed.destroy_process_group()

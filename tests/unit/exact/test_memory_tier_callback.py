@@ -136,7 +136,7 @@ def _overlapped_fit(
     callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
     callbacks += [Crash(crash_at)] if crash_at is not None else []
     callbacks += list(extra)
-    io = SafetensorsCheckpointIO(async_save=True, overlap_copy=overlap)
+    io = SafetensorsCheckpointIO(save="overlapped" if overlap else "async")
     trainer = tiny_trainer(callbacks, max_steps=12, plugins=[io], default_root_dir=str(tmp_path))
     model = TinyMLP()
     trainer.fit(model, ckpt_path="last")

@@ -133,7 +133,7 @@ def test_the_async_write_never_reopens_its_temporary_by_name(tmp_path: Path, mon
         return real(*args, **kwargs)
 
     monkeypatch.setattr(write.integrity, "make_record", swap_then_record)
-    io = SafetensorsCheckpointIO(async_save=True)  # its snapshot image is written with direct I/O where allowed
+    io = SafetensorsCheckpointIO(save="async")  # its snapshot image is written with direct I/O where allowed
     io.save_checkpoint(_state(5), directory / "a.ckpt")
     io.teardown()
     assert swapped and victim.read_bytes() == b"precious"

@@ -31,7 +31,7 @@ def _loaded(path: Path) -> dict:
 
 def _pair() -> tuple[AsyncSaver, AsyncSaver]:
     lender, borrower = AsyncSaver(_commit), AsyncSaver(_commit)
-    lender.lend = True
+    lender.lend_staging()
     return lender, borrower
 
 
@@ -44,7 +44,7 @@ def test_the_second_snapshot_writes_the_lenders_bytes_and_copies_only_what_it_al
     borrower.save_text(borrower.encode(second), str(tmp_path / "memory.st"), borrow=lender.offer)
     borrower.wait()
     lender.wait()
-    assert borrower.last_borrowed_bytes == sum(t.nbytes for t in state.values())
+    assert borrower.stats.borrowed_bytes == sum(t.nbytes for t in state.values())
     got = _loaded(tmp_path / "memory.st")
     assert tensor_bits(got["state_dict"]["w"]) == tensor_bits(state["w"])
     assert tensor_bits(got["state_dict"]["b"]) == tensor_bits(state["b"])
@@ -62,7 +62,7 @@ def test_a_tensor_written_in_place_since_the_lenders_save_is_copied_not_borrowed
         state["w"].add_(1.0)  # its version counter moves: the lender's copy of it is stale
     borrower.save_text(borrower.encode({"state_dict": state}), str(tmp_path / "memory.st"), borrow=lender.offer)
     borrower.wait()
-    assert borrower.last_borrowed_bytes == state["b"].nbytes
+    assert borrower.stats.borrowed_bytes == state["b"].nbytes
     got = _loaded(tmp_path / "memory.st")["state_dict"]
     assert tensor_bits(got["w"]) == tensor_bits(state["w"]) and tensor_bits(got["b"]) == tensor_bits(state["b"])
     lender.close()
@@ -75,7 +75,7 @@ def test_a_view_of_the_same_memory_read_another_way_is_not_borrowed(tmp_path: Pa
     lender.save({"m": m}, str(tmp_path / "durable.ckpt"))
     borrower.save_text(borrower.encode({"m": m.t()}), str(tmp_path / "memory.st"), borrow=lender.offer)
     borrower.wait()
-    assert borrower.last_borrowed_bytes == 0
+    assert borrower.stats.borrowed_bytes == 0
     assert torch.equal(_loaded(tmp_path / "memory.st")["m"], m.t())
     lender.close()
     borrower.close()
@@ -90,7 +90,7 @@ def test_the_lender_waits_for_the_borrowers_write_before_reusing_its_pool(tmp_pa
         _commit(path, tree_json, staged)
 
     lender, borrower = AsyncSaver(_commit), AsyncSaver(held_commit)
-    lender.lend = True
+    lender.lend_staging()
     state = _state()
     before = {k: tensor_bits(v) for k, v in state.items()}
     lender.save({"state_dict": state}, str(tmp_path / "durable.ckpt"))
@@ -118,17 +118,17 @@ def test_a_borrower_of_an_overlapped_snapshot_ends_the_lenders_copy_when_it_wait
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters())
-    lender = AsyncSaver(_commit, overlap_copy=True)  # its watch knows the optimizers that step from now on
+    lender = AsyncSaver(_commit, overlapped=True)  # its watch knows the optimizers that step from now on
     borrower = AsyncSaver(_commit)
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
-    lender.lend = True
+    lender.lend_staging()
     ckpt = {"state_dict": model.state_dict(), "optimizer": opt.state_dict()}
     expected = {k: tensor_bits(v) for k, v in model.state_dict().items()}
     lender.save(ckpt, str(tmp_path / "durable.ckpt"))
     assert lender._copy is not None  # the copy is still deferred
     borrower.save_text(borrower.encode(ckpt), str(tmp_path / "memory.st"), borrow=lender.offer)
-    assert borrower.last_borrowed_bytes > 0
+    assert borrower.stats.borrowed_bytes > 0
     assert borrower.wait(timeout=120)
     assert lender._copy is None  # the borrower's wait ran the lender's barrier
     got = _loaded(tmp_path / "memory.st")

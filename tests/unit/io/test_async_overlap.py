@@ -1,4 +1,4 @@
-"""Overlapped snapshot copies (``io.overlap`` through ``AsyncSaver(overlap_copy=True)``): what is deferred,
+"""Overlapped snapshot copies (``staging.overlap`` through ``AsyncSaver(overlapped=True)``): what is deferred,
 the barrier before the next optimizer step, the copy-on-write guard and the version-counter recopy, the
 mocked CUDA path. The helper thread's copy is held back (``held``) so the training thread's writes come first."""
 
@@ -10,8 +10,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_resume import SafetensorsCheckpointIO
-from lightning_resume.errors import AsyncWriteWarning, ConfigurationError
+from lightning_resume.errors import AsyncWriteWarning
 from lightning_resume.format import read
 from lightning_resume.staging import overlap
 from lightning_resume.staging.async_save import AsyncSaver, commit_staged
@@ -48,7 +47,7 @@ def _setup(frozen=False):
 
 
 def _saver(**kw):
-    return AsyncSaver(lambda p, j, s: commit_staged(p, j, s, "xxh3-128"), overlap_copy=True, **kw)
+    return AsyncSaver(lambda p, j, s: commit_staged(p, j, s, "xxh3-128"), overlapped=True, **kw)
 
 
 def _checkpoint(model, opt):
@@ -102,7 +101,7 @@ def test_only_what_an_optimizer_steps_is_deferred_buffers_and_frozen_weights_are
     model(x)  # the forward updates BatchNorm's statistics in place: copied at the save already
     held.set()
     opt.step()  # the barrier
-    assert saver.last_copy is not None and saver.last_copy.deferred_bytes > 0
+    assert saver.stats.copy is not None and saver.stats.copy.deferred_bytes > 0
     saver.wait()
     _assert_saved(tmp_path / "a.ckpt", expected)
 
@@ -136,7 +135,7 @@ def test_an_in_place_edit_before_the_copy_is_saved_as_it_was_at_the_save(held, t
     held.set()
     saver.wait()
     _assert_saved(tmp_path / "a.ckpt", expected)
-    assert saver.guarded == 1 and saver.recopied == 0
+    assert saver.stats.guarded == 1 and saver.stats.recopied == 0
 
 
 def test_zero_grad_and_metadata_changes_are_not_writes_the_copy_stays_on_the_helper_thread(held, tmp_path):
@@ -155,7 +154,7 @@ def test_zero_grad_and_metadata_changes_are_not_writes_the_copy_stays_on_the_hel
     held.set()
     saver.wait()
     _assert_saved(tmp_path / "a.ckpt", expected)
-    assert saver.guarded == 0 and saver.recopied == 0
+    assert saver.stats.guarded == 0 and saver.stats.recopied == 0
 
 
 def test_the_write_is_handed_to_the_worker_at_the_barrier_and_what_follows_it_keeps_its_place(held, tmp_path):
@@ -204,7 +203,7 @@ def test_a_write_the_guard_cannot_see_is_found_by_the_version_counter_and_copied
         warnings.simplefilter("always")
         saver.wait()
     named = [w for w in caught if issubclass(w.category, AsyncWriteWarning) and "0.weight" in str(w.message)]
-    assert (saver.recopied, len(named)) == ((1, 1) if check_versions else (0, 0))
+    assert (saver.stats.recopied, len(named)) == ((1, 1) if check_versions else (0, 0))
 
 
 def test_a_write_after_the_copy_ended_keeps_the_copy(tmp_path):
@@ -217,7 +216,7 @@ def test_a_write_after_the_copy_ended_keeps_the_copy(tmp_path):
         model[0].weight.mul_(0.5)
     saver.wait()
     _assert_saved(tmp_path / "a.ckpt", expected)
-    assert saver.recopied == 0
+    assert saver.stats.recopied == 0
 
 
 @pytest.mark.parametrize("closure", [False, True])
@@ -233,7 +232,7 @@ def test_the_next_optimizer_step_waits_for_the_copy_after_its_closure(held, tmp_
         held.set()
 
     _next_step(model, opt, x, closure, before_forward)
-    assert seen == [False] and copy.finished and saver.last_copy is copy.stats
+    assert seen == [False] and copy.finished and saver.stats.copy is copy.stats
     assert not torch.equal(model[0].weight, expected["state_dict"]["0.weight"])  # the step did happen
     saver.wait()
     _assert_saved(tmp_path / "a.ckpt", expected)
@@ -263,7 +262,7 @@ def test_amp_grad_scaler_the_barrier_is_its_optimizer_step_and_a_skipped_step_ke
     assert changed is finite
     held.set()
     saver.wait()  # ends the copy when no step did
-    assert copy.finished and saver.recopied == 0
+    assert copy.finished and saver.stats.recopied == 0
     _assert_saved(tmp_path / "a.ckpt", expected)
 
 
@@ -307,7 +306,7 @@ def test_the_guard_leaves_the_thread_at_the_barrier(held, tmp_path):
     assert torch._C._len_torch_function_stack() == 0
     with torch.no_grad():
         model[0].weight.mul_(0.5)  # after the barrier nothing is intercepted
-    assert saver.guarded == 0
+    assert saver.stats.guarded == 0
 
 
 def test_a_failed_copy_is_raised_at_the_barrier_and_leaves_no_file(tmp_path, monkeypatch):
@@ -378,13 +377,6 @@ def test_cuda_sources_are_copied_on_a_side_stream_and_the_barrier_does_not_block
     assert ("synchronize_event", True) not in devices.log  # the training thread never waited on the host
     saver.wait()
     _assert_saved(tmp_path / "a.ckpt", expected)
-
-
-def test_overlap_copy_needs_async_save():
-    with pytest.raises(ConfigurationError, match="overlap_copy=True .* needs async_save=True"):
-        SafetensorsCheckpointIO(overlap_copy=True)
-    with pytest.raises(ConfigurationError, match="pass one of them"):
-        SafetensorsCheckpointIO(async_save=True, overlap_copy=True, overlap_write=True)
 
 
 def test_every_save_uses_the_one_copy_thread_of_the_process(tmp_path):

@@ -54,7 +54,7 @@ class ReservingIO(SafetensorsCheckpointIO):
     """An async IO that records each reservation asked of it and how many pools were allocated by then."""
 
     def __init__(self) -> None:
-        super().__init__(async_save=True)
+        super().__init__(save="async")
         self.reserved: list[int] = []
         self.allocations_before: list[int] = []
 
@@ -73,7 +73,7 @@ class ImpossibleReservationIO(SafetensorsCheckpointIO):
     """An async IO whose every reservation asks for more memory than any machine has: the allocation fails."""
 
     def __init__(self) -> None:
-        super().__init__(async_save=True)
+        super().__init__(save="async")
 
     def reserve(self, nbytes: int, pinned: bool = False) -> None:
         super().reserve(1 << 62, pinned)

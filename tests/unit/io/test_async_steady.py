@@ -71,7 +71,7 @@ def test_ten_thousand_small_tensors_round_trip_through_an_async_save(tmp_path):
         "state_dict": {f"layer{i}.w": torch.randn(i % 7, generator=g).to(dtypes[i % 5]) for i in range(6_000)},
         "optimizer_states": [{"state": {j: {"step": torch.tensor(float(j))} for j in range(4_000)}}],
     }
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     io.save_checkpoint(state, tmp_path / "a.ckpt")
     for t in state["state_dict"].values():  # after save() returns the snapshot is taken
         t.zero_()
@@ -93,7 +93,7 @@ def _header(path):
 
 def test_an_async_save_and_a_sync_save_of_one_state_carry_the_same_integrity_record_and_load_equal(tmp_path):
     state = {"epoch": 2, "w": torch.randn(1000, 33), "opt": {"m": torch.randn(17, dtype=torch.float64)}}
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     io.save_checkpoint(state, tmp_path / "async.ckpt")
     io.teardown()
     SafetensorsCheckpointIO().save_checkpoint(state, tmp_path / "sync.ckpt")
@@ -161,7 +161,7 @@ def _saver_roundtrip(tmp_path, io, state, name):
 
 
 def test_the_next_save_of_the_same_tensors_is_copied_while_encoding_and_holds_the_values_at_save_time(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     state = {"step": 1, "w": torch.randn(300, 20), "m": {"a": torch.arange(7), "t": torch.randn(5, 4).t()}}
     _saver_roundtrip(tmp_path, io, state, "a.ckpt")
     buffers = io._saver.buffers
@@ -174,7 +174,7 @@ def test_the_next_save_of_the_same_tensors_is_copied_while_encoding_and_holds_th
 
 
 def test_a_tensor_replaced_between_saves_is_not_taken_from_the_recopy(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     state = {"w": torch.randn(64, 3), "v": torch.randn(9)}
     _saver_roundtrip(tmp_path, io, state, "a.ckpt")
     state["w"] = torch.randn(64, 3)  # same name, dtype and shape; other memory (e.g. a rebuilt optimizer state)
@@ -190,7 +190,7 @@ def test_a_tensor_replaced_between_saves_is_not_taken_from_the_recopy(tmp_path):
 
 
 def test_the_recopy_is_waited_for_when_encoding_fails(tmp_path, monkeypatch):
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     state = {"w": torch.randn(1000, 100)}
     _saver_roundtrip(tmp_path, io, state, "a.ckpt")
     real = torch.Tensor.copy_

@@ -1,4 +1,4 @@
-"""``SafetensorsCheckpointIO(async_save=True, writer="process")``: the commit runs in a writer process.
+"""``SafetensorsCheckpointIO(save="async", writer="process")``: the commit runs in a writer process.
 
 What a user relies on: the file holds the state at the save and is written by the other process from
 shared memory (a commit patched to fail in this process does not matter); a writer's own failure is
@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_resume import SafetensorsCheckpointIO
-from lightning_resume.errors import AsyncWriteError, ConfigurationError, WriterProcessDied
+from lightning_resume.errors import AsyncWriteError, WriterProcessDied
 from lightning_resume.format import read, write
 from tests.helpers.compare import assert_same
 from tests.helpers.models import TinyMLP as Tiny
@@ -29,7 +29,7 @@ from tests.helpers.models import io_trainer as _trainer
 
 @pytest.fixture(scope="module")
 def io():
-    io = SafetensorsCheckpointIO(async_save=True, writer="process")
+    io = SafetensorsCheckpointIO(save="async", writer="process")
     yield io
     io.teardown()
 
@@ -85,7 +85,7 @@ def test_memory_urls_are_refused_with_a_clear_error(io):
 
 
 def test_a_killed_writer_fails_its_write_naming_it_and_a_new_writer_takes_over(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True, writer="process")
+    io = SafetensorsCheckpointIO(save="async", writer="process")
     io.save_checkpoint({"w": torch.zeros(1000), "step": 1}, tmp_path / "last.ckpt")
     io.wait()
     writer = _writer(io)
@@ -140,7 +140,7 @@ def test_with_the_overlapped_copy_the_next_optimizer_step_does_not_leak_into_the
         model(torch.randn(8, 32)).pow(2).mean().backward()
         opt.step()
 
-    io = SafetensorsCheckpointIO(async_save=True, writer="process", overlap_copy=True)
+    io = SafetensorsCheckpointIO(save="overlapped", writer="process")
     step()
     checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 1}
     expected = {"state_dict": type(checkpoint["state_dict"])((k, v.clone()) for k, v in model.state_dict().items())}
@@ -148,13 +148,13 @@ def test_with_the_overlapped_copy_the_next_optimizer_step_does_not_leak_into_the
     for _ in range(2):
         step()  # the first waits at the barrier for the deferred copy, then writes the parameters
     io.wait()
-    assert io.last_copy_stats is not None and io.last_copy_stats.deferred_bytes > 0
+    assert io._saver.stats.copy is not None and io._saver.stats.copy.deferred_bytes > 0
     assert_same(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"], expected["state_dict"])
     io.teardown()
 
 
 def test_a_fit_saves_through_the_writer_process_and_teardown_flushes(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True, writer="process")
+    io = SafetensorsCheckpointIO(save="async", writer="process")
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
     _trainer(tmp_path, 6, [ckpt], io).fit(Tiny())
     assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".ckpt")) == ["step=3.ckpt", "step=6.ckpt"]
@@ -162,18 +162,8 @@ def test_a_fit_saves_through_the_writer_process_and_teardown_flushes(tmp_path):
     assert _writer(io).pid is None
 
 
-def test_writer_options_are_checked_at_construction():
-    with pytest.raises(ConfigurationError) as info:
-        SafetensorsCheckpointIO(writer="process")
-    assert "writer='process' runs the background write in another process; it needs async_save=True" in str(info.value)
-    with pytest.raises(ConfigurationError, match="writer='process' and overlap_write=True"):
-        SafetensorsCheckpointIO(async_save=True, writer="process", overlap_write=True)
-    with pytest.raises(ConfigurationError, match="writer='fork' is not supported"):
-        SafetensorsCheckpointIO(async_save=True, writer="fork")  # type: ignore[arg-type]
-
-
 def test_the_writer_process_uploads_urls_through_the_same_storage_layer(s3_bucket):
-    io = SafetensorsCheckpointIO(async_save=True, writer="process")  # started after the endpoint is set
+    io = SafetensorsCheckpointIO(save="async", writer="process")  # started after the endpoint is set
     url = f"{s3_bucket}/run/step=1.ckpt"
     w = torch.randn(64, 8)
     io.save_checkpoint({"w": w, "global_step": 1}, url)
@@ -188,7 +178,7 @@ def _staging_maps(pid: int) -> int:
 
 
 def test_the_writer_unmaps_the_old_pool_before_the_trainer_allocates_a_larger_one(tmp_path):
-    io = SafetensorsCheckpointIO(async_save=True, writer="process")
+    io = SafetensorsCheckpointIO(save="async", writer="process")
     io.save_checkpoint({"w": torch.ones(1000)}, tmp_path / "a.ckpt")
     io.wait()
     pid = _writer(io).pid

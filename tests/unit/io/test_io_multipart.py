@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from lightning_resume.errors import ConfigurationError
 from lightning_resume.format import write
+from lightning_resume.io.options import RemoteOptions
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.storage import files as storage
 from lightning_resume.storage import multipart
@@ -235,16 +236,16 @@ def _parts_of(url: str) -> int:
 
 @pytest.mark.parametrize("mode", ["sync", "thread", "process"])
 def test_the_plugin_options_set_the_part_size_in_every_writer(s3_bucket: str, mode: str) -> None:
-    """``upload_part_size`` reaches the upload on the training thread, the writer thread and the writer process:
-    16 MB in 5 MiB parts is 4 parts; the default 16 MiB part makes it 1 (one PUT)."""
-    kwargs = {} if mode == "sync" else {"async_save": True, "writer": mode}
-    small = SafetensorsCheckpointIO(upload_part_size=MIN_PART_SIZE, upload_concurrency=2, **kwargs)
+    """``remote.upload_part_size`` reaches the upload on the training thread, the writer thread and the writer
+    process: 16 MB in 5 MiB parts is 4 parts; the default 16 MiB part makes it 1 (one PUT)."""
+    kwargs: dict = {} if mode == "sync" else {"save": "async", "writer": mode}
+    remote = RemoteOptions(upload_part_size=MIN_PART_SIZE, upload_concurrency=2)
+    small = SafetensorsCheckpointIO(remote=remote, **kwargs)
     default = SafetensorsCheckpointIO(**kwargs)
     try:
         for io, name in ((small, "small"), (default, "default")):
             io.save_checkpoint(_state(3), f"{s3_bucket}/{mode}/{name}.ckpt")
-            if io.async_save:
-                io.wait()
+            io.wait()
     finally:
         small.teardown()
         default.teardown()
@@ -255,6 +256,6 @@ def test_the_plugin_options_set_the_part_size_in_every_writer(s3_bucket: str, mo
 
 def test_the_plugin_names_bad_upload_options() -> None:
     with pytest.raises(ConfigurationError) as err:
-        SafetensorsCheckpointIO(upload_part_size=1024, upload_concurrency=0)
+        RemoteOptions(upload_part_size=1024, upload_concurrency=0)
     assert "upload_part_size=1024 must be an int >= 5242880" in str(err.value)
     assert "upload_concurrency=0 must be an int >= 1" in str(err.value)

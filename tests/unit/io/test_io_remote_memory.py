@@ -21,6 +21,7 @@ import torch
 
 from lightning_resume.errors import ConfigurationError, RemoteLoadMemoryError
 from lightning_resume.format import read
+from lightning_resume.io.options import RemoteOptions
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.storage import files as storage
 from lightning_resume.storage import host_memory, remote_budget
@@ -147,10 +148,10 @@ def test_a_remote_load_over_the_cap_is_refused_before_its_data_is_downloaded(s3_
     assert size is not None and size > 4 << 20
     sent = s3_server.traffic.get_bytes
     with pytest.raises(RemoteLoadMemoryError) as caught:
-        SafetensorsCheckpointIO(max_remote_load_bytes=size // 2).load_checkpoint(url)
+        SafetensorsCheckpointIO(remote=RemoteOptions(max_load_bytes=size // 2)).load_checkpoint(url)
     assert s3_server.traffic.get_bytes - sent < 64 << 10  # the size, 9 bytes of head and a listing: no data
     message = str(caught.value)
-    for part in (url, f"({size} bytes)", f"({size // 2} bytes)", "max_remote_load_bytes", "local disk", "Free memory"):
+    for part in (url, f"({size} bytes)", f"({size // 2} bytes)", "remote.max_load_bytes", "local disk", "Free memory"):
         assert part in message, part
     assert caught.value.size == size and caught.value.needed > size
     fs.invalidate_cache()
@@ -192,9 +193,10 @@ def test_unknown_memory_is_no_bound(monkeypatch) -> None:
 
 def test_the_cap_is_validated_at_construction() -> None:
     for bad in (0, -5, True, 1.5, "1GB"):
-        with pytest.raises(ConfigurationError, match="max_remote_load_bytes="):
-            SafetensorsCheckpointIO(max_remote_load_bytes=bad)  # type: ignore[arg-type]
-    assert SafetensorsCheckpointIO(max_remote_load_bytes=1 << 30).max_remote_load_bytes == 1 << 30
+        with pytest.raises(ConfigurationError, match="max_load_bytes="):
+            RemoteOptions(max_load_bytes=bad)  # type: ignore[arg-type]
+    io = SafetensorsCheckpointIO(remote=RemoteOptions(max_load_bytes=1 << 30))
+    assert io.remote.max_load_bytes == 1 << 30
 
 
 def test_the_policy_holds_the_file_once_for_either_format() -> None:
@@ -206,7 +208,7 @@ def test_the_policy_holds_the_file_once_for_either_format() -> None:
     assert remote_budget.refusal("s3://b/k", 100 * mib, "safetensors", 0, None, None) is None
     assert remote_budget.refusal("s3://b/k", 100 * mib, "safetensors", 0, 100 * mib, None) is None
     capped = remote_budget.refusal("s3://b/k", 100 * mib, "safetensors", 1, 100 * mib, plenty)
-    assert capped is not None and capped.what == "max_remote_load_bytes"
+    assert capped is not None and capped.what == "remote.max_load_bytes"
     tight = Available(150 * mib, "cgroup /sys/fs/cgroup/job: memory.max - memory.current + inactive_file")
     assert remote_budget.refusal("s3://b/k", 100 * mib, "safetensors", 0, None, tight) is None
     short = remote_budget.refusal("s3://b/k", 200 * mib, "torch.save", 0, 1 << 40, tight)

@@ -112,7 +112,7 @@ def test_stale_temporaries_of_dead_writers_are_removed_live_and_foreign_kept(s3_
 
 
 def test_async_save_to_s3_uploads_in_the_background_in_order(s3_bucket: str) -> None:
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     try:
         first, second = f"{s3_bucket}/run/step=1.ckpt", f"{s3_bucket}/run/step=2.ckpt"
         io.save_checkpoint(_state(1), first)
@@ -129,7 +129,7 @@ def test_async_save_to_s3_uploads_in_the_background_in_order(s3_bucket: str) -> 
 def test_async_save_failure_on_s3_surfaces_at_wait_naming_the_url(s3_server, monkeypatch) -> None:
     from lightning_resume.errors import AsyncWriteError
 
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     url = "s3://no-such-bucket-async/run/step=1.ckpt"
     io.save_checkpoint(_state(1), url)  # returns after the snapshot; the upload fails in the background
     with pytest.raises(AsyncWriteError, match="no-such-bucket-async/run/step=1.ckpt"):

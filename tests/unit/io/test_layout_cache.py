@@ -188,11 +188,11 @@ def _snapshot(state: Any) -> Any:
     return state
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap_write"])
+@pytest.mark.parametrize("save", ["async", "overlapped"])
 @pytest.mark.parametrize("name", list(MUTATIONS))
-def test_an_async_save_after_a_change_loads_back_as_the_changed_state(tmp_path, name, overlap):
+def test_an_async_save_after_a_change_loads_back_as_the_changed_state(tmp_path, name, save):
     change, _ = MUTATIONS[name]
-    io = SafetensorsCheckpointIO(async_save=True, overlap_write=overlap)
+    io = SafetensorsCheckpointIO(save=save)
     state = _state()
     for i in range(3):  # the third save copies the small tensors in runs (byte views kept since the second)
         io.save_checkpoint(state, tmp_path / f"{i}.ckpt")
@@ -361,7 +361,7 @@ def test_random_trees_and_changes_round_trip_through_async_saves(tmp_path, data)
     # Each example in a directory of its own, its writes waited for even when Hypothesis abandons it mid-way
     # (a draw past its data budget): an abandoned example's late writes replaced the next example's files.
     root = Path(tempfile.mkdtemp(dir=tmp_path))
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     tree = {"t": data.draw(_trees())}
     trees = []
     try:
@@ -395,7 +395,7 @@ def _many(n: int) -> Dict[str, Any]:
 
 def test_ten_thousand_tensors_round_trip_through_saves_that_reuse_the_layout(tmp_path):
     state = _many(10_000)
-    io = SafetensorsCheckpointIO(async_save=True)
+    io = SafetensorsCheckpointIO(save="async")
     saver = io._saver
     expected = []
     for step in range(4):

@@ -62,5 +62,5 @@ def test_lightnings_async_io_is_refused_with_the_fix(tmp_path) -> None:
 
     from lightning_resume import ConfigurationError
 
-    with pytest.raises(ConfigurationError, match="SafetensorsCheckpointIO\\(async_save=True\\)"):
+    with pytest.raises(ConfigurationError, match="SafetensorsCheckpointIO\\(save='async'\\)"):
         _fit(tmp_path, [AsyncCheckpointIO()], 4, keep_last=2)

@@ -120,7 +120,7 @@ def test_per_tier_retention_on_s3_through_server_errors(tmp_path: Path, s3_bucke
     monkeypatch.setattr(storage, "RETRY_BASE_S", 0.01)
     s3_server.faults.fail(6)  # the first uploads fail, past the client's own retries: storage retries them
     callback = _mirrored(tmp_path / "ckpt", f"{s3_bucket}/run")
-    trainer = tiny_fit(callback, plugins=[SafetensorsCheckpointIO(async_save=True)])
+    trainer = tiny_fit(callback, plugins=[SafetensorsCheckpointIO(save="async")])
     assert trainer.global_step == 12 and s3_server.faults.seen == 6
     # bucket: the 3 most recent (8, 10, 12) and the anchors of [5, 10) and [10, 15): 6 and 10
     assert _names(f"{s3_bucket}/run") == [rolling_name(s) for s in (6, 8, 10, 12)]
@@ -133,7 +133,7 @@ def test_a_bucket_that_always_fails_leaves_training_running_with_a_named_warning
     callback = _mirrored(tmp_path / "ckpt", "s3://no-such-bucket-lightning-resume/run")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = tiny_fit(callback, plugins=[SafetensorsCheckpointIO(async_save=True)])
+        trainer = tiny_fit(callback, plugins=[SafetensorsCheckpointIO(save="async")])
     assert trainer.global_step == 12
     told = [str(w.message) for w in caught if issubclass(w.category, RetentionWarning)]
     first = f"mirror upload of {tmp_path / 'ckpt' / rolling_name(2)} to s3://no-such-bucket-lightning-resume/run/"

@@ -64,7 +64,7 @@ def test_a_fit_on_s3_rides_out_server_errors_and_prunes_and_resumes_last(
     dirpath = f"{s3_bucket}/fit"
     s3_server.faults.fail(8)  # the first uploads fail, past the client's own retries
     callback = RetentionCheckpoint(dirpath=dirpath, keep_last=2, every_n_train_steps=2)
-    trainer = tiny_fit(callback, plugins=[SafetensorsCheckpointIO(async_save=True)])
+    trainer = tiny_fit(callback, plugins=[SafetensorsCheckpointIO(save="async")])
     assert s3_server.faults.seen == 8 and trainer.global_step == 12
     fs = fsspec.filesystem("s3")
     fs.invalidate_cache()

@@ -1,0 +1,77 @@
+"""The typed option groups of ``SafetensorsCheckpointIO``: when a save copies, where it writes, remote limits.
+
+Plain values and one frozen dataclass, so that LightningCLI (jsonargparse) builds each from YAML. Each
+validates itself and returns every problem at once; the plugin raises them together. Knows no files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Literal, Optional
+
+from lightning_resume.errors import ConfigurationError
+from lightning_resume.staging.async_save import WriterKind
+from lightning_resume.storage import multipart
+
+__all__ = ["DEFAULT_REMOTE", "SAVE_MODES", "WRITERS", "RemoteOptions", "SaveMode", "WriterKind"]
+
+SaveMode = Literal["sync", "async", "overlapped"]
+"""When a save copies the state, and so how long it blocks training.
+
+``"sync"``: the save writes the file and returns once it is durable (no copy). ``"async"``: the save copies
+the state into host buffers and returns; the write runs in the background. ``"overlapped"``: as ``"async"``,
+but the save copies only what the next forward may change; the weights and optimizer state are copied
+while the next forward and backward run, before the next optimizer step."""
+
+SAVE_MODES = ("sync", "async", "overlapped")
+
+WRITERS = ("thread", "process")
+"""The values of ``WriterKind`` (``staging.async_save``): where the write and its hashing run: ``"thread"``, in
+the training process (a worker thread, or the training thread for a ``"sync"`` save); ``"process"``, in a
+writer process of its own."""
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """Limits of loads from and uploads to object stores (``s3://``...). Local files are unaffected.
+
+    Args:
+        max_load_bytes: the most host memory, in bytes, one load from a URL may hold. Such a load downloads
+            the file into memory first (about 1.0x its size for this format, 2.0x for a ``torch.save`` file).
+            ``None`` (default): no cap. Either way a load that would need more than the host (or its cgroup)
+            has left is refused with ``RemoteLoadMemoryError`` before anything is downloaded.
+        upload_part_size: bytes of one part of a multi-part upload (at least 5 MiB; default 16 MiB).
+        upload_concurrency: most parts in flight at once (default 8). An upload holds at most
+            ``upload_part_size * upload_concurrency`` bytes beside the state.
+    """
+
+    max_load_bytes: Optional[int] = None
+    upload_part_size: int = multipart.DEFAULT_UPLOAD.part_size
+    upload_concurrency: int = multipart.DEFAULT_UPLOAD.concurrency
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ConfigurationError("RemoteOptions", problems)
+
+    def _problems(self) -> List[str]:
+        """Every invalid field, named with its value and the fix."""
+        found = []
+        cap = self.max_load_bytes
+        if cap is not None and (type(cap) is not int or cap < 1):
+            found.append(f"max_load_bytes={cap!r} must be a number of bytes >= 1, or None for no cap")
+        try:
+            multipart.UploadOptions(self.upload_part_size, self.upload_concurrency)
+        except ConfigurationError as err:
+            found += [p.replace("part_size=", "upload_part_size=").replace("concurrency=", "upload_concurrency=")
+                      for p in err.problems]  # fmt: skip
+        return found
+
+    @property
+    def upload(self) -> multipart.UploadOptions:
+        """The multi-part upload settings (``storage.multipart``)."""
+        return multipart.UploadOptions(self.upload_part_size, self.upload_concurrency)
+
+
+DEFAULT_REMOTE = RemoteOptions()
+"""No load cap; 16 MiB parts, 8 in flight."""

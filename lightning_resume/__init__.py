@@ -130,8 +130,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_resume.io.verify import verify
     from lightning_resume.retention.checkpoint import RetentionCheckpoint
     from lightning_resume.retention.policy import CheckpointRecord, KeepDecision, RetentionPolicy
-    from lightning_resume.schedule.options import MemoryTierOptions, PreemptionOptions, ScheduleOptions
     from lightning_resume.schedule.formulas import Formula, daly_interval, expected_waste, young_interval
+    from lightning_resume.schedule.options import MemoryTierOptions, PreemptionOptions, ScheduleOptions
     from lightning_resume.schedule.preemption import PreemptionFlag
     from lightning_resume.sharded.api import load_full, load_sharded, save_sharded, verify_sharded
     from lightning_resume.sharded.background import AsyncShardedSaver, ShardedSaveHandle, save_sharded_async

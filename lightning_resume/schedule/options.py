@@ -29,6 +29,7 @@ from lightning_resume.schedule.config import (
 from lightning_resume.schedule.preemption import DEFAULT_SIGNALS, parse_signals
 
 DEFAULT_MEMORY_DIR = "/dev/shm"
+"""Where each user's memory root is made unless ``MemoryTierOptions(dir=...)`` names another tmpfs."""
 DEFAULT_POLL_INTERVAL: Duration = "5s"
 ON_NOTICE = ("stop", "snapshot")
 NoticeSpec = Union[None, str, Sequence[str]]

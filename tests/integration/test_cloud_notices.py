@@ -31,11 +31,14 @@ BASE = {
 }  # fmt: skip
 
 
-def _exact(tmp_path: Path, endpoint: str, cloud: str, **more: Any) -> dict:
-    return {
-        "preemption_notices": "auto", "notice_endpoint": endpoint, "notice_interval": 0.05,
-        "notice_dmi_dir": fake_dmi(tmp_path / "dmi", cloud), **more,
-    }  # fmt: skip
+def _exact(tmp_path: Path, endpoint: str, cloud: str, **schedule: Any) -> dict:
+    preemption = {
+        "notices": "auto",
+        "endpoint": endpoint,
+        "poll_interval": 0.05,
+        "dmi_dir": fake_dmi(tmp_path / "dmi", cloud),
+    }
+    return {"preemption": preemption, "schedule": schedule}
 
 
 def _announce_after(cfg: dict, steps: int, announce: Callable[[], None], ranks: int = 1) -> threading.Thread:

@@ -160,7 +160,7 @@ def group_problems(**groups: Any) -> list[str]:
 def schedule_args(schedule: ScheduleOptions) -> dict[str, Any]:
     """``ScheduleConfig.from_user``'s arguments from the schedule group."""
     return {
-        "num_nodes": schedule.num_nodes or 1,  # the trainer's, once known (``ScheduleConfig.with_nodes``)
+        "num_nodes": 1 if schedule.num_nodes is None else schedule.num_nodes,  # None: the trainer's, once known
         "formula": schedule.formula,
         "min_interval": schedule.min_interval,
         "max_interval": schedule.max_interval,

@@ -222,7 +222,7 @@ class ExactResume(Callback):
             if self.scheduler is not None and self.scheduler.config.asked_for_snapshots:
                 raise ConfigurationError("ExactResume", [
                     "scheduled snapshots need a checkpoint directory: add a RetentionCheckpoint or"
-                    " ModelCheckpoint, or pass mtbf=None and leave every_n_train_steps_max unset"
+                    " ModelCheckpoint, or pass mtbf=None and leave schedule.every_n_train_steps_max unset"
                 ])  # fmt: skip
             # A run that writes no checkpoints loses nothing by taking no snapshots: said once, not warned.
             if self.scheduler is not None and self.scheduler.takes_snapshots:

@@ -1,5 +1,5 @@
 """Cloud preemption notices, for real: a metadata server on 127.0.0.1 speaks a cloud's documented API, fake
-DMI files make ``preemption_notices="auto"`` pick that cloud, and the trainee (a fresh process) polls it.
+DMI files make ``preemption.notices="auto"`` pick that cloud, and the trainee (a fresh process) polls it.
 Run A uninterrupted; run B gets a notice mid-epoch, writes a durable snapshot before the deadline and stops
 cleanly; run C, a fresh process, resumes with ``fit(ckpt_path="last")`` and continues A bit for bit. Under
 DDP only rank 1's metadata server announces the end, and both ranks stop at the same step."""

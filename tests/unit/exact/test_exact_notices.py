@@ -1,4 +1,4 @@
-"""``ExactResume(preemption_notices=...)`` in one process, against a metadata server on 127.0.0.1: the
+"""``ExactResume(preemption=PreemptionOptions(notices=...))`` in one process, against a metadata server on 127.0.0.1: the
 options are checked at construction; ``on_notice="snapshot"`` saves once and trains on; a hanging or
 malformed endpoint never interrupts training; ``"auto"`` on a machine without cloud DMI evidence starts no
 thread and opens no socket. (The kill-and-resume runs are in tests/integration/test_cloud_notices.py.)"""

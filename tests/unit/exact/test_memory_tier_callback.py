@@ -1,4 +1,4 @@
-"""ExactResume(memory_tier=True) in one process: a failed fit keeps its memory snapshot and the next
+"""ExactResume(memory_tier=MemoryTierOptions()) in one process: a failed fit keeps its memory snapshot and the next
 ``fit(ckpt_path="last")`` resumes from it and says so; a clean end frees it; ``ckpt_path=None`` drops it."""
 
 from __future__ import annotations

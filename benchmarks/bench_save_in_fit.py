@@ -391,7 +391,7 @@ def fit(name: str, root: str, params_mb: int, steps: int, every: int) -> Dict:
         if config.dcp == AsyncCheckpointerType.PROCESS:
             _one_rank_group()
         callbacks.append(DcpEvery(root, every, config.dcp, clock))
-    timed = TimedExactResume(mtbf=None, preemption_signals=None)
+    timed = TimedExactResume(mtbf=None, preemption=None)
     if config.exact:
         callbacks.insert(0, timed)
     trainer = pl.Trainer(

@@ -31,9 +31,11 @@ _SOURCES: dict[str, str] = {
     "KeepDecision": "lightning_resume.retention.policy",
     "LightningResumeError": "lightning_resume.errors",
     "LightningResumeWarning": "lightning_resume.errors",
+    "MemoryTierOptions": "lightning_resume.schedule.options",
     "NoLoadableCheckpointError": "lightning_resume.errors",
     "PickledCheckpointError": "lightning_resume.errors",
     "PreemptionFlag": "lightning_resume.schedule.preemption",
+    "PreemptionOptions": "lightning_resume.schedule.options",
     "PreemptionWarning": "lightning_resume.errors",
     "RanksOutOfStepError": "lightning_resume.errors",
     "ResumableDataset": "lightning_resume.exact.state.data",
@@ -44,7 +46,7 @@ _SOURCES: dict[str, str] = {
     "RetentionPolicy": "lightning_resume.retention.policy",
     "RetentionWarning": "lightning_resume.errors",
     "SafetensorsCheckpointIO": "lightning_resume.io.plugin",
-    "ScheduleConfig": "lightning_resume.schedule.config",
+    "ScheduleOptions": "lightning_resume.schedule.options",
     "ShardedCheckpointIO": "lightning_resume.io.sharded_strategy",
     "ShardedCheckpointWarning": "lightning_resume.errors",
     "ShardedModelParallelStrategy": "lightning_resume.io.sharded_strategy",
@@ -130,8 +132,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_resume.io.verify import verify
     from lightning_resume.retention.checkpoint import RetentionCheckpoint
     from lightning_resume.retention.policy import CheckpointRecord, KeepDecision, RetentionPolicy
-    from lightning_resume.schedule.config import ScheduleConfig
     from lightning_resume.schedule.formulas import Formula, daly_interval, expected_waste, young_interval
+    from lightning_resume.schedule.options import MemoryTierOptions, PreemptionOptions, ScheduleOptions
     from lightning_resume.schedule.preemption import PreemptionFlag
     from lightning_resume.sharded.api import load_full, load_sharded, save_sharded, verify_sharded
     from lightning_resume.sharded.background import AsyncShardedSaver, ShardedSaveHandle, save_sharded_async

@@ -10,7 +10,7 @@ With ``LIGHTNING_RESUME_TRACE`` set (by ``lightning-resume prove``), the hooks a
 
 import signal
 import time
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -22,7 +22,7 @@ from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
 from lightning_resume._compat.botocore import isolate_retry_jitter
 from lightning_resume._compat.lightning_warnings import quiet_last_hint_for_resolvers
-from lightning_resume.durations import Duration, parse_duration
+from lightning_resume.durations import Duration
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact import driver, evidence, lightning_gaps, snapshots
 from lightning_resume.exact import elastic as elastic_restore
@@ -34,7 +34,7 @@ from lightning_resume.exact.capture import (
     checkpoint_state,
 )
 from lightning_resume.exact.elastic import Afterwards, ElasticMode
-from lightning_resume.exact.notices import DMI_DIR, NoticeSpec, NoticeWatch, notice_problems
+from lightning_resume.exact.notices import NoticeWatch
 from lightning_resume.exact.own_checkpoints import (
     BEFORE_TRAINING,
     OwnCheckpoints,
@@ -63,23 +63,14 @@ from lightning_resume.exact.state.user import (
 )
 from lightning_resume.exact.state.user import capture as capture_user_state
 from lightning_resume.io.plugin import refuse_unencodable_hparams
-from lightning_resume.memory.store import DEFAULT_MEMORY_DIR, RUN_KEY
+from lightning_resume.memory.store import RUN_KEY
 from lightning_resume.memory.tier import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.protocols import loaded_in_place, offer_module
 from lightning_resume.prove import trace
 from lightning_resume.retention.last import OncePerFit, resumed_from
-from lightning_resume.schedule.config import (
-    DEFAULT_CHECK_INTERVAL,
-    DEFAULT_INITIAL_COST,
-    DEFAULT_MAX_INTERVAL,
-    DEFAULT_MIN_INTERVAL,
-    DEFAULT_MTBF,
-    DEFAULT_MTBF_PRIOR,
-    DEFAULT_PROCESS_MTBF_PRIOR,
-    MtbfMode,
-    ScheduleConfig,
-)
-from lightning_resume.schedule.preemption import DEFAULT_SIGNALS, PreemptionFlag
+from lightning_resume.schedule.config import DEFAULT_MTBF, ScheduleConfig
+from lightning_resume.schedule.options import MemoryTierOptions, PreemptionOptions, ScheduleOptions, resolve
+from lightning_resume.schedule.preemption import PreemptionFlag
 
 NOT_RESTORED_WITHOUT_EXACT_RESUME = (
     "RNG streams (Python, NumPy, torch CPU/CUDA, registered generators), the data position aligned with"
@@ -87,171 +78,73 @@ NOT_RESTORED_WITHOUT_EXACT_RESUME = (
 )
 
 
-def _memory_schedule(memory_tier: bool, process_mtbf: Optional[Duration], every: Optional[int]) -> dict[str, Any]:
-    """The schedule's memory-tier options: the tier on with neither option set is paced by an observed
-    process MTBF (1 h prior); a step cap alone stays a pure step cap. Without the tier the options are
-    passed as given, so that a bad value is reported with the rest (and one given at all, by
-    ``_memory_tier_problems``)."""
-    if memory_tier and process_mtbf is None and every is None:
-        process_mtbf = MtbfMode.OBSERVED.value
-    prior = DEFAULT_PROCESS_MTBF_PRIOR if process_mtbf == MtbfMode.OBSERVED.value else None
-    return {"process_mtbf": process_mtbf, "memory_every_n_train_steps_max": every, "process_mtbf_prior": prior}
-
-
-def _memory_tier_problems(
-    memory_tier: bool, process_mtbf: Optional[Duration], memory_dir: Optional[str], every: Optional[int]
-) -> list[str]:
-    """What is wrong with the memory tier's own options (the schedule's are ``ScheduleConfig``'s to check)."""
-    problems = []
-    if not isinstance(memory_tier, bool):
-        problems.append(f"memory_tier={memory_tier!r} must be True or False")
-    if not memory_tier:
-        given = {"process_mtbf": process_mtbf, "memory_dir": memory_dir, "memory_every_n_train_steps_max": every}
-        problems += [f"{k}={v!r} configures the memory tier; pass memory_tier=True" for k, v in given.items() if v]
-    if memory_dir is not None and "://" in str(memory_dir) and not str(memory_dir).startswith("file://"):
-        problems.append(f"memory_dir={memory_dir!r} must be a local (tmpfs) directory such as /dev/shm/...")
-    return problems
-
-
 class ExactResume(Callback):
     """Make every checkpoint the trainer writes resumable bit for bit, and take snapshots on the
     optimal schedule.
 
+    Options come as a few top-level values and one typed group per concern; in LightningCLI YAML each
+    group is a nested mapping (``schedule: {min_interval: 5min}``).
+
     Args:
-        generators: extra ``torch.Generator`` objects to save and restore, by name
-            (e.g. a generator your augmentation draws from).
-        strict: if ``True`` (default), a checkpoint that does not fit this run (world size without
-            ``elastic``, loader configuration, dataset length, model or optimizer structure, a fingerprint
-            that does not match after restore) raises ``ResumeMismatchError``. If ``False``, training
-            continues approximately and a warning lists what will not be exact (another world size is
-            then dealt out as with ``elastic=True`` where it can be).
-        fingerprint: record digests (xxh3-128) of RNG and data state, and of weights and optimizer state, in
-            each checkpoint and check them after restore. With ``SafetensorsCheckpointIO`` the weights and
-            optimizer state are not hashed at save (the file records and verifies each tensor's digest): the
-            restored state is compared with the loaded checkpoint, once per resume. With another checkpoint
-            IO, one pass of hashing over the state at each save.
-        mtbf: mean time between failures of one node: ``"observed"`` (default) estimates it from
-            this run's failure history (kept in every checkpoint, extended at every start) with
-            ``mtbf_prior`` as the prior; or a fixed ``"24h"``, seconds or ``timedelta``. Snapshots
-            are taken every T* = sqrt(2 C M) (Young; ``formula="daly"`` for Daly's refinement), C
-            being the measured blocking time of a save and M = mtbf / nodes. ``None`` takes no
-            scheduled snapshots; every other checkpoint stays exact.
-        num_nodes: nodes sharing the failure rate (default: the trainer's ``num_nodes``).
-        min_interval, max_interval: bounds on the interval between snapshots.
-        every_n_train_steps_max: take a snapshot at least every this many optimizer steps.
-        mtbf_prior: the prior per-node MTBF for ``mtbf="observed"`` (default ``"30d"``; the README
-            explains the choice from public failure data).
-        initial_cost: conservative guess of C before the first measurement (the first snapshot
-            comes after ``min_interval`` to measure it).
-        check_interval: longest time between two schedule decisions; also bounds how late a
-            preemption signal is acted on in multi-process runs.
-        preemption_signals: signals that request a snapshot and a clean stop at the next step
-            boundary (the handler only sets a flag). ``None`` or ``[]`` leaves signals alone.
-        clock: monotonic clock in seconds (tests pass a fake one).
-        wall_clock: wall clock in seconds since the epoch (default ``time.time``; tests pass a fake one):
-            it dates each checkpoint and the failure history, which span processes.
-        memory_tier: also keep the newest full snapshot of each rank in shared memory (``memory_dir``),
-            which outlives a crashed or killed process while the machine lives: ``fit(ckpt_path="last")``
-            resumes from it when it is newer than the newest verified durable checkpoint and every rank
-            holds the same step (else from disk, on every rank). Snapshots are taken on the two-level
-            schedule (README, "Memory tier"); the memory is given back at a clean end of training.
-            Single-device and DDP runs.
-        process_mtbf: mean time between failures that keep the machine (a crash, an OOM kill, a
-            deploy): ``"1h"``, seconds, ``timedelta``, or ``"observed"`` (learnt from the failure history,
-            where a resume from memory counts as one); with ``mtbf`` (the failures that lose it), it sets
-            the interval of each tier. ``None`` (default): ``"observed"`` with a 1 h prior
-            (``DEFAULT_PROCESS_MTBF_PRIOR``), unless ``memory_every_n_train_steps_max`` alone paces the tier.
-        memory_dir: the tmpfs for ``memory_tier`` (default ``/dev/shm``), a local path: snapshots live in this
-            user's own root under it, ``<memory_dir>/lightning-resume-<uid>`` (mode 0700, checked before each
-            use; one that is another user's or open to others is refused with a warning, the tier off).
-        memory_every_n_train_steps_max: take a memory snapshot at least every this many optimizer steps.
-        preemption_notices: act on the notice a spot or preemptible instance gets before it goes, as on a
-            preemption signal: ``"auto"`` polls the metadata endpoint of the cloud this machine's DMI
-            evidence shows (AWS, Google Cloud, Azure; on any other machine nothing starts and no socket
-            opens), or a list such as ``["aws"]``; ``None`` (default) polls nothing. Each rank polls on a
-            daemon thread every ``notice_interval``; a notice on any rank stops every rank at the same step,
-            after a durable snapshot (README, "Spot and preemptible instances").
-        on_notice: ``"stop"`` (default): snapshot, then stop cleanly; ``"snapshot"``: snapshot and keep
-            training until the signal comes.
-        notice_endpoint: base URL of the metadata service instead of the cloud's own (a proxy, a test server).
-        notice_interval: time between two polls (default ``"5s"``).
-        notice_dmi_dir: where the DMI evidence for ``"auto"`` is read (default ``/sys/class/dmi/id``).
-        elastic: resume a checkpoint written on W ranks on W' (DDP; sharded strategies reshard the weights):
-            the samples of the interrupted epoch no old rank trained are dealt to the new ranks so that every
-            sample of the epoch is trained once (padding to an equal count per rank repeats a few, as
-            ``DistributedSampler`` does; its ``drop_last=True`` leaves them out instead); later epochs use the
-            sampler's order for W'. New rank ``r`` starts from saved rank ``r % W``'s RNG streams, re-seeded
-            from a digest of them when ``r >= W``. ``True`` keeps the per-rank batch (the global batch
-            changes); ``"keep_global_batch"`` scales ``accumulate_grad_batches`` by W / W' (refused when it does
-            not divide). Needs one map-style train loader with a distributed sampler (Lightning's, or
-            torchdata's ``StatefulDistributedSampler``). ``resume_report`` says ``exact: False``,
-            ``sample_exact: True``, both world sizes and global batches; one warning says the same. Without
-            it (default) another world size is refused.
+        mtbf: mean time between failures of one node. ``"observed"`` (default) learns it from this run's
+            failure history, starting from ``schedule.mtbf_prior``. A fixed MTBF is ``"24h"``, seconds or a
+            ``timedelta``. Snapshots come every T* = sqrt(2 C M): C is a save's measured blocking time, M the
+            MTBF over the nodes. ``None`` takes no scheduled snapshots; every other checkpoint stays exact.
+        schedule: how the snapshot interval is computed and bounded (``ScheduleOptions``): the formula, the
+            node count, the interval bounds, a step cap, the MTBF prior, the first cost guess, the decision cadence.
+        memory_tier: ``MemoryTierOptions`` keeps each rank's newest snapshot in shared memory too (YAML:
+            ``memory_tier: {}``). It outlives a crashed or killed process while the machine lives.
+            ``fit(ckpt_path="last")`` resumes from it when it is newer than the newest verified checkpoint on
+            disk. ``None`` (default) turns the tier off. Single-device and DDP runs (README, "Memory tier").
+        preemption: what asks for a durable snapshot and a clean stop at the next step boundary
+            (``PreemptionOptions``): signals (SIGTERM and SIGUSR1 by default) and cloud notices (off by
+            default; README, "Spot and preemptible instances"). ``None`` leaves signals alone and polls nothing.
+        elastic: resume a checkpoint written on W ranks on W' (DDP; sharded strategies reshard the weights).
+            The samples of the interrupted epoch no old rank trained are dealt to the new ranks, so each
+            sample of the epoch is trained once; later epochs use the sampler's order for W'. New rank ``r``
+            starts from saved rank ``r % W``'s RNG streams, re-seeded from a digest of them when ``r >= W``.
+            ``True`` keeps the per-rank batch; ``"keep_global_batch"`` scales ``accumulate_grad_batches`` by
+            W / W' (refused when it does not divide). Needs one map-style train loader with a distributed
+            sampler. ``resume_report`` says ``exact: False`` and ``sample_exact: True``. Without it (default)
+            another world size is refused.
+        strict: if ``True`` (default), a checkpoint that does not fit this run raises ``ResumeMismatchError``:
+            another world size without ``elastic``, another loader configuration, dataset length, model or
+            optimizer structure, or a fingerprint that does not match after restore. If ``False``, training
+            continues approximately and a warning lists what will not be exact.
+        fingerprint: record digests (xxh3-128) of RNG and data state, weights and optimizer state in each
+            checkpoint, and check them after restore. With ``SafetensorsCheckpointIO`` the file's own tensor
+            digests stand in for hashing at save; elsewhere, one pass of hashing per save.
         state: objects to save and restore by name beyond those found automatically (README, "State you keep
             yourself"): anything with ``state_dict()``/``load_state_dict()``, or a ``torch.Generator``,
-            ``numpy.random.Generator``, ``numpy.random.RandomState`` or ``random.Random``. Found automatically,
-            by a bounded walk from the module, the datamodule and the train datasets: LR schedulers not given
-            to Lightning, torchmetrics metrics, such objects and generators; each restored one is named in
+            ``numpy.random.Generator``, ``numpy.random.RandomState`` or ``random.Random``. The automatic walk
+            from the module, the datamodule and the train datasets finds LR schedulers not given to Lightning,
+            torchmetrics metrics, such objects and generators. Each restored one is named in
             ``resume_report["user_state"]``.
     """
 
     def __init__(
         self,
-        generators: Optional[dict[str, torch.Generator]] = None,
+        mtbf: Optional[Duration] = DEFAULT_MTBF,
+        schedule: ScheduleOptions = ScheduleOptions(),  # noqa: B008  (frozen: one shared default is safe)
+        memory_tier: Optional[MemoryTierOptions] = None,
+        preemption: Optional[PreemptionOptions] = PreemptionOptions(),  # noqa: B008
+        elastic: ElasticMode = False,
         strict: bool = True,
         fingerprint: bool = True,
-        mtbf: Optional[Duration] = DEFAULT_MTBF,
-        num_nodes: Optional[int] = None,
-        formula: Literal["young", "daly"] = "young",
-        min_interval: Duration = DEFAULT_MIN_INTERVAL,
-        max_interval: Duration = DEFAULT_MAX_INTERVAL,
-        every_n_train_steps_max: Optional[int] = None,
-        mtbf_prior: Optional[Duration] = DEFAULT_MTBF_PRIOR,
-        initial_cost: Duration = DEFAULT_INITIAL_COST,
-        check_interval: Duration = DEFAULT_CHECK_INTERVAL,
-        preemption_signals: Optional[Sequence[str]] = DEFAULT_SIGNALS,
-        clock: Optional[Callable[[], float]] = None,
-        memory_tier: bool = False,
-        process_mtbf: Optional[Duration] = None,
-        memory_dir: Optional[str] = None,
-        memory_every_n_train_steps_max: Optional[int] = None,
-        wall_clock: Optional[Callable[[], float]] = None,
-        preemption_notices: NoticeSpec = None,
-        on_notice: Literal["stop", "snapshot"] = "stop",
-        notice_endpoint: Optional[str] = None,
-        notice_interval: Duration = "5s",
-        notice_dmi_dir: str = DMI_DIR,
-        elastic: ElasticMode = False,
         state: Optional[dict[str, Any]] = None,
     ) -> None:
         check_versions()
         lc.resolve_last_through_callbacks()  # fit(ckpt_path="last"): the newest verified checkpoint of any callback
         quiet_last_hint_for_resolvers()  # ... and Lightning's hint to set save_last=True, which that makes wrong
         isolate_retry_jitter()  # a retried S3 request must not draw from the random stream this callback saves
-        problems = _memory_tier_problems(memory_tier, process_mtbf, memory_dir, memory_every_n_train_steps_max)
-        try:
-            interval_s = parse_duration(notice_interval, "notice_interval")
-        except ValueError as err:
-            problems.append(str(err))
-            interval_s = 5.0
-        problems += notice_problems(preemption_notices, on_notice, notice_endpoint, interval_s)
-        problems += elastic_restore.check_mode(elastic)
-        problems += registration_problems(state)
-        try:  # the schedule's options, validated once (every problem with the memory tier's); passed on whole
-            schedule = ScheduleConfig.from_user(
-                mtbf=mtbf, num_nodes=num_nodes or 1, formula=formula, min_interval=min_interval,
-                max_interval=max_interval, every_n_train_steps_max=every_n_train_steps_max, mtbf_prior=mtbf_prior,
-                initial_cost=initial_cost, check_interval=check_interval,
-                **_memory_schedule(memory_tier, process_mtbf, memory_every_n_train_steps_max),
-            )  # fmt: skip
-        except ConfigurationError as err:
-            raise ConfigurationError("ExactResume", problems + err.problems) from None
-        if problems:
+        options = resolve(mtbf, schedule, memory_tier, preemption)  # every group's problems, each named by its path
+        problems = [*options.problems, *elastic_restore.check_mode(elastic), *registration_problems(state)]
+        if problems or options.schedule is None:
             raise ConfigurationError("ExactResume", problems)
-        self.memory = MemoryTier(memory_dir or DEFAULT_MEMORY_DIR) if memory_tier else None
-        if memory_tier:
+        self.memory = MemoryTier(memory_tier.dir) if memory_tier is not None else None
+        if memory_tier is not None:
             lc.remember_ckpt_path_requests()  # fit(ckpt_path="last") considers the memory tier first
-        self.generators: dict[str, torch.Generator] = dict(generators or {})
+        self.generators: dict[str, torch.Generator] = {}  # the RNG streams' named generators: ``state`` holds them now
         self.state: dict[str, Any] = dict(state or {})
         self._user: Optional[UserState] = None  # what this fit saves beyond Lightning, found at train start
         self._user_again: Optional[Callable[[], None]] = None  # undoes on_train_start hooks run after the restore
@@ -260,16 +153,22 @@ class ExactResume(Callback):
         self.elastic: ElasticMode = elastic
         self._afterwards = Afterwards()
         self._loaded: Optional[LoadedDigests] = None
-        self.preemption = PreemptionFlag(preemption_signals) if preemption_signals else None
+        signals = preemption.signals if preemption is not None else None
+        self.preemption = PreemptionFlag(signals) if signals else None
         self.notices = (
-            NoticeWatch(preemption_notices, on_notice, notice_endpoint, notice_dmi_dir, interval_s)
-            if preemption_notices
+            NoticeWatch(
+                preemption.notices,
+                preemption.on_notice,
+                preemption.endpoint,
+                preemption.dmi_dir,
+                options.poll_interval_s,
+            )
+            if preemption is not None and preemption.notices
             else None
         )
-        self._wall_clock = wall_clock or time.time
-        checks = self.preemption is not None or self.notices is not None
-        self.scheduler = driver.make_scheduler(schedule, clock, self._wall_clock, checks)
-        self._num_nodes = num_nodes
+        self._schedule: ScheduleConfig = options.schedule
+        self._set_clocks()
+        self._num_nodes = schedule.num_nodes
         self.preempted = False
         self._trainer: Optional[pl.Trainer] = None
         self._pending: Optional[dict[str, Any]] = None
@@ -282,6 +181,16 @@ class ExactResume(Callback):
         self._last = OncePerFit()
         self._trace: Optional[trace.TraceRecorder] = None
         self._own = OwnCheckpoints()  # the Tuner's save and restore are not checkpoints of the run
+
+    def _set_clocks(
+        self, clock: Optional[Callable[[], float]] = None, wall_clock: Optional[Callable[[], float]] = None
+    ) -> None:
+        """The clocks the schedule reads: monotonic ``clock`` for intervals, ``wall_clock`` (seconds since the
+        epoch) for the failure history and each checkpoint's date. ``time``'s by default; fake ones only through
+        the tests' seam (``tests/helpers/clocks.py``), never an option."""
+        self._wall_clock = wall_clock or time.time
+        checks = self.preemption is not None or self.notices is not None
+        self.scheduler = driver.make_scheduler(self._schedule, clock, self._wall_clock, checks)
 
     @property
     @override
@@ -316,7 +225,7 @@ class ExactResume(Callback):
             if self.scheduler is not None and self.scheduler.config.asked_for_snapshots:
                 raise ConfigurationError("ExactResume", [
                     "scheduled snapshots need a checkpoint directory: add a RetentionCheckpoint or"
-                    " ModelCheckpoint, or pass mtbf=None and leave every_n_train_steps_max unset"
+                    " ModelCheckpoint, or pass mtbf=None and leave schedule.every_n_train_steps_max unset"
                 ])  # fmt: skip
             # A run that writes no checkpoints loses nothing by taking no snapshots: said once, not warned.
             if self.scheduler is not None and self.scheduler.takes_snapshots:

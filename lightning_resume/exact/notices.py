@@ -14,39 +14,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 from lightning_resume.cloud import Notice, NoticePoller, resolve_clouds
 from lightning_resume.cloud.detect import DMI_DIR
 from lightning_resume.errors import ConfigurationError
+from lightning_resume.schedule.options import NoticeSpec, notice_problems
 
 log = logging.getLogger("lightning_resume.notices")
 
 SNAPSHOT, STOP, REQUEUE = 1, 2, 3
 """Preemption levels agreed over ranks (the highest wins): save a durable snapshot and go on; stop after a
 durable snapshot; also requeue the SLURM job."""
-
-ON_NOTICE = ("stop", "snapshot")
-
-
-NoticeSpec = Union[None, str, Sequence[str]]
-
-
-def notice_problems(spec: NoticeSpec, on_notice: str, endpoint: Optional[str], interval_s: float) -> list[str]:
-    """Every problem with the notice options, one line each (for ``ConfigurationError``)."""
-    problems = []
-    if spec is not None and spec != "auto":
-        try:
-            resolve_clouds(list(spec) if not isinstance(spec, str) else [spec], DMI_DIR)
-        except ValueError as err:
-            problems.append(f"preemption_notices={spec!r}: {err}")
-    if on_notice not in ON_NOTICE:
-        problems.append(f"on_notice={on_notice!r} must be one of {ON_NOTICE}")
-    if endpoint is not None and not str(endpoint).startswith(("http://", "https://")):
-        problems.append(f"notice_endpoint={endpoint!r} must be an http:// or https:// base URL")
-    if not (math.isfinite(interval_s) and interval_s > 0):
-        problems.append(f"notice_interval={interval_s!r} must be a positive number of seconds")
-    return problems
 
 
 class NoticeWatch:

@@ -48,9 +48,6 @@ from lightning_resume.storage.private import (
     user_root,
 )
 
-DEFAULT_MEMORY_DIR = "/dev/shm"
-"""Where each user's memory root is made unless ``ExactResume(memory_dir=...)`` names another tmpfs."""
-
 ROOT_PREFIX = "lightning-resume"
 """The memory root is ``<memory dir>/lightning-resume-<uid>``: one per user, never shared."""
 
@@ -81,7 +78,7 @@ class NotEnoughSharedMemory(OSError):
         super().__init__(
             f"memory tier: a snapshot needs {needed / 2**20:.1f} MiB but {root} has {free / 2**20:.1f} MiB free; "
             "raise the size of /dev/shm (e.g. `mount -o remount,size=XXG /dev/shm`, or `--shm-size` for Docker), "
-            "point ExactResume(memory_dir=...) at a larger tmpfs, or pass memory_tier=False"
+            "point MemoryTierOptions(dir=...) at a larger tmpfs, or pass memory_tier=None"
         )
 
 

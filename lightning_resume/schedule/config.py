@@ -1,9 +1,10 @@
 """The schedule's options, validated once: ``ScheduleConfig`` and the defaults it is built with.
 
-``ExactResume`` builds one ``ScheduleConfig`` from its arguments (``ScheduleConfig.from_user``:
-durations as ``"24h"``, seconds or ``timedelta``) and passes it on whole to the scheduler; every
-problem is collected into one ``ConfigurationError`` naming the option, the value and the fix. Pure
-data: no clock, no files, no Lightning, no decisions (those are ``state``'s).
+``ExactResume`` builds one ``ScheduleConfig`` from its option groups (``schedule.options.resolve`` calls
+``ScheduleConfig.from_user``: durations as ``"24h"``, seconds or ``timedelta``) and passes it on whole to the
+scheduler; every problem is collected into one ``ConfigurationError`` naming the option by its path in
+``ExactResume``'s arguments (``LABELS``), the value and the fix. Pure data: no clock, no files, no
+Lightning, no decisions (those are ``state``'s).
 """
 
 from __future__ import annotations
@@ -37,6 +38,27 @@ MTBF prior (M1, the memory tier's failures: exceptions, OOM kills, timeouts, dep
 machine) is the common kind of failure, so it is much shorter; the history refines it the same way."""
 
 
+LABELS = {
+    "num_nodes": "schedule.num_nodes",
+    "formula": "schedule.formula",
+    "min_interval": "schedule.min_interval",
+    "max_interval": "schedule.max_interval",
+    "every_n_train_steps_max": "schedule.every_n_train_steps_max",
+    "mtbf_prior": "schedule.mtbf_prior",
+    "initial_cost": "schedule.initial_cost",
+    "check_interval": "schedule.check_interval",
+    "process_mtbf": "memory_tier.process_mtbf",
+    "memory_every_n_train_steps_max": "memory_tier.every_n_train_steps_max",
+}
+"""How each option is named in a message: its path in ``ExactResume``'s groups (``mtbf`` is top-level; the
+rest, such as ``prior_weight``, are not user options and keep their own name)."""
+
+
+def label(name: str) -> str:
+    """``name`` as the user wrote it: ``"min_interval"`` -> ``"schedule.min_interval"``."""
+    return LABELS.get(name, name)
+
+
 class MtbfMode(str, Enum):
     """Where the job's M comes from."""
 
@@ -56,9 +78,9 @@ def _mtbf_problems(name: str, mtbf_s: Optional[float], mode: MtbfMode, examples:
     """An MTBF's problems; ``examples``: a value and a prior to suggest, ``off``: what ``None`` means."""
     p = []
     if mtbf_s is not None and not _positive(mtbf_s):
-        p.append(f"{name}={mtbf_s!r}s must be > 0; use a duration like {examples[0]!r}, or None {off}")
+        p.append(f"{label(name)}={mtbf_s!r}s must be > 0; use a duration like {examples[0]!r}, or None {off}")
     if mode is MtbfMode.OBSERVED and mtbf_s is None:
-        p.append(f"{name}='observed' needs a prior; give {name}_prior, e.g. {examples[1]!r}")
+        p.append(f"{label(name)}='observed' needs a prior; give {label(name + '_prior')}, e.g. {examples[1]!r}")
     return p
 
 
@@ -66,7 +88,7 @@ def _cap_problems(name: str, cap: Optional[int], off: str) -> list:
     """A step cap's problem, if any; ``off`` says what ``None`` means."""
     if cap is None or _positive_int(cap):
         return []
-    return [f"{name}={cap!r} must be an integer >= 1, or None for {off}"]
+    return [f"{label(name)}={cap!r} must be an integer >= 1, or None for {off}"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +131,7 @@ class ScheduleConfig:
                 object.__setattr__(self, name, enum(getattr(self, name)))
             except ValueError:
                 choices = ", ".join(repr(e.value) for e in enum)
-                problems.append(f"{name}={getattr(self, name)!r} is not one of {choices}")
+                problems.append(f"{label(name)}={getattr(self, name)!r} is not one of {choices}")
         problems += self._problems()
         if problems:
             raise ConfigurationError("ScheduleConfig", problems)
@@ -117,24 +139,28 @@ class ScheduleConfig:
     def _problems(self) -> list:
         p = _mtbf_problems("mtbf", self.mtbf_s, self.mtbf_mode, ("24h", "24h"), "to turn scheduled snapshots off")
         if not _positive_int(self.num_nodes):
-            p.append(f"num_nodes={self.num_nodes!r} must be an integer >= 1")
+            p.append(f"{label('num_nodes')}={self.num_nodes!r} must be an integer >= 1")
         if not (math.isfinite(self.min_interval_s) and self.min_interval_s >= 0):
-            p.append(f"min_interval={self.min_interval_s!r}s must be >= 0")
+            p.append(f"{label('min_interval')}={self.min_interval_s!r}s must be >= 0")
         if not _positive(self.max_interval_s) or self.max_interval_s < self.min_interval_s:
-            p.append(f"max_interval={self.max_interval_s!r}s must be > 0 and >= min_interval={self.min_interval_s!r}s")
+            p.append(
+                f"{label('max_interval')}={self.max_interval_s!r}s must be > 0 and >= "
+                f"{label('min_interval')}={self.min_interval_s!r}s"
+            )
         p += _cap_problems("every_n_train_steps_max", self.every_n_train_steps_max, "no step cap")
         if not _positive(self.initial_cost_s):
             p.append(
-                f"initial_cost={self.initial_cost_s!r}s must be > 0 (a conservative guess of the save's blocking time)"
+                f"{label('initial_cost')}={self.initial_cost_s!r}s must be > 0 "
+                "(a conservative guess of the save's blocking time)"
             )
         if not _positive(self.prior_weight):
             p.append(f"prior_weight={self.prior_weight!r} must be > 0 (pseudo-failures the prior MTBF counts for)")
         if not _positive(self.check_interval_s):
-            p.append(f"check_interval={self.check_interval_s!r}s must be > 0")
+            p.append(f"{label('check_interval')}={self.check_interval_s!r}s must be > 0")
         return p + self._memory_problems()
 
     def _memory_problems(self) -> list:
-        mode, off = self.process_mtbf_mode, "for no memory tier"
+        mode, off = self.process_mtbf_mode, "for the default pacing"
         p = _mtbf_problems("process_mtbf", self.process_mtbf_s, mode, ("1h", "6h"), off)
         p += _cap_problems("memory_every_n_train_steps_max", self.memory_every_n_train_steps_max, "no memory step cap")
         if not _positive(self.memory_initial_cost_s):
@@ -254,7 +280,7 @@ class _Seconds:
 
     def _parse(self, value: Duration, name: str, stand_in: float) -> float:
         try:
-            return parse_duration(value, name)
+            return parse_duration(value, label(name))
         except ValueError as err:
             self.problems.append(str(err))
             return stand_in

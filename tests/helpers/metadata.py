@@ -4,7 +4,7 @@ AWS (IMDSv2 only: a GET without the current token is a 401, as on an instance wi
 GCE (403 without ``Metadata-Flavor: Google``), Azure Scheduled Events (400 without ``Metadata: true`` or
 with another api-version). ``hang_s`` makes every answer wait (released at stop). Tests never reach any
 other address: every poller is given ``endpoint=metadata.url``. Used by the poller's unit tests and by the
-kill-and-resume tests of ``ExactResume(preemption_notices=...)``; ``fake_dmi`` writes the DMI evidence of
+kill-and-resume tests of ``ExactResume(preemption=PreemptionOptions(notices=...))``; ``fake_dmi`` writes the DMI evidence of
 a cloud for ``"auto"``.
 """
 

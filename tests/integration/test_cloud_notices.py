@@ -1,5 +1,5 @@
 """Cloud preemption notices, for real: a metadata server on 127.0.0.1 speaks a cloud's documented API, fake
-DMI files make ``preemption_notices="auto"`` pick that cloud, and the trainee (a fresh process) polls it.
+DMI files make ``preemption.notices="auto"`` pick that cloud, and the trainee (a fresh process) polls it.
 Run A uninterrupted; run B gets a notice mid-epoch, writes a durable snapshot before the deadline and stops
 cleanly; run C, a fresh process, resumes with ``fit(ckpt_path="last")`` and continues A bit for bit. Under
 DDP only rank 1's metadata server announces the end, and both ranks stop at the same step."""
@@ -31,11 +31,14 @@ BASE = {
 }  # fmt: skip
 
 
-def _exact(tmp_path: Path, endpoint: str, cloud: str, **more: Any) -> dict:
-    return {
-        "preemption_notices": "auto", "notice_endpoint": endpoint, "notice_interval": 0.05,
-        "notice_dmi_dir": fake_dmi(tmp_path / "dmi", cloud), **more,
-    }  # fmt: skip
+def _exact(tmp_path: Path, endpoint: str, cloud: str, **schedule: Any) -> dict:
+    preemption = {
+        "notices": "auto",
+        "endpoint": endpoint,
+        "poll_interval": 0.05,
+        "dmi_dir": fake_dmi(tmp_path / "dmi", cloud),
+    }
+    return {"preemption": preemption, "schedule": schedule}
 
 
 def _announce_after(cfg: dict, steps: int, announce: Callable[[], None], ranks: int = 1) -> threading.Thread:

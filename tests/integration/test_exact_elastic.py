@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resume.memory import store as memory_tier
+from lightning_resume.schedule.options import DEFAULT_MEMORY_DIR
 from tests.helpers import kill_resume as h
 from tests.helpers.compare import assert_bitwise
 
@@ -216,9 +216,9 @@ def test_an_iterable_dataset_is_refused(tmp_path: Path) -> None:
 
 def test_with_the_memory_tier_a_changed_world_size_resumes_from_disk(tmp_path: Path) -> None:
     """Memory snapshots are per rank of the old world size: every new rank resumes from disk, named in the report."""
-    shm = Path(memory_tier.DEFAULT_MEMORY_DIR) / f"lightning-resume-test-{uuid.uuid4().hex[:8]}"
-    exact = {"elastic": True, "every_n_train_steps_max": 6, "memory_tier": True, "memory_dir": str(shm)}
-    exact["memory_every_n_train_steps_max"] = 2
+    shm = Path(DEFAULT_MEMORY_DIR) / f"lightning-resume-test-{uuid.uuid4().hex[:8]}"
+    memory = {"dir": str(shm), "every_n_train_steps_max": 2}
+    exact = {"elastic": True, "schedule": {"every_n_train_steps_max": 6}, "memory_tier": memory}
     cfg = {
         "n": 80, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "shuffle": True, "distributed_sampler": True,
         "safetensors": True, "ckpt": {"save_top_k": 0}, "exact_args": exact, "ckpt_dir": str(tmp_path / "ckpt"),

@@ -27,7 +27,8 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl
 from tests.helpers.callbacks import SpyTarget
 from tests.helpers.jobs.trainee import Model
-from lightning_resume import ExactResume
+from lightning_resume import ExactResume, ScheduleOptions
+from tests.helpers.clocks import with_clocks
 
 class RankClock(pl.Callback):
     # rank 1's clock runs 3x faster: were it to decide, it would save at other steps
@@ -37,7 +38,7 @@ class RankClock(pl.Callback):
 
 clock = RankClock()
 spy = SpyTarget(os.path.join({out!r}, "ckpt"))
-exact = ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock)
+exact = with_clocks(ExactResume(mtbf="1h", schedule=ScheduleOptions(min_interval="30s", max_interval="30s")), clock=clock)
 trainer = pl.Trainer(max_steps=12, accelerator="cpu", devices=2, strategy="ddp", logger=False,
     enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, exact, spy],
     limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)

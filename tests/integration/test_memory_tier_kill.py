@@ -15,6 +15,7 @@ import pytest
 from lightning_resume.format.read import load_file
 from lightning_resume.memory import store as memory_tier
 from lightning_resume.schedule import history
+from lightning_resume.schedule.options import DEFAULT_MEMORY_DIR
 from lightning_resume.schedule.state import Tier
 from tests.helpers import kill_resume as h
 
@@ -31,14 +32,14 @@ DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 
 @pytest.fixture
 def shm() -> Iterator[Path]:
-    root = Path(memory_tier.DEFAULT_MEMORY_DIR) / f"lightning-resume-test-{uuid.uuid4().hex[:8]}"
+    root = Path(DEFAULT_MEMORY_DIR) / f"lightning-resume-test-{uuid.uuid4().hex[:8]}"
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
 
 def _cfg(tmp_path: Path, shm: Path, devices: int = 1) -> dict[str, Any]:
-    exact = {"every_n_train_steps_max": DURABLE_EVERY, "memory_tier": True, "memory_dir": str(shm)}
-    exact["memory_every_n_train_steps_max"] = MEMORY_EVERY
+    memory = {"dir": str(shm), "every_n_train_steps_max": MEMORY_EVERY}
+    exact = {"schedule": {"every_n_train_steps_max": DURABLE_EVERY}, "memory_tier": memory}
     return {
         "n": 40 * devices, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "augment": True, "shuffle": True,
         "devices": devices, "safetensors": True, "ckpt": {"save_top_k": 0}, "exact_args": exact,

@@ -14,6 +14,9 @@ import lightning_resume
 
 CONFIGURABLE = [
     "ExactResume",
+    "ScheduleOptions",
+    "MemoryTierOptions",
+    "PreemptionOptions",
     "RetentionCheckpoint",
     "RetentionPolicy",
     "SafetensorsCheckpointIO",

@@ -2,7 +2,7 @@
 
 Random generators that ``ExactResume`` does not save (a ``torch.Generator``, ``numpy.random.Generator``
 or ``random.Random`` kept on the model, the datamodule or a dataset where the walk of ``state.user`` does not
-reach, and neither passed as ``generators=`` nor registered with ``state=``), nondeterministic CUDA kernels, and a wall-clock ``max_time`` (the run then stops at
+reach, and not registered with ``state=``), nondeterministic CUDA kernels, and a wall-clock ``max_time`` (the run then stops at
 a step that depends on machine speed). Each finding is one line naming the object and the fix. Walks
 objects given to it; knows neither Lightning's loops nor files.
 """

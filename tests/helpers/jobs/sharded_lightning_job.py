@@ -45,6 +45,7 @@ from lightning_resume.sharded import background
 if __name__ == "__main__":  # run as a script (also by Lightning's launcher): the repo root holds ``tests``
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from lightning_resume import ScheduleOptions
 from tests.helpers.jobs.trainee import PauseBefore  # after the path is set
 from tests.helpers.models import QUIET
 
@@ -131,7 +132,9 @@ def main(a: Any) -> None:
         if a.retention
         else ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=a.every, save_top_k=-1)
     )
-    exact = ExactResume(mtbf=None, every_n_train_steps_max=a.snapshot_every, elastic=a.elastic)
+    exact = ExactResume(
+        mtbf=None, schedule=ScheduleOptions(every_n_train_steps_max=a.snapshot_every), elastic=a.elastic
+    )
     callbacks: list[Callback] = [exact, saver]
     if a.dump_start:
         callbacks.append(DumpStart(Path(out)))

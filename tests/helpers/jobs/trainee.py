@@ -33,7 +33,15 @@ from lightning.pytorch.utilities import CombinedLoader, rank_zero_only  # noqa: 
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
-from lightning_resume import ExactResume, ResumableDataset, RetentionCheckpoint, SafetensorsCheckpointIO  # noqa: E402
+from lightning_resume import (  # noqa: E402
+    ExactResume,
+    MemoryTierOptions,
+    PreemptionOptions,
+    ResumableDataset,
+    RetentionCheckpoint,
+    SafetensorsCheckpointIO,
+    ScheduleOptions,
+)
 from lightning_resume.protocols import AsyncCheckpointWriter  # noqa: E402
 
 if __name__ == "__main__":  # run as a script (also by Lightning's DDP launcher): the repo root holds ``tests``
@@ -413,8 +421,9 @@ def _callbacks(cfg: dict, out: Path) -> list[Callback]:
         # on this machine's speed (the default schedule is tested in tests/unit/exact/test_exact_schedule.py).
         exact_args = {"mtbf": None, **cfg.get("exact_args", {})}
         if cfg.get("notice_endpoints"):  # one metadata server per rank: a notice only one rank sees
-            exact_args["notice_endpoint"] = cfg["notice_endpoints"][int(os.environ.get("LOCAL_RANK", "0"))]
-        callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **exact_args))
+            endpoint = cfg["notice_endpoints"][int(os.environ.get("LOCAL_RANK", "0"))]
+            exact_args["preemption"] = {**exact_args.get("preemption", {}), "endpoint": endpoint}
+        callbacks.insert(0, ExactResume(strict=cfg.get("strict", True), **_groups(exact_args)))
     if cfg.get("flush_memory_tier"):
         callbacks.append(FlushMemoryTier())
     if cfg.get("edit_weights"):
@@ -424,6 +433,12 @@ def _callbacks(cfg: dict, out: Path) -> list[Callback]:
     if cfg.get("collective_timeout_s"):
         callbacks.append(CollectiveTimeout(cfg["collective_timeout_s"]))
     return callbacks
+
+
+def _groups(exact_args: dict) -> dict:
+    """``exact_args`` as YAML writes them (``{"schedule": {"every_n_train_steps_max": 3}}``), groups built."""
+    groups = {"schedule": ScheduleOptions, "memory_tier": MemoryTierOptions, "preemption": PreemptionOptions}
+    return {k: groups[k](**v) if k in groups and isinstance(v, dict) else v for k, v in exact_args.items()}
 
 
 def _slow_writes(seconds: float) -> None:

@@ -47,18 +47,18 @@ def _fit(tmp_path: Path, callbacks: list, exact: ExactResume, ckpt_path=None, st
 
 def test_a_checkpoint_saved_inside_a_step_resumes_as_not_exact_and_says_why(tmp_path: Path) -> None:
     inside = tmp_path / "inside.ckpt"
-    _fit(tmp_path, [SaveInside(inside, step=3)], ExactResume(preemption_signals=None))
+    _fit(tmp_path, [SaveInside(inside, step=3)], ExactResume(preemption=None))
     state = torch.load(inside, weights_only=True)["callbacks"]["ExactResume"]
     assert state["captured_at"] == "inside_training_step"
 
-    exact = ExactResume(strict=False, preemption_signals=None)
+    exact = ExactResume(preemption=None, strict=False)
     with pytest.warns(ExactResumeWarning, match="captured inside training step"):
         _fit(tmp_path, [], exact, ckpt_path=str(inside))
     assert exact.resume_report.exact is False
     assert any("inside training step" in line for line in exact.resume_report.differences)
 
     # not a mismatch with the run: Lightning's own mid-step checkpoints resume under strict=True too, said so
-    exact = ExactResume(preemption_signals=None)
+    exact = ExactResume(preemption=None)
     with pytest.warns(ExactResumeWarning, match="captured inside training step"):
         _fit(tmp_path, [], exact, ckpt_path=str(inside))
     assert exact.resume_report.exact is False
@@ -66,9 +66,9 @@ def test_a_checkpoint_saved_inside_a_step_resumes_as_not_exact_and_says_why(tmp_
 
 def test_a_checkpoint_saved_at_a_step_boundary_is_exact(tmp_path: Path) -> None:
     boundary = tmp_path / "boundary.ckpt"
-    _fit(tmp_path, [SaveAtBoundary(boundary, step=3)], ExactResume(preemption_signals=None))
+    _fit(tmp_path, [SaveAtBoundary(boundary, step=3)], ExactResume(preemption=None))
     state = torch.load(boundary, weights_only=True)["callbacks"]["ExactResume"]
     assert state["captured_at"] == "step_boundary"
-    exact = ExactResume(preemption_signals=None)
+    exact = ExactResume(preemption=None)
     _fit(tmp_path, [], exact, ckpt_path=str(boundary))
     assert exact.resume_report.exact is True and exact.resume_report.fingerprint_ok is True

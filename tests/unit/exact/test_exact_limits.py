@@ -65,7 +65,7 @@ def test_a_generator_on_the_model_is_saved_and_one_beyond_the_walk_is_named_with
     deep.a = nn.Sequential(nn.Sequential(nn.Sequential(nn.Sequential(nn.Sequential(WithGenerator())))))
     [line] = [w for w in exact_warnings(lambda: fit(deep, callbacks=[ExactResume(mtbf=None)])) if "noise" in w]
     assert "noise is a torch.Generator no checkpoint saves" in line and "state={" in line
-    registered = ExactResume(mtbf=None, generators={"noise": deep.a[0][0][0][0][0].noise})
+    registered = ExactResume(mtbf=None, state={"noise": deep.a[0][0][0][0][0].noise})
     assert not [w for w in exact_warnings(lambda: fit(deep, callbacks=[registered])) if "noise" in w]
 
 
@@ -77,7 +77,7 @@ def test_a_numpy_generator_on_the_dataset_is_saved_not_named() -> None:
 def test_max_time_is_named_and_a_plain_run_says_nothing() -> None:
     lines = exact_warnings(lambda: fit(TinyModel(), callbacks=[ExactResume(mtbf=None)], max_time="00:01:00:00"))
     assert any("max_time" in w and "max_steps" in w for w in lines), lines
-    quiet = exact_warnings(lambda: fit(TinyModel(), callbacks=[ExactResume(mtbf=None, preemption_signals=None)]))
+    quiet = exact_warnings(lambda: fit(TinyModel(), callbacks=[ExactResume(mtbf=None, preemption=None)]))
     assert not [w for w in quiet if "not exact" in w], quiet
 
 

@@ -1,4 +1,4 @@
-"""``ExactResume(preemption_notices=...)`` in one process, against a metadata server on 127.0.0.1: the
+"""``ExactResume(preemption=PreemptionOptions(notices=...))`` in one process, against a metadata server on 127.0.0.1: the
 options are checked at construction; ``on_notice="snapshot"`` saves once and trains on; a hanging or
 malformed endpoint never interrupts training; ``"auto"`` on a machine without cloud DMI evidence starts no
 thread and opens no socket. (The kill-and-resume runs are in tests/integration/test_cloud_notices.py.)"""
@@ -14,7 +14,7 @@ import lightning
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_resume import ConfigurationError, ExactResume
+from lightning_resume import ConfigurationError, ExactResume, PreemptionOptions
 from lightning_resume.cloud.poller import THREAD_NAME
 from tests.helpers.metadata import FakeMetadata, fake_dmi, serving
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
@@ -40,19 +40,20 @@ def _fit(tmp_path: Path, exact: ExactResume, *extra: Callback, max_steps: int = 
     return trainer
 
 
-def _exact(tmp_path: Path, url: str, **kwargs) -> ExactResume:
+def _exact(tmp_path: Path, url: str, **preemption) -> ExactResume:
     dmi = fake_dmi(tmp_path / "dmi", "gcp")
-    return ExactResume(
-        mtbf=None, preemption_notices="auto", notice_endpoint=url, notice_interval=0.05, notice_dmi_dir=dmi, **kwargs
-    )
+    notices = PreemptionOptions(notices="auto", endpoint=url, poll_interval=0.05, dmi_dir=dmi, **preemption)
+    return ExactResume(mtbf=None, preemption=notices)
 
 
 def test_options_are_checked_at_construction() -> None:
     with pytest.raises(ConfigurationError) as err:
-        ExactResume(preemption_notices=["aws", "ibm"], on_notice="pause", notice_endpoint="ftp://x", notice_interval=0)
+        ExactResume(
+            preemption=PreemptionOptions(notices=["aws", "ibm"], on_notice="pause", endpoint="ftp://x", poll_interval=0)
+        )
     text = str(err.value)
-    assert "'ibm'" in text and "aws" in text and "on_notice='pause'" in text
-    assert "notice_endpoint='ftp://x'" in text and "notice_interval" in text
+    assert "preemption.notices=('aws', 'ibm')" in text and "'ibm'" in text and "preemption.on_notice='pause'" in text
+    assert "preemption.endpoint='ftp://x'" in text and "preemption.poll_interval=0.0s" in text
 
 
 def test_on_notice_snapshot_saves_once_and_trains_to_the_end(tmp_path: Path) -> None:
@@ -88,7 +89,9 @@ def test_auto_without_cloud_evidence_starts_nothing_and_opens_no_socket(
     monkeypatch.setattr(socket.socket, "connect", lambda self, address: connects.append(address) or real(self, address))
     empty = tmp_path / "no-dmi"
     empty.mkdir()
-    exact = ExactResume(mtbf=None, preemption_notices="auto", notice_dmi_dir=str(empty))  # the clouds' own endpoints
+    exact = ExactResume(
+        mtbf=None, preemption=PreemptionOptions(notices="auto", dmi_dir=str(empty))
+    )  # the clouds' own endpoints
     _fit(tmp_path, exact, max_steps=4)
     assert connects == [] and exact.notices is not None and exact.notices.clouds == ()
     assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_resume import ExactResume, RetentionCheckpoint
+from lightning_resume import ExactResume, RetentionCheckpoint, ScheduleOptions
 from tests.helpers.filesystem import listing
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
@@ -76,7 +76,7 @@ def test_the_resumed_run_writes_the_files_the_uninterrupted_run_writes(tmp_path,
 def _fit_with_snapshots(callbacks, max_steps: int, ckpt_path=None):
     """A fit whose snapshot schedule fires every 5 steps, beside the user's checkpoint callback."""
     lightning.seed_everything(0, verbose=False)
-    trainer = tiny_trainer([*callbacks[:-1], ExactResume(mtbf=None, every_n_train_steps_max=5), callbacks[-1]],
+    trainer = tiny_trainer([*callbacks[:-1], ExactResume(mtbf=None, schedule=ScheduleOptions(every_n_train_steps_max=5)), callbacks[-1]],
                            max_steps=max_steps)  # fmt: skip
     trainer.fit(TinyModel(), datamodule=TinyData(), ckpt_path=ckpt_path)
     return trainer

@@ -13,8 +13,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_resume import ConfigurationError, ExactResume, young_interval
+from lightning_resume import ConfigurationError, ExactResume, MemoryTierOptions, ScheduleOptions, young_interval
 from tests.helpers.callbacks import SpyTarget
+from tests.helpers.clocks import with_clocks
 from tests.helpers.jobs.trainee import Model
 from tests.helpers.models import tiny_trainer
 
@@ -55,7 +56,9 @@ def _fit(
 
 def test_snapshots_follow_the_clamped_interval(tmp_path: Path) -> None:
     clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
-    exact = ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock)
+    exact = with_clocks(
+        ExactResume(mtbf="1h", schedule=ScheduleOptions(min_interval="30s", max_interval="30s")), clock=clock
+    )
     _fit(tmp_path, [clock, exact, target])
     # 10 s per step, T* clamped to 30 s: the first save measures C at min_interval, then every 30 s.
     assert [s for s, _ in target.saves] == [3, 6, 9, 12, 15, 18]
@@ -64,7 +67,9 @@ def test_snapshots_follow_the_clamped_interval(tmp_path: Path) -> None:
 
 def test_interval_is_young_of_measured_cost(tmp_path: Path) -> None:
     clock, target = StepClock(save_cost=2.0), SpyTarget(str(tmp_path / "ckpt"))
-    exact = ExactResume(mtbf="2h", min_interval="10s", max_interval="1h", clock=clock)
+    exact = with_clocks(
+        ExactResume(mtbf="2h", schedule=ScheduleOptions(min_interval="10s", max_interval="1h")), clock=clock
+    )
     _fit(tmp_path, [clock, exact, target], steps=40)
     assert exact.scheduler.state.costs and set(exact.scheduler.state.costs) == {2.0}  # measured on the run's clock
     t_star = young_interval(2.0, 7200.0)  # 169.7 s: 17 steps of 10 s
@@ -75,15 +80,22 @@ def test_interval_is_young_of_measured_cost(tmp_path: Path) -> None:
 
 def test_step_cap_and_off(tmp_path: Path) -> None:
     clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
-    _fit(tmp_path, [clock, ExactResume(mtbf=None, every_n_train_steps_max=7, clock=clock), target])
+    _fit(
+        tmp_path,
+        [
+            clock,
+            with_clocks(ExactResume(mtbf=None, schedule=ScheduleOptions(every_n_train_steps_max=7)), clock=clock),
+            target,
+        ],
+    )
     assert [s for s, _ in target.saves] == [7, 14]
     assert not ExactResume(mtbf=None).scheduler.takes_snapshots  # no scheduled snapshots, only preemption checks
-    assert ExactResume(mtbf=None, preemption_signals=None).scheduler is None
+    assert ExactResume(mtbf=None, preemption=None).scheduler is None
 
 
 def test_the_default_is_the_observed_schedule_with_the_documented_prior(tmp_path: Path) -> None:
     clock, target = StepClock(), SpyTarget(str(tmp_path / "ckpt"))
-    exact = ExactResume(clock=clock)
+    exact = with_clocks(ExactResume(), clock=clock)
     assert exact.scheduler.config.mtbf_mode.value == "observed" and exact.scheduler.config.mtbf_s == 30 * 86400
     _fit(tmp_path, [clock, exact, target])
     # 10 s per step: the first save measures C at min_interval (1 min); a save costs nothing on this
@@ -94,16 +106,28 @@ def test_the_default_is_the_observed_schedule_with_the_documented_prior(tmp_path
 
 def test_schedule_arguments_are_validated_together() -> None:
     with pytest.raises(ConfigurationError) as err:
-        ExactResume(mtbf="soon", min_interval="-1s", every_n_train_steps_max=0, memory_dir="/dev/shm/x")
+        ExactResume(
+            mtbf="soon",
+            schedule=ScheduleOptions(min_interval="-1s", every_n_train_steps_max=0),
+            memory_tier=MemoryTierOptions(dir="s3://bucket/shm"),
+        )
     text = str(err.value)
-    assert "mtbf='soon'" in text and "every_n_train_steps_max=0" in text
-    assert "memory_dir='/dev/shm/x' configures the memory tier" in text  # the memory tier's, in the same error
+    assert "mtbf='soon'" in text and "schedule.every_n_train_steps_max=0" in text
+    assert "memory_tier.dir='s3://bucket/shm' must be a local" in text  # the memory tier's, in the same error
 
 
 def test_fallback_snapshots_are_found_by_last(tmp_path: Path) -> None:
     clock = StepClock()
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=0)
-    _fit(tmp_path, [clock, ExactResume(mtbf=None, every_n_train_steps_max=5, clock=clock), ckpt], steps=12)
+    _fit(
+        tmp_path,
+        [
+            clock,
+            with_clocks(ExactResume(mtbf=None, schedule=ScheduleOptions(every_n_train_steps_max=5)), clock=clock),
+            ckpt,
+        ],
+        steps=12,
+    )
     snaps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("last-snapshot"))
     assert snaps == ["last-snapshot-step=000000010.ckpt"]  # the older one removed after the newer was written
     assert ckpt._find_last_checkpoints(pl.Trainer(logger=False)) == {str(tmp_path / "ckpt" / snaps[0])}
@@ -134,7 +158,9 @@ class Recorder(pl.loggers.Logger):
 def test_each_snapshot_logs_its_health_metrics(tmp_path: Path) -> None:
     clock, recorder = StepClock(save_cost=0.5), Recorder()
     target = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=0)
-    exact = ExactResume(mtbf="1h", min_interval="30s", max_interval="30s", clock=clock)
+    exact = with_clocks(
+        ExactResume(mtbf="1h", schedule=ScheduleOptions(min_interval="30s", max_interval="30s")), clock=clock
+    )
     _fit(tmp_path, [clock, exact, target], steps=9, logger=recorder, log_every_n_steps=1000)
     rows = [(s, m) for s, m in recorder.rows if "ckpt/blocked_s" in m]
     assert [s for s, _ in rows] == [3, 6, 9]
@@ -154,8 +180,10 @@ def test_observed_mtbf_learns_from_restarts_dated_by_the_wall_clock(tmp_path: Pa
     wall.now = 1e6
     for run, steps in enumerate((6, 12, 18)):
         clock = StepClock()
-        exact = ExactResume(
-            mtbf="observed", mtbf_prior="1000h", every_n_train_steps_max=3, clock=clock, wall_clock=wall
+        exact = with_clocks(
+            ExactResume(mtbf="observed", schedule=ScheduleOptions(mtbf_prior="1000h", every_n_train_steps_max=3)),
+            clock=clock,
+            wall_clock=wall,
         )
         if run:  # the previous "process" died after its last snapshot: 100 s of downtime
             wall.now += 100.0
@@ -176,7 +204,7 @@ def test_default_retention_checkpoint_keeps_its_topk_untouched(tmp_path: Path) -
 
     clock = StepClock()
     topk = RetentionCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss", save_top_k=2)
-    exact = ExactResume(mtbf=None, every_n_train_steps_max=3, clock=clock)
+    exact = with_clocks(ExactResume(mtbf=None, schedule=ScheduleOptions(every_n_train_steps_max=3)), clock=clock)
     _fit(tmp_path, [clock, exact, topk], n=80, val_check_interval=10, limit_val_batches=2)
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".ckpt")
     assert len(topk.best_k_models) == 2 and all("last-snapshot" not in p for p in topk.best_k_models)

@@ -48,7 +48,7 @@ def _fit(tmp_path: Path, exact: ExactResume, callbacks=(), ckpt_path=None, model
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
     path = tmp_path / "step3.ckpt"
-    _fit(tmp_path, ExactResume(preemption_signals=None), [SaveAt(path, 3)])
+    _fit(tmp_path, ExactResume(preemption=None), [SaveAt(path, 3)])
     return path
 
 
@@ -57,23 +57,23 @@ def test_the_save_hashes_no_weights_and_the_resume_checks_them_against_the_file(
     (rank,) = state["ranks"]
     assert "weights" not in rank["fingerprint"] and "optimizer" not in rank["fingerprint"]
     assert rank["fingerprint"]["hash"] == fingerprint.HASH and "rng" in rank["fingerprint"]
-    exact = ExactResume(preemption_signals=None)
+    exact = ExactResume(preemption=None)
     _fit(tmp_path, exact, ckpt_path=str(saved))
     assert exact.resume_report.exact is True and exact.resume_report.fingerprint_ok is True
 
 
 def test_a_state_changed_after_the_load_is_still_refused(saved: Path, tmp_path: Path):
     with pytest.raises(ResumeMismatchError, match="fingerprint after restore: weights"):
-        _fit(tmp_path, ExactResume(preemption_signals=None), ckpt_path=str(saved), model=Perturbed)
+        _fit(tmp_path, ExactResume(preemption=None), ckpt_path=str(saved), model=Perturbed)
 
 
 def test_without_the_verified_format_the_save_keeps_hashing_the_weights(tmp_path: Path):
     path = tmp_path / "torch.ckpt"
-    _fit(tmp_path, ExactResume(preemption_signals=None), [SaveAt(path, 3)], io=False)
+    _fit(tmp_path, ExactResume(preemption=None), [SaveAt(path, 3)], io=False)
     rank = torch.load(path, weights_only=True)["callbacks"]["ExactResume"]["ranks"][0]
     assert {"weights", "optimizer", "hash"} <= set(rank["fingerprint"])
     with pytest.raises(ResumeMismatchError, match="fingerprint after restore: weights"):
-        _fit(tmp_path, ExactResume(preemption_signals=None), ckpt_path=str(path), model=Perturbed, io=False)
+        _fit(tmp_path, ExactResume(preemption=None), ckpt_path=str(path), model=Perturbed, io=False)
 
 
 def test_a_fingerprint_that_names_another_hash_is_one_mismatch_not_compared_digest_by_digest():

@@ -1,4 +1,4 @@
-"""ExactResume(memory_tier=True) in one process: a failed fit keeps its memory snapshot and the next
+"""ExactResume(memory_tier=MemoryTierOptions()) in one process: a failed fit keeps its memory snapshot and the next
 ``fit(ckpt_path="last")`` resumes from it and says so; a clean end frees it; ``ckpt_path=None`` drops it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_resume import ExactResume, SafetensorsCheckpointIO
+from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO, ScheduleOptions
 from tests.helpers.models import TinyData, TinyMLP, TinyModel, tiny_trainer
 
 
@@ -38,7 +38,9 @@ class Crash(Callback):
 def _fit(tmp_path: Path, shm: Path, ckpt_path, crash_at=None) -> ExactResume:
     lightning.seed_everything(0, verbose=False)
     exact = ExactResume(
-        mtbf=None, every_n_train_steps_max=6, memory_tier=True, memory_dir=str(shm), memory_every_n_train_steps_max=2
+        mtbf=None,
+        schedule=ScheduleOptions(every_n_train_steps_max=6),
+        memory_tier=MemoryTierOptions(dir=str(shm), every_n_train_steps_max=2),
     )
     callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
     callbacks += [Crash(crash_at)] if crash_at is not None else []
@@ -48,10 +50,10 @@ def _fit(tmp_path: Path, shm: Path, ckpt_path, crash_at=None) -> ExactResume:
 
 
 def test_defaults_pick_the_two_level_schedule() -> None:
-    default = ExactResume(memory_tier=True).scheduler
+    default = ExactResume(memory_tier=MemoryTierOptions()).scheduler
     assert default is not None and default.takes_memory_snapshots
     assert default.config.process_mtbf_s is not None  # "observed" with the 1 h prior
-    capped = ExactResume(mtbf=None, memory_tier=True, memory_every_n_train_steps_max=3).scheduler
+    capped = ExactResume(mtbf=None, memory_tier=MemoryTierOptions(every_n_train_steps_max=3)).scheduler
     assert capped is not None and capped.takes_memory_snapshots and capped.config.process_mtbf_s is None
     assert ExactResume(mtbf=None).memory is None
 
@@ -81,8 +83,8 @@ def test_memory_options_come_from_lightning_cli_yaml() -> None:
 
     parser = ArgumentParser()
     parser.add_class_arguments(ExactResume, "exact")
-    init_args = {"mtbf": None, "memory_tier": True, "process_mtbf": "1h", "memory_dir": "/dev/shm/x"}
-    config = parser.parse_object({"exact": dict(init_args, memory_every_n_train_steps_max=5)})
+    init_args = {"mtbf": None, "memory_tier": {"process_mtbf": "1h", "dir": "/dev/shm/x", "every_n_train_steps_max": 5}}
+    config = parser.parse_object({"exact": init_args})
     exact = parser.instantiate(config).exact if hasattr(parser, "instantiate") else None
     exact = exact or parser.instantiate_classes(config).exact
     assert exact.memory is not None and exact.memory.root == f"/dev/shm/x/lightning-resume-{os.geteuid()}"
@@ -126,10 +128,8 @@ def _overlapped_fit(
     lightning.seed_everything(0, verbose=False)
     exact = ExactResume(
         mtbf=None,
-        every_n_train_steps_max=durable_every,
-        memory_tier=True,
-        memory_dir=str(shm),
-        memory_every_n_train_steps_max=2,
+        schedule=ScheduleOptions(every_n_train_steps_max=durable_every),
+        memory_tier=MemoryTierOptions(dir=str(shm), every_n_train_steps_max=2),
     )
     if made is not None:
         made.append(exact)

@@ -21,7 +21,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_resume import ExactResume, ExactResumeWarning, SafetensorsCheckpointIO
+from lightning_resume import (
+    ExactResume,
+    ExactResumeWarning,
+    MemoryTierOptions,
+    SafetensorsCheckpointIO,
+    ScheduleOptions,
+)
 from lightning_resume.format import write
 from lightning_resume.format.atomic import STALE_AFTER_S
 from lightning_resume.memory import store as memory_tier
@@ -251,10 +257,8 @@ def _fit(
     lightning.seed_everything(0, verbose=False)
     exact = ExactResume(
         mtbf=None,
-        every_n_train_steps_max=durable_every,
-        memory_tier=True,
-        memory_dir=str(shm),
-        memory_every_n_train_steps_max=2,
+        schedule=ScheduleOptions(every_n_train_steps_max=durable_every),
+        memory_tier=MemoryTierOptions(dir=str(shm), every_n_train_steps_max=2),
     )
     callbacks = [exact, ModelCheckpoint(dirpath=ckpt, **{"save_top_k": 0, **ckpt_args})] + (
         [_Crash(crash_at)] if crash_at else []

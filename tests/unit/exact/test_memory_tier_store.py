@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_resume import ConfigurationError, ExactResume, ExactResumeWarning
+from lightning_resume import ConfigurationError, ExactResume, ExactResumeWarning, MemoryTierOptions
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.format.atomic import owner_token
 from lightning_resume.format.write import save_file
@@ -120,7 +120,7 @@ def test_size_check_names_needed_free_and_the_fix(tmp_path: Path, monkeypatch: p
         store.save(big, step=1, seq=1, run="r")
     message = str(err.value)
     assert "needs 5.0 MiB" in message and "0.0 MiB free" in message
-    assert "/dev/shm" in message and "memory_tier=False" in message
+    assert "/dev/shm" in message and "memory_tier=None" in message
     assert not store.exists()
 
 
@@ -194,9 +194,11 @@ def test_ranks_resume_from_memory_only_together() -> None:
 
 def test_memory_options_are_checked_at_construction() -> None:
     with pytest.raises(ConfigurationError) as err:
-        ExactResume(mtbf=None, memory_dir="/dev/shm/x", memory_every_n_train_steps_max=0)
+        ExactResume(mtbf=None, memory_tier=MemoryTierOptions(process_mtbf="soon", every_n_train_steps_max=0))
     text = str(err.value)
-    assert "memory_dir='/dev/shm/x' configures the memory tier; pass memory_tier=True" in text
-    assert "memory_every_n_train_steps_max=0 must be an integer >= 1" in text
+    assert "memory_tier.process_mtbf='soon' is not a duration" in text
+    assert "memory_tier.every_n_train_steps_max=0 must be an integer >= 1" in text
+    with pytest.raises(ConfigurationError, match=r"memory_tier=True must be a MemoryTierOptions\(\.\.\.\); in YAML"):
+        ExactResume(mtbf=None, memory_tier=True)  # type: ignore[arg-type]  # the old switch, refused with the fix
     with pytest.raises(ConfigurationError, match="local"):
-        ExactResume(mtbf=None, memory_tier=True, memory_dir="s3://bucket/shm")
+        ExactResume(mtbf=None, memory_tier=MemoryTierOptions(dir="s3://bucket/shm"))

@@ -18,10 +18,17 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
-from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
+from lightning_resume import (
+    ExactResume,
+    PreemptionOptions,
+    RetentionCheckpoint,
+    SafetensorsCheckpointIO,
+    ScheduleOptions,
+)
 from lightning_resume.errors import AsyncWriteError, AsyncWriteWarning
 from lightning_resume.format import read, write
 from lightning_resume.protocols import AsyncCheckpointWriter
+from tests.helpers.clocks import with_clocks
 from tests.helpers.compare import assert_same
 from tests.helpers.models import TinyMLP as Tiny
 from tests.helpers.models import io_trainer as _trainer
@@ -293,7 +300,10 @@ def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(t
     STEPS = 14
     clock = types.SimpleNamespace(now=0.0)  # the schedule's monotonic clock: only a write moves it
     io = GatedIO(clock)
-    exact = ExactResume(mtbf=None, every_n_train_steps_max=3, preemption_signals=None, clock=lambda: clock.now)
+    exact = with_clocks(
+        ExactResume(mtbf=None, schedule=ScheduleOptions(every_n_train_steps_max=3), preemption=None),
+        clock=lambda: clock.now,
+    )
     ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
     writes_seen = []
 
@@ -318,7 +328,7 @@ def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(t
 
 def test_preemption_waits_until_the_snapshot_is_durable_before_stopping(tmp_path):
     io = SlowIO(0.3)
-    exact = ExactResume(preemption_signals=["SIGUSR1"])
+    exact = ExactResume(preemption=PreemptionOptions(signals=["SIGUSR1"]))
     ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
 
     class Preempt(Callback):

@@ -83,7 +83,7 @@ def test_exact_resume_reserves_once_before_the_first_async_save(tmp_path) -> Non
     io = ReservingIO()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     model = Tiny()
-    _trainer(tmp_path, 6, [ExactResume(mtbf=None, preemption_signals=None), ckpt], io).fit(model)
+    _trainer(tmp_path, 6, [ExactResume(mtbf=None, preemption=None), ckpt], io).fit(model)
     assert len(io.reserved) == 1 and io.allocations_before == [0]  # once, after step 1, before any save allocated
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert io.reserved[0] >= 3 * params  # weights plus Adam's two moments
@@ -96,7 +96,7 @@ def test_a_failed_reservation_is_logged_and_saves_still_work(tmp_path, caplog) -
     io = ImpossibleReservationIO()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     with caplog.at_level(logging.WARNING, logger="lightning_resume.staging.async_save"):
-        _trainer(tmp_path, 4, [ExactResume(mtbf=None, preemption_signals=None), ckpt], io).fit(Tiny())
+        _trainer(tmp_path, 4, [ExactResume(mtbf=None, preemption=None), ckpt], io).fit(Tiny())
     assert "could not reserve" in caplog.text
     read.load_file(str(tmp_path / "epoch=0-step=3.ckpt"))
 
@@ -106,7 +106,7 @@ def test_no_checkpoint_callback_no_reservation(tmp_path) -> None:
     trainer = Trainer(
         default_root_dir=str(tmp_path), max_steps=3, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
-        callbacks=[ExactResume(mtbf=None, preemption_signals=None)], plugins=[io],
+        callbacks=[ExactResume(mtbf=None, preemption=None)], plugins=[io],
     )  # fmt: skip
     trainer.fit(Tiny())
     assert io.reserved == [] and io.allocations == 0  # nothing will be saved: no memory held for it

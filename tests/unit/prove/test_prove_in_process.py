@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_resume import ExactResume
+from lightning_resume import ExactResume, ScheduleOptions
 from lightning_resume.errors import ExactResumeWarning
 from lightning_resume.prove import trace
 from lightning_resume.prove.compare import Verdict, compare, read_trace
@@ -63,7 +63,7 @@ def _plain() -> tuple[Any, Any]:
 
 def test_an_exact_run_whose_snapshots_come_at_other_steps_is_exact(tmp_path, monkeypatch):
     """The reported case (a run longer than min_interval): snapshots at steps the schedule chose per launch."""
-    verdict = _prove(tmp_path, monkeypatch, _plain, every_n_train_steps_max=5)
+    verdict = _prove(tmp_path, monkeypatch, _plain, schedule=ScheduleOptions(every_n_train_steps_max=5))
     a, b = _timed_steps(tmp_path / "A" / "trace"), _timed_steps(tmp_path / "B" / "trace")
     assert a and b and a != b, (a, b)  # the two runs snapshot at different steps
     assert verdict.exact, verdict

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_resume import ExactResume
+from lightning_resume import ExactResume, ScheduleOptions
 from lightning_resume.errors import ConfigurationError, ExactResumeWarning
 from lightning_resume.exact.state import fingerprint, rng
 from lightning_resume.prove import trace
@@ -194,7 +194,7 @@ def test_a_save_the_clock_chose_is_marked_timed(tmp_path, monkeypatch):
     _trace_to(monkeypatch, tmp_path / "trace")
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)
     lightning.seed_everything(0, verbose=False)
-    exact = ExactResume(mtbf=None, every_n_train_steps_max=3)
+    exact = ExactResume(mtbf=None, schedule=ScheduleOptions(every_n_train_steps_max=3))
     trainer = tiny_trainer([exact, ckpt], limit_train_batches=4, max_steps=7)  # ModelCheckpoint's newest: step 4
     trainer.fit(TinyModel(), TinyData())
     records = _records(tmp_path / "trace")

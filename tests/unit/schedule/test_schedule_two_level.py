@@ -113,7 +113,7 @@ def test_from_user_collects_every_memory_tier_problem():
     with pytest.raises(ConfigurationError) as err:
         ScheduleConfig.from_user(mtbf="24h", process_mtbf="soon", memory_every_n_train_steps_max=0)
     text = str(err.value)
-    assert "process_mtbf='soon'" in text and "memory_every_n_train_steps_max=0" in text
+    assert "memory_tier.process_mtbf='soon'" in text and "memory_tier.every_n_train_steps_max=0" in text
     with pytest.raises(ConfigurationError, match="process_mtbf=-5.0s must be > 0"):
         ScheduleConfig.from_user(process_mtbf=-5)
     with pytest.raises(ConfigurationError, match="process_mtbf_prior"):

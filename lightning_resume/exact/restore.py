@@ -331,7 +331,7 @@ def capture_point_problem(saved: Mapping[str, Any]) -> Optional[str]:
     return (
         f"the checkpoint was captured {captured_at.replace('_', ' ')} (e.g. by a signal handler or an exception"
         " hook), not at a step boundary: the work half done then is not in it, so the run resumes from there"
-        " approximately; let ExactResume take preemption snapshots (preemption_signals) instead"
+        " approximately; let ExactResume take preemption snapshots (preemption.signals) instead"
     )
 
 

@@ -69,8 +69,8 @@ class MemoryTier:
         fresh run's directories appear at its first snapshot."""
         if directory is None:
             raise ConfigurationError("ExactResume", [
-                "memory_tier=True needs a checkpoint directory to name the run: add a RetentionCheckpoint or"
-                " ModelCheckpoint, or pass memory_tier=False"
+                "memory_tier needs a checkpoint directory to name the run: add a RetentionCheckpoint or"
+                " ModelCheckpoint, or leave memory_tier unset"
             ])  # fmt: skip
         self.directory, self.rank, self.world_size = directory, trainer.global_rank, trainer.world_size
         lender: Optional[StagingLender] = checkpoint_io_as(trainer, StagingLender)
@@ -216,7 +216,7 @@ def _why_not_memory(records: list[Any], newest_durable: int) -> Optional[str]:
 
 def _failure(what: str) -> collective.Failure:
     def failure(problems: Mapping[int, str]) -> BaseException:
-        return ConfigurationError("ExactResume(memory_tier=True)", [f"could not {what}: {problems}"])
+        return ConfigurationError("ExactResume(memory_tier=...)", [f"could not {what}: {problems}"])
 
     return failure
 
@@ -225,7 +225,7 @@ def warn_sharded(trainer: pl.Trainer) -> bool:
     """The memory tier keeps one full checkpoint per rank: not for strategies whose ranks hold shards."""
     if trainer.world_size > 1 and not type(trainer.strategy).__name__.startswith("DDP"):
         rank_zero_warn(
-            f"ExactResume(memory_tier=True) supports single-device and DDP runs, not {type(trainer.strategy).__name__};"
+            f"ExactResume(memory_tier=...) supports single-device and DDP runs, not {type(trainer.strategy).__name__};"
             " the memory tier is off for this run",
             category=ExactResumeWarning,
         )

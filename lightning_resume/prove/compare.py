@@ -668,7 +668,7 @@ def _start_problem(f: _Finding) -> Optional[tuple[str, str]]:
         return (
             f"the relaunch resumed from a checkpoint captured {mid[0].subject.replace('_', ' ')}, not at a step boundary",
             (
-                "let ExactResume take preemption snapshots (preemption_signals) instead of saving from a signal handler or an exception hook"
+                "let ExactResume take preemption snapshots (preemption.signals) instead of saving from a signal handler or an exception hook"
             ),
         )
     world = of_kind(f.findings, kinds.WORLD_SIZE)

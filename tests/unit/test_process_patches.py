@@ -60,7 +60,7 @@ before = snapshot()
 tmp = tempfile.mkdtemp()
 made = [
     lr.ExactResume(),
-    lr.ExactResume(memory_tier=True, memory_dir=tmp + "/memory"),
+    lr.ExactResume(memory_tier=lr.MemoryTierOptions(dir=tmp + "/memory")),
     lr.SafetensorsCheckpointIO(),
     lr.SafetensorsCheckpointIO(async_save=True),
     lr.RetentionCheckpoint(dirpath=tmp + "/ckpts", keep_last=2),

@@ -16,6 +16,7 @@ CONFIGURABLE = [
     "ExactResume",
     "RetentionCheckpoint",
     "RetentionPolicy",
+    "Mirror",
     "SafetensorsCheckpointIO",
     "ActivationCheckpointingStrategy",
     "ActivationCheckpointingDDPStrategy",

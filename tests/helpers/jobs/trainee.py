@@ -33,7 +33,14 @@ from lightning.pytorch.utilities import CombinedLoader, rank_zero_only  # noqa: 
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
-from lightning_resume import ExactResume, ResumableDataset, RetentionCheckpoint, SafetensorsCheckpointIO  # noqa: E402
+from lightning_resume import (  # noqa: E402
+    ExactResume,
+    Mirror,
+    ResumableDataset,
+    RetentionCheckpoint,
+    RetentionPolicy,
+    SafetensorsCheckpointIO,
+)
 from lightning_resume.protocols import AsyncCheckpointWriter  # noqa: E402
 
 if __name__ == "__main__":  # run as a script (also by Lightning's DDP launcher): the repo root holds ``tests``
@@ -394,12 +401,19 @@ def _seed(cfg: dict) -> None:
         torch.manual_seed(cfg.get("seed", 0))
 
 
+def _retention_checkpoint(ckpt_dir: str, init_args: dict) -> RetentionCheckpoint:
+    """``init_args`` as LightningCLI YAML holds them: the groups ``retention`` and ``mirror`` as nested dicts."""
+    groups = {"retention": RetentionPolicy, "mirror": Mirror}
+    built = {k: groups[k](**v) if k in groups and v is not None else v for k, v in init_args.items()}
+    return RetentionCheckpoint(dirpath=ckpt_dir, **built)
+
+
 def _callbacks(cfg: dict, out: Path) -> list[Callback]:
     ckpt_dir = cfg["ckpt_dir"]
     if cfg.get("ckpt_dir_per_rank"):  # each node its own local directory (Lightning's DDP launcher sets LOCAL_RANK)
         ckpt_dir = f"{ckpt_dir}-rank{os.environ.get('LOCAL_RANK', '0')}"
     if cfg.get("retention") is not None:
-        callbacks: list[Callback] = [RetentionCheckpoint(dirpath=ckpt_dir, **cfg["retention"])]
+        callbacks: list[Callback] = [_retention_checkpoint(ckpt_dir, cfg["retention"])]
     else:
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, **cfg.get("ckpt", {}))]
     if cfg.get("monitor_ckpt") is not None:  # a second, monitored checkpoint whose file names show epoch and step

@@ -32,6 +32,7 @@ _SOURCES: dict[str, str] = {
     "LightningResumeError": "lightning_resume.errors",
     "LightningResumeWarning": "lightning_resume.errors",
     "MemoryTierOptions": "lightning_resume.schedule.options",
+    "Mirror": "lightning_resume.retention.tiers",
     "NoLoadableCheckpointError": "lightning_resume.errors",
     "PickledCheckpointError": "lightning_resume.errors",
     "PreemptionFlag": "lightning_resume.schedule.preemption",
@@ -132,6 +133,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_resume.io.verify import verify
     from lightning_resume.retention.checkpoint import RetentionCheckpoint
     from lightning_resume.retention.policy import CheckpointRecord, KeepDecision, RetentionPolicy
+    from lightning_resume.retention.tiers import Mirror
     from lightning_resume.schedule.formulas import Formula, daly_interval, expected_waste, young_interval
     from lightning_resume.schedule.options import MemoryTierOptions, PreemptionOptions, ScheduleOptions
     from lightning_resume.schedule.preemption import PreemptionFlag

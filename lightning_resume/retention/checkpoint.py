@@ -27,7 +27,6 @@ from typing_extensions import override
 from lightning_resume import collective
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
-from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
     ConfigurationError,
     RetentionWarning,
@@ -39,11 +38,11 @@ from lightning_resume.io.resolve import candidates
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.protocols import AsyncCheckpointWriter, offer_module
 from lightning_resume.retention.last import OncePerFit, resumed_from
-from lightning_resume.retention.mirror import Mirror, Outcome
+from lightning_resume.retention.mirror import MirrorUploader, Outcome
 from lightning_resume.retention.naming import parse_rolling_name, rolling_name
-from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy, policy_problems
+from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, RetentionPolicy
 from lightning_resume.retention.records import owned_record, read_checkpoint_callback_state
-from lightning_resume.retention.tiers import AnchorUpload, TieredPolicy, local_keep_last_problems
+from lightning_resume.retention.tiers import AnchorUpload, Mirror, TieredPolicy
 from lightning_resume.storage import files as storage
 
 _STATE = "retention"
@@ -52,22 +51,23 @@ MIRROR_FLUSH_S = 600.0
 
 
 class RetentionCheckpoint(lc.ModelCheckpointExtension):
-    """``ModelCheckpoint`` plus rolling (``keep_last``), best (``keep_best``) and anchor retention.
+    """``ModelCheckpoint`` plus rolling, best and anchor retention, and a mirror to an object store.
 
-    When any of ``keep_last``, ``keep_best``, ``anchor_every_n_steps``, ``anchor_every`` is set, each
-    save writes ``dirpath/step=000000123.ckpt``; the union of the keep rules decides what stays, and
-    the resume source, the newest verified checkpoint, saves in flight and files this callback did not
-    write are never deleted. ``fit(ckpt_path="last")`` then resolves to the newest file in ``dirpath``
-    that verifies. ``save_top_k`` and ``filename`` are replaced by these rules and must stay unset.
+    ``retention=RetentionPolicy(keep_last=3, keep_best=2, anchor_every_n_steps=50_000)`` turns retention on:
+    each save writes ``dirpath/step=000000123.ckpt``, and the union of the keep rules decides what stays. The
+    resume source, the newest verified checkpoint, saves in flight and files this callback did not write are
+    never deleted. ``fit(ckpt_path="last")`` then resolves to the newest file in ``dirpath`` that verifies.
+    ``save_top_k`` and ``filename`` are replaced by these rules and must stay unset. ``keep_best`` ranks by
+    ``monitor`` in this callback's ``mode``; the policy takes its direction from there.
 
-    Local first, then the object store: with ``mirror="s3://bucket/run"`` (any fsspec URL, or another local
-    directory) each checkpoint is written and made durable in ``dirpath``, then uploaded there in the
-    background (the training thread never waits on the network). Retention runs per tier: the keep rules
-    decide what the mirror keeps, ``local_keep_last`` how many of the most recent stay on local disk (default:
-    the same rules), and a local copy is never deleted before the mirror has it. ``mirror_anchors="sync"``
-    makes a save that becomes an anchor wait for its upload. A failed upload is named in a
-    ``RetentionWarning`` and tried again (training goes on); "last" is the newest checkpoint that verifies
-    in either tier, so a node with an empty local disk resumes from the mirror.
+    Local first, then the object store: with ``mirror=Mirror("s3://bucket/run")`` (any fsspec URL, or another
+    local directory) each checkpoint is made durable in ``dirpath``, then uploaded in the background. The
+    keep rules decide what the mirror keeps; ``Mirror.local_keep_last`` how many stay on local disk (default:
+    the same rules). A local copy is never deleted before the mirror has it. ``Mirror(anchors="sync")`` makes
+    a save that becomes an anchor wait for its upload. A failed upload is named in a ``RetentionWarning`` and
+    tried again. "last" is the newest checkpoint that verifies in either tier.
+
+    With default arguments this is exactly ``ModelCheckpoint``.
     """
 
     def __init__(
@@ -87,13 +87,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         every_n_epochs: Optional[int] = None,
         save_on_train_epoch_end: Optional[bool] = None,
         enable_version_counter: bool = True,
-        keep_last: Optional[int] = None,
-        keep_best: Optional[int] = None,
-        anchor_every_n_steps: Optional[int] = None,
-        anchor_every: Optional[Duration] = None,
-        mirror: Optional[str] = None,
-        local_keep_last: Optional[int] = None,
-        mirror_anchors: Literal["async", "sync"] = "async",
+        retention: Optional[RetentionPolicy] = None,
+        mirror: Optional[Mirror] = None,
     ) -> None:
         check_versions()
         lc.resolve_last_through_callbacks()
@@ -114,14 +109,13 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
-        rules = (keep_last, keep_best, anchor_every_n_steps, anchor_every)
-        mirror_problems = _mirror_problems(mirror, dirpath, local_keep_last, mirror_anchors, rules)
-        self.policy = self._build_policy(
-            filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every, mirror_problems
-        )
-        self.tiers = TieredPolicy(self.policy, local_keep_last) if mirror is not None else None
-        self.mirror_anchors = AnchorUpload(mirror_anchors)
-        self._mirror = Mirror(str(mirror)) if mirror is not None else None
+        problems = group_problems(retention, mirror, self.monitor, self.mode, save_top_k, filename, dirpath)
+        if problems:
+            raise ConfigurationError(type(self).__name__, problems)
+        self.policy = replace(retention or RetentionPolicy(), mode=cast(Literal["min", "max"], self.mode))
+        self.tiers = TieredPolicy(self.policy, mirror.local_keep_last) if mirror is not None else None
+        self.mirror_anchors = mirror.anchor_upload if mirror is not None else AnchorUpload.ASYNC
+        self._mirror = MirrorUploader(mirror.url) if mirror is not None else None
         self._mirror_records: dict = {}  # the mirror's checkpoints, by URL; the local ones are ``_records``
         self._records: dict = {}
         self._resume_source: Optional[str] = None
@@ -129,26 +123,6 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         # Proof of ownership: every file this run writes carries its own record and this id in its
         # state; a resumed run takes the id back from the checkpoint, so it still owns its earlier files.
         self._run_id: str = uuid.uuid4().hex
-
-    def _build_policy(self, filename, save_top_k, keep_last, keep_best, anchor_every_n_steps, anchor_every, problems):
-        seconds = None
-        if anchor_every is not None:
-            try:
-                seconds = parse_duration(anchor_every, "anchor_every")
-            except ValueError as err:
-                problems.append(str(err))
-        problems += policy_problems(keep_last, keep_best, self.mode, anchor_every_n_steps, seconds)
-        active = any(v is not None for v in (keep_last, keep_best, anchor_every_n_steps, anchor_every))
-        if keep_best is not None and self.monitor is None:
-            problems.append(f"keep_best={keep_best} needs a metric; set monitor to a logged key such as 'val/loss'")
-        if active and save_top_k != 1:
-            problems.append(f"save_top_k={save_top_k} conflicts with the retention rules; remove it and use keep_best")
-        if active and filename is not None:
-            problems.append(f"filename={filename!r} is unused: retention names files step=000000123.ckpt; remove it")
-        if problems:
-            raise ConfigurationError(type(self).__name__, problems)
-        mode = cast(Literal["min", "max"], self.mode)  # policy_problems refused any other mode above
-        return RetentionPolicy(keep_last, keep_best, mode, anchor_every_n_steps, seconds)
 
     @property
     @override
@@ -292,7 +266,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
 
     def _mirror_new(self, trainer: pl.Trainer, record: CheckpointRecord) -> None:
         """Queue the upload of a new save (rank 0) once its local file is durable; with
-        ``mirror_anchors="sync"``, wait for it when it becomes an anchor of the mirror."""
+        ``Mirror(anchors="sync")``, wait for it when it becomes an anchor of the mirror."""
         mirror = self._mirror
         if mirror is None or self.tiers is None:
             return
@@ -320,7 +294,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     def _settle_mirror(self, trainer: pl.Trainer) -> None:
         """Count what the mirror now holds (rank 0's uploads, one broadcast), name each upload that failed,
         and queue again the failed ones whose wait is over."""
-        mirror = cast(Mirror, self._mirror)
+        mirror = cast(MirrorUploader, self._mirror)
         outcomes = mirror.settle() if trainer.is_global_zero else []
         for outcome in outcomes:
             if outcome.error is not None:
@@ -338,7 +312,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         return {storage.basename(p) for p, r in self._mirror_records.items() if r.verified and not r.in_flight}
 
     def _mirror_remover(self, trainer: pl.Trainer) -> Callable[[str], None]:
-        mirror = cast(Mirror, self._mirror)
+        mirror = cast(MirrorUploader, self._mirror)
         return mirror.remove if trainer.is_global_zero else lambda path: None
 
     def _upload_missing(self, trainer: pl.Trainer) -> None:
@@ -355,7 +329,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         """At the end of training: wait (at most ``MIRROR_FLUSH_S``) for the uploads, count them and prune both
         tiers, then wait for the mirror's deletions. A local copy the mirror lacks stays, named in a warning;
         the next start with this ``dirpath`` uploads it."""
-        mirror = cast(Mirror, self._mirror)
+        mirror = cast(MirrorUploader, self._mirror)
         if trainer.is_global_zero:
             mirror.wait(timeout=MIRROR_FLUSH_S)
         self._apply_retention(trainer)
@@ -411,7 +385,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
             raise ConfigurationError(
                 type(self).__name__,
                 [
-                    f"mirror={self._mirror.directory!r} copies single-file checkpoints, and this strategy writes"
+                    f"mirror.url={self._mirror.directory!r} copies single-file checkpoints, and this strategy writes"
                     " a sharded directory per save; remove mirror, or save single files (DDP)"
                 ],
             )
@@ -491,7 +465,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
 
     @property
     def mirror_directory(self) -> Optional[str]:
-        """Where this callback mirrors its checkpoints (``mirror``), or ``None``."""
+        """Where this callback mirrors its checkpoints (``mirror.url``), or ``None``."""
         return None if self._mirror is None else self._mirror.directory
 
     @property
@@ -544,7 +518,7 @@ def _records_from_state(state: object) -> list:
     return records
 
 
-def _upload_failure(mirror: Mirror, outcome: Outcome) -> str:
+def _upload_failure(mirror: MirrorUploader, outcome: Outcome) -> str:
     """The warning for a failed upload: what, why, and what happens next."""
     wait = mirror.retry.delay(outcome.failures)
     return (
@@ -554,31 +528,61 @@ def _upload_failure(mirror: Mirror, outcome: Outcome) -> str:
     )
 
 
-def _mirror_problems(
-    mirror: Optional[str], dirpath: object, local_keep_last: Optional[int], mirror_anchors: str, rules: tuple
-) -> list:
-    """Every problem with the mirror options, each naming the option, the value and the fix."""
-    problems = local_keep_last_problems(local_keep_last, mirror is not None)
-    if mirror_anchors not in ("async", "sync"):
-        problems.append(f"mirror_anchors={mirror_anchors!r} is not supported; use 'async' or 'sync'")
-    if mirror is None:
-        if mirror_anchors == "sync":
-            problems.append("mirror_anchors='sync' uploads anchors to the mirror; set mirror='s3://...' or remove it")
-        return problems
-    if not isinstance(mirror, str) or not mirror.strip():
-        return problems + [f"mirror={mirror!r} is not a location; use a URL such as 's3://bucket/run' or a directory"]
-    if all(rule is None for rule in rules):
+def group_problems(
+    retention: object,
+    mirror: object,
+    monitor: Optional[str],
+    mode: str,
+    save_top_k: int,
+    filename: Optional[str],
+    dirpath: object,
+) -> list[str]:
+    """Every problem with the ``retention`` and ``mirror`` groups and how they meet the rest of the callback's
+    arguments, each naming the option path (``retention.keep_best``), the value and the fix. Each group checks
+    its own values when it is built."""
+    if retention is not None and not isinstance(retention, RetentionPolicy):
+        return [f"retention={retention!r} is not a RetentionPolicy; use retention=RetentionPolicy(keep_last=3)"]
+    if mirror is not None and not isinstance(mirror, Mirror):
+        return [f"mirror={mirror!r} is not a Mirror; use mirror=Mirror('s3://bucket/run')"]
+    policy = retention or RetentionPolicy()
+    problems = []
+    if policy.mode is not None and policy.mode != mode:
         problems.append(
-            f"mirror={mirror!r} needs a retention rule to apply per tier; set keep_last (e.g. keep_last=3),"
-            " keep_best or an anchor rule"
+            f"retention.mode={policy.mode!r} conflicts with mode={mode!r}; remove retention.mode"
+            " (retention ranks in the callback's mode)"
         )
-    if mirror_anchors == "sync" and rules[2] is None and rules[3] is None:
+    if policy.keep_best is not None and monitor is None:
         problems.append(
-            "mirror_anchors='sync' waits for the upload of anchors, but no anchor rule is set;"
-            " set anchor_every_n_steps or anchor_every, or use mirror_anchors='async'"
+            f"retention.keep_best={policy.keep_best} needs a metric; set monitor to a logged key such as 'val/loss'"
         )
-    if dirpath is not None and _canonical(mirror).rstrip("/") == _canonical(str(dirpath)).rstrip("/"):
-        problems.append(f"mirror={mirror!r} is dirpath itself; use another location (the mirror is a second copy)")
+    if policy.active and save_top_k != 1:
+        problems.append(
+            f"save_top_k={save_top_k} conflicts with the retention rules; remove it and use retention.keep_best"
+        )
+    if policy.active and filename is not None:
+        problems.append(f"filename={filename!r} is unused: retention names files step=000000123.ckpt; remove it")
+    if isinstance(mirror, Mirror):
+        problems += _mirror_problems(mirror, policy, dirpath)
+    return problems
+
+
+def _mirror_problems(mirror: Mirror, policy: RetentionPolicy, dirpath: object) -> list[str]:
+    """How the mirror meets the keep rules and ``dirpath``: each problem names the option, the value and the fix."""
+    problems = []
+    if not policy.active:
+        problems.append(
+            f"mirror.url={mirror.url!r} needs a retention rule to apply per tier; set retention.keep_last"
+            " (e.g. RetentionPolicy(keep_last=3)), retention.keep_best or an anchor rule"
+        )
+    if mirror.anchors == "sync" and policy.anchor_every_n_steps is None and policy.anchor_every is None:
+        problems.append(
+            "mirror.anchors='sync' waits for the upload of anchors, but no anchor rule is set;"
+            " set retention.anchor_every_n_steps or retention.anchor_every, or use mirror.anchors='async'"
+        )
+    if dirpath is not None and _canonical(mirror.url).rstrip("/") == _canonical(str(dirpath)).rstrip("/"):
+        problems.append(
+            f"mirror.url={mirror.url!r} is dirpath itself; use another location (the mirror is a second copy)"
+        )
     return problems
 
 

@@ -1,12 +1,12 @@
 """The mirror: copies of local checkpoints uploaded to a second location (an object store) in the background.
 
-:class:`Mirror` owns one uploader thread (``io.worker.OrderedWriter``, its own queue, below training's CPU
+:class:`MirrorUploader` owns one uploader thread (``io.worker.OrderedWriter``, its own queue, below training's CPU
 and I/O priority) and the bookkeeping of the uploads: which are queued, which failed, how often and when.
 An upload waits until its local file is durable (an async save's write may still be running), copies it
 with ``io.atomic.atomic_write`` (upload, then commit: the object appears whole or not at all; transient
 errors retried with backoff by ``storage.with_retries``), and checks that the mirror's copy has the local
 size. Deletions in the mirror run on the same queue, after the uploads submitted before them. Nothing here
-raises on the training thread: an upload that fails is reported by :meth:`Mirror.settle` (the caller
+raises on the training thread: an upload that fails is reported by :meth:`MirrorUploader.settle` (the caller
 warns, naming it) and tried again when :class:`tiers.UploadRetry` says so, never dropped. A process killed
 mid-upload leaves no object under the final name (at worst an incomplete multi-part upload, which
 ``io.atomic.clean_stale_temporaries`` aborts later); its next start uploads again what the mirror lacks.
@@ -81,7 +81,7 @@ def copy_file(source: str, target: str) -> None:
         raise OSError(f"the copy at {target} has {landed} bytes where {source} has {expected}")
 
 
-class Mirror:
+class MirrorUploader:
     """Uploads local checkpoints to ``directory`` on one background thread, in submission order.
 
     ``transfer`` copies one file (``copy_file``; tests pass a slower or failing one); ``retry`` spaces the

@@ -17,11 +17,14 @@ however the history grows.
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Literal, NamedTuple, Optional, Sequence, cast
 
+from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError, TreeFormatError
 
 ANCHOR = "anchor"
+GROUP = "retention."
+"""How problems name the policy's options: as ``RetentionCheckpoint``'s group ``retention`` holds them."""
 
 _RECORD_TYPES: dict = {
     "path": (str,),
@@ -169,48 +172,72 @@ def _usable_metric(value: Optional[float]) -> bool:
 def policy_problems(
     keep_last: Optional[int],
     keep_best: Optional[int],
-    mode: str,
+    mode: Optional[str],
     anchor_every_n_steps: Optional[int],
     anchor_every: Optional[float],
 ) -> list:
-    """Every problem with these settings, each naming the option, the value and the fix."""
-    problems = []
-    if keep_last is not None and keep_last < 1:
+    """Every problem with these settings, each naming the option (``retention.<option>``), the value and the fix."""
+    group, problems = GROUP, []
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         problems.append(
-            f"keep_last={keep_last} would delete the checkpoint being written; use >= 1 (None turns it off)"
+            f"{group}keep_last={keep_last!r} would delete the checkpoint being written; use >= 1 (None turns it off)"
         )
-    if keep_best is not None and keep_best < 1:
-        problems.append(f"keep_best={keep_best} keeps no best checkpoint; use >= 1 (None turns it off)")
-    if mode not in ("min", "max"):
-        problems.append(f"mode={mode!r} is not a direction; use 'min' or 'max'")
-    if anchor_every_n_steps is not None and anchor_every_n_steps < 1:
+    if keep_best is not None and (type(keep_best) is not int or keep_best < 1):
+        problems.append(f"{group}keep_best={keep_best!r} keeps no best checkpoint; use >= 1 (None turns it off)")
+    if mode not in (None, "min", "max"):
+        problems.append(f"{group}mode={mode!r} is not a direction; use 'min' or 'max'")
+    if anchor_every_n_steps is not None and (type(anchor_every_n_steps) is not int or anchor_every_n_steps < 1):
         problems.append(
-            f"anchor_every_n_steps={anchor_every_n_steps} is not a step interval; use >= 1 (None turns it off)"
+            f"{group}anchor_every_n_steps={anchor_every_n_steps!r} is not a step interval; use >= 1 (None turns it off)"
         )
     if anchor_every is not None and not anchor_every > 0:
-        problems.append(f"anchor_every={anchor_every} seconds is not an interval; use a positive duration such as '6h'")
+        problems.append(
+            f"{group}anchor_every={anchor_every} seconds is not an interval; use a positive duration such as '6h'"
+        )
     return problems
 
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """Keep-set = union of the rules below, plus protections. ``None`` turns a rule off.
+    """What to keep: the union of the rules below, plus the protections no setting overrides.
 
-    With every rule off the policy is inactive and keeps everything.
+    ``keep_last``: the N most recent. ``keep_best``: the N best by the metric, in direction ``mode``.
+    ``anchor_every_n_steps``: permanently, the first checkpoint of each step interval. ``anchor_every``:
+    permanently, the first of each wall-time interval, given as seconds, a ``timedelta`` or a string such
+    as ``"6h"`` (held as seconds once built). ``None`` turns a rule off; with every rule off the policy is
+    inactive and keeps everything. ``mode=None`` means ``"min"`` here; ``RetentionCheckpoint`` gives the
+    policy its own ``mode``, so set the direction there. Invalid values raise ``ConfigurationError``
+    naming each as ``retention.<option>``, the name of this group in ``RetentionCheckpoint``.
     """
 
     keep_last: Optional[int] = None
     keep_best: Optional[int] = None
-    mode: Literal["min", "max"] = "min"
+    mode: Optional[Literal["min", "max"]] = None
     anchor_every_n_steps: Optional[int] = None
-    anchor_every: Optional[float] = None  # seconds
+    anchor_every: Optional[Duration] = None
 
     def __post_init__(self) -> None:
-        problems = policy_problems(
-            self.keep_last, self.keep_best, self.mode, self.anchor_every_n_steps, self.anchor_every
-        )
+        seconds, unparsed = None, []
+        if self.anchor_every is not None:
+            try:
+                seconds = parse_duration(self.anchor_every, f"{GROUP}anchor_every")
+            except ValueError as err:
+                unparsed.append(str(err))
+        problems = policy_problems(self.keep_last, self.keep_best, self.mode, self.anchor_every_n_steps, seconds)
+        problems += unparsed
         if problems:
             raise ConfigurationError("RetentionPolicy", problems)
+        object.__setattr__(self, "anchor_every", seconds)  # one unit once built: equal policies compare equal
+
+    @property
+    def anchor_seconds(self) -> Optional[float]:
+        """``anchor_every`` in seconds (``__post_init__`` converted it), or ``None``."""
+        return cast(Optional[float], self.anchor_every)
+
+    @property
+    def direction(self) -> Literal["min", "max"]:
+        """The metric's direction for ``keep_best``: ``mode``, or ``"min"`` when unset."""
+        return self.mode or "min"
 
     @property
     def active(self) -> bool:
@@ -243,8 +270,8 @@ class RetentionPolicy:
         if self.anchor_every_n_steps is not None:
             k = self.anchor_every_n_steps
             chosen.update(_pick_per_interval(eligible, lambda r: r.step // k, lambda r: r.recency, 1))
-        if self.anchor_every is not None:
-            t = self.anchor_every
+        if self.anchor_seconds is not None:
+            t = self.anchor_seconds
             chosen.update(_pick_per_interval(eligible, lambda r: math.floor(r.time / t), lambda r: r.wall_order, None))
         return sorted(chosen.values(), key=lambda r: r.recency)
 
@@ -256,7 +283,7 @@ class RetentionPolicy:
                 kept.setdefault(r.path, []).append(f"rolling: among the {self.keep_last} most recent")
         if self.keep_best is not None:
             for r in self._best(eligible):
-                kept.setdefault(r.path, []).append(f"best: among the {self.keep_best} best ({self.mode} metric)")
+                kept.setdefault(r.path, []).append(f"best: among the {self.keep_best} best ({self.direction} metric)")
         for r in self.anchors(ordered):
             kept.setdefault(r.path, []).append("anchor: kept permanently")
         return kept
@@ -267,7 +294,7 @@ class RetentionPolicy:
     def ranked_by_metric(self, records: Sequence[CheckpointRecord]) -> list:
         """Records with a usable (not None, not NaN) metric, best first; ties: the earlier one first."""
         scored = [r for r in records if _usable_metric(r.metric)]
-        sign = 1.0 if self.mode == "min" else -1.0
+        sign = 1.0 if self.direction == "min" else -1.0
         return sorted(scored, key=lambda r: (sign * r.metric, r.recency))
 
     def _why_not(self, record: CheckpointRecord) -> str:

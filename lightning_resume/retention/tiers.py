@@ -7,14 +7,13 @@ its ``local_keep_last`` most recent (anchors are the mirror's to keep), or, with
 same rules say. One protection is added to the local tier, and no setting overrides it: a local copy the
 mirror does not have yet is never deleted. This module also decides when a failed upload is tried again
 (exponential backoff, the clock passed in) and whether a new save must be uploaded before it counts as
-done (``mirror_anchors="sync"``). It must not import Lightning, touch files or read the clock.
+done (``Mirror(anchors="sync")``), and holds :class:`Mirror`, the mirror's options. It must not import
+Lightning, touch files or read the clock.
 """
-
-from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import AbstractSet, Optional, Sequence
+from typing import AbstractSet, Literal, Optional, Sequence
 
 from lightning_resume.errors import ConfigurationError
 from lightning_resume.retention.policy import ANCHOR, CheckpointRecord, KeepDecision, RetentionPolicy
@@ -30,21 +29,48 @@ class AnchorUpload(str, enum.Enum):
     SYNC = "sync"
 
 
-def local_keep_last_problems(local_keep_last: Optional[int], mirrored: bool) -> list[str]:
+MIRROR = "mirror."
+"""How problems name the mirror's options: as ``RetentionCheckpoint``'s group ``mirror`` holds them."""
+
+
+def local_keep_last_problems(local_keep_last: Optional[int]) -> list[str]:
     """Every problem with ``local_keep_last``, naming the option, the value and the fix."""
-    if local_keep_last is None:
+    if local_keep_last is None or (type(local_keep_last) is int and local_keep_last >= 1):
         return []
-    if not mirrored:
-        return [
-            f"local_keep_last={local_keep_last} limits the local copies of a mirrored run; set mirror='s3://...'"
-            " or use keep_last"
-        ]
-    if type(local_keep_last) is not int or local_keep_last < 1:
-        return [
-            f"local_keep_last={local_keep_last!r} would delete the checkpoint being written; use >= 1"
-            " (None keeps locally what the keep rules keep)"
-        ]
-    return []
+    return [
+        f"{MIRROR}local_keep_last={local_keep_last!r} would delete the checkpoint being written; use >= 1"
+        " (None keeps locally what the keep rules keep)"
+    ]
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """Where and how ``RetentionCheckpoint`` mirrors its checkpoints: the second, durable tier.
+
+    ``url``: any fsspec URL (``"s3://bucket/run"``) or another local directory. ``local_keep_last``: how many
+    of the most recent checkpoints stay on local disk; ``None``: the local disk keeps what the keep rules say.
+    ``anchors``: ``"async"``, an anchor counts as saved once written locally; ``"sync"``, once the mirror has
+    it too (the save waits for its upload). Invalid values raise ``ConfigurationError`` naming each as
+    ``mirror.<option>``, the name of this group in ``RetentionCheckpoint``.
+    """
+
+    url: str
+    local_keep_last: Optional[int] = None
+    anchors: Literal["async", "sync"] = "async"
+
+    def __post_init__(self) -> None:
+        problems = local_keep_last_problems(self.local_keep_last)
+        if not isinstance(self.url, str) or not self.url.strip():
+            problems.insert(0, f"{MIRROR}url={self.url!r} is not a location; use a URL such as 's3://bucket/run'")
+        if self.anchors not in ("async", "sync"):
+            problems.append(f"{MIRROR}anchors={self.anchors!r} is not supported; use 'async' or 'sync'")
+        if problems:
+            raise ConfigurationError("Mirror", problems)
+
+    @property
+    def anchor_upload(self) -> AnchorUpload:
+        """``anchors`` as the enum the tier policy decides with."""
+        return AnchorUpload(self.anchors)
 
 
 @dataclass(frozen=True)
@@ -59,7 +85,7 @@ class TieredPolicy:
     local_keep_last: Optional[int] = None
 
     def __post_init__(self) -> None:
-        problems = local_keep_last_problems(self.local_keep_last, mirrored=True)
+        problems = local_keep_last_problems(self.local_keep_last)
         if problems:
             raise ConfigurationError("TieredPolicy", problems)
 

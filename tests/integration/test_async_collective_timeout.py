@@ -28,7 +28,7 @@ def test_a_write_slower_than_the_collective_timeout_keeps_training(tmp_path: Pat
 
 def test_the_same_with_retention_checkpoint_and_no_exact_resume(tmp_path: Path) -> None:
     cfg = dict(CFG, out=str(tmp_path / "run"), ckpt_dir=str(tmp_path / "ckpt"), exact=False)
-    cfg["retention"] = {"every_n_train_steps": 2, "keep_last": 5}
+    cfg["retention"] = {"every_n_train_steps": 2, "retention": {"keep_last": 5}}
     h.run(cfg, tmp_path, timeout=180)
     assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 2
     assert [s["step"] for s in h.steps(Path(cfg["out"]), 1)] == list(range(4))

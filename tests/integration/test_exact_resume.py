@@ -54,7 +54,7 @@ CASES = {
     "safetensors_io_workers2_validation": ({"num_workers": 2, "val_check_interval": 3, "safetensors": True}, 7, 6),
     "scheduled_snapshots_through_retention": (
         {
-            "retention": {"keep_last": 2},
+            "retention": {"retention": {"keep_last": 2}},
             "exact_args": {"schedule": {"every_n_train_steps_max": 3}},
             "safetensors": True,
         },

@@ -126,7 +126,7 @@ def test_retention_epoch_end_save_with_mtbf_and_max_steps(tmp_path: Path) -> Non
     cfg = {
         **BASE,
         **STOPS["max_steps"],
-        "retention": {"keep_last": 3},
+        "retention": {"retention": {"keep_last": 3}},
         "exact_args": {"mtbf": "24h"},
         "safetensors": True,
     }

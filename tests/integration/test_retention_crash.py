@@ -10,6 +10,7 @@ import textwrap
 from lightning_resume.io.verify import problem as verify_problem
 from lightning_resume.retention.checkpoint import RetentionCheckpoint
 from lightning_resume.retention.naming import rolling_name
+from lightning_resume.retention.policy import RetentionPolicy
 from tests.helpers.filesystem import listing
 from tests.helpers.models import tiny_fit
 from tests.helpers.paths import REPO_ROOT
@@ -24,6 +25,7 @@ SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     import lightning
     from lightning_resume.retention.checkpoint import RetentionCheckpoint
+    from lightning_resume.retention.policy import RetentionPolicy
     from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
     dirpath, max_steps, keep_last, kill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -44,8 +46,8 @@ SCRIPT = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGKILL)  # in the middle of a prune
 
     lightning.seed_everything(0, verbose=False)
-    callback = Killed(dirpath=dirpath, monitor="val/loss", every_n_train_steps=1,
-                      keep_last=keep_last, keep_best=1, anchor_every_n_steps=4)
+    rules = RetentionPolicy(keep_last=keep_last, keep_best=1, anchor_every_n_steps=4)
+    callback = Killed(dirpath=dirpath, monitor="val/loss", every_n_train_steps=1, retention=rules)
     trainer = tiny_trainer([callback], max_steps=max_steps, max_epochs=None, val_check_interval=1)
     trainer.fit(TinyModel(), datamodule=TinyData(), ckpt_path="last")
     print("RESUMED FROM", trainer.ckpt_path)
@@ -73,9 +75,7 @@ def reference(dirpath, max_steps, keep_last):
         dirpath=dirpath,
         monitor="val/loss",
         every_n_train_steps=1,
-        keep_last=keep_last,
-        keep_best=1,
-        anchor_every_n_steps=4,
+        retention=RetentionPolicy(keep_last=keep_last, keep_best=1, anchor_every_n_steps=4),
     )
     tiny_fit(callback, max_epochs=None, max_steps=max_steps, val_check_interval=1)
     return set(listing(dirpath))

@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent(
     import lightning
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from lightning_resume.retention.checkpoint import RetentionCheckpoint
+    from lightning_resume.retention.policy import RetentionPolicy
     from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
     out = sys.argv[1]
@@ -35,8 +36,9 @@ SCRIPT = textwrap.dedent(
 
     lightning.seed_everything(0, verbose=False)
     # val/loss is logged without sync_dist, so each rank sees its own value: the callback must agree anyway
+    rules = RetentionPolicy(keep_last=2, keep_best=1, anchor_every_n_steps=3)
     callback = RetentionCheckpoint(dirpath=os.path.join(out, "ckpt"), monitor="val/loss", every_n_train_steps=1,
-                                   keep_last=2, keep_best=1, anchor_every_n_steps=3)
+                                   retention=rules)
     trainer = tiny_trainer([callback], max_steps=7, max_epochs=None, val_check_interval=1,
                            strategy="ddp", devices=2, plugins=[LoggingIO()])
     trainer.fit(TinyModel(), datamodule=TinyData())

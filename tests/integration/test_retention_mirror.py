@@ -1,4 +1,4 @@
-"""``RetentionCheckpoint(mirror="s3://...")`` killed and resumed (moto server on 127.0.0.1): run A uninterrupted
+"""``RetentionCheckpoint(mirror=Mirror("s3://..."))`` killed and resumed (moto server on 127.0.0.1): run A uninterrupted
 (mirrored to its own prefix), run B mirrored and SIGKILLed from outside, run C a fresh process resuming
 ``fit(ckpt_path="last")``; C continues A bit for bit, and each tier holds what its rules keep.
 
@@ -22,7 +22,7 @@ from tests.helpers import kill_resume as h
 from tests.helpers.s3 import S3Server, s3_env
 
 BASE = {"n": 40, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "augment": True, "shuffle": True}
-RULES = {"keep_last": 2, "anchor_every_n_steps": 9, "local_keep_last": 1, "every_n_train_steps": 3}
+RULES = {"keep_last": 2, "anchor_every_n_steps": 9}
 """Saves at steps 3, 6, ..., 18. The bucket keeps the 2 most recent and an anchor per 9 steps (9, 18); the
 local disk keeps the newest (and the resume source)."""
 
@@ -82,8 +82,10 @@ def _names(url: str) -> list[str]:
     return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url[len("s3://") :])) if fs.exists(url) else []
 
 
-def _cfg(mirror: str) -> dict:
-    return {**BASE, "retention": {**RULES, "mirror": mirror}, "safetensors": True, "async": True}
+def _cfg(url: str, anchors: str = "async") -> dict:
+    mirror = {"url": url, "local_keep_last": 1, "anchors": anchors}
+    retention = {"every_n_train_steps": 3, "retention": RULES, "mirror": mirror}
+    return {**BASE, "retention": retention, "safetensors": True, "async": True}
 
 
 def _local(ckpt_dir: str) -> list[str]:
@@ -138,7 +140,7 @@ pytestmark = pytest.mark.timeout(600)
 def test_ddp_with_sync_anchors_waits_on_the_store_and_resumes_bit_for_bit(
     tmp_path: Path, s3_bucket: str, s3_server: S3Server
 ) -> None:
-    """DDP x2, ``mirror_anchors="sync"``, a process group timeout of 3 s and every upload of an anchor slowed to
+    """DDP x2, ``Mirror(anchors="sync")``, a process group timeout of 3 s and every upload of an anchor slowed to
     8 s: rank 0 uploads the anchor before its save counts while rank 1 waits on the store, not in a collective
     (which would time out); killed after the anchor of step 9 and resumed bit for bit."""
     env = s3_env(s3_server.endpoint)
@@ -154,12 +156,10 @@ def test_ddp_with_sync_anchors_waits_on_the_store_and_resumes_bit_for_bit(
     wsgi.app = slow_anchors
     try:
         sync = {"n": 80, "devices": 2, "collective_timeout_s": 3}
-        a_cfg = _cfg(f"{s3_bucket}/A")
-        a_cfg = dict(a_cfg, **sync, retention={**a_cfg["retention"], "mirror_anchors": "sync"})
+        a_cfg = dict(_cfg(f"{s3_bucket}/A", anchors="sync"), **sync)
         a = h.uninterrupted(dict(a_cfg, env=env), tmp_path)
         assert _names(f"{s3_bucket}/A") == ["step=000000009.ckpt", "step=000000015.ckpt", "step=000000018.ckpt"]
-        cfg = _cfg(f"{s3_bucket}/run")
-        cfg = dict(cfg, **sync, retention={**cfg["retention"], "mirror_anchors": "sync"})
+        cfg = dict(_cfg(f"{s3_bucket}/run", anchors="sync"), **sync)
         b = dict(cfg, out=str(tmp_path / "B"), ckpt_dir=str(tmp_path / "B" / "ckpt"), pause_before=10, env=env)
         paused = Path(b["out"]) / "paused"
         h.run_and_kill_when(b, tmp_path, lambda: paused.exists())

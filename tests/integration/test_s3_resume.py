@@ -28,7 +28,7 @@ def _three_runs(tmp_path: Path, cfg: dict, remote_dir: str, env: dict, pause: in
 
 
 def test_retention_async_on_s3_killed_and_resumed_bit_for_bit(tmp_path: Path, s3_bucket: str, s3_server) -> None:
-    retention = {"keep_last": 2, "every_n_train_steps": 3}
+    retention = {"retention": {"keep_last": 2}, "every_n_train_steps": 3}
     cfg = {**BASE, "retention": retention, "safetensors": True, "async": True}
     remote_dir = f"{s3_bucket}/run"
     runs = _three_runs(tmp_path, cfg, remote_dir, s3_env(s3_server.endpoint), pause=7)

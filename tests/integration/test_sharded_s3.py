@@ -110,7 +110,7 @@ def test_sigkill_during_a_save_to_s3_then_resume_in_fresh_processes_is_bitwise(t
 
 
 def test_lightning_retention_and_last_on_s3_resume_bitwise(tmp_path, s3_bucket, s3_server):
-    """``RetentionCheckpoint(keep_last=2)`` prunes sharded directories on S3; "last" skips a newer corrupt file
+    """``RetentionCheckpoint(retention=RetentionPolicy(keep_last=2))`` prunes sharded directories on S3; "last" skips a newer corrupt file
     and a directory whose commit never happened, and resumes the newest committed one bit for bit."""
     env, root = s3_env(s3_server.endpoint), f"{s3_bucket}/run"
     full = fit(tmp_path / "full", env, None, "--retention", "--ckpt-dir", root)

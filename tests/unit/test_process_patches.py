@@ -62,7 +62,7 @@ made = [
     lr.ExactResume(),
     lr.ExactResume(memory_tier=lr.MemoryTierOptions(dir=tmp + "/memory")),
     lr.SafetensorsCheckpointIO(),
-    lr.SafetensorsCheckpointIO(async_save=True),
+    lr.SafetensorsCheckpointIO(save="async"),
     lr.RetentionCheckpoint(dirpath=tmp + "/ckpts", keep_last=2),
     lr.ActivationCheckpointingStrategy(blocks=[torch.nn.Linear]),
 ]

@@ -19,6 +19,7 @@ CONFIGURABLE = [
     "PreemptionOptions",
     "RetentionCheckpoint",
     "RetentionPolicy",
+    "Mirror",
     "SafetensorsCheckpointIO",
     "ActivationCheckpointingStrategy",
     "ActivationCheckpointingDDPStrategy",

@@ -1,4 +1,4 @@
-"""Save a checkpoint under one name in a loop through ``SafetensorsCheckpointIO(async_save=True,
+"""Save a checkpoint under one name in a loop through ``SafetensorsCheckpointIO(save="async",
 writer="process")`` until killed or until a save reports a failed background write (run by
 ``tests/integration/test_async_writer_process.py``).
 

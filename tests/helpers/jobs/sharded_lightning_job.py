@@ -2,7 +2,7 @@
 
 ``python tests/helpers/jobs/sharded_lightning_job.py OUT [CKPT_DIR]``: fit to step 4 with ExactResume and a
 checkpoint every 2 steps (from CKPT_DIR when given); rank 0 writes OUT/final.pt (full weights, losses).
-``--retention``: a ``RetentionCheckpoint`` (keep_last=2) instead of ``ModelCheckpoint``;
+``--retention``: a ``RetentionCheckpoint`` (``RetentionPolicy(keep_last=2)``) instead of ``ModelCheckpoint``;
 ``--snapshot-every N``: ExactResume's schedule also snapshots every N steps (through it). ``--async``:
 ``ShardedModelParallelStrategy(async_save=True)``; ``--fail-write-at N``: rank 1's background write of
 step N fails (after DCP's collective write); an error ``fit`` raises is written to OUT/error-<rank>.txt
@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from lightning_resume import ExactResume, RetentionCheckpoint
+from lightning_resume import ExactResume, RetentionCheckpoint, RetentionPolicy
 from lightning_resume.io.sharded_strategy import ShardedModelParallelStrategy
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.sharded import background
@@ -128,7 +128,7 @@ def main(a: Any) -> None:
     model = Tiny(a.samples, a.shuffle, a.plain_loader, a.num_workers)
     ckpt_dir = a.ckpt_dir or os.path.join(out, "ckpt")
     saver = (
-        RetentionCheckpoint(dirpath=ckpt_dir, every_n_train_steps=a.every, keep_last=2)
+        RetentionCheckpoint(dirpath=ckpt_dir, every_n_train_steps=a.every, retention=RetentionPolicy(keep_last=2))
         if a.retention
         else ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=a.every, save_top_k=-1)
     )

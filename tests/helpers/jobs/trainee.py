@@ -36,9 +36,11 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # 
 from lightning_resume import (  # noqa: E402
     ExactResume,
     MemoryTierOptions,
+    Mirror,
     PreemptionOptions,
     ResumableDataset,
     RetentionCheckpoint,
+    RetentionPolicy,
     SafetensorsCheckpointIO,
     ScheduleOptions,
 )
@@ -402,12 +404,19 @@ def _seed(cfg: dict) -> None:
         torch.manual_seed(cfg.get("seed", 0))
 
 
+def _retention_checkpoint(ckpt_dir: str, init_args: dict) -> RetentionCheckpoint:
+    """``init_args`` as LightningCLI YAML holds them: the groups ``retention`` and ``mirror`` as nested dicts."""
+    groups = {"retention": RetentionPolicy, "mirror": Mirror}
+    built = {k: groups[k](**v) if k in groups and v is not None else v for k, v in init_args.items()}
+    return RetentionCheckpoint(dirpath=ckpt_dir, **built)
+
+
 def _callbacks(cfg: dict, out: Path) -> list[Callback]:
     ckpt_dir = cfg["ckpt_dir"]
     if cfg.get("ckpt_dir_per_rank"):  # each node its own local directory (Lightning's DDP launcher sets LOCAL_RANK)
         ckpt_dir = f"{ckpt_dir}-rank{os.environ.get('LOCAL_RANK', '0')}"
     if cfg.get("retention") is not None:
-        callbacks: list[Callback] = [RetentionCheckpoint(dirpath=ckpt_dir, **cfg["retention"])]
+        callbacks: list[Callback] = [_retention_checkpoint(ckpt_dir, cfg["retention"])]
     else:
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, **cfg.get("ckpt", {}))]
     if cfg.get("monitor_ckpt") is not None:  # a second, monitored checkpoint whose file names show epoch and step

@@ -19,9 +19,10 @@ from tests.helpers.paths import REPO_ROOT as REPO
 def _config(tmp_path: Path, max_steps: int) -> Path:
     config = yaml.safe_load((REPO / "configs" / "exact_resume.yaml").read_text())
     exact, retention = (c["init_args"] for c in config["trainer"]["callbacks"])
-    assert exact["mtbf"] == "24h" and retention["keep_last"] == 3
+    assert exact["mtbf"] == "24h" and retention["retention"]["keep_last"] == 3
     exact["schedule"].update(every_n_train_steps_max=3)
-    retention.update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, anchor_every_n_steps=8)
+    retention.update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4)
+    retention["retention"].update(anchor_every_n_steps=8)
     config["trainer"].update(TINY_TRAINER, max_steps=max_steps, val_check_interval=2)
     path = tmp_path / f"config-{max_steps}.yaml"
     path.write_text(yaml.safe_dump(config))

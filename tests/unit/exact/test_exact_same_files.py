@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_resume import ExactResume, RetentionCheckpoint, ScheduleOptions
+from lightning_resume import ExactResume, RetentionCheckpoint, RetentionPolicy, ScheduleOptions
 from tests.helpers.filesystem import listing
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
@@ -27,7 +27,7 @@ CALLBACKS = {
     ),
     "unmonitored ModelCheckpoint": lambda d: ModelCheckpoint(dirpath=d, every_n_train_steps=3, filename="{step}"),
     "RetentionCheckpoint": lambda d: RetentionCheckpoint(
-        dirpath=d, monitor="val/loss", every_n_train_steps=3, keep_last=1, keep_best=2
+        dirpath=d, monitor="val/loss", every_n_train_steps=3, retention=RetentionPolicy(keep_last=1, keep_best=2)
     ),
 }
 

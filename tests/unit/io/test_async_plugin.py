@@ -22,6 +22,7 @@ from lightning_resume import (
     ExactResume,
     PreemptionOptions,
     RetentionCheckpoint,
+    RetentionPolicy,
     SafetensorsCheckpointIO,
     ScheduleOptions,
 )
@@ -249,7 +250,7 @@ class Watch(Callback):
 
 def test_retention_prunes_in_order_and_marks_files_verified_only_once_durable(tmp_path):
     io = SlowIO(0.05)
-    ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2, every_n_train_steps=1)
+    ret = RetentionCheckpoint(dirpath=tmp_path, retention=RetentionPolicy(keep_last=2), every_n_train_steps=1)
     watch = Watch(str(tmp_path))
     _trainer(tmp_path, 8, [ret, watch], io).fit(Tiny())
     assert watch.seen_in_flight >= 4  # training really ran while files were being written
@@ -304,7 +305,7 @@ def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(t
         ExactResume(mtbf=None, schedule=ScheduleOptions(every_n_train_steps_max=3), preemption=None),
         clock=lambda: clock.now,
     )
-    ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
+    ret = RetentionCheckpoint(dirpath=tmp_path, retention=RetentionPolicy(keep_last=2))
     writes_seen = []
 
     class NextStep(Callback):  # a write spans the next step boundary: it runs once training has gone on
@@ -329,7 +330,7 @@ def test_schedule_records_snapshot_time_as_blocking_and_the_write_once_durable(t
 def test_preemption_waits_until_the_snapshot_is_durable_before_stopping(tmp_path):
     io = SlowIO(0.3)
     exact = ExactResume(preemption=PreemptionOptions(signals=["SIGUSR1"]))
-    ret = RetentionCheckpoint(dirpath=tmp_path, keep_last=2)
+    ret = RetentionCheckpoint(dirpath=tmp_path, retention=RetentionPolicy(keep_last=2))
 
     class Preempt(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO
+from lightning_resume import RetentionCheckpoint, RetentionPolicy, SafetensorsCheckpointIO
 from lightning_resume.errors import SkippedCheckpointWarning
 from lightning_resume.storage import files as storage
 
@@ -56,7 +56,7 @@ def rchar() -> int:
 
 def _fit(dirpath: str, max_steps: int, io: SafetensorsCheckpointIO, probe=None, ckpt_path=None) -> Trainer:
     lightning.seed_everything(0, verbose=False)
-    retention = RetentionCheckpoint(dirpath=dirpath, keep_last=2, every_n_train_steps=2)
+    retention = RetentionCheckpoint(dirpath=dirpath, retention=RetentionPolicy(keep_last=2), every_n_train_steps=2)
     trainer = Trainer(
         max_steps=max_steps,
         callbacks=[retention] + ([probe] if probe else []),

@@ -123,11 +123,13 @@ def test_check_writable_leaves_nothing_behind_where_it_may_write(s3_bucket: str)
 
 def test_a_retention_run_on_a_denied_prefix_fails_at_setup_before_any_step(denied_prefix: str, no_sleep: list) -> None:
     """``RetentionCheckpoint`` checks its remote ``dirpath`` when the fit starts: no step is trained, the URL named."""
-    from lightning_resume import RetentionCheckpoint
+    from lightning_resume import RetentionCheckpoint, RetentionPolicy
     from tests.helpers.models import TinyModel, tiny_trainer
 
     model = TinyModel()
-    trainer = tiny_trainer([RetentionCheckpoint(dirpath=denied_prefix, keep_last=2)], max_steps=4)
+    trainer = tiny_trainer(
+        [RetentionCheckpoint(dirpath=denied_prefix, retention=RetentionPolicy(keep_last=2))], max_steps=4
+    )
     with pytest.raises(PermissionError, match=f"could not write checkpoints under {denied_prefix}"):
         trainer.fit(model)
     assert trainer.global_step == 0 and no_sleep == []

@@ -17,7 +17,7 @@ from lightning_resume.errors import ConfigurationError
 from lightning_resume.io.verify import problem as verify_problem
 from lightning_resume.retention.checkpoint import RetentionCheckpoint
 from lightning_resume.retention.naming import rolling_name
-from lightning_resume.retention.policy import CheckpointRecord
+from lightning_resume.retention.policy import CheckpointRecord, RetentionPolicy
 from tests.helpers.filesystem import listing
 from tests.helpers.models import TINY_TRAINER, TinyData, TinyModel, tiny_fit, tiny_trainer
 from tests.helpers.paths import REPO_ROOT
@@ -72,7 +72,7 @@ def test_state_key_matches_model_checkpoint_for_every_trigger():
         {"train_time_interval": timedelta(1)},
     ]:
         assert RetentionCheckpoint(**args).state_key == ModelCheckpoint(**args).state_key
-    assert RetentionCheckpoint(keep_last=2).state_key == ModelCheckpoint().state_key
+    assert RetentionCheckpoint(retention=RetentionPolicy(keep_last=2)).state_key == ModelCheckpoint().state_key
 
 
 def test_resume_from_a_model_checkpoint_run_keeps_best_k(tmp_path):
@@ -87,12 +87,14 @@ def test_resume_from_a_model_checkpoint_run_keeps_best_k(tmp_path):
     assert float(ours.best_model_score) == float(stock.best_model_score)
 
 
+RULES = {"keep_last": 2, "keep_best": 1, "anchor_every_n_steps": 5}
+
+
 def retention(tmp_path, **kw):
-    args = dict(
-        dirpath=tmp_path, monitor="val/loss", every_n_train_steps=2, keep_last=2, keep_best=1, anchor_every_n_steps=5
-    )
-    args.update(kw)
-    return RetentionCheckpoint(**args)
+    """On val/loss every 2 steps with ``RULES``; ``kw`` overrides the callback's arguments and the rules."""
+    rules = {**RULES, **{k: kw.pop(k) for k in list(kw) if k in RULES}}
+    args = {"dirpath": tmp_path, "monitor": "val/loss", "every_n_train_steps": 2, **kw}
+    return RetentionCheckpoint(**args, retention=RetentionPolicy(**rules))
 
 
 def test_retention_keeps_rolling_best_and_anchors(tmp_path):
@@ -171,12 +173,27 @@ def test_save_snapshot_is_a_rolling_checkpoint(tmp_path):
 
 def test_configuration_errors_name_every_problem():
     with pytest.raises(ConfigurationError) as info:
-        RetentionCheckpoint(keep_last=0, anchor_every="soon", save_top_k=3, monitor="m", filename="{epoch}")
+        RetentionPolicy(keep_last=0, anchor_every="soon")
     problems = " | ".join(info.value.problems)
-    for needle in ("keep_last=0 would delete", "anchor_every='soon'", "save_top_k=3", "filename='{epoch}' is unused"):
+    for needle in ("retention.keep_last=0 would delete", "retention.anchor_every='soon' is not a duration"):
         assert needle in problems
-    with pytest.raises(ConfigurationError, match="keep_best=2 needs a metric; set monitor"):
-        RetentionCheckpoint(keep_best=2)
+    with pytest.raises(ConfigurationError) as info:
+        rules = RetentionPolicy(keep_last=1, mode="max")
+        RetentionCheckpoint(retention=rules, save_top_k=3, monitor="m", filename="{epoch}")
+    problems = " | ".join(info.value.problems)
+    for needle in ("retention.mode='max' conflicts with mode='min'", "save_top_k=3", "filename='{epoch}' is unused"):
+        assert needle in problems
+    with pytest.raises(ConfigurationError, match=r"retention\.keep_best=2 needs a metric; set monitor"):
+        RetentionCheckpoint(retention=RetentionPolicy(keep_best=2))
+
+
+def test_the_policy_ranks_in_the_callbacks_mode():
+    callback = RetentionCheckpoint(monitor="acc", mode="max", retention=RetentionPolicy(keep_best=1))
+    assert callback.policy.mode == "max"
+    assert RetentionCheckpoint(
+        monitor="acc", mode="max", retention=RetentionPolicy(keep_best=1, mode="max")
+    ).policy == (callback.policy)
+    assert RetentionPolicy(anchor_every="6h") == RetentionPolicy(anchor_every=6 * 3600)  # held in seconds
 
 
 def test_lightning_cli_runs_the_shipped_config(tmp_path):
@@ -184,8 +201,10 @@ def test_lightning_cli_runs_the_shipped_config(tmp_path):
 
     config = yaml.safe_load(open(os.path.join(REPO, "configs", "retention.yaml")))
     init = config["trainer"]["callbacks"][0]["init_args"]
-    assert (init["keep_last"], init["keep_best"], init["anchor_every_n_steps"]) == (3, 2, 50_000)
-    init.update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, anchor_every_n_steps=4, anchor_every="6h")
+    rules = init["retention"]
+    assert (rules["keep_last"], rules["keep_best"], rules["anchor_every_n_steps"]) == (3, 2, 50_000)
+    init.update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2)
+    rules.update(anchor_every_n_steps=4, anchor_every="6h")
     config["trainer"].update(TINY_TRAINER, max_steps=10, val_check_interval=2)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as lightning
 import pytest
 
-from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO
+from lightning_resume import RetentionCheckpoint, RetentionPolicy, SafetensorsCheckpointIO
 from lightning_resume.cli import main as cli
 from lightning_resume.format.read import is_safetensors
 from lightning_resume.io.verify import problem as verify_problem
@@ -16,9 +16,9 @@ from tests.helpers.filesystem import listing
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
 
-def _fit(tmp_path, plugins, max_steps: int, ckpt_path=None, **retention):
+def _fit(tmp_path, plugins, max_steps: int, ckpt_path=None, **rules):
     lightning.seed_everything(0, verbose=False)
-    callback = RetentionCheckpoint(dirpath=tmp_path, every_n_train_steps=2, **retention)
+    callback = RetentionCheckpoint(dirpath=tmp_path, every_n_train_steps=2, retention=RetentionPolicy(**rules))
     trainer = tiny_trainer([callback], plugins=plugins, max_epochs=None, max_steps=max_steps, limit_train_batches=4)
     trainer.fit(TinyModel(), datamodule=TinyData(), ckpt_path=ckpt_path)
     return trainer

@@ -1,4 +1,4 @@
-"""``RetentionCheckpoint(mirror=...)``: the uploader on its own, then real fits mirroring to ``s3://`` (moto on
+"""``RetentionCheckpoint(mirror=Mirror(...))``: the uploader on its own, then real fits mirroring to ``s3://`` (moto on
 127.0.0.1): per-tier retention, a bucket that always fails, sync anchors, "last" across tiers, arguments, YAML."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO
+from lightning_resume import Mirror, RetentionCheckpoint, RetentionPolicy, SafetensorsCheckpointIO
 from lightning_resume.errors import ConfigurationError, RetentionWarning
-from lightning_resume.retention.mirror import Mirror, UploadFailed, copy_file
+from lightning_resume.retention.mirror import MirrorUploader, UploadFailed, copy_file
 from lightning_resume.retention.naming import rolling_name
 from lightning_resume.retention.tiers import UploadRetry
 from lightning_resume.storage import files as storage
@@ -44,7 +44,7 @@ def test_an_upload_waits_for_its_local_write_then_lands(tmp_path: Path) -> None:
     source = tmp_path / "step=000000003.ckpt"
     source.write_bytes(b"x" * 1000)
     ready = threading.Event()
-    mirror = Mirror(str(tmp_path / "mirror"))
+    mirror = MirrorUploader(str(tmp_path / "mirror"))
     assert mirror.upload(str(source), ready.is_set) == str(tmp_path / "mirror" / source.name)
     assert not mirror.wait(str(source), timeout=0.2)  # the local write is still running
     ready.set()
@@ -62,7 +62,7 @@ def test_a_failing_upload_is_named_and_queued_again_after_its_wait(tmp_path: Pat
         raise PermissionError(13, "Access Denied")
 
     now = [100.0]
-    mirror = Mirror("s3://bucket/run", transfer=refuse, retry=UploadRetry(base_s=5.0), clock=lambda: now[0])
+    mirror = MirrorUploader("s3://bucket/run", transfer=refuse, retry=UploadRetry(base_s=5.0), clock=lambda: now[0])
     source = str(tmp_path / "step=000000006.ckpt")
     Path(source).write_bytes(b"x")
     mirror.upload(source)
@@ -86,7 +86,7 @@ def test_a_deletion_runs_after_the_uploads_queued_before_it(tmp_path: Path) -> N
         release.wait(10)
         order.append(f"upload {storage.basename(target)}")
 
-    mirror = Mirror(str(tmp_path / "m"), transfer=slow)
+    mirror = MirrorUploader(str(tmp_path / "m"), transfer=slow)
     Path(tmp_path / "a.ckpt").write_bytes(b"x")
     mirror.upload(str(tmp_path / "a.ckpt"))
     (tmp_path / "m").mkdir()
@@ -111,9 +111,10 @@ def test_copy_file_commits_whole_and_checks_the_size(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ fits mirroring to S3
 
 
-def _mirrored(dirpath: Path, mirror: str, **kw) -> RetentionCheckpoint:
-    args = {"keep_last": 3, "anchor_every_n_steps": 5, "local_keep_last": 1, "every_n_train_steps": 2, **kw}
-    return RetentionCheckpoint(dirpath=dirpath, mirror=mirror, **args)
+def _mirrored(dirpath: Path, url: str, anchors: str = "async") -> RetentionCheckpoint:
+    retention = RetentionPolicy(keep_last=3, anchor_every_n_steps=5)
+    mirror = Mirror(url, local_keep_last=1, anchors=anchors)  # type: ignore[arg-type]
+    return RetentionCheckpoint(dirpath=dirpath, every_n_train_steps=2, retention=retention, mirror=mirror)
 
 
 def test_per_tier_retention_on_s3_through_server_errors(tmp_path: Path, s3_bucket: str, s3_server, monkeypatch):
@@ -174,7 +175,7 @@ def test_sync_anchors_are_in_the_bucket_when_their_save_returns(tmp_path, s3_buc
     try:
         url = f"{s3_bucket}/{anchors}"
         probe = _AnchorsInBucket(url)
-        callback = _mirrored(tmp_path / "ckpt", url, mirror_anchors=anchors)
+        callback = _mirrored(tmp_path / "ckpt", url, anchors=anchors)
         lightning.seed_everything(0, verbose=False)
         trainer = lightning.Trainer(callbacks=[callback, probe], **{**TINY_TRAINER, "max_steps": 7})
         trainer.fit(TinyModel(), datamodule=TinyData())
@@ -208,18 +209,21 @@ def test_a_new_node_resumes_from_the_bucket(tmp_path: Path, s3_bucket: str) -> N
 
 def test_bad_mirror_arguments_name_the_argument_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError) as info:
-        RetentionCheckpoint(dirpath=tmp_path, mirror=str(tmp_path), keep_last=2, local_keep_last=0, mirror_anchors="x")
+        Mirror(" ", local_keep_last=0, anchors="x")  # type: ignore[arg-type]
     problems = " | ".join(info.value.problems)
-    for needle in ("is dirpath itself; use another location", "local_keep_last=0 would delete", "mirror_anchors='x'"):
+    for needle in ("mirror.url=' ' is not a location", "mirror.local_keep_last=0 would delete", "mirror.anchors='x'"):
         assert needle in problems, problems
-    with pytest.raises(ConfigurationError, match="needs a retention rule to apply per tier; set keep_last"):
-        RetentionCheckpoint(dirpath=tmp_path, mirror="s3://b/run")
-    with pytest.raises(ConfigurationError, match="no anchor rule is set; set anchor_every_n_steps"):
-        RetentionCheckpoint(mirror="s3://b/run", keep_last=2, mirror_anchors="sync")
-    with pytest.raises(ConfigurationError, match="local_keep_last=2 limits the local copies of a mirrored run"):
-        RetentionCheckpoint(keep_last=2, local_keep_last=2)
-    with pytest.raises(ConfigurationError, match="mirror_anchors='sync' uploads anchors to the mirror; set mirror"):
-        RetentionCheckpoint(keep_last=2, anchor_every_n_steps=5, mirror_anchors="sync")
+    with pytest.raises(ConfigurationError) as info:
+        RetentionCheckpoint(dirpath=tmp_path, mirror=Mirror(str(tmp_path), anchors="sync"))
+    problems = " | ".join(info.value.problems)
+    for needle in (
+        "is dirpath itself; use another location",
+        "needs a retention rule to apply per tier; set retention.keep_last",
+        "no anchor rule is set; set retention.anchor_every_n_steps",
+    ):
+        assert needle in problems, problems
+    with pytest.raises(ConfigurationError, match="mirror='s3://b/run' is not a Mirror; use mirror=Mirror"):
+        RetentionCheckpoint(retention=RetentionPolicy(keep_last=2), mirror="s3://b/run")  # type: ignore[arg-type]
 
 
 def test_lightning_cli_runs_the_shipped_mirror_config(tmp_path: Path) -> None:
@@ -227,9 +231,10 @@ def test_lightning_cli_runs_the_shipped_mirror_config(tmp_path: Path) -> None:
 
     config = yaml.safe_load((REPO_ROOT / "configs" / "retention_mirror.yaml").read_text())
     init = config["trainer"]["callbacks"][0]["init_args"]
-    assert init["mirror"].startswith("s3://") and init["mirror_anchors"] == "sync"
-    init.update(dirpath=str(tmp_path / "local"), mirror=str(tmp_path / "bucket"), every_n_train_steps=2)
-    init.update(anchor_every_n_steps=4, keep_best=None, monitor=None)
+    assert init["mirror"]["url"].startswith("s3://") and init["mirror"]["anchors"] == "sync"
+    init.update(dirpath=str(tmp_path / "local"), every_n_train_steps=2, monitor=None)
+    init["mirror"]["url"] = str(tmp_path / "bucket")
+    init["retention"].update(anchor_every_n_steps=4, keep_best=None)
     config["trainer"].update(TINY_TRAINER, max_steps=10)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from lightning_resume import RetentionCheckpoint
+from lightning_resume import RetentionCheckpoint, RetentionPolicy
 from lightning_resume.cli.commands import prune
 from lightning_resume.errors import RetentionWarning, TreeFormatError
 from lightning_resume.io.resolve import candidates, newest_first, progress, step_in_name
@@ -35,7 +35,7 @@ def test_a_record_of_the_wrong_shape_is_a_tree_format_error(bad):
 
 
 def test_retention_checkpoint_loads_records_of_a_newer_version_and_drops_unreadable_ones(tmp_path):
-    callback = RetentionCheckpoint(dirpath=str(tmp_path), keep_last=2)
+    callback = RetentionCheckpoint(dirpath=str(tmp_path), retention=RetentionPolicy(keep_last=2))
     state = callback.state_dict()
     good = _record(str(tmp_path / "step=000000001.ckpt"), added_in_v9=True)
     state["retention"] = {"run_id": "r", "records": [good, {"path": 5}, "junk"]}

@@ -36,7 +36,9 @@ def _fit(callback, ckpt_path=None, **kwargs):
 
 
 def _rolling(tmp_path, keep_last=2, **kw):
-    return RetentionCheckpoint(dirpath=tmp_path, every_n_train_steps=2, keep_last=keep_last, **kw)
+    return RetentionCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=2, retention=RetentionPolicy(keep_last=keep_last), **kw
+    )
 
 
 def test_combined_regex_flags_in_hparams_resume_from_last(tmp_path):
@@ -65,7 +67,11 @@ def test_a_fresh_run_never_prunes_an_earlier_runs_files_or_another_callbacks(tmp
     tiny_fit(_rolling(tmp_path, keep_last=3), max_epochs=None, max_steps=6)
     earlier = listing(tmp_path)
     assert {"step=1.ckpt", "step=3.ckpt", rolling_name(2), rolling_name(6)} <= set(earlier)
-    tiny_fit(RetentionCheckpoint(dirpath=tmp_path, every_n_train_steps=5, keep_last=1), max_epochs=None, max_steps=5)
+    tiny_fit(
+        RetentionCheckpoint(dirpath=tmp_path, every_n_train_steps=5, retention=RetentionPolicy(keep_last=1)),
+        max_epochs=None,
+        max_steps=5,
+    )
     # the new run wrote step 5 (and may overwrite nothing of theirs); every earlier file is still there
     assert set(earlier) <= set(listing(tmp_path))
 

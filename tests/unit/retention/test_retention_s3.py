@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_resume import RetentionCheckpoint, SafetensorsCheckpointIO
+from lightning_resume import RetentionCheckpoint, RetentionPolicy, SafetensorsCheckpointIO
 from lightning_resume._compat import lightning as lc
 from lightning_resume.io.resolve import candidates
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_rolling_names_keep_the_scheme() -> None:
-    callback = RetentionCheckpoint(dirpath="s3://bucket/run/", keep_last=2)
+    callback = RetentionCheckpoint(dirpath="s3://bucket/run/", retention=RetentionPolicy(keep_last=2))
     assert callback._rolling_path(5) == "s3://bucket/run/step=000000005.ckpt"
 
 
@@ -63,13 +63,13 @@ def test_a_fit_on_s3_rides_out_server_errors_and_prunes_and_resumes_last(
     monkeypatch.setattr(storage, "RETRY_BASE_S", 0.01)
     dirpath = f"{s3_bucket}/fit"
     s3_server.faults.fail(8)  # the first uploads fail, past the client's own retries
-    callback = RetentionCheckpoint(dirpath=dirpath, keep_last=2, every_n_train_steps=2)
+    callback = RetentionCheckpoint(dirpath=dirpath, retention=RetentionPolicy(keep_last=2), every_n_train_steps=2)
     trainer = tiny_fit(callback, plugins=[SafetensorsCheckpointIO(save="async")])
     assert s3_server.faults.seen == 8 and trainer.global_step == 12
     fs = fsspec.filesystem("s3")
     fs.invalidate_cache()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(dirpath[len("s3://") :]))
     assert names == ["step=000000010.ckpt", "step=000000012.ckpt"]
-    again = RetentionCheckpoint(dirpath=dirpath, keep_last=2, every_n_train_steps=2)
+    again = RetentionCheckpoint(dirpath=dirpath, retention=RetentionPolicy(keep_last=2), every_n_train_steps=2)
     resumed = tiny_fit(again, ckpt_path="last", plugins=[SafetensorsCheckpointIO()], max_epochs=4)
     assert resumed.ckpt_path == f"{dirpath}/step=000000012.ckpt" and resumed.global_step == 16

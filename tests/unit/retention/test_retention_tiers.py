@@ -68,7 +68,9 @@ def test_a_failing_upload_backs_off_and_is_never_given_up() -> None:
 
 
 def test_local_keep_last_is_validated() -> None:
-    with pytest.raises(ConfigurationError, match=r"local_keep_last=0 would delete the checkpoint being written"):
+    with pytest.raises(
+        ConfigurationError, match=r"mirror\.local_keep_last=0 would delete the checkpoint being written"
+    ):
         TieredPolicy(RetentionPolicy(keep_last=1), local_keep_last=0)
 
 

@@ -40,7 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.flat_state import flat_state, memcpy_seconds, model_state, size_parser
 from lightning_resume import SafetensorsCheckpointIO
 from lightning_resume.format.write import save_file
-from lightning_resume.memory.store import DEFAULT_MEMORY_DIR, MemoryStore
+from lightning_resume.memory.store import MemoryStore
+from lightning_resume.schedule.options import DEFAULT_MEMORY_DIR
 
 
 def main() -> None:

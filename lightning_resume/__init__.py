@@ -39,6 +39,7 @@ _SOURCES: dict[str, str] = {
     "PreemptionOptions": "lightning_resume.schedule.options",
     "PreemptionWarning": "lightning_resume.errors",
     "RanksOutOfStepError": "lightning_resume.errors",
+    "RemoteOptions": "lightning_resume.io.options",
     "ResumableDataset": "lightning_resume.exact.state.data",
     "ResumableIterableDataset": "lightning_resume.exact.state.data",
     "ResumeMismatchError": "lightning_resume.errors",
@@ -127,6 +128,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_resume.exact.restore import ResumeReport
     from lightning_resume.exact.state.data import ResumableDataset, ResumableIterableDataset
     from lightning_resume.format.codec import register_converter
+    from lightning_resume.io.options import RemoteOptions
     from lightning_resume.io.plugin import SafetensorsCheckpointIO
     from lightning_resume.io.resolve import newest_committed, newest_verified
     from lightning_resume.io.sharded_strategy import ShardedCheckpointIO, ShardedModelParallelStrategy

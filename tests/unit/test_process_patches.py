@@ -63,7 +63,7 @@ made = [
     lr.ExactResume(memory_tier=lr.MemoryTierOptions(dir=tmp + "/memory")),
     lr.SafetensorsCheckpointIO(),
     lr.SafetensorsCheckpointIO(save="async"),
-    lr.RetentionCheckpoint(dirpath=tmp + "/ckpts", keep_last=2),
+    lr.RetentionCheckpoint(dirpath=tmp + "/ckpts", retention=lr.RetentionPolicy(keep_last=2)),
     lr.ActivationCheckpointingStrategy(blocks=[torch.nn.Linear]),
 ]
 after = snapshot()

@@ -1,7 +1,7 @@
 """What reading a file into memory never touched before costs on this machine, apart from the product.
 
 A fresh interpreter per row reads ``--size-mb`` MB of a file that is in the page cache into a new
-``torch.empty`` (``readinto`` in 256 KiB chunks, as ``io.read`` does), (a) holding nothing else and (b) after
+``torch.empty`` (``readinto`` in 256 KiB chunks, as ``format.read`` does), (a) holding nothing else and (b) after
 allocating and filling a tensor of the same size first (as a resume does: the model is built, then the
 checkpoint is read); and, as ``bench_first_step``'s raw read, into a buffer zeroed before the timer.
 Medians (min-max) over ``--repeats``. On a VM whose guest memory is backed lazily, (b) is far slower than (a):

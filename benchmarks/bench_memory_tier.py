@@ -124,7 +124,7 @@ def run_model(size_mb: int, repeats: int, shm: str) -> None:
 def run_both(size_mb: int, repeats: int, shm: str, disk: str) -> None:
     """Blocked at a step that takes a durable save and then a memory snapshot of the same state (what
     ``ExactResume`` does at each durable save with the memory tier on): the snapshot copying the state again,
-    against the snapshot writing the durable save's staging (``io.lending``). With ``overlap_copy``, the save plus
+    against the snapshot writing the durable save's staging (``staging.lending``). With ``overlap_copy``, the save plus
     the barrier of each. The same training loop as ``--model``."""
     state = model_state(size_mb)
     rows = {}

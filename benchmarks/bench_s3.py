@@ -2,7 +2,7 @@
 
 A local moto S3 server (``tests/helpers/s3.py``, 127.0.0.1, no network) receives, interleaved,
 ``--repeats`` times: (1) a raw parallel multi-part put of the tensors' raw bytes from memory
-(``s3fs.pipe_file`` with the part size and concurrency of ``io.multipart.DEFAULT_UPLOAD``: no format, no
+(``s3fs.pipe_file`` with the part size and concurrency of ``storage.multipart.DEFAULT_UPLOAD``: no format, no
 checksums); (2) the same put one part at a time (a single stream); (3) ``s3fs.put`` of a local file holding
 those bytes (s3fs's defaults, the baseline of earlier runs); (4) a synchronous save through
 ``SafetensorsCheckpointIO`` (encode, checksum, parallel multi-part upload, commit); (5) an async save: the

@@ -10,7 +10,7 @@ looked up here (it could name anything).
 
 Remote fsspec paths (``s3://``, ``gs://``, ``memory://``...): upload, then commit. On S3 a checkpoint
 (:func:`atomic_upload`) goes up in parallel parts, each retried on its own, completed only when all are in
-and aborted otherwise (``io.multipart``). Elsewhere, and for :func:`atomic_write`, the bytes go to the
+and aborted otherwise (``storage.multipart``). Elsewhere, and for :func:`atomic_write`, the bytes go to the
 final key with ``autocommit=False``; the object appears only at ``commit()`` (a one-shot PUT or the
 completion of a multi-part upload), whole; on any failure ``discard()`` aborts the multi-part upload,
 so no partial object ever appears under a final name and "last" can never resolve one. A killed
@@ -117,7 +117,7 @@ def atomic_upload(
     """Commit the concatenation of ``segments`` as the remote object ``path``, whole or not at all.
 
     Where the store has a multi-part API (S3), parts cut from the segments upload ``options.concurrency`` at
-    a time, each retried on its own, and the object appears when the last is in (``io.multipart``); any
+    a time, each retried on its own, and the object appears when the last is in (``storage.multipart``); any
     other filesystem gets the single-stream upload of :func:`atomic_write`."""
     path = str(path)
     fs, fs_path = fsspec.core.url_to_fs(path)

@@ -21,7 +21,7 @@ TreePath = Tuple[str, ...]
 """Keys from the root of a checkpoint's tree to a tensor, e.g. ``("state_dict", "layer.weight")``."""
 
 MAPPING_TAGS = frozenset({"dict", "odict"})
-"""Tree nodes whose string keys a path walks (``io.codec``'s encoding of ``dict`` and ``OrderedDict``)."""
+"""Tree nodes whose string keys a path walks (``format.codec``'s encoding of ``dict`` and ``OrderedDict``)."""
 
 
 def plan(tree: Any, entries: Mapping[str, Entry], offered: Mapping[TreePath, torch.Tensor]) -> Dict[str, torch.Tensor]:

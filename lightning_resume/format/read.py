@@ -8,7 +8,7 @@ from the map by a thread). A remote file is read the same way, through a ``stora
 ranged GETs kept in flight ahead of the read, each chunk copied into the tensors' own memory (a ``torch.save``
 file is read through it by ``torch.load``), so the load holds what it builds plus those chunks, never a copy of the file,
 and nothing of the download outlives it. Before any of its data is read, the load is refused (``RemoteLoadMemoryError``) if what it would hold exceeds the memory the host has left or the cap
-(``io.remote_budget`` decides, ``io.host_memory`` measures). This module knows files and tensors, not
+(``storage.remote_budget`` decides, ``storage.host_memory`` measures). This module knows files and tensors, not
 Lightning.
 """
 
@@ -58,14 +58,14 @@ class ReadOptions:
     file and rename it over the name, so a mapping keeps the old file); use ``mmap=False`` (the default)
     for files something else may rewrite in place.
     ``max_remote_load_bytes``: the most host memory a load from a URL may hold (``None``: no cap; the memory
-    the host has left always bounds it); see ``io.remote_budget``.
+    the host has left always bounds it); see ``storage.remote_budget``.
     ``into``: tensors the caller already holds, by their place in the checkpoint's tree, to read the file's
-    tensors straight into (``io.in_place.plan`` says which fit; the others load into new memory). The loaded
+    tensors straight into (``format.in_place.plan`` says which fit; the others load into new memory). The loaded
     tree then holds those very tensors. Not with ``mmap`` or a ``map_location`` device other than the CPU;
     a ``torch.save`` file loads as always. If the load fails a checksum, the destinations read before the
     failure hold the file's bytes (the error says so).
     ``weights_only``: a ``torch.save`` file loads weights-only (the default; ``PickledCheckpointError`` names
-    what else it needs), or with ``False`` (a file the caller trusts) unpickled in full (``io.legacy``). Our
+    what else it needs), or with ``False`` (a file the caller trusts) unpickled in full (``format.legacy``). Our
     format never runs code either way."""
 
     verify: bool = True

@@ -6,7 +6,7 @@ them, and the real header last; one fsync. Locally the bytes go straight from te
 file descriptor, with writeback started as they go; an async snapshot (one block-aligned image of
 the data section) is written with direct I/O instead, where the filesystem allows. A remote file is
 uploaded as segments (header, then each tensor) while it is hashed, through ``atomic_upload``: in parallel
-parts on S3 (``io.multipart``), the header's part last. This module knows files and tensors, not Lightning.
+parts on S3 (``storage.multipart``), the header's part last. This module knows files and tensors, not Lightning.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def commit(
     back in file order; start and length multiples of ``BLOCK``): a local file is then written from it
     with direct I/O, no page-cache copy, where the filesystem allows. The file is the same either way.
     ``mode``: a local file's permissions (``atomic_write``). ``upload``: part size and concurrency of an upload
-    to a store with a multi-part API (``io.multipart``); a remote file is uploaded while it is hashed.
+    to a store with a multi-part API (``storage.multipart``); a remote file is uploaded while it is hashed.
     """
     wait = ready if ready is not None else _always_ready
     entries = framing.layout(tensors)
@@ -97,7 +97,7 @@ def _upload_hashing_during_upload(
     path: str, header: Callable[..., bytes], data: _Data, algorithm: str, options: multipart.UploadOptions
 ) -> None:
     """Upload the file as segments (the header, then each tensor's bytes as it is ready) while a thread
-    hashes them: the header's segment, which waits for the digests, is the one ``io.multipart`` sends last."""
+    hashes them: the header's segment, which waits for the digests, is the one ``storage.multipart`` sends last."""
     hasher = Background(_digests, algorithm, data)
     blank = "0" * len(integrity.digest(algorithm, b""))
     size = len(header(defaultdict(lambda: blank)))

@@ -36,8 +36,8 @@ class RemoteOptions:
     """Limits of loads from and uploads to object stores (``s3://``...). Local files are unaffected.
 
     Args:
-        max_load_bytes: the most host memory, in bytes, one load from a URL may hold. Such a load downloads
-            the file into memory first (about 1.0x its size for this format, 2.0x for a ``torch.save`` file).
+        max_load_bytes: the most host memory, in bytes, one load from a URL may hold. Such a load streams
+            the file into the tensors' own memory (about 1.0x its size, for both formats).
             ``None`` (default): no cap. Either way a load that would need more than the host (or its cgroup)
             has left is refused with ``RemoteLoadMemoryError`` before anything is downloaded.
         upload_part_size: bytes of one part of a multi-part upload (at least 5 MiB; default 16 MiB).

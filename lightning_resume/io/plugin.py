@@ -267,7 +267,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         does not repeat. With ``verify`` and ``fallback_to_verified`` (the defaults) that is the header alone
         (``io.verify.precheck``): the load hashes every byte as it reads, and if that fails it falls back to
         the next of ``paths``, so the checkpoint is read once. Otherwise every candidate is verified in full.
-        ``weights_only``: how ``torch.save`` candidates are read (``io.legacy``), as the load will read them."""
+        ``weights_only``: how ``torch.save`` candidates are read (``format.legacy``), as the load will read them."""
         ordered = newest_first(paths, key=lambda p: progress(p, weights_only))
         choice = newest_verified(ordered, lambda p: self._check(p, weights_only), key=None, skipped=skipped)
         if choice is not None:
@@ -400,7 +400,7 @@ def _default_on_load_checkpoint() -> Any:
 
 def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
     """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise ``UnencodableValueError`` now for the
-    hyper-parameters (of ``module`` and the datamodule) every save would refuse (``io.hparams``), naming them
+    hyper-parameters (of ``module`` and the datamodule) every save would refuse (``format.hparams``), naming them
     all with ``save_hyperparameters(ignore=[...])``, instead of at the first save. A module that overrides
     ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides."""
     if _safetensors_io(trainer) is None or is_overridden("on_save_checkpoint", module):

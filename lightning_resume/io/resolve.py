@@ -93,11 +93,11 @@ def _header_step(path: str, weights_only: bool = True) -> int:
 def header_value(path: str, keys: Sequence[str], weights_only: bool = True) -> Any:
     """A plain value (number, string) at ``keys`` in the checkpoint dict at ``path``, read without its tensors:
     from a safetensors header's tree, or (local) the pickle of a ``torch.save`` zip with its tensors
-    memory-mapped, not read (loaded as ``weights_only`` says: ``io.legacy``). ``None`` when it is absent or the file is neither; errors of a damaged file
+    memory-mapped, not read (loaded as ``weights_only`` says: ``format.legacy``). ``None`` when it is absent or the file is neither; errors of a damaged file
     propagate."""
     if is_safetensors(path):
         node = parse_tree(read_summary(path).tree_json)
-        for key in keys:  # each dict level of the tree is {"@": "dict", "v": {...}} (io.codec)
+        for key in keys:  # each dict level of the tree is {"@": "dict", "v": {...}} (format.codec)
             inner = node.get("v") if isinstance(node, dict) and node.get("@") == "dict" else None
             if not isinstance(inner, dict) or key not in inner:
                 return None

@@ -67,7 +67,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         self, paths: Sequence[str], skipped: Callable[[str], None], weights_only: bool = True
     ) -> Optional[str]:
         """The newest of ``paths`` that verifies (``io.resolve.newest_verified``), as Lightning can time it.
-        ``weights_only`` changes nothing: a sharded checkpoint's pickles are read weights-only (``io.safe_pickle``)."""
+        ``weights_only`` changes nothing: a sharded checkpoint's pickles are read weights-only (``sharded.safe_pickle``)."""
         path = newest_verified(paths, lambda p: verify(p, self, self.digests), skipped=skipped)
         return None if path is None else lightning_path(path)
 

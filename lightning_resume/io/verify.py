@@ -37,7 +37,7 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True, weights_o
     """Return if ``path`` verifies in full; raise ``CheckpointCorruptError`` naming what is wrong otherwise.
 
     ``digests=False`` checks sharded files by size only (their SHA-256 costs a full read). ``weights_only``:
-    how a ``torch.save`` file is loaded (``io.legacy``); the other formats never run code.
+    how a ``torch.save`` file is loaded (``format.legacy``); the other formats never run code.
     """
     path = str(path)
     check_regular_file(path)  # a FIFO named *.ckpt must not hang "last" or ``verify DIR``

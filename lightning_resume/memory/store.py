@@ -9,7 +9,7 @@ new one is complete. tmpfs has no disk behind it, so its ``fsync`` costs nothing
 Layout: ``<memory dir>/lightning-resume-<uid>/<slot>/rank-<r>-of-<w>.safetensors`` plus
 ``rank-<r>-of-<w>.owner`` (owner token and pid, for stale cleanup). ``/dev/shm`` is shared by every user of
 the node, so each user has a root of their own, mode 0700, checked with ``lstat`` before every use (owner,
-mode, not a link; ``io.private``), and every file in it is created new (``O_EXCL | O_NOFOLLOW``) with mode
+mode, not a link; ``storage.private``), and every file in it is created new (``O_EXCL | O_NOFOLLOW``) with mode
 0600: another user can neither read a snapshot nor put one in our place. The slot hashes the durable
 checkpoint directory; the run id inside each snapshot must equal the one in the durable checkpoint the
 relaunch resolved (``ExactResume`` writes it into every checkpoint), so a run whose checkpoint directory
@@ -103,7 +103,7 @@ class MemoryStore:
 
     Args:
         root: this user's memory root (:func:`memory_root`), a local tmpfs path; made (0700) at the first
-            save, checked before every save and load (``io.private.UntrustedDirectory`` when it fails).
+            save, checked before every save and load (``storage.private.UntrustedDirectory`` when it fails).
         key: the slot (:func:`slot_key`).
         rank, world_size: this process's place; a snapshot is only read back by the same rank of
             the same world size.
@@ -112,7 +112,7 @@ class MemoryStore:
             as async saves do) and write the file on a worker; a process killed meanwhile keeps the
             previous snapshot. ``False``: the snapshot is committed when :meth:`save` returns.
         overlap_copy: with ``asynchronous``, copy at the save only what may change before the next optimizer
-            step and the rest while the next forward and backward run (``io.overlap``, as
+            step and the rest while the next forward and backward run (``staging.overlap``, as
             ``SafetensorsCheckpointIO(save="overlapped")``): the snapshot is committed after that step's
             barrier, and holds the state as it was at the save.
     """
@@ -147,7 +147,7 @@ class MemoryStore:
     ) -> int:
         """Snapshot ``checkpoint`` of run ``run`` as this rank's (the previous one is replaced once the new one
         is complete); return its size in bytes. ``borrow`` (asynchronous): a durable save's offer of the same
-        state at the same point (``io.lending``): the tensors it holds are written from its staging, not copied
+        state at the same point (``staging.lending``): the tensors it holds are written from its staging, not copied
         again (:attr:`last_borrowed_bytes`). Raises ``NotEnoughSharedMemory`` before writing anything when
         it would not fit, ``UntrustedDirectory`` when the root or slot is not this user's alone, and
         (asynchronous) ``AsyncWriteError`` for a previous snapshot whose write failed."""
@@ -305,7 +305,7 @@ def durable_step(path: Optional[str], weights_only: bool = True) -> int:
     """The global step of a durable checkpoint in any format Lightning writes (the name's ``step=N``, our
     header, a local ``torch.save`` file, a sharded directory's commit marker: ``io.resolve.progress``);
     ``-1`` when there is no checkpoint or its step cannot be read. ``weights_only``: how a ``torch.save`` file
-    is read (the user's ``fit(..., weights_only=...)``: ``io.legacy``)."""
+    is read (the user's ``fit(..., weights_only=...)``: ``format.legacy``)."""
     if not path:
         return -1
     try:

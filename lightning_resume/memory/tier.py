@@ -137,7 +137,7 @@ class MemoryTier:
         self.run = restored_run or collective.broadcast(secrets.token_hex(8))
 
     def offer(self, trainer: pl.Trainer) -> Optional[Offer]:
-        """The durable IO's newest staged save on this rank (``io.lending``), or ``None``: read before and after a
+        """The durable IO's newest staged save on this rank (``staging.lending``), or ``None``: read before and after a
         durable save, it tells whether that save staged the state here (only rank 0 writes a DDP checkpoint)."""
         return None if self._lending is None else self._lending.newest()
 

@@ -1,17 +1,17 @@
 """The mirror: copies of local checkpoints uploaded to a second location (an object store) in the background.
 
-:class:`MirrorUploader` owns one uploader thread (``io.worker.OrderedWriter``, its own queue, below training's CPU
+:class:`MirrorUploader` owns one uploader thread (``threads.OrderedWriter``, its own queue, below training's CPU
 and I/O priority) and the bookkeeping of the uploads: which are queued, which failed, how often and when.
 An upload waits until its local file is durable (an async save's write may still be running), copies it
-with ``io.atomic.atomic_write`` (upload, then commit: the object appears whole or not at all; transient
+with ``format.atomic.atomic_write`` (upload, then commit: the object appears whole or not at all; transient
 errors retried with backoff by ``storage.with_retries``), and checks that the mirror's copy has the local
 size. Deletions in the mirror run on the same queue, after the uploads submitted before them. Nothing here
 raises on the training thread: an upload that fails is reported by :meth:`MirrorUploader.settle` (the caller
 warns, naming it) and tried again when :class:`tiers.UploadRetry` says so, never dropped. A process killed
 mid-upload leaves no object under the final name (at worst an incomplete multi-part upload, which
-``io.atomic.clean_stale_temporaries`` aborts later); its next start uploads again what the mirror lacks.
+``format.atomic.clean_stale_temporaries`` aborts later); its next start uploads again what the mirror lacks.
 
-Knows files (through ``storage`` and ``io.atomic``) and threads; decides nothing about what to keep
+Knows files (through ``storage`` and ``format.atomic``) and threads; decides nothing about what to keep
 (``tiers``) and knows nothing of Lightning.
 """
 

@@ -1,7 +1,7 @@
 """The commit protocol of a sharded checkpoint directory: staging, writing the commit marker, swap, cleanup.
 
 A directory is a checkpoint only once its ``COMMITTED`` marker exists (its format, reading and
-verification: ``io.marker``). The marker is JSON (step, world size, and the size and SHA-256 of every
+verification: ``sharded.marker``). The marker is JSON (step, world size, and the size and SHA-256 of every
 file the save wrote) and is written last, by rank 0, after every rank has finished and digested its
 own files. A save never touches the directory it
 replaces: every rank writes into a staging sibling (``.<name>.partial-<hex>``), the marker is
@@ -14,13 +14,13 @@ removes.
 
 On an object store (any fsspec URL; ``s3://``) nothing can be renamed atomically, so nothing is: every
 rank writes into a fresh versioned sub-prefix of the final name, ``<final>/.v-<owner>-<pid>-<8 hex>``
-(named by rank 0, as ``io.atomic`` names its temporaries), and the commit is one PUT of
+(named by rank 0, as ``format.atomic`` names its temporaries), and the commit is one PUT of
 ``<final>/COMMITTED`` (format ``/3``) naming that version and every object in it with its size and
 SHA-256. A reader reads the marker once and then only the version it names, so a directory re-saved
 under the same name is seen old or new, never a mix; the version the marker named before is deleted
 after the PUT. A deletion removes the marker first. Versions no marker names are removed by
 :func:`clean_uncommitted` by owner and age (a dead pid of this host at once, anything else after
-``io.atomic.STALE_AFTER_S``). This module knows files, objects and JSON; it knows nothing of DCP,
+``format.atomic.STALE_AFTER_S``). This module knows files, objects and JSON; it knows nothing of DCP,
 process groups or Lightning.
 """
 

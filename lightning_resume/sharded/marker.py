@@ -8,7 +8,7 @@ a versioned sub-prefix ``.v-<owner>-<pid>-<8 hex>`` that the marker names (forma
 one object, replaced whole by one PUT, so a reader sees either the old version or the new one, never a mix.
 This module reads that marker and checks a directory against it, through ``storage`` (a URL keeps its
 scheme); the protocol that writes it (staging, commit, swap, cleanup) is
-``sharded.commit``'s, the DCP metadata checks are ``io.safe_pickle``'s. It lives in ``io`` because
+``sharded.commit``'s, the DCP metadata checks are ``sharded.safe_pickle``'s. It lives in ``io`` because
 every reader of checkpoints (``io.verify``, "last" resolution, the CLI) needs it without the sharded
 machinery. Knows files and JSON; nothing of DCP, process groups or Lightning.
 """
@@ -39,7 +39,7 @@ MAX_MARKER_BYTES = 64 << 20
 """Largest marker read (a real one is about 100 bytes per file)."""
 DATA = re.compile(r"^\.v-(?P<owner>[0-9a-f]{12})-(?P<pid>\d+)-[0-9a-f]{8}$")
 """Names of the versioned sub-prefixes of an object-store checkpoint (``.v-<owner>-<pid>-<8 hex>``, as
-``io.atomic`` names its temporaries: the process that created it, where its pid means something)."""
+``format.atomic`` names its temporaries: the process that created it, where its pid means something)."""
 STAGING, REPLACED, DELETED = "partial", "replaced", "deleted"
 HIDDEN = re.compile(rf"^\.(?P<name>.+)\.(?P<kind>{STAGING}|{REPLACED}|{DELETED})-[0-9a-f]{{8}}$")
 """Names of the hidden siblings a save or a deletion leaves while it runs (``.<name>.<kind>-<8 hex>``)."""

@@ -12,7 +12,7 @@ What DCP pickles (torch 2.13, ``torch/distributed/checkpoint``):
    into a ``.distcp`` file (default_planner.py:286), read back with ``torch.load(weights_only=False)``
    (default_planner.py:387). :class:`SafeLoadPlanner` reads them with ``weights_only=True``: torch's
    restricted unpickler (containers, numbers, strings, tensors), and turns a refusal into
-   ``UnsafeCheckpointError``; the bounds of ``io.legacy`` apply (no compressed record, tree size
+   ``UnsafeCheckpointError``; the bounds of ``format.legacy`` apply (no compressed record, tree size
    and depth).
 3. Tensors: ``torch.save`` per chunk (filesystem.py:346), already read with ``weights_only=True``
    (filesystem.py:899).
@@ -331,7 +331,7 @@ class _Window(io.RawIOBase):
 
 
 def _check_uncompressed(where: str, path: str, spans: List[Tuple[int, int, str]]) -> None:
-    """Each stored item is a ``torch.save`` zip within the bounds of ``io.legacy.check_zip``: no deflated
+    """Each stored item is a ``torch.save`` zip within the bounds of ``format.legacy.check_zip``: no deflated
     record (torch's reader would inflate a bomb whole), a bounded pickle without hash-flooding numbers."""
     if not storage.is_local(path):  # an object store has no links, FIFOs or devices
         for begin, end, fqn in spans:

@@ -177,7 +177,7 @@ class AsyncSaver:
         layout is kept, so the snapshot costs what a :meth:`save` of the same tree costs.
 
         ``borrow``: another saver's :attr:`offer` of a snapshot of the same state at the same point; the
-        tensors it holds are written from its pool, not copied (``io.lending``), the others are copied now."""
+        tensors it holds are written from its pool, not copied (``staging.lending``), the others are copied now."""
         self._save(path, encoded=encoded, borrow=borrow)
 
     def _save(

@@ -193,7 +193,7 @@ class WriterProcess:
 
         Raises the writer's own error for a write that failed there, and ``WriterProcessDied`` when the
         writer ended before it answered (its temporary removed). ``upload``: part size and concurrency of a
-        multi-part upload (``io.multipart.UploadOptions``), rebuilt in the writer."""
+        multi-part upload (``storage.multipart.UploadOptions``), rebuilt in the writer."""
         names = list(staged)
         if names:
             staged.wait(names[-1])  # every tensor copied: the writer reads the pool, it cannot wait on a copy

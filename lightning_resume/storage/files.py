@@ -10,7 +10,7 @@ retried with bounded exponential backoff when the error is transient (5xx, throt
 reset, timeout) and fail at once, naming the URL, when it is permanent (no bucket, no permission).
 
 Which entries of a directory are checkpoints is not decided here (``io.resolve.candidates``), nor how
-a file is committed atomically, its rename included (``io.atomic``). This module knows paths and errors, not checkpoints,
+a file is committed atomically, its rename included (``format.atomic``). This module knows paths and errors, not checkpoints,
 tensors or Lightning.
 """
 

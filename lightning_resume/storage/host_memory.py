@@ -7,7 +7,7 @@ the cgroup's inactive file cache (``memory.stat`` ``inactive_file``) added back,
 reclaims it before it kills anything (a container that just wrote a large checkpoint counts it in
 ``memory.current``). A file that is absent or unreadable is no bound; with none, the answer is unknown
 (``None``) and callers must not refuse anything on it. This module reads those files and decides nothing:
-whether a load fits is ``io.remote_budget``'s. No psutil (not a dependency).
+whether a load fits is ``storage.remote_budget``'s. No psutil (not a dependency).
 """
 
 from __future__ import annotations

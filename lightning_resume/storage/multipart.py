@@ -10,11 +10,11 @@ error is transient (``storage.with_retries``); a permanent error, or one still t
 stops the upload, aborts it (no object appears under the name: the previous one, if any, is intact) and is
 raised naming the URL and the part's byte range. The object appears only when ``complete`` returns. An
 object of one part is one PUT. A SIGKILL leaves an incomplete upload, invisible to readers, which
-``io.atomic.clean_stale_temporaries`` aborts once it is old.
+``format.atomic.clean_stale_temporaries`` aborts once it is old.
 
 The store is reached through the small ``MultipartClient`` protocol: ``S3Multipart`` for s3fs (through its
 own client, credentials and endpoint), any other in tests. Which filesystems have one is ``client_for``'s to
-say; the others keep ``io.atomic``'s single-stream upload. This module knows bytes and objects, not tensors,
+say; the others keep ``format.atomic``'s single-stream upload. This module knows bytes and objects, not tensors,
 checkpoints or Lightning.
 """
 

@@ -1,6 +1,6 @@
 """Whether a checkpoint load from a URL may start: the host memory it will hold, against the memory the host
 has left and the user's cap. A pure policy: the file's size and format, the bytes in flight, the cap and the
-measured memory are passed in (``io.host_memory`` measures, ``io.read`` asks before it reads the data).
+measured memory are passed in (``storage.host_memory`` measures, ``format.read`` asks before it reads the data).
 Knows no files, no fsspec, no torch, no Lightning.
 
 A remote file is read through a ``storage.RangedReader``: each tensor lands in its own memory (our format)

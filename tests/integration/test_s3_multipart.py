@@ -1,6 +1,6 @@
 """SIGKILL of a real process in the middle of a parallel multi-part upload to ``s3://`` (moto on 127.0.0.1).
 
-The parent saves step 1 as ``last.ckpt``; a child saves step 2 over it through ``io.multipart`` (5 MiB parts,
+The parent saves step 1 as ``last.ckpt``; a child saves step 2 over it through ``storage.multipart`` (5 MiB parts,
 two in flight, each part slowed so the upload takes seconds) and is SIGKILLed once the server holds some of
 its parts but not all. What must hold: the name still serves step 1, whole (every checksum verified), nothing
 else appears under the directory, and the dead writer's incomplete upload, invisible to readers, is aborted

@@ -3,7 +3,7 @@
 The old file is read with ``torch.load(weights_only=True)`` and Lightning's allowlist only; a file
 that would need code to load is refused, never executed, naming what it holds. ``--no-weights-only`` (a
 file you trust, as ``trainer.fit(..., weights_only=False)``) unpickles it in full. Hyper-parameters that
-have no pickle-free encoding (an ``nn.Module``, a ``functools.partial``: ``io.hparams``) are then refused all
+have no pickle-free encoding (an ``nn.Module``, a ``functools.partial``: ``format.hparams``) are then refused all
 at once, naming their key paths; ``--drop KEY.PATH`` leaves each out of the new file (pass it again to
 ``load_from_checkpoint``, as after ``save_hyperparameters(ignore=[...])``).
 """

@@ -6,7 +6,7 @@ pickle-restricted, resharded to full tensors in this process), a ``SafetensorsCh
 unpickling plus the few Lightning classes real checkpoints hold, e.g. ``AttributeDict`` hparams).
 Takes the model state (``state_dict``, else ``model``), casts floating tensors to ``--dtype`` and
 leaves integer buffers as they are; optimizer state and everything else is dropped. The output is a
-plain safetensors file (any safetensors reader loads it), committed with ``io.atomic.atomic_write``.
+plain safetensors file (any safetensors reader loads it), committed with ``format.atomic.atomic_write``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One copy for two snapshots (``io.lending``): a second saver writes the tensors a lender staged at the same
+"""One copy for two snapshots (``staging.lending``): a second saver writes the tensors a lender staged at the same
 point from the lender's pool, copies the rest itself, and the lender waits for that write before reusing or
 freeing its pool. Real savers and real files, compared bit for bit."""
 

@@ -1,5 +1,5 @@
 """Loads that read a checkpoint's weights straight into the module (``load_in_place``): which tensors qualify
-(``io.in_place.plan``), that they are the module's own memory afterwards with the file's bytes, that a
+(``format.in_place.plan``), that they are the module's own memory afterwards with the file's bytes, that a
 corrupt file says what it overwrote and the "last" fallback overwrites it again, and that a Lightning resume
 through ``ExactResume`` reads in place and checks the module against the file's digests."""
 

@@ -1,4 +1,4 @@
-"""Parallel multi-part uploads (``io.multipart``): the object is the segments' bytes, whole, or nothing.
+"""Parallel multi-part uploads (``storage.multipart``): the object is the segments' bytes, whole, or nothing.
 
 An in-memory ``MultipartClient`` records what each request carried (concurrency, order, retries, aborts);
 the same code path against a moto S3 server on 127.0.0.1 checks a real save, a part retried once after a

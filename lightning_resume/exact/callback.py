@@ -13,7 +13,6 @@ import time
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -144,7 +143,6 @@ class ExactResume(Callback):
         self.memory = MemoryTier(memory_tier.dir) if memory_tier is not None else None
         if memory_tier is not None:
             lc.remember_ckpt_path_requests()  # fit(ckpt_path="last") considers the memory tier first
-        self.generators: dict[str, torch.Generator] = {}  # the RNG streams' named generators: ``state`` holds them now
         self.state: dict[str, Any] = dict(state or {})
         self._user: Optional[UserState] = None  # what this fit saves beyond Lightning, found at train start
         self._user_again: Optional[Callable[[], None]] = None  # undoes on_train_start hooks run after the restore
@@ -245,7 +243,7 @@ class ExactResume(Callback):
 
     def _trace_from_environment(self, trainer: pl.Trainer) -> Optional[trace.TraceRecorder]:
         """The recorder ``lightning-resume prove`` asks for, read once per fit (``None``: nothing is recorded)."""
-        capture = lambda: rng_streams.capture_rng(self.generators)  # the streams a checkpoint saves
+        capture = rng_streams.capture_rng  # the streams a checkpoint saves
         components = lambda: user_state_digests(capture_user_state(self._user))  # found at train start
         return trace.from_environment(
             trainer.global_rank, fingerprints.digest, capture, clock=self._wall_clock, components=components
@@ -269,7 +267,7 @@ class ExactResume(Callback):
         unsaved = [finding.line for finding in unsaved_found]
         resuming = self._pending is not None
         roots = self._roots(trainer, pl_module, loaders)
-        self._user = find_in_fit(trainer, roots, self.state, self.generators)
+        self._user = find_in_fit(trainer, roots, self.state)
         # A fresh run is never refused: each loader whose position is unsaved is named once, after the rest.
         found = self._what_cannot_be_exact(trainer, loaders, roots)
         warned = [finding.line for finding in found]
@@ -283,7 +281,7 @@ class ExactResume(Callback):
         report = ResumeReport()
         if pending is not None:
             report, self._afterwards = restore(
-                trainer, pending, self.generators, self.strict, self.fingerprint, self.elastic, self._loaded, self._user
+                trainer, pending, self.strict, self.fingerprint, self.elastic, self._loaded, self._user
             )
             self._loaded = None
             self._user_again = put_back_later(self._user)
@@ -323,7 +321,7 @@ class ExactResume(Callback):
         """One finding (its kind, subject and line) per loader configuration, unsaved random stream, state that
         cannot be saved or launcher setting that defeats exactness."""
         user = self._user or UserState()
-        saved = [*self.generators.values(), *(held.obj for held in user.held)]
+        saved = [held.obj for held in user.held]
         return evidence.cannot_be_exact(trainer, loaders, roots, saved, user.refused)
 
     @staticmethod
@@ -440,9 +438,7 @@ class ExactResume(Callback):
         where = INSIDE_STEP if lc.inside_training_step(trainer) else AT_STEP_BOUNDARY
         where = INSIDE_VALIDATION if self._in_validation and not trainer.sanity_checking else where
         now = self._wall_clock()  # the failure history's clock: a resume's lost time is measured on it
-        state = checkpoint_state(
-            trainer, self.generators, self._after_batch, self.fingerprint, schedule, where, now, self._user
-        )
+        state = checkpoint_state(trainer, self._after_batch, self.fingerprint, schedule, where, now, self._user)
         if self.memory is not None and self.memory.run is not None:
             state[RUN_KEY] = self.memory.run  # names the run whose memory snapshots a relaunch may resume
         if self._trace is not None:  # every checkpoint of the fit, on every rank (validation's saves included)

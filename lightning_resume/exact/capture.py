@@ -9,7 +9,7 @@ rank 0 writes the file). Reads the trainer through ``_compat.lightning``; decide
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -41,7 +41,6 @@ exception hook) or inside validation has work half done that no checkpoint holds
 
 def checkpoint_state(
     trainer: pl.Trainer,
-    generators: Mapping[str, torch.Generator],
     after_batch: bool,
     with_fingerprint: bool,
     schedule: dict[str, Any],
@@ -56,7 +55,7 @@ def checkpoint_state(
     ``saved_at``: the wall time of the save (default ``time.time()``), on the clock of the failure history.
     ``user``: the state users keep outside Lightning (``state.user.find``), saved per rank.
     """
-    local = capture_rank(trainer, generators, after_batch, with_fingerprint, user)
+    local = capture_rank(trainer, after_batch, with_fingerprint, user)
     return {
         "format": FORMAT_VERSION,
         "captured_at": captured_at,
@@ -73,7 +72,6 @@ def checkpoint_state(
 
 def capture_rank(
     trainer: pl.Trainer,
-    generators: Mapping[str, torch.Generator],
     after_batch: bool,
     with_fingerprint: bool,
     user: Optional[UserState] = None,
@@ -84,7 +82,7 @@ def capture_rank(
     prefetched = lc.prefetched_batches(trainer)
     local = {
         "rank": trainer.global_rank,
-        "rng": capture_rng(generators),
+        "rng": capture_rng(),
         "loaders": states,
         "orders": [order_record(dl) for dl in loaders],  # what an elastic resume rebuilds the epoch from
         "prefetched": prefetched,

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from lightning_resume import collective
@@ -201,10 +200,10 @@ class DealtPosition:
         lc.restart_train_iterator(trainer)
         return plan
 
-    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any]) -> None:
         rank = trainer.global_rank
         if rank >= self.old_world:
-            reseed(policy.derived_seed(mine["rng"], self.old_world, trainer.world_size, rank), generators)
+            reseed(policy.derived_seed(mine["rng"], self.old_world, trainer.world_size, rank))
 
     def finish(self, trainer: pl.Trainer) -> None:
         if self.accumulate[1] != trainer.accumulate_grad_batches:

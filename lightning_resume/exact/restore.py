@@ -17,7 +17,6 @@ from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Optional, Protocol, Union
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_resume import collective
@@ -50,7 +49,6 @@ CHECKED_PARTS = ("weights", "optimizer", "rng", "step")
 def restore(
     trainer: pl.Trainer,
     saved: Mapping[str, Any],
-    generators: Mapping[str, torch.Generator],
     strict: bool,
     check_fingerprint: bool,
     elastic: ElasticMode = False,
@@ -66,7 +64,7 @@ def restore(
     (the iterator made again may fetch a batch from it: a dataset over a buffer, a generator it holds)."""
     afterwards = Afterwards()
     moved = int(saved.get("world_size", 1)) != trainer.world_size and (bool(elastic) or not strict)
-    differences = collective.agreed(differences_from(trainer, saved, generators, world_may_change=moved))
+    differences = collective.agreed(differences_from(trainer, saved, world_may_change=moved))
     if differences:
         refuse_or_warn(strict, trainer.ckpt_path, differences)
     if moved and not elastic:  # strict=False: dealt out like elastic=True where it can be, else approximate
@@ -100,7 +98,7 @@ def restore(
     moved_fields: dict[str, Any] = {}
     if moved:
         dealt = elastic_restore.DealtPosition.prepare(trainer, saved, elastic or True)
-        restored_rng = restore_position_and_rng(trainer, mine, generators, afterwards, dealt)
+        restored_rng = restore_position_and_rng(trainer, mine, afterwards, dealt)
         move = dealt.move(trainer, mine)
         who = f"ExactResume(elastic={elastic!r})" if elastic else "ExactResume(strict=False)"
         rank_zero_warn(f"{who}: {move.sentence()}", category=ExactResumeWarning)
@@ -110,7 +108,7 @@ def restore(
     else:
         elastic_restore.keep_accumulation(trainer, saved, elastic)
         position = SavedPosition(saved.get("signature", {}).get("loaders", []))
-        restored_rng = restore_position_and_rng(trainer, mine, generators, afterwards, position)
+        restored_rng = restore_position_and_rng(trainer, mine, afterwards, position)
     fingerprint_ok: Optional[bool] = None
     unsaved: list[str] = []
     if check_fingerprint and "fingerprint" in mine and checked:
@@ -235,7 +233,7 @@ class Position(Protocol):
         epoch whose length Lightning must be told, if any."""
         ...
 
-    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any]) -> None:
         """After this rank's saved streams are restored: the streams of a rank that has none of its own."""
         ...
 
@@ -264,7 +262,7 @@ class SavedPosition:
             lightning_gaps.restart_train_iterator(trainer, mine)  # with the saved prefetched batches
         return plan
 
-    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+    def reseed(self, trainer: pl.Trainer, mine: Mapping[str, Any]) -> None:
         """Every rank has its own saved streams: nothing to add."""
 
     def finish(self, trainer: pl.Trainer) -> None:
@@ -274,7 +272,6 @@ class SavedPosition:
 def restore_position_and_rng(
     trainer: pl.Trainer,
     mine: Mapping[str, Any],
-    generators: Mapping[str, torch.Generator],
     afterwards: Afterwards,
     position: Position,
 ) -> Any:
@@ -287,9 +284,9 @@ def restore_position_and_rng(
     if not mine["epoch_exhausted"]:
         epoch_hooks.warn_not_replayed(epoch_hooks.replay_epoch_start(trainer))
     plan = position.place(trainer, mine, afterwards)
-    restore_rng(mine["rng"], generators)
-    position.reseed(trainer, mine, generators)
-    restored_rng = capture_rng(generators)
+    restore_rng(mine["rng"])
+    position.reseed(trainer, mine)
+    restored_rng = capture_rng()
     if plan is not None:
         elastic_restore.planned_length(trainer, plan, afterwards)
     if mine["validation_pending"]:  # on every rank, as the saving run's ranks did
@@ -338,7 +335,6 @@ def capture_point_problem(saved: Mapping[str, Any]) -> Optional[str]:
 def differences_from(
     trainer: pl.Trainer,
     saved: Mapping[str, Any],
-    generators: Mapping[str, torch.Generator],
     world_may_change: bool = False,
 ) -> list[str]:
     """Every way the checkpoint does not fit this run, one line each (empty: an exact resume is possible).
@@ -359,7 +355,7 @@ def differences_from(
     ignored = ("num_workers",) if world_may_change else ()
     out += _signature_differences(saved.get("signature", {}), signature(trainer), positions, ignored)
     if mine:
-        out += rng_mismatches(mine["rng"], generators)
+        out += rng_mismatches(mine["rng"])
     return out
 
 

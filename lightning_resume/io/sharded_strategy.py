@@ -5,15 +5,15 @@ CPU; ``FSDPStrategy`` requires CUDA) writes DCP shards but bypasses ``Checkpoint
 point, stores the rest of the checkpoint as a pickle (``meta.pt``) and reads ``.metadata`` with plain
 ``pickle``. This subclass keeps its sharding and replaces only the two checkpoint methods with
 ``save_sharded`` / ``load_sharded``, on a local directory or any fsspec URL (``s3://``). Its
-``checkpoint_io`` verifies and removes directories, so callbacks that prune or verify through the strategy work unchanged. With ``async_save=True`` saves go
-through ``background.AsyncShardedSaver`` and the ``checkpoint_io`` is also an ``AsyncCheckpointWriter``
-(``lightning_resume.protocols``), so ``ExactResume`` and ``RetentionCheckpoint`` treat the directory as in
-flight until its commit. Thin: all logic is in ``api`` and ``background``.
+``checkpoint_io`` verifies and removes directories, so callbacks that prune or verify through the strategy work
+unchanged. With ``save="async"`` saves go through ``background.AsyncShardedSaver`` and the ``checkpoint_io`` is
+also an ``AsyncCheckpointWriter`` (``lightning_resume.protocols``), so ``ExactResume`` and ``RetentionCheckpoint``
+treat the directory as in flight until its commit. Thin: all logic is in ``api`` and ``background``.
 """
 
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Dict, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -32,6 +32,13 @@ from lightning_resume.sharded.background import AsyncShardedSaver
 from lightning_resume.sharded.marker import MARKER
 from lightning_resume.sharded.verify import verify_directory
 from lightning_resume.storage import files as storage
+
+ShardedSaveMode = Literal["sync", "async"]
+"""When a sharded save copies the local shards: ``"sync"``, never (the save returns once the directory is
+committed); ``"async"``, into reusable host buffers, then the write runs in the background. The values mean
+what they mean for ``SafetensorsCheckpointIO(save=...)``, which adds ``"overlapped"``."""
+
+SHARDED_SAVE_MODES = ("sync", "async")
 
 
 def lightning_path(directory: str) -> str:
@@ -128,10 +135,11 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
             (sizes are always checked).
         clean_stale: before the first save of a run, remove directories next to it that a killed
             save left uncommitted.
-        async_save: block training only to copy the local shards into reusable host buffers; the
-            write runs on a background thread and is committed at the next save,
-            :meth:`wait_for_checkpoint` or teardown (at most one write in flight).
-        flush_timeout: with ``async_save``, the longest wait for the pending write at teardown; a
+        save: when a save copies the local shards, and so how long it blocks training. ``"sync"`` (default):
+            the save returns once the directory is committed. ``"async"``: the save copies the local shards
+            into reusable host buffers and returns; the write runs on a background thread and is committed
+            at the next save, :meth:`wait_for_checkpoint` or teardown (at most one write in flight).
+        flush_timeout: with ``save="async"``, the longest wait for the pending write at teardown; a
             duration (seconds, ``timedelta`` or a string such as ``"10min"``).
     """
 
@@ -143,16 +151,20 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         verify_digests: bool = True,
         clean_stale: bool = True,
-        async_save: bool = False,
+        save: ShardedSaveMode = "sync",
         flush_timeout: Duration = "10min",
     ) -> None:
         check_versions("lightning", "torchdata", "torch")
-        super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
+        problems = _save_problems(save)
         try:
             self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
         except ValueError as err:
-            raise ConfigurationError(type(self).__name__, [str(err)]) from err
-        self.saver = AsyncShardedSaver(timeout) if async_save else None
+            problems.append(str(err))
+        if problems:
+            raise ConfigurationError(type(self).__name__, problems)
+        super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
+        self.save = save
+        self.saver = AsyncShardedSaver(timeout) if save == "async" else None
         self.checkpoint_io = (
             AsyncShardedCheckpointIO(self.saver, verify_digests, self.flush_timeout)
             if self.saver
@@ -231,3 +243,16 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         if self.clean_stale and not self._cleaned and self.is_global_zero:
             clean_uncommitted(root)
         self._cleaned = True
+
+
+def _save_problems(save: Any) -> List[str]:
+    """What is wrong with a ``save`` argument, named with its value and the fix (empty: nothing)."""
+    if isinstance(save, str) and save in SHARDED_SAVE_MODES:
+        return []
+    hints = {
+        True: " (async_save=True is now save='async')",
+        False: " (async_save=False is now save='sync')",
+        "overlapped": " (a sharded save copies every local shard before it returns)",
+    }
+    hint = hints.get(save, "") if isinstance(save, (bool, str)) else ""
+    return [f"save={save!r} is not supported; use one of {list(SHARDED_SAVE_MODES)}{hint}"]

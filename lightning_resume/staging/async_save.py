@@ -109,13 +109,11 @@ class AsyncSaver:
         on_error: str = "raise",
         overlapped: bool = False,
         writer: WriterKind = "thread",
-        check_versions: bool = True,
     ) -> None:
         if writer not in ("thread", "process"):
             raise ValueError(f"writer={writer!r} is not supported; use 'thread' or 'process'")
         self._commit = commit
         self.on_error = on_error
-        self.check_versions = check_versions
         self.watch = OptimizerWatch() if overlapped else None
         self._copy: Optional[OverlappedCopy] = None
         self.stats = SaverStats()
@@ -258,9 +256,7 @@ class AsyncSaver:
         if not later:
             self._submit(job)
             return
-        copy = OverlappedCopy(
-            staged, [tensors[names[i]] for i in later], later, self.buffers.devices, self.check_versions
-        )
+        copy = OverlappedCopy(staged, [tensors[names[i]] for i in later], later, self.buffers.devices)
         copy.on_end = self._copy_ended
         copy.after_barrier = self._submit_held
         copy.stats.sync_bytes = sum(staged[names[i]].numel() * staged[names[i]].element_size() for i in now)

@@ -151,8 +151,7 @@ class OverlappedCopy:
     """One snapshot's deferred copy: started by :meth:`start`, ended by :meth:`finish` (the barrier).
 
     ``places``: the positions, in file order, of the deferred tensors among ``staged``'s; every other
-    tensor of ``staged`` must hold its bytes already. ``check_versions=False`` turns the version-counter
-    check off (tests prove it is what catches an unseen write).
+    tensor of ``staged`` must hold its bytes already.
     """
 
     def __init__(
@@ -161,10 +160,9 @@ class OverlappedCopy:
         sources: Sequence[torch.Tensor],
         places: Sequence[int],
         devices: Devices,
-        check_versions: bool = True,
     ) -> None:
         names = list(staged)
-        self.staged, self.devices, self.check_versions = staged, devices, check_versions
+        self.staged, self.devices = staged, devices
         self.names = [names[i] for i in places]
         self.dsts = [staged[n] for n in self.names]
         self.srcs = list(sources)
@@ -337,8 +335,7 @@ class OverlappedCopy:
                 error = self._error
             if error is not None:
                 raise error
-            if self.check_versions:
-                self._recopy_changed()
+            self._recopy_changed()
         except BaseException as err:
             with self._cv:
                 self._error = self._error or err

@@ -1,4 +1,4 @@
-"""Async sharded saves (``AsyncShardedSaver``, ``ShardedModelParallelStrategy(async_save=True)``).
+"""Async sharded saves (``AsyncShardedSaver``, ``ShardedModelParallelStrategy(save="async")``).
 
 Multi-process cases run FSDP2 on 2 CPU processes over gloo in their own process group (killed with
 ``killpg`` on timeout): raw FSDP2 in tests/helpers/jobs/sharded_job.py, Lightning in

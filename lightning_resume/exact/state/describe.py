@@ -28,7 +28,6 @@ def _rank(rank: Any) -> dict[str, Any]:
     rng = rank.get("rng") if isinstance(rank.get("rng"), Mapping) else {}
     streams = [name for name in ("python", "numpy", "torch") if name in rng]
     streams += [f"cuda x{len(rng['cuda'])}"] if rng.get("cuda") else []
-    streams += [f"generator {name!r}" for name in (rng.get("generators") or {})]
     loaders = rank.get("loaders") or []
     return {
         "rank": rank.get("rank"),

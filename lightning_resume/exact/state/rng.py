@@ -1,9 +1,9 @@
 """Every random number stream of one process: capture and restore.
 
-Streams: Python ``random``, NumPy's global generator, torch CPU, every initialised CUDA device, and
-any ``torch.Generator`` the user registers by name. The captured value holds only tensors, ints,
-floats, strings, lists and dicts, so it loads with ``torch.load(weights_only=True)`` and encodes
-without pickle. This module knows nothing about Lightning.
+Streams: Python ``random``, NumPy's global generator, torch CPU and every initialised CUDA device
+(a generator registered with ``ExactResume(state=...)`` is saved with the other user state, ``state.user``).
+The captured value holds only tensors, ints, floats, strings, lists and dicts, so it loads with
+``torch.load(weights_only=True)`` and encodes without pickle. This module knows nothing about Lightning.
 """
 
 from __future__ import annotations
@@ -56,32 +56,26 @@ def _cuda_states() -> list[torch.Tensor]:
     return [s.clone() for s in torch.cuda.get_rng_state_all()]
 
 
-def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> RngState:
+def capture_rng() -> RngState:
     """Return the state of every stream of this process (values are copies)."""
     return {
         "python": _python_state(),
         "numpy": _numpy_state(),
         "torch": torch.get_rng_state().clone(),
         "cuda": _cuda_states(),
-        "generators": {name: g.get_state().clone() for name, g in (generators or {}).items()},
     }
 
 
-def rng_mismatches(state: RngState, generators: Mapping[str, torch.Generator] | None = None) -> list[str]:
-    """Differences that make ``restore_rng(state, generators)`` impossible, one line each."""
+def rng_mismatches(state: RngState) -> list[str]:
+    """Differences that make ``restore_rng(state)`` impossible, one line each."""
     problems = []
-    saved, current = set(state.get("generators", {})), set(generators or {})
-    if saved - current:
-        problems.append(f"registered generators missing in this run: {sorted(saved - current)}")
-    if current - saved:
-        problems.append(f"registered generators not in the checkpoint: {sorted(current - saved)}")
     n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if state.get("cuda") and len(state["cuda"]) > n_cuda:
         problems.append(f"checkpoint has {len(state['cuda'])} CUDA RNG streams, this process sees {n_cuda} devices")
     return problems
 
 
-def restore_rng(state: RngState, generators: Mapping[str, torch.Generator] | None = None) -> None:
+def restore_rng(state: RngState) -> None:
     """Set every stream to ``state``. Streams absent from this run are left alone (see ``rng_mismatches``)."""
     _set_python_state(state["python"])
     _set_numpy_state(state["numpy"])
@@ -89,16 +83,11 @@ def restore_rng(state: RngState, generators: Mapping[str, torch.Generator] | Non
     if state.get("cuda") and torch.cuda.is_available():
         for device, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, device)
-    for name, g in (generators or {}).items():
-        if name in state.get("generators", {}):
-            g.set_state(state["generators"][name])
 
 
-def reseed(seed: int, generators: Mapping[str, torch.Generator] | None = None) -> None:
+def reseed(seed: int) -> None:
     """Seed every stream from ``seed``: Python ``random``, NumPy, torch CPU and every CUDA device
-    (``torch.manual_seed``), and each registered generator with ``seed`` plus its position in name order."""
+    (``torch.manual_seed``)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    for offset, name in enumerate(sorted(generators or {})):
-        (generators or {})[name].manual_seed(seed + offset + 1)

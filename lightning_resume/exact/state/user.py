@@ -103,8 +103,7 @@ def find(
     """Every object reachable from ``roots`` whose state training changes and no checkpoint holds, and the
     objects ``registered`` by name (held as ``state.<name>``); each checked once by capturing it.
 
-    ``lightning_saves``: objects Lightning's checkpoint already holds (its schedulers; ``generators=``),
-    never held. Modules are walked, never held (their state is the module's ``state_dict``), but metrics.
+    ``lightning_saves``: objects Lightning's checkpoint already holds (its schedulers), never held. Modules are walked, never held (their state is the module's ``state_dict``), but metrics.
     ``walk_only``: objects whose state travels otherwise (the train datasets), walked but not held."""
     found = UserState()
     skip = {id(x) for x in lightning_saves} | {id(x) for x in registered.values()}
@@ -121,13 +120,9 @@ def find(
     return found
 
 
-def find_in_fit(
-    trainer: Any, roots: Mapping[str, Any], registered: Mapping[str, Any], generators: Mapping[str, Any]
-) -> UserState:
-    """``find`` for a fit: Lightning's own schedulers (``trainer.lr_scheduler_configs``) and the generators
-    passed as ``generators=`` (saved with the RNG streams) are left out."""
-    saved = [config.scheduler for config in trainer.lr_scheduler_configs] + list(generators.values())
-    return find(roots, registered, saved)
+def find_in_fit(trainer: Any, roots: Mapping[str, Any], registered: Mapping[str, Any]) -> UserState:
+    """``find`` for a fit: Lightning's own schedulers (``trainer.lr_scheduler_configs``) are left out."""
+    return find(roots, registered, [config.scheduler for config in trainer.lr_scheduler_configs])
 
 
 def _kind(value: Any) -> Optional[str]:

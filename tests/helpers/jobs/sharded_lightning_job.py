@@ -4,7 +4,7 @@
 checkpoint every 2 steps (from CKPT_DIR when given); rank 0 writes OUT/final.pt (full weights, losses).
 ``--retention``: a ``RetentionCheckpoint`` (``RetentionPolicy(keep_last=2)``) instead of ``ModelCheckpoint``;
 ``--snapshot-every N``: ExactResume's schedule also snapshots every N steps (through it). ``--async``:
-``ShardedModelParallelStrategy(async_save=True)``; ``--fail-write-at N``: rank 1's background write of
+``ShardedModelParallelStrategy(save="async")``; ``--fail-write-at N``: rank 1's background write of
 step N fails (after DCP's collective write); an error ``fit`` raises is written to OUT/error-<rank>.txt
 and the run still dumps its weights.
 ``shuffle=False`` by default: with ``shuffle=True`` under ``ModelParallelStrategy`` the resumed data order
@@ -140,9 +140,7 @@ def main(a: Any) -> None:
         callbacks.append(DumpStart(Path(out)))
     if a.pause_before is not None:
         callbacks.append(PauseBefore(Path(out), a.pause_before))
-    strategy = ShardedModelParallelStrategy(
-        data_parallel_size=a.devices, tensor_parallel_size=1, async_save=a.async_save
-    )
+    strategy = ShardedModelParallelStrategy(data_parallel_size=a.devices, tensor_parallel_size=1, save=a.save)
     trainer = L.Trainer(
         **QUIET,
         accelerator="cpu",
@@ -153,7 +151,7 @@ def main(a: Any) -> None:
         callbacks=callbacks,
         default_root_dir=out,
     )
-    assert isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointWriter) == a.async_save
+    assert isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointWriter) == (a.save == "async")
     try:
         trainer.fit(model, ckpt_path=a.ckpt)
     except Exception as err:
@@ -181,7 +179,7 @@ if __name__ == "__main__":
     p.add_argument("out")
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--retention", action="store_true")
-    p.add_argument("--async", dest="async_save", action="store_true")
+    p.add_argument("--async", dest="save", action="store_const", const="async", default="sync")
     p.add_argument("--fail-write-at", type=int, default=-1)
     p.add_argument("--snapshot-every", type=int, default=None, help="ExactResume's every_n_train_steps_max")
     p.add_argument("--devices", type=int, default=2, help="processes, all data parallel")

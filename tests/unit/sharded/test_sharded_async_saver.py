@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_resume import load_full, newest_committed
+from lightning_resume.errors import ConfigurationError
 from lightning_resume.io.sharded_strategy import ShardedModelParallelStrategy
 from lightning_resume.protocols import AsyncCheckpointWriter
 from lightning_resume.sharded.background import AsyncShardedSaver, HostShards, save_sharded_async
@@ -15,8 +16,21 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def test_async_strategy_io_is_an_async_writer_and_the_sync_one_is_not():
-    assert isinstance(ShardedModelParallelStrategy(async_save=True).checkpoint_io, AsyncCheckpointWriter)
+    assert isinstance(ShardedModelParallelStrategy(save="async").checkpoint_io, AsyncCheckpointWriter)
     assert not isinstance(ShardedModelParallelStrategy().checkpoint_io, AsyncCheckpointWriter)
+    assert not isinstance(ShardedModelParallelStrategy(save="sync").checkpoint_io, AsyncCheckpointWriter)
+
+
+@pytest.mark.parametrize(
+    "save, fix",
+    [("overlapped", "copies every local shard"), (True, "async_save=True is now save='async'"), ("fast", "")],
+)
+def test_a_save_mode_the_strategy_lacks_is_refused_naming_the_option_and_the_fix(save, fix):
+    with pytest.raises(ConfigurationError) as err:
+        ShardedModelParallelStrategy(save=save, flush_timeout="soon")
+    message = str(err.value)
+    assert f"save={save!r} is not supported; use one of ['sync', 'async']" in message and fix in message
+    assert "flush_timeout" in message  # every problem at once
 
 
 def test_host_buffers_are_reused_and_copies_include_scalars():

@@ -401,6 +401,12 @@ def _seed(cfg: dict) -> None:
     if cfg.get("seed_everything", True):
         pl.seed_everything(cfg.get("seed", 0), workers=True)
     else:  # the same start, but no PL_GLOBAL_SEED / PL_SEED_WORKERS for Lightning's samplers and workers
+        import random
+
+        import numpy as np
+
+        random.seed(cfg.get("seed", 0))  # A and B start from the same streams, or prove sees two runs at step 0
+        np.random.seed(cfg.get("seed", 0))
         torch.manual_seed(cfg.get("seed", 0))
 
 

@@ -62,7 +62,7 @@ from lightning_resume.exact.state.user import (
 )
 from lightning_resume.exact.state.user import capture as capture_user_state
 from lightning_resume.io.plugin import refuse_unencodable_hparams
-from lightning_resume.memory.store import RUN_KEY
+from lightning_resume.memory.store import ROOT_KEY, RUN_KEY
 from lightning_resume.memory.tier import DURABLE, MemoryTier, warn_sharded
 from lightning_resume.protocols import loaded_in_place, offer_module
 from lightning_resume.prove import trace
@@ -312,7 +312,8 @@ class ExactResume(Callback):
         """``"memory"`` or ``"durable"``: where this run resumed from (``None``: a fresh start)."""
         if self.memory is None:
             return DURABLE if trainer.ckpt_path else None
-        self.memory.start((pending or {}).get(RUN_KEY))  # the run's id; a snapshot of a line left behind dropped
+        restored = pending or {}  # the run's id and snapshot root; a snapshot of a line left behind dropped
+        self.memory.start(restored.get(RUN_KEY), restored.get(ROOT_KEY))
         return self.memory.resumed_tier or (DURABLE if trainer.ckpt_path else None)
 
     def _what_cannot_be_exact(
@@ -441,6 +442,8 @@ class ExactResume(Callback):
         state = checkpoint_state(trainer, self._after_batch, self.fingerprint, schedule, where, now, self._user)
         if self.memory is not None and self.memory.run is not None:
             state[RUN_KEY] = self.memory.run  # names the run whose memory snapshots a relaunch may resume
+            if self.memory.root_token is not None:  # and, when our root's name was squatted, where they are
+                state[ROOT_KEY] = self.memory.root_token
         if self._trace is not None:  # every checkpoint of the fit, on every rank (validation's saves included)
             self._trace.saved(trainer)
         return state

@@ -103,6 +103,15 @@ def load_file(
     return Loaded(load_legacy(path, local_path(path), map_location, weights_only=weights_only), None, size)
 
 
+def load_open(path: str, f: Any, verify: bool = True) -> Loaded:
+    """:func:`load_file` of a local file the caller already opened (e.g. relative to a checked directory
+    descriptor, so no rename of a path component can change what is read); ``path`` names it in errors."""
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(path, "not a regular file (a FIFO, socket or device?); refused")
+    return _load_copy(path, f, st.st_size, ReadOptions(verify))
+
+
 def check_regular_file(path: str) -> None:
     """A local checkpoint must be a regular file: opening a FIFO named ``*.ckpt`` would wait forever for a
     writer, and a device never ends. Checked with ``stat`` (which never blocks) before anything opens it."""

@@ -8,9 +8,13 @@ new one is complete. tmpfs has no disk behind it, so its ``fsync`` costs nothing
 
 Layout: ``<memory dir>/lightning-resume-<uid>/<slot>/rank-<r>-of-<w>.safetensors`` plus
 ``rank-<r>-of-<w>.owner`` (owner token and pid, for stale cleanup). ``/dev/shm`` is shared by every user of
-the node, so each user has a root of their own, mode 0700, checked with ``lstat`` before every use (owner,
-mode, not a link; ``storage.private``), and every file in it is created new (``O_EXCL | O_NOFOLLOW``) with mode
-0600: another user can neither read a snapshot nor put one in our place. The slot hashes the durable
+the node, so each user has a root of their own, mode 0700, opened once as a directory descriptor and checked
+on it (owner, mode, not a link; ``storage.private.open_private_dir``); the slot is opened relative to it and
+every file reached relative to the slot's descriptor, so no rename of a path component (possible where the
+memory dir is writable by others without the sticky bit) changes what is read or written. Every file is
+created new (``O_EXCL | O_NOFOLLOW``) with mode 0600: another user can neither read a snapshot nor put one in
+our place. When another user holds the root's name first, the tier uses a fallback root of a random name
+(:func:`fallback_root`; chosen by ``memory.tier``). The slot hashes the durable
 checkpoint directory; the run id inside each snapshot must equal the one in the durable checkpoint the
 relaunch resolved (``ExactResume`` writes it into every checkpoint), so a run whose checkpoint directory
 was cleared starts over instead of resuming an older run's snapshot. The step, save sequence, save time
@@ -24,6 +28,7 @@ import contextlib
 import hashlib
 import os
 import re
+import stat
 import time
 import warnings
 from dataclasses import dataclass
@@ -32,7 +37,7 @@ from typing import Any, Dict, List, Optional
 from lightning_resume._compat.torch_ops import NBYTES
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning
 from lightning_resume.format import read, write
-from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive, remove_quietly
+from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive
 from lightning_resume.format.integrity import DEFAULT_ALGORITHM
 from lightning_resume.io import resolve
 from lightning_resume.staging.async_save import AsyncSaver, commit_staged
@@ -41,9 +46,10 @@ from lightning_resume.staging.lending import Offer
 from lightning_resume.staging.overlap import CopyStats
 from lightning_resume.storage.private import (
     PRIVATE_FILE_MODE,
-    check_private,
+    UntrustedDirectory,
+    fd_path,
+    open_private_dir,
     owned_by_me,
-    private_dir,
     read_small,
     user_root,
 )
@@ -65,9 +71,34 @@ _OWN_FILE = re.compile(r"^\.?rank-\d+-of-\d+\.(?:safetensors|owner)(?:\.tmp-[0-9
 """What a slot holds: snapshots, owner files, and the temporaries of interrupted writes of either."""
 
 
+_FALLBACK = re.compile(rf"^{ROOT_PREFIX}-\d+-[0-9a-f]{{16}}$")
+"""A fallback root's name (:func:`fallback_root`): a recorded name is used only when it looks like one."""
+
+
 def memory_root(memory_dir: str) -> str:
     """This user's memory root under ``memory_dir`` (not made or checked here: :class:`MemoryStore` does)."""
     return user_root(str(memory_dir), ROOT_PREFIX)
+
+
+def fallback_root(memory_dir: str, token: str) -> Optional[str]:
+    """``<memory dir>/lightning-resume-<uid>-<token>``: this user's root when another user holds the name of
+    :func:`memory_root`; ``None`` when ``token`` (16 hex digits, random, recorded in the run's checkpoints) is
+    not one, so an edited checkpoint cannot point the tier elsewhere."""
+    name = f"{os.path.basename(memory_root(memory_dir))}-{token}"
+    return os.path.join(str(memory_dir), name) if _FALLBACK.match(name) else None
+
+
+def squatted(root: str) -> Optional[str]:
+    """Why ``root`` cannot be this user's memory root (another user's directory, a file, a link, an open mode),
+    or ``None`` when it is one: made here (0700) when missing, so no one can take the name after this check."""
+    try:
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        os.close(open_private_dir(root, create=True))
+    except UntrustedDirectory as err:
+        return err.reason
+    except OSError:
+        return None  # cannot be made (said at the first snapshot, which tries again)
+    return None
 
 
 class NotEnoughSharedMemory(OSError):
@@ -132,8 +163,11 @@ class MemoryStore:
         self.root, self.key, self.rank, self.world_size, self.checksum = str(root), key, rank, world_size, checksum
         self.directory = os.path.join(self.root, key)
         stem = f"rank-{rank}-of-{world_size}"
-        self.path = os.path.join(self.directory, f"{stem}.safetensors")
-        self.owner_path = os.path.join(self.directory, f"{stem}.owner")
+        self.name, self.owner_name = f"{stem}.safetensors", f"{stem}.owner"
+        self.path = os.path.join(self.directory, self.name)  # as named in messages; reached through the slot fd
+        self.owner_path = os.path.join(self.directory, self.owner_name)
+        self._root_fd: Optional[int] = None
+        self._slot_fd: Optional[int] = None
         self._saver = AsyncSaver(self._commit, on_error="raise", overlapped=overlap_copy) if asynchronous else None
 
     def save(
@@ -161,15 +195,17 @@ class MemoryStore:
         else:
             tree_json, tensors = write.encode_tree(tree)
         nbytes = sum(map(NBYTES, tensors.values())) + len(tree_json)
-        self._make_private()
-        free = free_bytes(self.directory)
+        slot = self._slot(create=True)
+        assert slot is not None
+        free = free_bytes(fd_path(slot, self.directory))
         if nbytes + HEADER_SLACK > free:
             raise NotEnoughSharedMemory(self.root, nbytes + HEADER_SLACK, free)
-        self._claim()
+        self._claim(slot)
+        target = os.path.join(fd_path(slot, self.directory), self.name)  # the checked slot itself, not its name
         if self._saver is None:
-            write.commit(self.path, tree_json, tensors, self.checksum, mode=PRIVATE_FILE_MODE)
+            write.commit(target, tree_json, tensors, self.checksum, mode=PRIVATE_FILE_MODE)
         else:
-            self._saver.save_text(encoded, self.path, borrow)  # encoded once: the size check needed it
+            self._saver.save_text(encoded, target, borrow)  # encoded once: the size check needed it
         return nbytes
 
     @property
@@ -182,11 +218,39 @@ class MemoryStore:
         """With ``overlap_copy``: the newest snapshot's overlapped copy once its barrier passed (``None`` before)."""
         return None if self._saver is None else self._saver.stats.copy
 
-    def _make_private(self) -> None:
-        """The root and the slot, made (0700) or checked: this user's alone, real directories, not links."""
-        os.makedirs(os.path.dirname(self.root), exist_ok=True)  # the memory dir itself (e.g. /dev/shm) may be shared
-        private_dir(self.root)
-        private_dir(self.directory)
+    def _root(self, create: bool) -> Optional[int]:
+        """The root's descriptor, opened once (made 0700 with ``create``) and checked on the descriptor; ``None``
+        when it is missing. Reopened by name only once the directory it held was removed (a cleared tmpfs)."""
+        if self._root_fd is not None and os.fstat(self._root_fd).st_nlink == 0:
+            self._close()
+        if self._root_fd is None:
+            if create:  # the memory dir itself (e.g. /dev/shm) may be shared
+                os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            try:
+                self._root_fd = open_private_dir(self.root, create=create)
+            except FileNotFoundError:
+                return None
+        return self._root_fd
+
+    def _slot(self, create: bool) -> Optional[int]:
+        """The slot's descriptor, opened relative to the root's and checked as it is; ``None`` when missing."""
+        if self._slot_fd is not None and os.fstat(self._slot_fd).st_nlink == 0:
+            self._close()
+        root = self._root(create)
+        if root is None:
+            return None
+        if self._slot_fd is None:
+            try:
+                self._slot_fd = open_private_dir(self.key, root, create=create, shown=self.directory)
+            except FileNotFoundError:
+                return None
+        return self._slot_fd
+
+    def _close(self) -> None:
+        for fd in (self._slot_fd, self._root_fd):
+            if fd is not None:
+                os.close(fd)
+        self._root_fd = self._slot_fd = None
 
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
         """The background write of an asynchronous snapshot (on the saver's worker thread)."""
@@ -196,29 +260,41 @@ class MemoryStore:
         """Until the snapshot being written is committed (``False`` if ``timeout`` passed first)."""
         return True if self._saver is None else self._saver.wait(None, timeout)
 
-    def _claim(self) -> None:
+    def _claim(self, slot: int) -> None:
         """Record this process as the slot's writer, so no other run's cleanup removes it while it lives."""
         owner = f"{owner_token()} {os.getpid()}"
-        if read_small(self.owner_path) != owner:
-            atomic_write(self.owner_path, lambda f: f.write(owner.encode()), PRIVATE_FILE_MODE)
+        path = os.path.join(fd_path(slot, self.directory), self.owner_name)
+        if read_small(path) != owner:
+            atomic_write(path, lambda f: f.write(owner.encode()), PRIVATE_FILE_MODE)
+
+    def close(self) -> None:
+        """Stop using this store (the write in flight committed first), leaving its snapshot in place."""
+        if self._saver is not None:
+            self._saver.close()
+        self._close()
 
     def exists(self) -> bool:
-        return os.path.isfile(self.path)
+        slot = self._slot(create=False)
+        if slot is None:
+            return False
+        with contextlib.suppress(OSError):
+            return stat.S_ISREG(os.stat(self.name, dir_fd=slot, follow_symlinks=False).st_mode)
+        return False
 
     def load(self, run: str) -> Optional[MemorySnapshot]:
         """This rank's snapshot of run ``run``, every checksum verified; ``None`` when there is none. Raises
         ``UntrustedDirectory`` when the root or slot is not this user's alone, and ``CheckpointCorruptError``
         naming the file when it does not verify or is not this slot's or this run's."""
         self.wait()
-        if not os.path.lexists(self.root):
+        slot = self._slot(create=False)
+        if slot is None:
             return None
-        check_private(self.root)
-        if not os.path.lexists(self.directory):
+        try:
+            fd = os.open(self.name, _READ_FLAGS, dir_fd=slot)  # this slot's file, whatever its path names now
+        except FileNotFoundError:
             return None
-        check_private(self.directory)
-        if not self.exists():
-            return None
-        loaded = read.load_file(self.path, verify=True).checkpoint
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            loaded = read.load_open(self.path, f, verify=True).checkpoint
         record = loaded.pop(MEMORY_KEY, None)
         expected = {"slot": self.key, "rank": self.rank, "world_size": self.world_size, "run": run}
         if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):
@@ -230,12 +306,17 @@ class MemoryStore:
         """Remove this rank's snapshot (a clean end of training), and the slot once empty."""
         if self._saver is not None:
             self._saver.close()  # a write still in flight would otherwise commit after the removal
-        if not owned_by_me(self.directory):
-            return
-        for path in (self.path, self.owner_path):
-            remove_quietly(path)
-        with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
-            os.rmdir(self.directory)
+        try:
+            slot = self._slot(create=False)
+        except OSError:
+            slot = None  # not ours: nothing of ours to remove
+        if slot is not None:
+            for name in (self.name, self.owner_name):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=slot)
+            with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
+                os.rmdir(self.key, dir_fd=self._root_fd)
+        self._close()
 
     def clean_stale(self, now: Optional[float] = None) -> List[str]:
         """Remove other runs' slots under this user's root that no live process owns; return them.
@@ -249,19 +330,26 @@ class MemoryStore:
         now = time.time() if now is None else now
         removed = []
         try:
-            check_private(self.root)
-            names = sorted(os.listdir(self.root))
+            root = self._root(create=False)
+            names = [] if root is None else sorted(os.listdir(root))
         except OSError:
+            return []
+        if root is None:
             return []
         for name in names:
             directory = os.path.join(self.root, name)
+            reached = os.path.join(fd_path(root, self.root), name)  # through the checked root, not its name
             try:
-                if name != self.key and _SLOT.match(name) and _is_stale_slot(directory, now):
-                    _remove_slot(directory)
+                if name != self.key and _SLOT.match(name) and _is_stale_slot(reached, now):
+                    _remove_slot(reached)
                     removed.append(directory)
             except OSError as err:
                 warnings.warn(f"memory tier: left {directory} in place ({err})", ExactResumeWarning, stacklevel=2)
         return removed
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""A snapshot is read as itself: never through a link, never waiting on a FIFO."""
 
 
 def free_bytes(directory: str) -> int:
@@ -318,14 +406,24 @@ def durable_step(path: Optional[str], weights_only: bool = True) -> int:
 def durable_run(path: Optional[str], weights_only: bool = True) -> Optional[str]:
     """The memory-tier run id ``ExactResume`` wrote into the durable checkpoint at ``path``; ``None`` when
     there is no checkpoint, it holds none, or it cannot be read."""
+    run = durable_value(path, RUN_KEY, weights_only)
+    return run if isinstance(run, str) and run else None
+
+
+def durable_value(path: Optional[str], key: str, weights_only: bool = True) -> Any:
+    """The plain value at ``key`` of ``ExactResume``'s state in the durable checkpoint at ``path``; ``None``
+    when there is no checkpoint, no such value, or it cannot be read."""
     if not path:
         return None
     try:
-        run = resolve.header_value(str(path), ("callbacks", "ExactResume", RUN_KEY), weights_only)
+        return resolve.header_value(str(path), ("callbacks", "ExactResume", key), weights_only)
     except Exception:  # noqa: BLE001 - as above: no run id, so no memory snapshot is resumed
         return None
-    return run if isinstance(run, str) and run else None
 
 
 RUN_KEY = "memory_run"
 """Key of the run id in ``ExactResume``'s checkpoint state."""
+
+ROOT_KEY = "memory_root_token"
+"""Key of the fallback root's token (:func:`fallback_root`) in ``ExactResume``'s checkpoint state, when the run's
+snapshots are not in this user's usual root because another user holds its name."""

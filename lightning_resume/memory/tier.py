@@ -8,7 +8,10 @@ tier replaces the durable checkpoint Lightning resolved when every rank holds a 
 checkpoint's run, of the same step and save sequence, newer (by global step) than that checkpoint.
 Otherwise every rank falls back to disk together, and the snapshots that are not the resume source are
 dropped, so a later resume never goes back to another line of training. A checkpoint directory emptied by
-hand holds no run id, so the next start is a new run, whatever shared memory still holds.
+hand holds no run id, so the next start is a new run, whatever shared memory still holds. When another
+user holds the name of this user's root first (a directory, a file, a link), the run's snapshots go to a
+fallback root of a random name (``store.fallback_root``), said once; its token travels in every checkpoint
+(``ROOT_KEY``) beside the run id, so a relaunch looks there.
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import AsyncWriteError, CheckpointCorruptError, ConfigurationError, ExactResumeWarning
 from lightning_resume.memory.store import (
+    ROOT_KEY,
     MemorySnapshot,
     MemoryStore,
     NotEnoughSharedMemory,
     durable_run,
     durable_step,
+    durable_value,
+    fallback_root,
     memory_root,
     slot_key,
+    squatted,
 )
 from lightning_resume.protocols import Loan, StagingLender, checkpoint_io_as
 from lightning_resume.schedule.state import Tier
@@ -50,7 +57,9 @@ class MemoryTier:
     ``memory_dir``: the tmpfs under which this user's root ``lightning-resume-<uid>`` lives."""
 
     def __init__(self, memory_dir: str) -> None:
+        self.memory_dir = str(memory_dir)
         self.root = memory_root(memory_dir)
+        self.root_token: Optional[str] = None  # the fallback root's (``ROOT_KEY``), when the name is squatted
         self.store: Optional[MemoryStore] = None
         self.run: Optional[str] = None
         self.seq = 0
@@ -61,6 +70,7 @@ class MemoryTier:
         self.directory, self.rank, self.world_size = "", 0, 1
         self._remove_hook: Optional[Callable[[], None]] = None
         self._lending: Optional[Loan] = None  # the durable IO's staging, when it lends it
+        self._overlap = False
         self.weights_only = True
 
     def setup(self, trainer: pl.Trainer, directory: Optional[str]) -> None:
@@ -77,6 +87,7 @@ class MemoryTier:
         # a snapshot at a durable save's step writes from that save's staging, and copies as it does
         self._lending = None if lender is None else lender.lend_staging()
         overlap = self._lending is not None and self._lending.overlapped  # the user's choice, for both tiers
+        self._overlap = overlap
         self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size, overlap_copy=overlap)
         self.resumed_tier, self.run = None, None
         self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
@@ -91,8 +102,12 @@ class MemoryTier:
     def choose(self, durable: Optional[str]) -> Optional[tuple[str, dict[str, Any]]]:
         """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank agrees to resume
         from memory; ``None`` to restore ``durable`` (Lightning's "last", possibly ``None``) instead."""
-        read_run = lambda: durable_run(durable, self.weights_only)  # as fit reads the file
-        run = collective.on_rank_zero(read_run, _failure(f"read the run id of {durable}"))
+        read_run = lambda: (
+            durable_run(durable, self.weights_only),
+            durable_value(durable, ROOT_KEY, self.weights_only),
+        )
+        run, token = collective.on_rank_zero(read_run, _failure(f"read the run id of {durable}"))
+        self._use_root(token if isinstance(token, str) else None)
         mine = self._load_verified(run) if self.store is not None and run is not None else None
         record = None if mine is None else (mine.step, mine.seq, _exact_state(mine.checkpoint).get("saved_at"))
         everyone = collective.gather((record, durable_step(durable, self.weights_only)))
@@ -112,6 +127,18 @@ class MemoryTier:
         )
         return mine.path, mine.checkpoint
 
+    def _use_root(self, token: Optional[str]) -> None:
+        """Snapshots go to (and are read from) the fallback root of ``token`` when it names one, else this user's
+        root; the store is rebuilt only when that changes."""
+        root = (fallback_root(self.memory_dir, token) if token else None) or memory_root(self.memory_dir)
+        self.root_token = token if root != memory_root(self.memory_dir) else None
+        if self.store is not None and root != self.root:
+            self.store.close()  # leaves what the old root holds as it is
+            self.store = MemoryStore(
+                root, slot_key(self.directory), self.rank, self.world_size, overlap_copy=self._overlap
+            )
+        self.root = root
+
     def _load_verified(self, run: str) -> Optional[MemorySnapshot]:
         assert self.store is not None
         try:
@@ -124,17 +151,38 @@ class MemoryTier:
             )
             return None
 
-    def start(self, restored_run: Optional[str]) -> None:
+    def start(self, restored_run: Optional[str], restored_token: Optional[str] = None) -> None:
         """At the start of training (every rank): the run's id, the restored checkpoint's (``restored_run``)
-        or, at a fresh start, a new one; and a snapshot that is not the resume source belongs to a line of
-        training this run left (older than the durable checkpoint it resumed from, another run's, or a fresh
-        start): it is dropped."""
+        or, at a fresh start, a new one; the root of its snapshots (:meth:`_choose_root`); and a snapshot
+        that is not the resume source belongs to a line of training this run left (older than the durable
+        checkpoint it resumed from, another run's, or a fresh start): it is dropped."""
         if self.resumed_tier == MEMORY:
             return
         if self.store is not None:
             self.store.free()
         self.seq = 0
         self.run = restored_run or collective.broadcast(secrets.token_hex(8))
+        self._choose_root(restored_token)
+
+    def _choose_root(self, restored_token: Optional[str]) -> None:
+        """Every rank: the root of this run's snapshots: the fallback root the restored checkpoint names
+        (``restored_token``), else this user's root, unless another user holds its name on any rank's node:
+        then every rank uses one fallback root of a random name, said once."""
+        if isinstance(restored_token, str) and fallback_root(self.memory_dir, restored_token) is not None:
+            self._use_root(restored_token)
+            return
+        primary = memory_root(self.memory_dir)
+        fresh = collective.broadcast(secrets.token_hex(8))  # every rank the same name
+        reason = squatted(primary)
+        held = [(rank, why) for rank, why in enumerate(collective.gather(reason)) if why is not None]
+        if held:
+            rank_zero_warn(
+                f"ExactResume: {primary} {held[0][1]} (rank {held[0][0]}), not this user's private directory:"
+                f" another user may have made it first; memory-tier snapshots go to"
+                f" {fallback_root(self.memory_dir, fresh)} instead",
+                category=ExactResumeWarning,
+            )
+        self._use_root(fresh if held else None)
 
     def offer(self, trainer: pl.Trainer) -> Optional[Offer]:
         """The durable IO's newest staged save on this rank (``staging.lending``), or ``None``: read before and after a

@@ -3,7 +3,10 @@
 ``/dev/shm`` is world-writable: any user can create a name there before us, make it a symbolic link, or
 plant files in a directory we did not check. What lives under a root made here is trusted only after
 ``lstat`` shows a real directory (not a link) owned by this user with no access for anyone else (0700);
-a root that fails is refused with the reason, never used. Files are created with ``O_EXCL | O_NOFOLLOW``
+a root that fails is refused with the reason, never used. Where a parent is writable by others (a team
+ramdisk, mode 0777 without the sticky bit), a name can be renamed away between a check and a use, so
+:func:`open_private_dir` opens the directory once (``O_DIRECTORY | O_NOFOLLOW``) and checks the descriptor
+(``fstat``): what was checked is what is used, by names relative to it. Files are created with ``O_EXCL | O_NOFOLLOW``
 (never through a link someone planted) and read with a size bound and ``O_NONBLOCK`` (a FIFO or a
 sparse 64 GiB file planted under an expected name costs nothing). Mechanism only: what to do about an
 untrusted root is the caller's decision. Local paths only.
@@ -12,8 +15,10 @@ untrusted root is the caller's decision. Local paths only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
+from typing import Optional
 
 PRIVATE_MODE = 0o700
 """A private directory: its owner alone may list, enter or change it."""
@@ -50,9 +55,46 @@ def private_dir(path: str) -> str:
     return path
 
 
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+"""A directory opened as itself: never through a link, never a file of another kind."""
+
+
+def open_private_dir(name: str, dir_fd: Optional[int] = None, create: bool = False, shown: str = "") -> int:
+    """A descriptor of the directory ``name`` (relative to ``dir_fd`` when given), made first (0700) with
+    ``create``, checked on the descriptor as :func:`check_private` checks a path. ``shown``: the path named in
+    errors. ``FileNotFoundError`` when it is missing; ``UntrustedDirectory`` naming why it cannot be used."""
+    shown = shown or name
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, PRIVATE_MODE, dir_fd=dir_fd)
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UntrustedDirectory(shown, "is a symbolic link") from err
+        if err.errno == errno.ENOTDIR:
+            raise UntrustedDirectory(shown, "is not a directory") from err
+        raise
+    try:
+        _check_stat(shown, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def fd_path(fd: int, fallback: str) -> str:
+    """A path that reaches the directory open as ``fd`` itself, not whatever is at its name now
+    (``/proc/self/fd/<fd>``), for code that takes paths; ``fallback`` where the system has no such paths."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else fallback
+
+
 def check_private(path: str) -> None:
     """``UntrustedDirectory`` unless ``path`` is a directory (not a link) of this user with mode 0700 or less."""
-    st = os.lstat(path)
+    _check_stat(path, os.lstat(path))
+
+
+def _check_stat(path: str, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise UntrustedDirectory(path, "is a symbolic link")
     if not stat.S_ISDIR(st.st_mode):

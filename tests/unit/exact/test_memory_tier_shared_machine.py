@@ -300,12 +300,90 @@ def test_a_newer_torch_save_checkpoint_beats_an_older_memory_snapshot(tmp_path: 
     assert resumed.resume_report.tier == "durable" and resumed.resume_report.step == 5
 
 
-def test_a_fit_whose_root_another_user_holds_trains_on_with_the_tier_off_and_says_so(
-    tmp_path: Path, shm: Path, other
-) -> None:
-    root = Path(memory_root(str(shm)))
+def _their_directory(root: Path, other) -> None:
     assert other(f"mkdir -m 0777 {root}").returncode == 0
-    with pytest.warns(ExactResumeWarning, match=f"memory-tier snapshot failed .*{root} belongs to uid") as seen:
-        _fit(tmp_path / "ckpt", shm, None)
-    assert sum("memory-tier snapshot failed" in str(w.message) for w in seen) == 1  # said once, not per save
-    assert os.listdir(root) == []
+
+
+def _a_file(root: Path, other) -> None:
+    root.write_bytes(b"not a directory")
+
+
+def _a_dangling_link(root: Path, other) -> None:
+    root.symlink_to(root.with_name("nowhere"))
+
+
+@pytest.mark.parametrize(
+    "squat", [_their_directory, _a_file, _a_dangling_link], ids=["their-directory", "a-file", "a-dangling-link"]
+)
+def test_a_squatted_root_name_gives_a_fallback_root_and_a_relaunch_resumes_from_memory(
+    tmp_path: Path, shm: Path, other, squat
+) -> None:
+    """Issue 41 item 10(b): another user who takes ``lightning-resume-<uid>`` first (a directory, a file, a
+    dangling link) no longer turns the tier off: the snapshots go to a fallback root of a random name, said
+    once, recorded in the checkpoints, and the relaunch resumes from it (before: "snapshot failed", durable only)."""
+    root = Path(memory_root(str(shm)))
+    squat(root, other)
+    ckpt = tmp_path / "ckpt"
+    with pytest.warns(ExactResumeWarning, match=f"{root} .*memory-tier snapshots go to {root}-[0-9a-f]{{16}}") as seen:
+        with pytest.raises(RuntimeError, match="crash"):
+            _fit(ckpt, shm, "last", crash_at=9)
+    assert sum("memory-tier snapshots go to" in str(w.message) for w in seen) == 1  # said once, not per save
+    assert not any("snapshot failed" in str(w.message) for w in seen)
+    (fallback,) = [p for p in shm.iterdir() if p.name.startswith(f"{root.name}-")]
+    assert _mode(fallback) == 0o700 and fallback.stat().st_uid == os.geteuid()
+    assert _snapshot_steps(shm) == [8]
+    resumed = _fit(ckpt, shm, "last")
+    assert resumed.resume_report.tier == "memory" and resumed.resume_report.step == 8
+
+
+def test_a_recorded_fallback_token_cannot_point_the_tier_elsewhere(shm: Path) -> None:
+    assert memory_tier.fallback_root(str(shm), "0123456789abcdef") == f"{memory_root(str(shm))}-0123456789abcdef"
+    for edited in ("../../etc", "0123456789abcdef/../x", "", "ABCDEF0123456789"):
+        assert memory_tier.fallback_root(str(shm), edited) is None
+
+
+def _planted_root(shm: Path, real: MemoryStore) -> Path:
+    """What the other user prepares: a root of their own holding a valid snapshot of our run and slot."""
+    planted = shm / "planted"
+    fake = MemoryStore(str(planted), real.key, real.rank, real.world_size, asynchronous=False)
+    fake.save({"global_step": 99, "w": torch.full((4096,), 666.0)}, step=99, seq=1, run="r")
+    return planted
+
+
+def test_a_root_swapped_after_its_check_cannot_make_a_load_read_a_planted_snapshot(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41 item 10(a): the memory dir is writable by others without the sticky bit (a team ramdisk), so
+    another user can rename our root away and put theirs in its place. The swap is made at the worst moment,
+    once every check of the root and slot has passed and before the snapshot is read; the load still reads our
+    snapshot (before: the check was by path, the read by path, and the planted weights were loaded)."""
+    os.chmod(shm, 0o777)  # no sticky bit: anyone may rename what is in it
+    ours = MemoryStore(memory_root(str(shm)), SLOT, 0, 1, asynchronous=False)
+    ours.save(_state(3), step=3, seq=1, run="r")
+    root, planted = Path(ours.root), _planted_root(shm, ours)
+    swapped: list[bool] = []
+
+    def swap() -> None:
+        if not swapped:
+            root.rename(shm / "moved-away")
+            planted.rename(root)
+            swapped.append(True)
+
+    real_open, real_load = getattr(memory_tier, "open_private_dir", None), memory_tier.read.load_file
+
+    def open_then_swap(name, *args, **kwargs):  # after the slot is opened and checked
+        fd = real_open(name, *args, **kwargs)
+        if name == SLOT:
+            swap()
+        return fd
+
+    def swap_then_load(*args, **kwargs):  # a load by path: every check passed before it
+        swap()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(memory_tier, "open_private_dir", open_then_swap, raising=False)
+    monkeypatch.setattr(memory_tier.read, "load_file", swap_then_load)
+    loaded = MemoryStore(str(root), SLOT, 0, 1, asynchronous=False).load("r")
+    assert swapped, "the root was swapped during the load"
+    assert loaded is not None and loaded.step == 3
+    assert torch.equal(loaded.checkpoint["w"], _state(3)["w"])

@@ -25,6 +25,7 @@ tensors, not Lightning.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -196,7 +197,8 @@ class MemoryStore:
             tree_json, tensors = write.encode_tree(tree)
         nbytes = sum(map(NBYTES, tensors.values())) + len(tree_json)
         slot = self._slot(create=True)
-        assert slot is not None
+        if slot is None:  # the memory dir vanished while the root was being made
+            raise FileNotFoundError(errno.ENOENT, "memory tier: no slot could be made", self.directory)
         free = free_bytes(fd_path(slot, self.directory))
         if nbytes + HEADER_SLACK > free:
             raise NotEnoughSharedMemory(self.root, nbytes + HEADER_SLACK, free)

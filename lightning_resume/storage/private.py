@@ -70,10 +70,8 @@ def open_private_dir(name: str, dir_fd: Optional[int] = None, create: bool = Fal
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UntrustedDirectory(shown, "is a symbolic link") from err
-        if err.errno == errno.ENOTDIR:
-            raise UntrustedDirectory(shown, "is not a directory") from err
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):  # which of the two, for the message only
+            raise UntrustedDirectory(shown, _what_is_there(name, dir_fd)) from err
         raise
     try:
         _check_stat(shown, os.fstat(fd))
@@ -81,6 +79,13 @@ def open_private_dir(name: str, dir_fd: Optional[int] = None, create: bool = Fal
         os.close(fd)
         raise
     return fd
+
+
+def _what_is_there(name: str, dir_fd: Optional[int]) -> str:
+    with contextlib.suppress(OSError):
+        if stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
+            return "is a symbolic link"
+    return "is not a directory"
 
 
 def fd_path(fd: int, fallback: str) -> str:

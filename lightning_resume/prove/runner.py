@@ -1,6 +1,6 @@
 """The three runs of ``lightning-resume prove``: start a user's command, kill it from outside, relaunch it.
 
-Run A goes uninterrupted; run B is SIGKILLed, its whole process group (DDP ranks, data workers), at steps
+Run A goes uninterrupted; run B is SIGKILLed, every process its launch started (DDP ranks, data workers), at steps
 drawn from A's trace after A's first checkpoint, and relaunched each time as the user's script resumes
 (its own ``ckpt_path="last"``; with ``append_on_relaunch`` such as ``--ckpt_path last`` for LightningCLI);
 the last launch runs to its end. Each run has a directory of its own as working directory (so relative
@@ -159,7 +159,7 @@ class _Running:
             raise RunFailed(f"{self.log.parent.name}: {self.log.name} exited with {code}", self.log)
 
     def kill_at(self, step: int, moment: str = "batch") -> bool:
-        """SIGKILL the launch's process group once any rank recorded a ``moment`` record (``kill_moments``) of
+        """SIGKILL the launch (``kill``) once any rank recorded a ``moment`` record (``kill_moments``) of
         step ``step`` or later (a few ms later, drawn, so the kill lands mid-step or mid-validation);
         ``False`` when the launch ended before reaching it."""
         deadline = time.monotonic() + self.timeout_s

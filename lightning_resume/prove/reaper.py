@@ -45,8 +45,8 @@ class Leftover:
 def set_subreaper(on: bool) -> bool:
     """Make this process the child subreaper of its descendants, or stop; returns whether it was one before
     (to put back once the launch is over: meanwhile a descendant orphaned by anything else than the launch
-    would wait here, unreaped). ``False`` without a change where the system has none (not Linux): then only
-    the launch root's live subtree and the token can be followed."""
+    would wait here, unreaped). ``False`` without a change where the system has none (not Linux, where no
+    ``/proc`` is read either and a kill reaches the launch's process group only)."""
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
@@ -117,8 +117,11 @@ def _reap(pids: set[int]) -> None:
 
 
 def _process_table() -> dict[int, tuple[int, str]]:
-    """``pid -> (ppid, state)`` of every process visible in ``/proc``."""
-    table = {}
+    """``pid -> (ppid, state)`` of every process visible in ``/proc`` (none without one: not Linux, where
+    only the kill of the launch's group is left)."""
+    table: dict[int, tuple[int, str]] = {}
+    if not _PROC.is_dir():
+        return table
     for entry in _PROC.iterdir():
         if entry.name.isdigit():
             parsed = _stat(entry / "stat")

@@ -63,19 +63,9 @@ def new_token() -> str:
 
 
 def launch_processes(root: int, token: str) -> set[int]:
-    """Every process of the launch ``root`` (with ``token`` in its environment), zombies included; never
-    this process."""
-    table = _process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    ours = _subtree(os.getpid(), children) - {os.getpid()}
-    seeds = {root} | {pid for pid in ours if _has_token(pid, token)}
-    found: set[int] = set()
-    for seed in seeds:
-        if seed in table:
-            found |= _subtree(seed, children)
-    return found - {os.getpid()}
+    """Every process of the launch ``root`` (with ``token`` in its environment), zombies included: among
+    this process's descendants only, so that a pid reused by another process is never taken."""
+    return _launch_processes(root, token, _process_table())
 
 
 def kill_launch(root: int, token: str, patience_s: float = 30.0) -> list[Leftover]:
@@ -86,7 +76,7 @@ def kill_launch(root: int, token: str, patience_s: float = 30.0) -> list[Leftove
     seen: set[int] = set()  # a killed orphan's environment is gone: remember it to reap it
     while True:
         table = _process_table()
-        seen = {pid for pid in seen | launch_processes(root, token) if pid in table}
+        seen = (seen & _descendants(table)) | _launch_processes(root, token, table)
         alive = {pid for pid in seen if table[pid][1] != "Z"}
         for pid in alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -102,11 +92,8 @@ def kill_launch(root: int, token: str, patience_s: float = 30.0) -> list[Leftove
 def leftovers(root: int, token: str) -> list[Leftover]:
     """The launch's processes still running (zombies aside), named, once its root has ended."""
     table = _process_table()
-    return [
-        Leftover(pid, _cmdline(pid))
-        for pid in sorted(launch_processes(root, token) - {root})
-        if table.get(pid, (0, "Z"))[1] != "Z"
-    ]
+    found = _launch_processes(root, token, table) - {root}
+    return [Leftover(pid, _cmdline(pid)) for pid in sorted(found) if table[pid][1] != "Z"]
 
 
 def _reap(pids: set[int]) -> None:
@@ -114,6 +101,28 @@ def _reap(pids: set[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def _launch_processes(root: int, token: str, table: dict[int, tuple[int, str]]) -> set[int]:
+    ours = _descendants(table)
+    seeds = ({root} & ours) | {pid for pid in ours if _has_token(pid, token)}
+    children = _children(table)
+    found: set[int] = set()
+    for seed in seeds:
+        found |= _subtree(seed, children)
+    return found
+
+
+def _descendants(table: dict[int, tuple[int, str]]) -> set[int]:
+    """This process's descendants in ``table``, not itself."""
+    return _subtree(os.getpid(), _children(table)) - {os.getpid()}
+
+
+def _children(table: dict[int, tuple[int, str]]) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    return children
 
 
 def _process_table() -> dict[int, tuple[int, str]]:

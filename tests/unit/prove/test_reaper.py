@@ -1,11 +1,13 @@
-"""``prove`` kills what its launch started, wherever it went: a child in a session of its own (as torchrun
-starts its workers) and a daemon whose parent exited are killed with the launch, and a process still running
-when a launch ended is named (pid and command line) and killed. Real processes, no training."""
+"""``prove`` kills what its launch started, wherever it went, and nothing else: a child in a session of its
+own (as torchrun starts its workers) and a daemon whose parent exited are killed with the launch, another
+child of ours is not, and a process still running when a launch ended is named (pid and command line) and
+killed. Real processes, no training."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -59,13 +61,17 @@ def _survivors(pids: list[int]) -> list[int]:
     return alive
 
 
-def test_a_kill_reaches_a_child_in_its_own_session_and_an_orphaned_daemon(tmp_path: Path) -> None:
+def test_a_kill_reaches_a_child_in_its_own_session_and_an_orphaned_daemon_and_nothing_else(tmp_path: Path) -> None:
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     running, pids = _launch(tmp_path, end=False)
     sleepers = [int(name) for name in os.listdir(pids)]
     try:
         running.kill()
+        assert bystander.poll() is None, "a process of ours that the launch did not start was killed"
     finally:
         survivors = _survivors(sleepers)
+        bystander.kill()
+        bystander.wait()
     assert len(sleepers) == 2 and survivors == [], "a process of the killed launch survived"
     assert not reaper.set_subreaper(False), "this process stays a subreaper after the launch (orphans pile up)"
 

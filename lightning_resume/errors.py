@@ -303,6 +303,10 @@ class VersionWarning(LightningResumeWarning):
     """A dependency version this release was not verified with; the private APIs it relies on may differ."""
 
 
+class LeftoverProcessWarning(LightningResumeWarning):
+    """``prove``: a process its launch started was still running after the launch ended; it was killed."""
+
+
 def byte_size(n: int) -> str:
     """``n`` bytes for a message: ``"64.0 MiB (67108864 bytes)"``."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -1,11 +1,13 @@
 """The three runs of ``lightning-resume prove``: start a user's command, kill it from outside, relaunch it.
 
-Run A goes uninterrupted; run B is SIGKILLed, its whole process group (DDP ranks, data workers), at steps
+Run A goes uninterrupted; run B is SIGKILLed, every process its launch started (DDP ranks, data workers), at steps
 drawn from A's trace after A's first checkpoint, and relaunched each time as the user's script resumes
 (its own ``ckpt_path="last"``; with ``append_on_relaunch`` such as ``--ckpt_path last`` for LightningCLI);
 the last launch runs to its end. Each run has a directory of its own as working directory (so relative
 checkpoint paths do not meet), its trace (``LIGHTNING_RESUME_TRACE``, read by ``ExactResume``) and its
-logs. Every launch has a timeout; only process groups started here are ever killed. This module starts and
+logs. Every launch has a timeout. A kill reaches every process the launch started, wherever it went (a
+torchrun worker in a session of its own, an orphan: ``prove.reaper``), and only those; what a launch left
+running when it ended is named in a ``LeftoverProcessWarning`` and killed. This module starts and
 kills processes; the comparison is ``prove.compare``'s, pure.
 """
 
@@ -19,11 +21,13 @@ import shutil
 import signal
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
-from lightning_resume.prove import compare
+from lightning_resume.errors import LeftoverProcessWarning
+from lightning_resume.prove import compare, reaper
 from lightning_resume.prove.trace import DEFAULT_DIGEST_EVERY, DIGEST_EVERY_ENV, TRACE_ENV
 
 CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".distcp", ".pt")
@@ -141,6 +145,8 @@ class _Running:
     log: Path
     timeout_s: float
     offsets: dict  # trace file -> its size when this launch started: earlier launches' records are not its own
+    token: str  # in the launch's environment: its processes are found wherever they went (``prove.reaper``)
+    subreaper_before: bool = False  # put back once the launch is over
 
     def wait_to_end(self) -> None:
         try:
@@ -148,16 +154,18 @@ class _Running:
         except subprocess.TimeoutExpired:
             self.kill()
             raise RunFailed(f"{self.log.parent.name}: no end within {self.timeout_s:.0f} s", self.log) from None
+        self._collect_leftovers()
         if code != 0:
             raise RunFailed(f"{self.log.parent.name}: {self.log.name} exited with {code}", self.log)
 
     def kill_at(self, step: int, moment: str = "batch") -> bool:
-        """SIGKILL the launch's process group once any rank recorded a ``moment`` record (``kill_moments``) of
+        """SIGKILL the launch (``kill``) once any rank recorded a ``moment`` record (``kill_moments``) of
         step ``step`` or later (a few ms later, drawn, so the kill lands mid-step or mid-validation);
         ``False`` when the launch ended before reaching it."""
         deadline = time.monotonic() + self.timeout_s
         while not _reached(self.trace, step, self.offsets, moment):
             if self.proc.poll() is not None:
+                self._collect_leftovers()
                 if self.proc.returncode != 0:
                     raise RunFailed(f"{self.log.name} exited with {self.proc.returncode}", self.log)
                 return False
@@ -170,7 +178,28 @@ class _Running:
         return True
 
     def kill(self) -> None:
-        kill_group(self.proc)
+        """SIGKILL the launch's group, then every process it started wherever it went (a worker in a session
+        of its own, an orphan), and reap them."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        stuck = reaper.kill_launch(self.proc.pid, self.token)
+        self.proc.wait(timeout=60)
+        reaper.set_subreaper(self.subreaper_before)
+        _warn_leftovers(self.log, stuck, "could not be killed")
+
+    def _collect_leftovers(self) -> None:
+        """Once the launch's root ended: kill and name what it left running (and reap what ended)."""
+        left = reaper.leftovers(self.proc.pid, self.token)
+        reaper.kill_launch(self.proc.pid, self.token)
+        reaper.set_subreaper(self.subreaper_before)
+        _warn_leftovers(self.log, left, "were still running after it ended; killed")
+
+
+def _warn_leftovers(log: Path, left: Sequence[reaper.Leftover], what: str) -> None:
+    if left:
+        named = "; ".join(map(str, left))
+        message = f"{log}: {len(left)} process(es) of this launch {what}: {named}"
+        warnings.warn(message, LeftoverProcessWarning, stacklevel=2)
 
 
 def start_process(
@@ -203,7 +232,9 @@ def _launch(command: Sequence[str], cwd: Path, log: Path, opts: ProveOptions) ->
     env = {**os.environ, **opts.env, **trace_environment(trace, opts.digest_every)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
     offsets = {path.name: path.stat().st_size for path in trace.glob("trace-rank*.jsonl")}
-    return _Running(start_process(command, cwd, env, log), trace, log, opts.timeout_s, offsets)
+    token = env[reaper.LAUNCH_ENV] = reaper.new_token()
+    before = reaper.set_subreaper(True)  # an orphaned worker comes back to us, not to init
+    return _Running(start_process(command, cwd, env, log), trace, log, opts.timeout_s, offsets, token, before)
 
 
 def _reached(trace: Path, step: int, offsets: dict, kind: str = "batch") -> bool:

@@ -1,6 +1,6 @@
 """``lightning-resume prove [options] -- COMMAND...``: prove that your training script resumes bit for bit.
 
-Runs COMMAND uninterrupted (A), then again (B), SIGKILLing its whole process group at random steps once a
+Runs COMMAND uninterrupted (A), then again (B), SIGKILLing every process it started at random steps once a
 checkpoint exists and relaunching it each time the way the script resumes (its own ``ckpt_path="last"``;
 ``--lightning-cli`` appends ``--ckpt_path last`` to the relaunches), and compares A and B step by step on
 every rank from the traces ``ExactResume`` records (docs/prove.md). Exit 0: EXACT; 1: DIFFERS (with the first

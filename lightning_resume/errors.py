@@ -44,6 +44,9 @@ class ResumeMismatchError(LightningResumeError):
 class CheckpointCorruptError(LightningResumeError):
     """A checkpoint failed verification (truncated, flipped bytes, lying header, missing shard...)."""
 
+    overwritten_in_place: int = 0
+    """How many tensors of the live module the load had read in place before it failed (``load_in_place``)."""
+
     def __init__(self, path: str, what: str, expected: object = None, actual: object = None) -> None:
         self.path = str(path)
         self.what = what
@@ -183,6 +186,18 @@ class NoLoadableCheckpointError(LightningResumeError):
             f"ckpt_path='last': {len(self.problems)} checkpoint(s) in {self.directory} and none loads:\n{lines}\n"
             "Fix or move them, resume from a file by its path, or pass ckpt_path=None to start a new run."
         )
+
+
+class PartialLoadError(LightningResumeError):
+    """A load failed after it had read some of the file's tensors into the live module (``load_in_place``), for
+    a reason other than a checksum (an unknown type in the tree, a remote read cut mid-body), chained from that
+    reason; also raised at the start of a fit on a module so left (``format.partial``). A checksum failure stays
+    a ``CheckpointCorruptError`` and says the same."""
+
+    def __init__(self, path: str, message: str, overwritten: int) -> None:
+        self.path = str(path)
+        self.overwritten_in_place = overwritten
+        super().__init__(message)
 
 
 class UnknownTypeError(LightningResumeError):

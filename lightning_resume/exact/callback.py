@@ -64,7 +64,7 @@ from lightning_resume.exact.state.user import capture as capture_user_state
 from lightning_resume.io.plugin import refuse_unencodable_hparams
 from lightning_resume.memory.store import ROOT_KEY, RUN_KEY
 from lightning_resume.memory.tier import DURABLE, MemoryTier, warn_sharded
-from lightning_resume.protocols import loaded_in_place, offer_module
+from lightning_resume.protocols import loaded_in_place, offer_module, refuse_partly_loaded
 from lightning_resume.prove import trace
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.schedule.config import DEFAULT_MTBF, ScheduleConfig
@@ -259,6 +259,7 @@ class ExactResume(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         offer_module(trainer, None)  # the restore is over: no later load may read into the live module
+        refuse_partly_loaded(trainer)  # not on weights an earlier failed load left half-written (format.partial)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -4,7 +4,7 @@ Local paths: write ``.<name>.tmp-<owner>-<pid>-<8 hex>`` in the same directory, 
 ``os.replace`` it over the final name, then fsync the directory so the rename itself survives a
 power loss. A kill at any instant leaves the previous file (or nothing, before the first save)
 under the final name, plus at worst one temporary that :func:`clean_stale_temporaries` removes
-later. ``<owner>`` identifies where ``<pid>`` means something: host, boot and PID namespace; another
+at the next save in that directory. ``<owner>`` identifies where ``<pid>`` means something: host, boot and PID namespace; another
 container, another host over NFS or a process after a reboot has another owner, so its pid is never
 looked up here (it could name anything).
 
@@ -200,7 +200,7 @@ def fsync_file_and_dir(path: str) -> None:
     fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
-def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List[str]:
+def clean_stale_temporaries(directory: str, now: Optional[float] = None, owned_only: bool = False) -> List[str]:
     """Remove temporaries in ``directory`` left by interrupted saves; return what was removed.
 
     Call it only from a writer, never from a reader. Only names matching ``.<name>.tmp-<owner>-<pid>-<8 hex>``
@@ -208,7 +208,8 @@ def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List
     (another container or host) only when untouched for ``STALE_AFTER_S`` seconds,
     so a save in flight elsewhere is never touched. ``now`` is the clock (``time.time()``). A remote
     ``directory`` (a URL) is listed through fsspec, and on S3 its incomplete multi-part uploads older
-    than ``STALE_AFTER_S`` are aborted too (they have no owner to ask).
+    than ``STALE_AFTER_S`` are aborted too (they have no owner to ask). ``owned_only``: only this owner's
+    temporaries of dead pids (no clock, no uploads): the check a writer can afford at every save.
     """
     now = time.time() if now is None else now
     mine = owner_token()
@@ -220,10 +221,11 @@ def clean_stale_temporaries(directory: str, now: Optional[float] = None) -> List
         if match["owner"] == mine:
             stale = not pid_alive(int(match["pid"]))
         else:
-            stale = now - entry.mtime > STALE_AFTER_S
+            stale = not owned_only and now - entry.mtime > STALE_AFTER_S
         if stale and remove_quietly(entry.path):
             removed.append(entry.path)
-    return removed + (_abort_stale_uploads(str(directory), now) if storage.is_remote(directory) else [])
+    uploads = storage.is_remote(directory) and not owned_only
+    return removed + (_abort_stale_uploads(str(directory), now) if uploads else [])
 
 
 def _abort_stale_uploads(directory: str, now: float) -> List[str]:

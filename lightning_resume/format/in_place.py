@@ -6,7 +6,8 @@ never touched before: at 1 GB that was most of the time to the first resumed ste
 (``benchmarks/RESULTS.md``, "time to first step"). ``plan`` pairs each tensor of the file with a destination
 the caller offers, by its place in the checkpoint's tree (for Lightning ``("state_dict", name)``), when the
 destination can take the file's bytes as they are: a dense, contiguous CPU tensor of the same dtype and
-shape, whose memory no other destination of another tensor overlaps. Pure: no files, no reading.
+shape, whose memory no other destination of another tensor overlaps. ``overwritten_error`` words a load that failed
+after it had written into some of them. Pure: no files, no reading.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from lightning_resume.errors import CheckpointCorruptError, PartialLoadError
 from lightning_resume.format.framing import DTYPES, Entry
 
 TreePath = Tuple[str, ...]
@@ -78,3 +80,21 @@ def _without_overlaps(chosen: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor
         if end > reach:
             reach, reaching = end, key
     return {key: t for key, t in chosen.items() if key not in clash}
+
+
+def overwritten_error(err: Exception, path: str, overwritten: int, owner: str) -> Exception:
+    """The error to raise for ``err``, a load of ``path`` that failed after it had read ``overwritten`` tensors into
+    destinations of ``owner`` (e.g. "the module Net"): a checksum failure stays a ``CheckpointCorruptError`` (the
+    "last" fallback catches it), any other failure becomes a ``PartialLoadError``; both say how many and what
+    to do, and carry the count as ``overwritten_in_place``."""
+    note = (
+        f"{overwritten} tensor(s) of {owner} were read in place before the failure and hold this file's bytes:"
+        " load a checkpoint that verifies into them (the fallback of ckpt_path='last' does) or build the model"
+        " again before using it; a fit on it in this process is refused until then, unless you call"
+        " lightning_resume.format.partial.accept_partial(module)"
+    )
+    if isinstance(err, CheckpointCorruptError):
+        said = CheckpointCorruptError(err.path, f"{err.what}; {note}", err.expected, err.actual)
+        said.overwritten_in_place = overwritten
+        return said
+    return PartialLoadError(path, f"{path}: {type(err).__name__}: {err}; {note}", overwritten)

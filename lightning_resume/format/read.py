@@ -18,7 +18,7 @@ import mmap as mmap_module
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -62,8 +62,9 @@ class ReadOptions:
     ``into``: tensors the caller already holds, by their place in the checkpoint's tree, to read the file's
     tensors straight into (``format.in_place.plan`` says which fit; the others load into new memory). The loaded
     tree then holds those very tensors. Not with ``mmap`` or a ``map_location`` device other than the CPU;
-    a ``torch.save`` file loads as always. If the load fails a checksum, the destinations read before the
-    failure hold the file's bytes (the error says so).
+    a ``torch.save`` file loads as always. If the load fails after a destination was written (a checksum, an
+    unknown type in the tree, a remote read cut mid-body), the destinations read before the failure hold the
+    file's bytes and the error says how many, of ``into_owner`` (``in_place.overwritten_error``).
     ``weights_only``: a ``torch.save`` file loads weights-only (the default; ``PickledCheckpointError`` names
     what else it needs), or with ``False`` (a file the caller trusts) unpickled in full (``format.legacy``). Our
     format never runs code either way."""
@@ -75,6 +76,7 @@ class ReadOptions:
     max_remote_load_bytes: Optional[int] = None
     into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None
     weights_only: bool = True
+    into_owner: str = "its caller"
 
 
 def load_file(
@@ -86,12 +88,13 @@ def load_file(
     max_remote_load_bytes: Optional[int] = None,
     into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None,
     weights_only: bool = True,
+    into_owner: str = "its caller",
 ) -> Loaded:
     """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong, and
     ``RemoteLoadMemoryError`` before downloading a remote file whose load would not fit in memory.
-    ``into``, ``weights_only``: see ``ReadOptions``."""
+    ``into``, ``weights_only``, ``into_owner``: see ``ReadOptions``."""
     path = str(path)
-    opts = ReadOptions(verify, map_location, lenient, mmap, max_remote_load_bytes, into, weights_only)
+    opts = ReadOptions(verify, map_location, lenient, mmap, max_remote_load_bytes, into, weights_only, into_owner)
     check_regular_file(path)
     if not is_local(path):
         return _load_remote(path, opts)
@@ -240,14 +243,21 @@ def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: A
     tree, device = _parse_tree(path, tree_json), _device(opts.map_location)
     offered = opts.into if opts.into and (device is None or device.type == "cpu") else {}
     targets = in_place.plan(tree, header.entries, offered) if offered else {}
-    tensors = _read_tensors(path, f, header, record, opts.verify, targets)
-    tensors = tensors if device is None else {k: t.to(device) for k, t in tensors.items()}
+    written: List[str] = []
+    try:
+        tensors = _read_tensors(path, f, header, record, opts.verify, targets, written)
+        tensors = tensors if device is None else {k: t.to(device) for k, t in tensors.items()}
+        checkpoint = _decode_parsed(path, tree, tensors, opts.lenient)
+    except Exception as err:  # any failure, once a destination was written, says so (``in_place.overwritten_error``)
+        if not written:
+            raise
+        raise in_place.overwritten_error(err, path, len(written), opts.into_owner) from err
     filled = {
         where: (str(record["algorithm"]), str(record["tensors"][key][2]))
         for where in offered
         if (key := in_place.tensor_key(tree, where)) in targets
     }
-    return Loaded(_decode_parsed(path, tree, tensors, opts.lenient), header, size, filled)
+    return Loaded(checkpoint, header, size, filled)
 
 
 def verify_local(path: str) -> None:
@@ -289,34 +299,24 @@ def _read_tensors(
     record: Dict[str, Any],
     verify: bool,
     targets: Optional[Mapping[str, torch.Tensor]] = None,
+    written: Optional[List[str]] = None,
 ) -> Dict[str, torch.Tensor]:
     """Read each tensor into its own fresh memory, or into its destination in ``targets`` (``in_place.plan``),
-    hashing each chunk as it lands (with ``verify``)."""
+    hashing each chunk as it lands (with ``verify``). Each destination is appended to ``written`` as its read
+    begins."""
     check = integrity.DataCheck(path, record) if verify else None
     targets = targets or {}
     tensors: Dict[str, torch.Tensor] = {}
-    reading = ""  # the tensor being read, when a failure comes
-    try:
-        for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
-            reading = e.name
-            t = targets.get(e.name)
-            t = torch.empty(e.shape, dtype=framing.DTYPES[e.dtype]) if t is None else t
-            _read_tensor(path, f, e, framing.host_bytes(t), check)
-            tensors[e.name] = t
-        if check is not None:
-            check.finish()  # raises CheckpointCorruptError before any tensor is handed out
-    except CheckpointCorruptError as err:
-        written = sum(1 for key in targets if key in tensors or key == reading)
-        if not written:
-            raise
-        raise CheckpointCorruptError(
-            err.path,
-            f"{err.what}; {written} tensor(s) its caller offered were read in place before the failure and hold"
-            " this file's bytes: load a checkpoint that verifies into them (the fallback of ckpt_path='last' does)"
-            " or build the model again before using it",
-            err.expected,
-            err.actual,
-        ) from err
+    for e in sorted(header.entries.values(), key=lambda e: e.begin):  # entries tile the data in order
+        t = targets.get(e.name)
+        if t is None:
+            t = torch.empty(e.shape, dtype=framing.DTYPES[e.dtype])
+        elif written is not None:
+            written.append(e.name)  # overwritten from its first byte on, whatever happens next
+        _read_tensor(path, f, e, framing.host_bytes(t), check)
+        tensors[e.name] = t
+    if check is not None:
+        check.finish()  # raises CheckpointCorruptError before any tensor is handed out
     return tensors
 
 

@@ -1,7 +1,7 @@
 """``SafetensorsCheckpointIO``: the Lightning ``CheckpointIO`` hook over ``write``, ``read``, ``verify``, ``resolve``.
 
-Thin by design: it validates options, cleans stale temporaries once per directory it saves to (never
-when only loading: a reader, such as an eval job, must not judge another process's save), and delegates. Its one decision is the "last" fallback: Lightning resolves ``ckpt_path="last"`` to the
+Thin by design: it validates options, cleans stale temporaries in the directory of each save (in full at the
+first, then only this host's of dead processes; never when only loading: a reader, such as an eval job, must not judge another process's save), and delegates. Its one decision is the "last" fallback: Lightning resolves ``ckpt_path="last"`` to the
 newest ``last*.ckpt`` by mtime and hands that path to ``load_checkpoint``
 (``lightning/pytorch/trainer/connectors/checkpoint_connector.py`` ``_parse_ckpt_path``); if that file
 fails verification, the plugin loads the newest sibling checkpoint that verifies instead and warns
@@ -38,9 +38,10 @@ from lightning_resume.errors import (
     AsyncWriteWarning,
     CheckpointCorruptError,
     ConfigurationError,
+    PartialLoadError,
     SkippedCheckpointWarning,
 )
-from lightning_resume.format import hparams, read, write
+from lightning_resume.format import hparams, partial, read, write
 from lightning_resume.format.atomic import clean_stale_temporaries
 from lightning_resume.format.integrity import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from lightning_resume.io.options import DEFAULT_REMOTE, SAVE_MODES, WRITERS, RemoteOptions, SaveMode, WriterKind
@@ -109,9 +110,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
             the module (:meth:`load_into`) in ``setup`` and withdraw it in ``on_fit_start``, for each weight on
             the CPU whose dtype and shape match the file's; not when the module overrides
             ``on_load_checkpoint`` (it may change the dict before Lightning copies it), nor for strategies that
-            restore after their own setup (FSDP). If the file then fails a checksum, the weights read before
-            the failure hold the file's bytes (the error says so); the ``"last"`` fallback overwrites them with
-            the checkpoint that verifies. Default ``True``; no effect on a local load with ``mmap``.
+            restore after their own setup (FSDP). If the load then fails (a checksum, an unknown type in the
+            tree, a remote read cut mid-body), the weights read before the failure hold the file's bytes: the
+            error says how many, the ``"last"`` fallback overwrites them with the checkpoint that verifies, and
+            otherwise a later fit on that module in this process is refused until a load into it succeeds or
+            ``format.partial.accept_partial(module)`` is called. Default ``True``; no effect on a local load
+            with ``mmap``.
     """
 
     records_digests = True
@@ -145,8 +149,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._upload = remote.upload
         self._into: Optional[weakref.ReferenceType[torch.nn.Module]] = None  # the module the next load fills
         self._in_place: Dict[str, Tuple[str, str]] = {}  # of the latest load: weights read in place
-        self._cleaned: Set[str] = set()  # directories cleaned, normalised
-        self._seen_parents: Set[str] = set()  # their parents as the paths spelled them (a string split per save)
+        self._cleaned: Set[str] = set()  # directories cleaned in full, normalised
+        self._directories: Dict[str, str] = {}  # a save's parent as spelled -> its directory, normalised
         self._resolved: Dict[str, List[str]] = {}  # a "last" choice -> the candidates ranked below it
         self._loaded: Dict[str, str] = {}  # a path asked for -> the file its load read
         self._saver: Optional[AsyncSaver] = None  # every mode stages but a sync save on the training thread
@@ -168,7 +172,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
                 f"SafetensorsCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r})"
             )
         path = str(path)
-        self._clean_once(path)
+        self._clean_before_save(path)
         if self._saver is None:
             write.save_file(checkpoint, path, algorithm=self.checksum, upload=self._upload)
             return
@@ -215,10 +219,18 @@ class SafetensorsCheckpointIO(CheckpointIO):
     def _load(self, path: str, map_location: Any, weights_only: bool = True) -> Dict[str, Any]:
         module = self._into() if self._into is not None else None
         into = destinations(module) if self.load_in_place and not self.mmap and module is not None else None
-        loaded = read.load_file(
-            path, self.verify, map_location, mmap=self.mmap, max_remote_load_bytes=self.remote.max_load_bytes,
-            into=into, weights_only=weights_only,
-        )  # fmt: skip
+        owner = "its caller" if module is None else f"the module {type(module).__name__}"
+        try:
+            loaded = read.load_file(
+                path, self.verify, map_location, mmap=self.mmap, max_remote_load_bytes=self.remote.max_load_bytes,
+                into=into, weights_only=weights_only, into_owner=owner,
+            )  # fmt: skip
+        except (CheckpointCorruptError, PartialLoadError) as err:
+            if module is not None and err.overwritten_in_place:
+                partial.mark(module, path, str(err), err.overwritten_in_place)  # a fit on it refuses (format.partial)
+            raise
+        if module is not None:
+            partial.forget(module)  # a load into it succeeded: an earlier failed one no longer matters
         self._in_place = {where[1]: digest for where, digest in loaded.in_place.items()}
         return loaded.checkpoint
 
@@ -355,21 +367,29 @@ class SafetensorsCheckpointIO(CheckpointIO):
             )
         return done
 
-    def _clean_once(self, path: str) -> None:
-        parent = storage.split(path)[0]
-        if parent in self._seen_parents:  # every save after the first: no filesystem lookup on the save's path
-            return
-        if "://" in parent or os.path.isabs(parent):  # a relative one names another directory after a chdir
-            self._seen_parents.add(parent)
-        if is_local(path):
-            directory = os.path.dirname(os.path.abspath(storage.local_path(path)))
+    def _clean_before_save(self, path: str) -> None:
+        """Remove the temporaries interrupted saves left next to ``path``: at the first save into its directory
+        all that ``clean_stale_temporaries`` judges stale; at every later local one, this host's of dead pids (a
+        save killed since, e.g. another trainer's on the same directory: one directory listing)."""
+        directory = self._directories.get(storage.split(path)[0]) or self._directory_of(path)
+        if directory not in self._cleaned:
+            self._cleaned.add(directory)
+            removed = clean_stale_temporaries(directory)
+        elif is_local(directory):
+            removed = clean_stale_temporaries(directory, owned_only=True)
         else:
-            directory = parent  # the URL, scheme kept
-        if directory in self._cleaned:
-            return
-        self._cleaned.add(directory)
-        for removed in clean_stale_temporaries(directory):
-            log.info("removed stale temporary %s left by an interrupted save", removed)
+            removed = []  # a remote listing per save costs a request; the first save's cleanup covers a restart
+        for name in removed:
+            log.info("removed stale temporary %s left by an interrupted save", name)
+
+    def _directory_of(self, path: str) -> str:
+        """The directory of ``path``, normalised (a URL keeps its scheme); remembered for absolute or URL parents
+        (a relative one names another directory after a chdir)."""
+        parent = storage.split(path)[0]
+        directory = os.path.dirname(os.path.abspath(storage.local_path(path))) if is_local(path) else parent
+        if "://" in parent or os.path.isabs(parent):
+            self._directories[parent] = directory
+        return directory
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:

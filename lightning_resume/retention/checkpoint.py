@@ -36,7 +36,7 @@ from lightning_resume.format.atomic import fsync_file_and_dir
 from lightning_resume.io.plugin import refuse_unencodable_hparams
 from lightning_resume.io.resolve import candidates
 from lightning_resume.io.verify import precheck, problem
-from lightning_resume.protocols import AsyncCheckpointWriter, offer_module
+from lightning_resume.protocols import AsyncCheckpointWriter, offer_module, refuse_partly_loaded
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.retention.mirror import MirrorUploader, Outcome
 from lightning_resume.retention.naming import parse_rolling_name, rolling_name
@@ -408,6 +408,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         offer_module(trainer, None)  # the restore is over: no later load may read into the live module
+        refuse_partly_loaded(trainer)  # not on weights an earlier failed load left half-written (format.partial)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

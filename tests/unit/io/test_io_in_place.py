@@ -6,19 +6,25 @@ through ``ExactResume`` reads in place and checks the module against the file's 
 from __future__ import annotations
 
 import collections
+import enum
+import sys
+import types
+import uuid
 import warnings
 from pathlib import Path
 
+import fsspec
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resume import ExactResume, RetentionCheckpoint, SafetensorsCheckpointIO
-from lightning_resume.errors import CheckpointCorruptError, ResumeMismatchError
-from lightning_resume.format import framing, in_place, read, write
+from lightning_resume.errors import CheckpointCorruptError, PartialLoadError, ResumeMismatchError, UnknownTypeError
+from lightning_resume.format import framing, in_place, partial, read, write
 from lightning_resume.format.codec import encode
 from lightning_resume.format.framing import Entry
+from lightning_resume.storage import files as storage
 
 
 def flip_byte_of_tensor(path: str, name: str) -> None:
@@ -99,6 +105,7 @@ def test_no_destination_is_used_with_mmap_or_for_another_device(tmp_path: Path):
 
 
 def test_a_checksum_failure_names_the_tensors_overwritten(tmp_path: Path):
+    """(That one was said before issue 41; it now carries the count, which marks the module: below.)"""
     state, path = _state(), str(tmp_path / "x.ckpt")
     write.save_file(state, path)
     flip_byte_of_tensor(path, "state_dict.b")
@@ -106,11 +113,59 @@ def test_a_checksum_failure_names_the_tensors_overwritten(tmp_path: Path):
     with pytest.raises(CheckpointCorruptError, match=r"state_dict\.b.*read in place before the failure") as caught:
         read.load_file(path, into=into)
     assert "build the model again" in str(caught.value)
+    assert caught.value.overwritten_in_place == 1  # b, the first in the file, failed: w was never touched
     clean = _module_like(state)
     with pytest.raises(CheckpointCorruptError) as plain:
         read.load_file(path)  # nothing offered: the error as before
     assert "in place" not in str(plain.value)
     assert not torch.any(clean[("state_dict", "w")])
+
+
+def _with_enum_of_a_module_not_imported(state: dict) -> tuple:
+    """``state`` plus an enum member whose module is imported only while the file is written (issue 41, 7); and
+    that module's name."""
+    name = f"lr_colors_{uuid.uuid4().hex[:8]}"
+    module = types.ModuleType(name)
+    color = enum.Enum("Color", "RED GREEN", module=name)  # type: ignore[misc]
+    module.Color = color  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    return {**state, "hyper": {"color": color.GREEN}}, name
+
+
+def test_a_tree_that_fails_to_decode_after_in_place_writes_says_how_many(tmp_path: Path):
+    (state, name), path = _with_enum_of_a_module_not_imported(_state()), str(tmp_path / "x.ckpt")
+    write.save_file(state, path)
+    del sys.modules[name]  # the load runs where the enum's module was never imported
+    into = _module_like(state)
+    with pytest.raises(PartialLoadError, match=r"2 tensor\(s\) of the module Net were read in place") as caught:
+        read.load_file(path, into=into, into_owner="the module Net")
+    assert isinstance(caught.value.__cause__, UnknownTypeError) and caught.value.overwritten_in_place == 2
+    assert "accept_partial" in str(caught.value)
+    assert torch.equal(into[("state_dict", "w")], state["state_dict"]["w"])  # it did overwrite: and said so
+
+
+def test_a_remote_in_place_load_cut_mid_body_says_it_overwrote(tmp_path: Path, monkeypatch):
+    state, path = _state(), str(tmp_path / "x.ckpt")
+    write.save_file(state, path)
+    data = open(path, "rb").read()
+    url = f"memory://cut-{uuid.uuid4().hex[:8]}/x.ckpt"
+    fsspec.filesystem("memory").pipe_file(url, data)
+    header = framing.parse_header(path, data[: 8 + framing.header_length(path, data[:8], len(data))], len(data))
+    e = header.entries["state_dict.w"]
+    cut_at = header.data_start + (e.begin + e.end) // 2  # the connection drops in the middle of a weight
+
+    class Cut(storage.RangedReader):
+        def readinto(self, b):
+            if self._pos + len(memoryview(b)) > cut_at:
+                raise ConnectionResetError(104, "Connection reset by peer")
+            return super().readinto(b)
+
+    monkeypatch.setattr(storage, "RangedReader", Cut)
+    into = _module_like(state)
+    begun = sum(1 for name, x in header.entries.items() if name.startswith("state_dict.") and x.begin <= e.begin)
+    with pytest.raises(PartialLoadError, match=rf"ConnectionResetError.*{begun} tensor\(s\) of its caller") as caught:
+        read.load_file(url, into=into)
+    assert isinstance(caught.value.__cause__, OSError) and caught.value.overwritten_in_place == begun
 
 
 # ------------------------------------------------------------------------------------------ Lightning
@@ -193,3 +248,45 @@ def test_after_the_restore_no_load_reads_into_the_live_module(tmp_path: Path):
     io.load_checkpoint(str(next((tmp_path / "other").glob("*.ckpt"))))
     assert io.loaded_in_place() == {}
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _fit_from(dirpath: Path, steps: int, model: pl.LightningModule, ckpt_path) -> pl.Trainer:
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)), batch_size=4)
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ExactResume(), RetentionCheckpoint(dirpath=dirpath, every_n_train_steps=3)],
+        plugins=[SafetensorsCheckpointIO()],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_fit_on_a_module_a_failed_load_half_overwrote_is_refused_until_told(tmp_path: Path):
+    """Issue 41, 7: a checksum failure in the file's second weight, then ``fit(model)`` in the same process."""
+    _fit(tmp_path, 6, _Net(), resume=False)
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(next(p for p in tmp_path.glob("*.ckpt") if not p.name.startswith("last")).read_bytes())
+    flip_byte_of_tensor(str(damaged), "state_dict.layer.bias")  # layer.weight before it is already the file's
+    model = _Net()
+    with pytest.raises(CheckpointCorruptError, match=r"[0-9]+ tensor\(s\) of the module _Net were read in place"):
+        _fit_from(tmp_path / "a", 8, model, str(damaged))
+    with pytest.raises(PartialLoadError, match=r"refusing to train _Net.*overwritten [0-9]+ of its tensors"):
+        _fit_from(tmp_path / "b", 8, model, None)
+    partial.accept_partial(model)  # the user says: train on it as it is
+    assert _fit_from(tmp_path / "c", 4, model, None).global_step == 4
+
+
+def test_a_load_that_succeeds_into_the_module_lifts_the_refusal(tmp_path: Path):
+    _fit(tmp_path, 6, _Net(), resume=False)
+    good = next(p for p in tmp_path.glob("*.ckpt") if not p.name.startswith("last"))
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(good.read_bytes())
+    flip_byte_of_tensor(str(damaged), "state_dict.layer.bias")
+    model = _Net()
+    with pytest.raises(CheckpointCorruptError):
+        _fit_from(tmp_path / "a", 8, model, str(damaged))
+    assert _fit_from(tmp_path / "b", 8, model, str(good)).global_step == 8  # resumed: the module is the file's
+    assert _fit_from(tmp_path / "c", 10, model, None).global_step == 10

@@ -104,9 +104,10 @@ def test_in_flight_save_in_another_pid_namespace_is_not_deleted(tmp_path):
         writer.wait()
 
 
-def test_a_writer_cleans_each_directory_once_and_a_relative_one_again_after_a_chdir(tmp_path, monkeypatch):
-    """The first save into a directory removes a dead writer's temporary there; later saves into it look no
-    more (a string check per save). A relative path names another directory after ``os.chdir``: cleaned too."""
+def test_a_writer_cleans_each_directory_in_full_once_and_a_relative_one_again_after_a_chdir(tmp_path, monkeypatch):
+    """The first save into a directory removes every stale temporary there; later saves remove only this host's
+    dead writers' (issue 41, 9: no clock, no other owner judged again). A relative path names another directory
+    after ``os.chdir``: cleaned in full too."""
     io = SafetensorsCheckpointIO()
     for d in ("a/ckpt", "b/ckpt"):
         (tmp_path / d).mkdir(parents=True)
@@ -114,8 +115,12 @@ def test_a_writer_cleans_each_directory_once_and_a_relative_one_again_after_a_ch
     io.save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "a" / "ckpt" / "x.ckpt"))
     assert not first.exists()
     again = _dead_writer_temp(tmp_path / "a" / "ckpt", monkeypatch)
+    other_host = _dead_writer_temp(tmp_path / "a" / "ckpt", monkeypatch, identity=("other", "boot", "pid:[1]"))
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(other_host, (old, old))
     io.save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "a" / "ckpt" / "y.ckpt"))
-    assert again.exists(), "a directory is cleaned once per plugin, not at every save"
+    assert not again.exists(), "this host's dead writer's temporary goes at the next save"
+    assert other_host.exists(), "another owner's is judged at the first save into a directory only"
     monkeypatch.chdir(tmp_path / "a")
     io.save_checkpoint({"w": torch.ones(2)}, "ckpt/z.ckpt")
     in_b = _dead_writer_temp(tmp_path / "b" / "ckpt", monkeypatch)

@@ -61,6 +61,7 @@ _SOURCES: dict[str, str] = {
     "UnsafeCheckpointError": "lightning_resume.errors",
     "VersionWarning": "lightning_resume.errors",
     "WriterProcessDied": "lightning_resume.errors",
+    "accept_partial": "lightning_resume.format.partial",
     "daly_interval": "lightning_resume.schedule.formulas",
     "expected_waste": "lightning_resume.schedule.formulas",
     "load_full": "lightning_resume.sharded.api",
@@ -130,6 +131,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_resume.exact.restore import ResumeReport
     from lightning_resume.exact.state.data import ResumableDataset, ResumableIterableDataset
     from lightning_resume.format.codec import register_converter
+    from lightning_resume.format.partial import accept_partial
     from lightning_resume.io.options import RemoteOptions
     from lightning_resume.io.plugin import SafetensorsCheckpointIO
     from lightning_resume.io.resolve import newest_committed, newest_verified

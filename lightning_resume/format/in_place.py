@@ -91,7 +91,7 @@ def overwritten_error(err: Exception, path: str, overwritten: int, owner: str) -
         f"{overwritten} tensor(s) of {owner} were read in place before the failure and hold this file's bytes:"
         " load a checkpoint that verifies into them (the fallback of ckpt_path='last' does) or build the model"
         " again before using it; a fit on it in this process is refused until then, unless you call"
-        " lightning_resume.format.partial.accept_partial(module)"
+        " lightning_resume.accept_partial(module)"
     )
     if isinstance(err, CheckpointCorruptError):
         said = CheckpointCorruptError(err.path, f"{err.what}; {note}", err.expected, err.actual)

@@ -35,7 +35,7 @@ def test_a_notice_after_a_dripped_answer_is_seen_at_the_next_poll(metadata, make
     assert any("no answer within 0.5s" in m for m in _ours(caught))
 
 
-def test_a_dripping_endpoint_never_keeps_another_cloud_from_being_asked(metadata, make_poller, wait_until):
+def test_a_dripping_endpoint_never_keeps_another_cloud_from_being_asked(metadata, make_poller, wait_until, caught):
     metadata.drip_answers = 1_000_000  # every GCE answer (and every other GET) drips
     poller = make_poller(["gcp", "azure"], endpoint=metadata.url, timeout_s=0.3)
     poller.start()

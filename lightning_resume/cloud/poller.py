@@ -7,18 +7,22 @@ network. ``on_notice`` is called from the poller thread and must only set a flag
 
 What this module owns, and why:
 
-- The HTTP, with ``urllib`` through an opener that ignores the environment's proxies (``ProxyHandler({})``)
-  and follows no redirect: a link-local metadata address sent through ``HTTP_PROXY`` would reach the
-  proxy, not this instance, and hand the proxy the AWS token. An explicit ``endpoint`` is used exactly as
-  given (to go through a proxy, name it there). ``timeout_s`` bounds each socket operation, not a whole
-  answer, and answers are read up to ``protocols.MAX_BODY`` bytes.
-- The AWS IMDSv2 token: fetched before the first probe, sent with each, fetched again on a 401. (In a
-  container behind an instance whose IMDS hop limit is 1, the token request gets no answer: that is
+- The HTTP, through ``fetch.fetch``: no environment proxy (a link-local metadata address sent through
+  ``HTTP_PROXY`` would reach the proxy, not this instance, and hand the proxy the AWS token), no redirect
+  followed, and ``timeout_s`` a deadline on each whole answer (connect, headers and body), so an endpoint
+  that drips its answer costs one ``timeout_s`` and the next poll goes on. An explicit ``endpoint`` is used
+  exactly as given (to go through a proxy, name it there). Answers are read up to ``protocols.MAX_BODY`` bytes.
+- The AWS IMDSv2 token: fetched before the first probe, sent with each, fetched again on a 401. A token that
+  is not printable ASCII of bounded length is refused (warned once) and a new one asked at the next probe.
+  (In a container behind an instance whose IMDS hop limit is 1, the token request gets no answer: that is
   reported as a timeout.)
+- Advisories: grouped into episodes per endpoint (``episodes.next_episode``); one advisory is handed out
+  per episode, so a flapping endpoint costs at most one snapshot per ``advisory_quiet_s``.
 - Failure reporting: a malformed answer, an unreachable or hanging endpoint, a late or stale deadline,
   an error in ``on_notice`` each emit one ``PreemptionWarning`` per kind and URL (``warnings``, like the
-  rest of lightning-resume, so one filter covers the product), and polling goes on. Nothing is raised
-  out of the thread.
+  rest of lightning-resume, so one filter covers the product), and polling goes on. Each probe fails on
+  its own: nothing one endpoint answers stops the others from being asked. Nothing is raised out of the
+  thread.
 - Lifetime: a poller without clouds starts no thread and opens no socket. After a preempt notice the
   thread ends (there is nothing more to learn). ``stop`` signals and joins it.
 """
@@ -28,13 +32,12 @@ from __future__ import annotations
 import http.client
 import threading
 import time
-import urllib.error
-import urllib.request
 import warnings
-from email.message import Message
-from typing import IO, Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from lightning_resume.cloud.detect import validate_clouds
+from lightning_resume.cloud.episodes import ADVISORY_QUIET_S, Episode, next_episode
+from lightning_resume.cloud.fetch import HeaderValueError, fetch
 from lightning_resume.cloud.protocols import (
     ADVISORY,
     APIS,
@@ -51,23 +54,12 @@ from lightning_resume.errors import ConfigurationError, PreemptionWarning
 THREAD_NAME = "lightning-resume-notices"
 
 
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """A metadata service does not redirect; a redirect would lead the token somewhere else. The 3xx
-    becomes an ``HTTPError`` whose status the parser refuses."""
-
-    def redirect_request(
-        self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: Message, newurl: str
-    ) -> Optional[urllib.request.Request]:
-        return None
-
-
 def _failure_kind(err: BaseException) -> str:
-    reason = err.reason if isinstance(err, urllib.error.URLError) else err
-    return "timeout" if isinstance(reason, TimeoutError) else "unreachable"
+    return "timeout" if isinstance(err, TimeoutError) else "unreachable"
 
 
 def _validate(
-    clouds: Sequence[str], endpoint: Optional[str], interval_s: float, timeout_s: float
+    clouds: Sequence[str], endpoint: Optional[str], interval_s: float, timeout_s: float, advisory_quiet_s: float
 ) -> tuple[tuple[str, ...], list[str]]:
     problems: list[str] = []
     valid: tuple[str, ...] = ()
@@ -77,7 +69,7 @@ def _validate(
         problems.append(str(err))
     if endpoint is not None and not endpoint.startswith(("http://", "https://")):
         problems.append(f"endpoint={endpoint!r} is not an http:// or https:// URL; e.g. 'http://127.0.0.1:8080'")
-    for name, value in (("interval_s", interval_s), ("timeout_s", timeout_s)):
+    for name, value in (("interval_s", interval_s), ("timeout_s", timeout_s), ("advisory_quiet_s", advisory_quiet_s)):
         if not value > 0:  # also refuses NaN
             problems.append(f"{name}={value!r} must be a positive number of seconds")
     return valid, problems
@@ -86,8 +78,10 @@ def _validate(
 class NoticePoller:
     """Polls ``clouds`` (names from ``detect.CLOUDS``, e.g. ``resolve_clouds("auto")``) for notices.
 
-    ``endpoint`` replaces every cloud's base URL (a test server, a local relay). ``wall_clock`` gives
-    the ``seen_at`` of each notice (seconds since the epoch; the deadlines are on the same clock).
+    ``endpoint`` replaces every cloud's base URL (a test server, a local relay). ``timeout_s`` is the
+    deadline of each whole answer. ``wall_clock`` gives the ``seen_at`` of each notice (seconds since the
+    epoch; the deadlines are on the same clock); ``clock`` (monotonic seconds) times advisory episodes,
+    ``advisory_quiet_s`` apart at least (``episodes``).
     """
 
     def __init__(
@@ -98,8 +92,10 @@ class NoticePoller:
         timeout_s: float = 2.0,
         wall_clock: Callable[[], float] = time.time,
         on_notice: Optional[Callable[[Notice], None]] = None,
+        advisory_quiet_s: float = ADVISORY_QUIET_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        valid, problems = _validate(clouds, endpoint, interval_s, timeout_s)
+        valid, problems = _validate(clouds, endpoint, interval_s, timeout_s, advisory_quiet_s)
         if problems:
             raise ConfigurationError("NoticePoller", problems)
         self.clouds = valid
@@ -108,13 +104,13 @@ class NoticePoller:
         self.timeout_s = float(timeout_s)
         self.wall_clock = wall_clock
         self.on_notice = on_notice
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _RefuseRedirects())
+        self.advisory_quiet_s, self.clock = float(advisory_quiet_s), clock
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._notice: Optional[Notice] = None
         self._advisory: Optional[Notice] = None
-        self._shown: dict[str, str] = {}  # probe URL -> detail of the advisory it answered last
+        self._episodes: dict[str, Optional[Episode]] = {}  # probe URL -> its current advisory episode
         self._tokens: dict[str, str] = {}
         self._reported: set[tuple[str, str]] = set()
 
@@ -129,8 +125,9 @@ class NoticePoller:
     def take_advisory(self) -> Optional[Notice]:
         """The latest advisory (save, keep training) not taken yet, which is then cleared; ``None`` if none.
 
-        An advisory is handed out once per announcement: one the cloud keeps answering poll after poll
-        (AWS keeps a rebalance recommendation up) comes back only after it went away or changed.
+        An advisory is handed out once per episode (``episodes``): one the cloud keeps answering poll after
+        poll (AWS keeps a rebalance recommendation up), or that flaps, comes back only after it was gone for
+        ``advisory_quiet_s``, or changed and that long passed since it was handed out.
         """
         with self._lock:
             advisory, self._advisory = self._advisory, None
@@ -155,7 +152,7 @@ class NoticePoller:
 
     def stop(self, timeout: float = 5.0) -> bool:
         """Tell the thread to end and wait up to ``timeout`` s; ``True`` when it has ended. A request in
-        flight is not interrupted: it ends within ``timeout_s`` and the (daemon) thread with it."""
+        flight is not interrupted: it ends within its deadline (``timeout_s``) and the (daemon) thread with it."""
         self._stopping.set()
         thread = self._thread
         if thread is not None:
@@ -187,7 +184,11 @@ class NoticePoller:
             for probe in api.probes:
                 if self._stopping.is_set() and threading.current_thread() is self._thread:
                     return self.notice
-                self._probe(api, probe)
+                try:
+                    self._probe(api, probe)
+                except Exception as err:  # noqa: BLE001 - one endpoint's failure must not stop the others
+                    where = self._base(api) + probe.request.path
+                    self._report_once("internal", where, f"notice poller error at {where}: {type(err).__name__}: {err}")
                 if self.notice is not None:
                     return self.notice
         return None
@@ -200,10 +201,14 @@ class NoticePoller:
         try:
             status, body = self._ask(api, probe.request)
             notice = probe.parse(status, body, self.wall_clock())
-        except MalformedAnswer as err:
-            self._report_once("malformed", url, f"{api.name} metadata answer unusable: {self._base(api)}{err}")
+        except MalformedAnswer as err:  # the token's URL, when the token was refused
+            where = self._base(api) + err.url
+            self._report_once("malformed", where, f"{api.name} metadata answer unusable: {self._base(api)}{err}")
             return
-        except (OSError, http.client.HTTPException) as err:  # URLError and TimeoutError are OSErrors
+        except HeaderValueError as err:
+            self._report_once("header", url, f"{api.name} request to {url} not sent: {err}")
+            return
+        except (OSError, http.client.HTTPException) as err:  # TimeoutError is an OSError
             kind = _failure_kind(err)
             what = f"no answer within {self.timeout_s:g}s" if kind == "timeout" else "unreachable"
             self._report_once(kind, url, f"{api.name} metadata service {what} at {url}: {err}; polling goes on")
@@ -229,27 +234,20 @@ class NoticePoller:
         return token
 
     def _send(self, api: CloudAPI, request: Request, headers: Iterable[tuple[str, str]]) -> tuple[int, bytes]:
-        url = self._base(api) + request.path
-        req = urllib.request.Request(url, method=request.method, headers=dict(headers))
-        try:
-            with self._opener.open(req, timeout=self.timeout_s) as response:
-                return response.status, response.read(MAX_BODY + 1)
-        except urllib.error.HTTPError as err:  # 4xx/5xx are answers too: 404 means "no notice"
-            with err:
-                return err.code, err.read(MAX_BODY + 1)
+        return fetch(self._base(api) + request.path, request.method, headers, self.timeout_s, MAX_BODY + 1)
 
     def _record(self, url: str, notice: Optional[Notice]) -> None:
-        if notice is None:
-            self._shown.pop(url, None)  # whatever it announced is over: the next announcement is new
-        elif notice.kind == ADVISORY:
+        if notice is None or notice.kind == ADVISORY:
             self._record_advisory(url, notice)
         else:
             self._record_preempt(url, notice)
 
-    def _record_advisory(self, url: str, notice: Notice) -> None:
-        if self._shown.get(url) == notice.detail:
-            return  # the same announcement, answered again
-        self._shown[url] = notice.detail
+    def _record_advisory(self, url: str, notice: Optional[Notice]) -> None:
+        detail = None if notice is None else notice.detail
+        episode, new = next_episode(self._episodes.get(url), detail, self.clock(), self.advisory_quiet_s)
+        self._episodes[url] = episode
+        if notice is None or not new:
+            return  # nothing announced, or the episode already handed out
         with self._lock:
             self._advisory = notice
         self._notify(notice)

@@ -35,6 +35,9 @@ GCE_PREEMPT_NOTICE_S = 30.0
 GCE_MAINTENANCE_NOTICE_S = 60.0
 """GCE announces ``TERMINATE_ON_HOST_MAINTENANCE`` 60 s ahead; it gives no time of its own."""
 
+MAX_HEADER_VALUE = 1024
+"""The longest header value sent. Every value sent is a constant or an AWS token (56 characters in practice)."""
+
 STALE_AFTER_S = 120.0
 """A preempt deadline further in the past than this means the notice outlived its instance stop (an AWS
 instance stopped and started again, a clock far off): acting on it would stop every restart at once."""
@@ -152,6 +155,18 @@ def _rfc1123_time(url: str, name: str, text: str) -> float:
         raise MalformedAnswer(url, f"field {name!r} = {text!r} is not an RFC 1123 time") from err
 
 
+def header_value_problem(value: str) -> Optional[str]:
+    """Why ``value`` cannot be sent as an HTTP header value, or ``None`` when it can: it must be printable
+    ASCII without spaces (what every documented value and an IMDSv2 token are), 1 to ``MAX_HEADER_VALUE`` long."""
+    if not value:
+        return "it is empty"
+    if len(value) > MAX_HEADER_VALUE:
+        return f"it is {len(value)} characters long, more than {MAX_HEADER_VALUE}"
+    if not all(" " < c <= "~" for c in value):
+        return "it is not printable ASCII without spaces"
+    return None
+
+
 # --------------------------------------------------------------------------------------------- AWS
 
 AWS_TOKEN_PATH = "/latest/api/token"
@@ -162,11 +177,13 @@ AWS_REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 
 
 def parse_aws_token(status: int, body: bytes) -> str:
-    """The IMDSv2 session token from the answer to ``PUT /latest/api/token``."""
+    """The IMDSv2 session token from the answer to ``PUT /latest/api/token``: a value it is safe to send back
+    as a header (``header_value_problem``), or ``MalformedAnswer``."""
     _check_status(AWS_TOKEN_PATH, status, body, (200,))
     token = _text(AWS_TOKEN_PATH, body)
-    if not token or any(c in token for c in "\r\n"):
-        raise MalformedAnswer(AWS_TOKEN_PATH, f"token {token!r} is empty or not one line")
+    problem = header_value_problem(token)
+    if problem is not None:
+        raise MalformedAnswer(AWS_TOKEN_PATH, f"token {token[:64]!r} refused: {problem}")
     return token
 
 

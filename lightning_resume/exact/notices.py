@@ -5,7 +5,8 @@ Azure's scheduled events with a ``NotBefore``); ``cloud.NoticePoller`` watches t
 endpoint of the cloud this machine is on, off the training thread. Here a notice becomes a preemption level
 the ranks agree on at their next check, exactly as a preemption signal does (``driver.at_step_boundary``):
 ``STOP`` (a durable snapshot, then a clean stop) or, with ``on_notice="snapshot"`` and for advisory notices
-(AWS's rebalance recommendation), ``SNAPSHOT`` (a durable snapshot, training goes on). When the measured
+(AWS's rebalance recommendation), ``SNAPSHOT`` (a durable snapshot, training goes on); the poller hands out
+an advisory once per episode (``cloud.episodes``), so one that flaps costs one snapshot. When the measured
 cost of a durable save does not fit in the time the notice leaves, that is said at once. This module holds
 the glue and the log lines; the polling is ``lightning_resume.cloud``'s, the decision the driver's.
 """

@@ -2,7 +2,10 @@
 
 AWS (IMDSv2 only: a GET without the current token is a 401, as on an instance with HttpTokens=required),
 GCE (403 without ``Metadata-Flavor: Google``), Azure Scheduled Events (400 without ``Metadata: true`` or
-with another api-version). ``hang_s`` makes every answer wait (released at stop). Tests never reach any
+with another api-version). ``hang_s`` makes every answer wait (released at stop); ``drip_answers`` makes the
+next GET answers drip a byte at a time, forever (until the client gives up or the server stops);
+``bad_tokens`` are issued before good AWS tokens; ``rebalance_script`` answers the rebalance endpoint one
+entry per request (``None``: 404) before ``aws_rebalance`` does. Tests never reach any
 other address: every poller is given ``endpoint=metadata.url``. Used by the poller's unit tests and by the
 kill-and-resume tests of ``ExactResume(preemption=PreemptionOptions(notices=...))``; ``fake_dmi`` writes the DMI evidence of
 a cloud for ``"auto"``.
@@ -34,6 +37,11 @@ class FakeMetadata:
     azure_events: bytes = NO_EVENTS
     redirect_to: Optional[str] = None
     hang_s: float = 0.0
+    drip_answers: int = 0  # the next this many GETs are dripped, one byte per drip_every_s
+    drip_phase: str = "body"  # "status": the status line itself drips; "body": whole headers, then the body
+    drip_every_s: float = 0.05
+    bad_tokens: list = field(default_factory=list)  # bytes issued as AWS tokens, in order, before good ones
+    rebalance_script: list = field(default_factory=list)  # bytes or None (404), one per rebalance GET
     release: threading.Event = field(default_factory=threading.Event)
     log: list = field(default_factory=list)  # (method, path, status, headers by lower-case name)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -63,6 +71,8 @@ class _Handler(BaseHTTPRequestHandler):
             state.log.append((self.command, self.path, status, {k.lower(): v for k, v in self.headers.items()}))
         if state.hang_s:
             state.release.wait(state.hang_s)
+        if self.command == "GET" and self._take_drip():
+            return self._drip(body)
         try:
             self.send_response(status)
             for key, value in (extra or {}).items():
@@ -73,11 +83,39 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass  # the client gave up (a timeout under test)
 
+    def _take_drip(self) -> bool:
+        state = self.server.state
+        with state.lock:
+            if state.drip_answers <= 0:
+                return False
+            state.drip_answers -= 1
+            return True
+
+    def _drip(self, body: bytes) -> None:
+        """Send a byte every ``drip_every_s`` until the client goes or the server stops: each read the client
+        makes gets data in time, but the answer never ends."""
+        state = self.server.state
+        if state.drip_phase == "status":
+            head, tail = b"", b"HTTP/1.0 200 OK\r\nX-Pad: " + b"a" * 60000
+        else:
+            head, tail = b"HTTP/1.0 200 OK\r\nContent-Length: 65536\r\n\r\n" + body, b"a" * 65536
+        try:
+            self.wfile.write(head)
+            for i in range(len(tail)):
+                if state.release.wait(state.drip_every_s):
+                    return
+                self.wfile.write(tail[i : i + 1])
+        except OSError:
+            pass  # the client gave up: what a deadline does
+
     def do_PUT(self) -> None:
         state = self.server.state
         if self.path != "/latest/api/token" or not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
             return self._answer(400)
         state.tokens_issued += 1
+        if state.bad_tokens:
+            state.aws_token = ""  # nothing is accepted with a bad token (it should never be sent)
+            return self._answer(200, state.bad_tokens.pop(0))
         state.aws_token = f"token-{state.tokens_issued}"
         self._answer(200, state.aws_token.encode())
 
@@ -105,9 +143,12 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server.state
         if not state.aws_token or self.headers.get("X-aws-ec2-metadata-token") != state.aws_token:
             return self._answer(401)
+        rebalance = state.aws_rebalance
+        if path.endswith("/rebalance") and state.rebalance_script:
+            rebalance = state.rebalance_script.pop(0)
         bodies = {
             "/latest/meta-data/spot/instance-action": state.aws_action,
-            "/latest/meta-data/events/recommendations/rebalance": state.aws_rebalance,
+            "/latest/meta-data/events/recommendations/rebalance": rebalance,
         }
         body = bodies.get(path)
         self._answer(200, body) if body is not None else self._answer(404)

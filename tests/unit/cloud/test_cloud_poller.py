@@ -85,8 +85,10 @@ def test_aws_expired_token_is_replaced_after_a_401(metadata, make_poller, wait_u
 
 
 def test_aws_rebalance_is_an_advisory_handed_out_once_and_polling_goes_on(metadata, make_poller, wait_until):
-    seen = []
-    poller = make_poller(["aws"], endpoint=metadata.url, wall_clock=lambda: NOW, on_notice=seen.append)
+    seen, clock = [], [0.0]
+    poller = make_poller(
+        ["aws"], endpoint=metadata.url, wall_clock=lambda: NOW, on_notice=seen.append, clock=lambda: clock[0]
+    )
     poller.start()
     metadata.aws_rebalance = json.dumps({"noticeTime": _iso(NOW)}).encode()
     wait_until(lambda: seen)
@@ -96,7 +98,8 @@ def test_aws_rebalance_is_an_advisory_handed_out_once_and_polling_goes_on(metada
     wait_until(lambda: len(metadata.statuses("rebalance")) >= polls + 3)
     assert poller.take_advisory() is None and len(seen) == 1  # still up, but the same announcement
     assert poller.running and poller.notice is None
-    metadata.aws_rebalance = json.dumps({"noticeTime": _iso(NOW + 600)}).encode()  # a new recommendation
+    clock[0] = poller.advisory_quiet_s  # a new recommendation, once an episode's quiet period has passed
+    metadata.aws_rebalance = json.dumps({"noticeTime": _iso(NOW + 600)}).encode()
     wait_until(lambda: len(seen) == 2)
     assert poller.take_advisory() is not None
 

@@ -182,3 +182,20 @@ def test_notice_is_frozen():
     notice = Notice("gcp", "preempt", None, "", SEEN)
     with pytest.raises(AttributeError):
         notice.deadline = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ("tok\u20acen".encode(), "not printable ASCII"),  # outside latin-1: http.client cannot even encode it
+        ("tok\u00e9n".encode(), "not printable ASCII"),
+        (b"tok en", "not printable ASCII"),
+        (b"tok\x7fen", "not printable ASCII"),
+        (b"A" * 2000, "more than 1024"),
+    ],
+    ids=["euro", "latin-1", "space", "DEL", "too-long"],
+)
+def test_an_aws_token_that_is_not_a_safe_header_value_is_refused(body, problem):
+    with pytest.raises(MalformedAnswer, match=problem) as info:
+        parse_aws_token(200, body)
+    assert "/latest/api/token" in str(info.value)

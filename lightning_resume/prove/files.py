@@ -27,7 +27,9 @@ CHUNK = 1 << 16
 """Bytes read per system call."""
 
 _READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_APPEND = (
+    os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+)  # read: the torn-line check
 
 
 class UnsafeRunFile(LightningResumeError, OSError):

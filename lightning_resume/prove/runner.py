@@ -6,8 +6,9 @@ drawn from A's trace after A's first checkpoint, and relaunched each time as the
 the last launch runs to its end. Each run has a directory of its own as working directory (so relative
 checkpoint paths do not meet), its trace (``LIGHTNING_RESUME_TRACE``, read by ``ExactResume``) and its
 logs: created here, never one that existed, and after an exact verdict only the checkpoints written in them
-are removed. What the trainee writes is read bounded and never through a link (``prove.files``). Every launch has a timeout; only process groups started here are ever killed. This module starts and
-kills processes; the comparison is ``prove.compare``'s, pure.
+are removed. What the trainee writes is read bounded and never through a link (``prove.files``). Every
+launch has a timeout; only process groups started here are ever killed. This module starts and kills
+processes; the comparison is ``prove.compare``'s, pure.
 """
 
 from __future__ import annotations

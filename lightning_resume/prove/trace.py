@@ -88,18 +88,16 @@ def digest_every_from(raw: Optional[str]) -> int:
 
 class TraceFile:
     """One rank's trace file, appended to one whole line per write (see the module docstring). Opened in a
-    checked directory, never through a link, and only when it is a regular file of this user
-    (``prove.files``); ``directory_fd``: that directory's descriptor (else the path's is checked here)."""
+    checked directory, never through a link, and only when it is a regular file of this user (``prove.files``;
+    ``files.UnsafeRunFile`` naming the path and why otherwise)."""
 
-    def __init__(self, path: str, directory_fd: Optional[int] = None) -> None:
+    def __init__(self, path: str) -> None:
         self.path = path
-        own = directory_fd is None
-        dir_fd = files.trace_directory(os.path.dirname(path) or ".") if directory_fd is None else directory_fd
+        directory = files.trace_directory(os.path.dirname(path) or ".")
         try:
-            self._fd: Optional[int] = files.open_append(dir_fd, os.path.basename(path), path)
+            self._fd: Optional[int] = files.open_append(directory, os.path.basename(path), path)
         finally:
-            if own:
-                os.close(dir_fd)
+            os.close(directory)
         if _ends_in_torn_line(self._fd):
             self._write(b"\n")  # the killed launch's torn record stays a line of its own
 

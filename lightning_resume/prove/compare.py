@@ -1,9 +1,9 @@
 """The verdict of ``lightning-resume prove``: run B (killed and relaunched) compared with run A (uninterrupted).
 
 This module owns the comparison rule of ``docs/prove.md``: reading the trace files (``read_trace``, its only
-file access), cutting B's launches where the next one resumed (``_cut``), finding the first record
-that differs on any rank (``compare``), with saves and files whose steps the clock chose (snapshots)
-compared by content where both runs have them, not by presence; naming the cause and fix from the component
+file access, through ``prove.files``' bounded readers), cutting B's launches where the next one resumed
+(``_cut``), finding the first record that differs on any rank (``compare``), with saves and files whose
+steps the clock chose (snapshots) compared by content where both runs have them, not by presence; naming the cause and fix from the component
 that first differed and the evidence recorded (the ``findings`` of that launch's start, each with a kind,
 and the loaders and schedulers it trained with), saying "not sure" where that evidence does not single one
 out; and showing the verdict (``render``, ``to_json``). It is pure over plain records: no processes, no
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 from lightning_resume.errors import LightningResumeError
+from lightning_resume.prove import files
 from lightning_resume.prove import findings as kinds
 from lightning_resume.prove.findings import Finding, from_records, of_kind
 
@@ -83,8 +84,13 @@ def read_trace(directory: Union[str, Path]) -> dict[int, list[dict[str, Any]]]:
     """Every ``trace-rank<R>.jsonl`` in ``directory``: ``{rank: records in file order}``, ranks sorted.
 
     A missing directory reads as no trace (``{}``): nothing was recorded. A line a SIGKILL cut is skipped,
-    any other line that is not a record raises ``TraceFormatError`` naming the file and line."""
+    any other line that is not a record raises ``TraceFormatError`` naming the file and line. Each file is
+    read without following a link or blocking, as a regular file, line by line with a bound on each
+    (``prove.files``): a FIFO, a link or a line longer than ``files.MAX_RECORD`` raises
+    ``files.UnsafeRunFile`` naming it."""
     root = Path(directory)
+    if root.is_symlink():
+        raise files.UnsafeRunFile(str(root), "is a symbolic link, not the trace directory the run was given")
     if not root.is_dir():
         return {}
     found = {int(m.group(1)): path for path in root.iterdir() if (m := TRACE_FILE.fullmatch(path.name))}
@@ -96,9 +102,7 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
     since every launch appends to the same file, the line just before a relaunch's ``start`` record (the
     writer starts each launch on a new line). Those lines are skipped; a bad line anywhere else is an error,
     since dropping it would hide a record from the comparison."""
-    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the newline that ends the last record
+    lines = [line.decode("utf-8", errors="replace") for line in files.read_lines(str(path))]
     parsed = [_parse(line) for line in lines]
     records = []
     for number, record in enumerate(parsed, 1):

@@ -5,10 +5,12 @@ drawn from A's trace after A's first checkpoint, and relaunched each time as the
 (its own ``ckpt_path="last"``; with ``append_on_relaunch`` such as ``--ckpt_path last`` for LightningCLI);
 the last launch runs to its end. Each run has a directory of its own as working directory (so relative
 checkpoint paths do not meet), its trace (``LIGHTNING_RESUME_TRACE``, read by ``ExactResume``) and its
-logs. Every launch has a timeout. A kill reaches every process the launch started, wherever it went (a
-torchrun worker in a session of its own, an orphan: ``prove.reaper``), and only those; what a launch left
-running when it ended is named in a ``LeftoverProcessWarning`` and killed. This module starts and
-kills processes; the comparison is ``prove.compare``'s, pure.
+logs: created here, never one that existed, and after an exact verdict only the checkpoints written in them
+are removed. What the trainee writes is read bounded and never through a link (``prove.files``). Every
+launch has a timeout. A kill reaches every process the launch started, wherever it went (a torchrun
+worker in a session of its own, an orphan: ``prove.reaper``), and only those; what a launch left running
+when it ended is named in a ``LeftoverProcessWarning`` and killed. This module starts and kills
+processes; the comparison is ``prove.compare``'s, pure.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import time
@@ -27,11 +28,11 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
 from lightning_resume.errors import LeftoverProcessWarning
-from lightning_resume.prove import compare, reaper
+from lightning_resume.prove import compare, files, reaper
 from lightning_resume.prove.trace import DEFAULT_DIGEST_EVERY, DIGEST_EVERY_ENV, TRACE_ENV
 
 CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".distcp", ".pt")
-"""Files removed from the work directory after an exact verdict (unless ``keep``)."""
+"""Files removed from the run directories after an exact verdict (unless ``keep``)."""
 
 TAIL = 4000
 """Characters of a failed launch's output shown in the error."""
@@ -42,8 +43,8 @@ class RunFailed(RuntimeError):
 
     def __init__(self, what: str, log: Optional[Path] = None) -> None:
         tail = ""
-        if log is not None and log.exists():
-            tail = "\n--- last output of " + str(log) + " ---\n" + log.read_text(errors="replace")[-TAIL:]
+        if log is not None and os.path.lexists(log):  # read from its end, bounded, never through a link
+            tail = "\n--- last output of " + str(log) + " ---\n" + files.read_tail(str(log), TAIL)
         super().__init__(what + tail)
 
 
@@ -70,12 +71,10 @@ def prove(opts: ProveOptions) -> compare.Verdict:
         raise ValueError(f"kills={opts.kills} must be at least 1: a run never killed proves nothing")
     workdir = Path(opts.workdir).resolve()
     command = absolute_arguments(opts.command, Path.cwd())
-    a_dir, b_dir = workdir / "A", workdir / "B"
-    for d in (a_dir, b_dir):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
+    runs = make_run_directories(workdir)
+    a_dir, b_dir = (Path(run.path) for run in runs)
     _launch(command, a_dir, a_dir / "launch-1.log", opts).wait_to_end()
-    a = compare.read_trace(a_dir / "trace")
+    a = read_trace(a_dir, a_dir / "launch-1.log")
     kill_steps = choose_kill_steps(a, opts.kills, opts.seed)
     moments = kill_moments(a, kill_steps)
     launch = 1
@@ -88,10 +87,34 @@ def prove(opts: ProveOptions) -> compare.Verdict:
     else:
         args = [*command, *opts.append_on_relaunch]
         _launch(args, b_dir, b_dir / f"launch-{launch}.log", opts).wait_to_end()
-    verdict = compare.compare(a, compare.read_trace(b_dir / "trace"))
+    verdict = compare.compare(a, read_trace(b_dir))
     if verdict.exact and not opts.keep:
-        remove_checkpoints(workdir)
+        remove_checkpoints(runs)
     return verdict
+
+
+def make_run_directories(workdir: Path) -> tuple[files.RunDirectory, files.RunDirectory]:
+    """``workdir/A`` and ``workdir/B``, created here (``workdir`` too if missing): the runs work in them,
+    and only what they hold is ever removed. ``RunFailed`` when either exists already."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    made: list[files.RunDirectory] = []
+    try:
+        for name in ("A", "B"):
+            made.append(files.make_run_directory(str(workdir / name)))
+    except files.UnsafeRunFile as err:
+        for run in made:
+            os.rmdir(run.path)  # made just now, still empty
+        raise RunFailed(str(err)) from None
+    return made[0], made[1]
+
+
+def read_trace(run: Path, log: Optional[Path] = None) -> dict[int, list[dict]]:
+    """The trace of the run in ``run`` (``compare.read_trace``); ``RunFailed`` naming a trace file that is not
+    one (a link, a FIFO, a line too long or malformed) instead of reading it."""
+    try:
+        return compare.read_trace(run / "trace")
+    except (files.UnsafeRunFile, compare.TraceFormatError) as err:
+        raise RunFailed(f"{run.name}: its trace cannot be read: {err}", log) from None
 
 
 def absolute_arguments(command: Sequence[str], cwd: Path) -> list[str]:
@@ -144,7 +167,7 @@ class _Running:
     trace: Path
     log: Path
     timeout_s: float
-    offsets: dict  # trace file -> its size when this launch started: earlier launches' records are not its own
+    offsets: dict  # trace file -> where the next poll reads (at first its size: earlier launches' are not ours)
     token: str  # in the launch's environment: its processes are found wherever they went (``prove.reaper``)
     subreaper_before: bool = False  # put back once the launch is over
 
@@ -163,7 +186,7 @@ class _Running:
         step ``step`` or later (a few ms later, drawn, so the kill lands mid-step or mid-validation);
         ``False`` when the launch ended before reaching it."""
         deadline = time.monotonic() + self.timeout_s
-        while not _reached(self.trace, step, self.offsets, moment):
+        while not self._reached(step, moment):
             if self.proc.poll() is not None:
                 self._collect_leftovers()
                 if self.proc.returncode != 0:
@@ -176,6 +199,13 @@ class _Running:
         time.sleep(random.random() * 0.02)
         self.kill()
         return True
+
+    def _reached(self, step: int, moment: str) -> bool:
+        try:
+            return _reached(self.trace, step, self.offsets, moment)
+        except files.UnsafeRunFile as err:
+            self.kill()
+            raise RunFailed(f"{self.log.name}: its trace cannot be read: {err}", self.log) from None
 
     def kill(self) -> None:
         """SIGKILL the launch's group, then every process it started wherever it went (a worker in a session
@@ -228,36 +258,38 @@ def trace_environment(trace: Path, digest_every: int = DEFAULT_DIGEST_EVERY) -> 
 
 def _launch(command: Sequence[str], cwd: Path, log: Path, opts: ProveOptions) -> _Running:
     trace = cwd / "trace"
-    trace.mkdir(exist_ok=True)
+    trace.mkdir(mode=0o700, exist_ok=True)  # in a run directory made here (``make_run_directories``)
     env = {**os.environ, **opts.env, **trace_environment(trace, opts.digest_every)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
-    offsets = {path.name: path.stat().st_size for path in trace.glob("trace-rank*.jsonl")}
+    offsets = {path.name: files.offset_of(str(path)) for path in trace.glob("trace-rank*.jsonl")}
     token = env[reaper.LAUNCH_ENV] = reaper.new_token()
     before = reaper.set_subreaper(True)  # an orphaned worker comes back to us, not to init
     return _Running(start_process(command, cwd, env, log), trace, log, opts.timeout_s, offsets, token, before)
 
 
 def _reached(trace: Path, step: int, offsets: dict, kind: str = "batch") -> bool:
-    """Some rank has recorded, in this launch, a ``kind`` record of step ``step`` or later."""
+    """Some rank has recorded, in this launch, a ``kind`` record of step ``step`` or later. Reads only the
+    whole lines appended since the last poll (``offsets`` moves past them), bounded (``files.Follower``)."""
     marker = f'"{kind}"'.encode()
+    found = False
     for path in trace.glob("trace-rank*.jsonl"):
-        with open(path, "rb") as f:
-            f.seek(offsets.get(path.name, 0))
-            for line in f.read().splitlines()[-50:]:
-                if marker in line:
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        continue  # a line being written
-                    if record.get("kind") == kind and int(record.get("step", -1)) >= step:
-                        return True
-    return False
+        follower = files.Follower(str(path), offsets.get(path.name, 0))
+        for line in follower.poll():
+            found = found or (marker in line and _is_at_least(line, kind, step))
+        offsets[path.name] = follower.offset
+    return found
 
 
-def remove_checkpoints(workdir: Path) -> None:
-    """Checkpoint files and sharded checkpoint directories under ``workdir``; traces and logs stay."""
-    for path in sorted(workdir.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if path.is_file() and path.suffix in CHECKPOINT_SUFFIXES:
-            path.unlink()
-        elif path.is_dir() and path.name not in ("trace",) and not any(path.iterdir()):
-            path.rmdir()
+def _is_at_least(line: bytes, kind: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+        return record.get("kind") == kind and int(record.get("step", -1)) >= step
+    except (ValueError, TypeError, AttributeError):
+        return False  # a torn line, or not a record: the comparison names it
+
+
+def remove_checkpoints(runs: Sequence[files.RunDirectory]) -> None:
+    """Checkpoint files and sharded checkpoint directories the runs wrote in their own directories (made by
+    ``make_run_directories``, so nothing in them existed before); traces, logs and anything outside stay."""
+    for run in runs:
+        files.remove_created(run, CHECKPOINT_SUFFIXES)

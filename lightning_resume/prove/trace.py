@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import ConfigurationError
+from lightning_resume.prove import files
 from lightning_resume.prove.findings import Finding
 from lightning_resume.storage import files as storage
 
@@ -86,12 +87,18 @@ def digest_every_from(raw: Optional[str]) -> int:
 
 
 class TraceFile:
-    """One rank's trace file, appended to one whole line per write (see the module docstring)."""
+    """One rank's trace file, appended to one whole line per write (see the module docstring). Opened in a
+    checked directory, never through a link, and only when it is a regular file of this user (``prove.files``;
+    ``files.UnsafeRunFile`` naming the path and why otherwise)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if _ends_in_torn_line(path):
+        directory = files.trace_directory(os.path.dirname(path) or ".")
+        try:
+            self._fd: Optional[int] = files.open_append(directory, os.path.basename(path), path)
+        finally:
+            os.close(directory)
+        if _ends_in_torn_line(self._fd):
             self._write(b"\n")  # the killed launch's torn record stays a line of its own
 
     def write(self, record: Mapping[str, Any]) -> None:
@@ -110,12 +117,9 @@ class TraceFile:
             self._fd = None
 
 
-def _ends_in_torn_line(path: str) -> bool:
-    with open(path, "rb") as f:
-        if f.seek(0, os.SEEK_END) == 0:
-            return False
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
+def _ends_in_torn_line(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
 
 
 @dataclass(frozen=True)
@@ -321,7 +325,8 @@ def from_environment(
 
     Read once per fit: ``lightning-resume prove`` sets the variables from outside the user's script, which is
     why this one input is an environment variable. ``None`` means the run pays nothing: no file, no hashing.
-    The directory is a local one (an object store cannot append); it is created if missing. ``components``:
+    The directory is a local one (an object store cannot append); it is created (0700) if missing, and
+    refused (``prove.files.UnsafeRunFile``) when it is a link, another user's or writable by others. ``components``:
     see ``TraceRecorder`` (user-state capture wires its digests in here, e.g.
     ``components=lambda: user_state_digests(...)`` in ``ExactResume._trace_from_environment``).
     """
@@ -330,6 +335,5 @@ def from_environment(
     if not directory:
         return None
     every = digest_every_from(env.get(DIGEST_EVERY_ENV))
-    os.makedirs(directory, exist_ok=True)
     out = TraceFile(os.path.join(directory, f"trace-rank{rank}.jsonl"))
     return TraceRecorder(out, rank, every, digest, capture_rng, clock, components)

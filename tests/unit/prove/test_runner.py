@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_resume.prove import files
 from lightning_resume.prove.runner import (
     RunFailed,
     absolute_arguments,
@@ -50,15 +51,22 @@ def test_arguments_naming_files_become_absolute_and_links_stay_links(tmp_path: P
     assert args == [str(tmp_path / "bin" / "python"), str(tmp_path / "train.py"), "--max_steps", "5", "-c", "x.yaml"]
 
 
-def test_after_an_exact_verdict_only_checkpoints_go(tmp_path: Path) -> None:
-    (tmp_path / "A" / "ckpt").mkdir(parents=True)
+def test_after_an_exact_verdict_only_the_checkpoints_the_runs_wrote_go(tmp_path: Path) -> None:
+    (tmp_path / "pretrained").mkdir()
+    (tmp_path / "pretrained" / "base.safetensors").write_bytes(b"user")
+    run = files.make_run_directory(str(tmp_path / "A"))
+    (tmp_path / "A" / "ckpt" / "sharded.distcp").mkdir(parents=True)
+    (tmp_path / "A" / "ckpt" / "sharded.distcp" / "__0_0.distcp").write_bytes(b"x")
     (tmp_path / "A" / "ckpt" / "last.ckpt").write_bytes(b"x")
+    os.symlink(tmp_path / "pretrained", tmp_path / "A" / "linked")  # a link the run made is not followed
+    os.symlink(tmp_path / "pretrained" / "base.safetensors", tmp_path / "A" / "model.safetensors")
     (tmp_path / "A" / "trace").mkdir()
     (tmp_path / "A" / "trace" / "trace-rank0.jsonl").write_text("{}\n")
     (tmp_path / "A" / "launch-1.log").write_text("log")
-    remove_checkpoints(tmp_path)
+    remove_checkpoints([run])
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
-        "A", "A/launch-1.log", "A/trace", "A/trace/trace-rank0.jsonl",
+        "A", "A/launch-1.log", "A/linked", "A/model.safetensors", "A/trace", "A/trace/trace-rank0.jsonl",
+        "pretrained", "pretrained/base.safetensors",
     ]  # fmt: skip
 
 

@@ -70,6 +70,9 @@ def problems(saved: Mapping[str, Any], live: Live, yielded: Callable[[Mapping[st
     bad += _world_lines(saved.get("world_size"), ranks)
     if "accumulate" in saved:
         bad += _optional(_int_line("accumulate", saved["accumulate"], 1, MAX_ACCUMULATE))
+    if not isinstance(saved.get("captured_at", ""), str):
+        bad.append(f"captured_at = {_short(saved['captured_at'])}: not a str")
+    bad += _signature_lines(saved.get("signature", {}))
     if isinstance(ranks, list):
         for rank, state in enumerate(ranks):
             if len(bad) >= MAX_LINES:
@@ -78,6 +81,19 @@ def problems(saved: Mapping[str, Any], live: Live, yielded: Callable[[Mapping[st
         if not bad:
             bad += _agreement_lines(ranks)
     return bad[:MAX_LINES]
+
+
+def _signature_lines(signature: Any) -> list[str]:
+    """The saved run's structure (``capture.signature``): its loaders' records, each batch size a count."""
+    if not isinstance(signature, Mapping) or not isinstance(signature.get("loaders", []), list):
+        return [f"signature = {_short(signature)}: not a run's signature (a dict with a list of loaders)"]
+    bad = []
+    for i, loader in enumerate(signature.get("loaders", [])):
+        if not isinstance(loader, Mapping):
+            bad.append(f"signature.loaders[{i}] = {_short(loader)}: not a loader's signature (a dict)")
+        elif loader.get("batch_size") is not None:
+            bad += _optional(_int_line(f"signature.loaders[{i}].batch_size", loader["batch_size"], 1, MAX_COUNT))
+    return bad
 
 
 def _optional(line: Optional[str]) -> list[str]:

@@ -150,6 +150,14 @@ def _plan(indices: list[int], start: int = 0) -> Callable[[dict[str, Any]], None
     return edit
 
 
+def _batch_size(value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(state: dict[str, Any]) -> None:
+        _two_ranks(state)
+        state["signature"]["loaders"][0]["batch_size"] = value
+
+    return edit
+
+
 def _rng(stream: str, key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def edit(state: dict[str, Any]) -> None:
         rng = state["ranks"][0]["rng"]
@@ -178,11 +186,12 @@ def _rng(stream: str, key: str, value: Any) -> Callable[[dict[str, Any]], None]:
         (_rng("torch", "", torch.zeros(10, dtype=torch.uint8)), False, r"ranks\[0\]\.rng\.torch = a tensor of shape"),
         (_rng("python", "state", torch.full((625,), 2**40)), False, r"ranks\[0\]\.rng\.python\.state = a tensor"),
         (_rng("numpy", "pos", 10**6), False, r"ranks\[0\]\.rng\.numpy: its pos"),
+        (lambda state: state.update(captured_at=5), False, r"captured_at = 5: not a str"),
     ],
     ids=[
         "world-0", "world-negative", "world-str", "world-not-rank-count", "accumulate-0", "rank-entry-int",
         "length-negative", "seed-overflow", "seeds-differ", "epoch-str", "plan-out-of-range", "rng-torch-short",
-        "rng-python-words", "rng-numpy-pos",
+        "rng-python-words", "rng-numpy-pos", "captured-at-int",
     ],
 )  # fmt: skip
 def test_an_edited_number_is_named_with_a_typed_error(saved: Path, tmp_path: Path, edit, elastic, named):
@@ -198,3 +207,10 @@ def test_every_rank_is_torchs_distributed_sampler_once():
                                                (5, 8, True, True), (48, 4, True, False), (0, 2, False, True)]:  # fmt: skip
         spec = policy.OrderSpec(length, shuffle, 3, drop_last)
         assert spec.every_rank(world, 4) == [spec.indices(world, r, 4) for r in range(world)]
+
+
+def test_a_batch_size_that_is_no_count_is_named_under_strict_false_too(saved: Path, tmp_path: Path):
+    """``strict=False`` only warns that the signature differs, and the elastic deal then reads the batch size."""
+    path = _edited(saved, tmp_path, _batch_size("x"))
+    with pytest.raises(CheckpointCorruptError, match=r"signature\.loaders\[0\]\.batch_size = 'x': not an integer"):
+        _fit(tmp_path, ExactResume(preemption=None, elastic=True, strict=False), ckpt_path=path)

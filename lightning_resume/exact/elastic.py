@@ -136,7 +136,7 @@ def dataset_length(trainer: pl.Trainer) -> Optional[int]:
     loaders = lc.train_loaders(trainer)
     sampler = distributed_sampler(loaders[0]) if loaders else None
     try:
-        return None if sampler is None else len(sampler.dataset)  # type: ignore[arg-type]
+        return None if sampler is None else len(sampler.dataset)
     except TypeError:
         return None
 

@@ -227,15 +227,16 @@ def _rng_lines(name: str, rng: Mapping[str, Any], torch_bytes: int) -> list[str]
     bad = []
     if not _tensor_of(rng.get("torch"), torch.uint8, torch_bytes):
         bad.append(f"{name}.torch = {_short(rng.get('torch'))}: not torch's {torch_bytes}-byte generator state")
-    python, numpy = rng.get("python"), rng.get("numpy")
-    words = python.get("state") if isinstance(python, Mapping) else None
+    python: Any = rng.get("python")
+    numpy: Any = rng.get("numpy")
+    words: Any = python.get("state") if isinstance(python, Mapping) else None
     if not (_tensor_of(words, torch.int64, MT_WORDS + 1) and _words_in_range(words[:MT_WORDS])):
         bad.append(f"{name}.python.state = {_short(words)}: not Python random's {MT_WORDS + 1} state words")
     elif not (_is_int(python.get("version")) and isinstance(python.get("gauss_next"), (float, type(None)))):
         bad.append(f"{name}.python: its version or gauss_next is not a number")
     elif not 0 <= int(words[MT_WORDS]) <= MT_WORDS:
         bad.append(f"{name}.python.state: its position {int(words[MT_WORDS])} is outside 0..{MT_WORDS}")
-    key = numpy.get("key") if isinstance(numpy, Mapping) else None
+    key: Any = numpy.get("key") if isinstance(numpy, Mapping) else None
     if not (_tensor_of(key, torch.int64, MT_WORDS) and _words_in_range(key)):
         bad.append(f"{name}.numpy.key = {_short(key)}: not NumPy's {MT_WORDS} MT19937 words")
     elif not _numpy_numbers(numpy):

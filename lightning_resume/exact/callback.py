@@ -10,7 +10,7 @@ With ``LIGHTNING_RESUME_TRACE`` set (by ``lightning-resume prove``), the hooks a
 
 import signal
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -488,4 +488,6 @@ class ExactResume(Callback):
 
 def _weights_left_to_the_file(state: dict[str, Any]) -> bool:
     """Whether a rank's saved fingerprint left the weights to the file's own digests (``capture.files_prove_tensors``)."""
-    return any("fingerprint" in r and "weights" not in r["fingerprint"] for r in state.get("ranks") or [])
+    ranks = state.get("ranks")
+    prints = [r.get("fingerprint") for r in ranks if isinstance(r, Mapping)] if isinstance(ranks, list) else []
+    return any(isinstance(p, Mapping) and "weights" not in p for p in prints)  # a malformed state: restore names it

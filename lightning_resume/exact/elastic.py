@@ -24,8 +24,9 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume._compat import torchdata as td
-from lightning_resume.errors import ResumeMismatchError
+from lightning_resume.errors import CheckpointCorruptError, ResumeMismatchError
 from lightning_resume.exact.state import elastic as policy
+from lightning_resume.exact.state import saved_numbers
 from lightning_resume.exact.state.data import batching, distributed_sampler
 from lightning_resume.exact.state.rng import reseed
 from lightning_resume.exact.state.samplers import EpochPlan, install_plan
@@ -92,11 +93,18 @@ def unremappable(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMod
     elif batching(loaders[0])[0] is None:  # batches of varying size: positions in samples are unknown
         kind = type(getattr(loaders[0], "batch_sampler", None)).__name__
         out.append(f"train loader 0 batches with {kind}, which has no fixed batch_size, so its batches cannot be dealt")
+    live = dataset_length(trainer)
     for rank, state in enumerate(saved["ranks"]):
         orders = state.get("orders") or [{}]
         if len(orders) == 1 and "length" not in orders[0]:
             what = orders[0].get("sampler", "a checkpoint written before elastic resume existed")
             out.append(f"saved rank {rank}: its loader's position cannot be remapped ({what})")
+            break
+        if live is not None and "length" in orders[0] and orders[0]["length"] != live:
+            out.append(
+                f"saved rank {rank}: orders[0].length = {orders[0]['length']}, its epoch's samples, but this run's"
+                f" train dataset has {live}: the order it recorded is not of this dataset"
+            )
             break
     if mode == policy.KEEP_GLOBAL_BATCH:
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
@@ -105,11 +113,40 @@ def unremappable(trainer: pl.Trainer, saved: Mapping[str, Any], mode: ElasticMod
     return out
 
 
+BAD_NUMBERS_FIX = (
+    "Resume from another checkpoint (lightning-resume verify checks one), or delete the callbacks.ExactResume"
+    " entry to resume without the exact position."
+)
+
+
+def refuse_bad_numbers(trainer: pl.Trainer, saved: Mapping[str, Any], may_move: bool) -> None:
+    """Before the restore uses any of them: ``CheckpointCorruptError`` naming each number of the state that no
+    ``ExactResume`` writes (``saved_numbers``), in time and memory bounded by the state's size. ``may_move``:
+    another world size would be dealt out (``elastic``, or ``strict=False``)."""
+    moved = may_move and saved.get("world_size") != trainer.world_size
+    bad = saved_numbers.problems(saved, saved_numbers.Live(moved, dataset_length(trainer)), td.batches_yielded)
+    if bad:
+        lines = "".join(f"\n  - {line}" for line in bad)
+        what = f"its ExactResume state holds numbers no ExactResume writes (edited or damaged):{lines}"
+        raise CheckpointCorruptError(str(trainer.ckpt_path or "the checkpoint"), f"{what}\n{BAD_NUMBERS_FIX}")
+
+
+def dataset_length(trainer: pl.Trainer) -> Optional[int]:
+    """The length of train loader 0's dataset where a distributed sampler draws from it, else ``None``."""
+    loaders = lc.train_loaders(trainer)
+    sampler = distributed_sampler(loaders[0]) if loaders else None
+    try:
+        return None if sampler is None else len(sampler.dataset)
+    except TypeError:
+        return None
+
+
 def rank_orders(saved: Mapping[str, Any], batch_size: int) -> tuple[list[policy.RankOrder], int]:
     """Every saving rank's order of the interrupted epoch with what it trained (``batch_size`` samples a
     batch), and the batches of the epoch they had trained."""
     orders, batches = [], 0
     world = int(saved["world_size"])
+    dealt: dict[tuple[policy.OrderSpec, int], list[list[int]]] = {}  # the epoch's order made once for all ranks
     for rank, state in enumerate(saved["ranks"]):
         record = state["orders"][0]
         yielded = td.batches_yielded(state["loaders"][0] or {})
@@ -119,7 +156,10 @@ def rank_orders(saved: Mapping[str, Any], batch_size: int) -> tuple[list[policy.
             indices, start = epoch_plan.indices, epoch_plan.start_batch
         else:
             spec = policy.OrderSpec(record["length"], record["shuffle"], record["seed"], record["drop_last"])
-            indices, start = spec.indices(world, rank, int(record["epoch"])), 0
+            key = (spec, int(record["epoch"]))
+            if key not in dealt:
+                dealt[key] = spec.every_rank(world, key[1])
+            indices, start = dealt[key][rank], 0
         orders.append(policy.RankOrder(indices, min(len(indices), yielded * batch_size)))
         batches = max(batches, start + yielded)
     return orders, batches

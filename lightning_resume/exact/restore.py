@@ -63,6 +63,7 @@ def restore(
     ``user``: the state users keep outside Lightning, put back before the data position and the RNG streams
     (the iterator made again may fetch a batch from it: a dataset over a buffer, a generator it holds)."""
     afterwards = Afterwards()
+    elastic_restore.refuse_bad_numbers(trainer, saved, bool(elastic) or not strict)  # before any number is used
     moved = int(saved.get("world_size", 1)) != trainer.world_size and (bool(elastic) or not strict)
     differences = collective.agreed(differences_from(trainer, saved, world_may_change=moved))
     if differences:

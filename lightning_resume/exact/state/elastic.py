@@ -63,6 +63,23 @@ class OrderSpec:
         sampler.set_epoch(epoch)
         return list(sampler)
 
+    def every_rank(self, world: int, epoch: int) -> list[list[int]]:
+        """Every rank's ``indices`` on ``world`` ranks, the epoch's order made once: ``DistributedSampler.__iter__``'s
+        rule (torch/utils/data/distributed.py: one permutation, padded by repeating it or cut to a multiple of
+        ``world``, dealt round-robin), so that many ranks cost one order, not one each."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.length, generator=generator).tolist()
+        else:
+            order = list(range(self.length))
+        if self.drop_last and self.length % world:
+            total = (self.length - 1) // world * world  # torch's num_samples (ceil((n - W) / W)), times W
+        else:
+            total = -(-self.length // world) * world
+        if total > len(order) and order:
+            order = (order * -(-total // len(order)))[:total]
+        return [order[r:total:world] for r in range(world)]
+
 
 class _Sized(Dataset[int]):
     """A dataset of ``n`` samples for ``DistributedSampler``, which reads only its length."""

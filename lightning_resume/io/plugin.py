@@ -60,6 +60,7 @@ from lightning_resume.staging.async_save import AsyncSaver, commit_staged
 from lightning_resume.staging.buffers import StagedTensors
 from lightning_resume.staging.lending import Lending
 from lightning_resume.storage import files as storage
+from lightning_resume.storage.deadline import Deadline
 from lightning_resume.storage.files import is_local
 
 STATE_DICT = "state_dict"
@@ -195,7 +196,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         path = str(path)
         if self._saver is not None and self._saver.in_flight(path):
             self.wait(path)
-        if not storage.exists(path):
+        if not storage.exists(path, Deadline.after(self.remote.read_deadline_s)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         self._loaded[path] = path
         self._in_place = {}
@@ -217,7 +218,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         into = destinations(module) if self.load_in_place and not self.mmap and module is not None else None
         loaded = read.load_file(
             path, self.verify, map_location, mmap=self.mmap, max_remote_load_bytes=self.remote.max_load_bytes,
-            into=into, weights_only=weights_only,
+            into=into, weights_only=weights_only, read_deadline=self.remote.read_deadline_s,
         )  # fmt: skip
         self._in_place = {where[1]: digest for where, digest in loaded.in_place.items()}
         return loaded.checkpoint

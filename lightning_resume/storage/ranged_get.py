@@ -15,6 +15,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any, Optional, Tuple
 
@@ -46,8 +47,11 @@ def run(fs: Any, deadline: Deadline, url: str, what: str, coroutine: Any, *args:
         raise deadline.error(url, what)
     try:
         return fsspec.asyn.sync(fs.loop, coroutine, *args, timeout=left, **kwargs)
-    except FSTimeoutError as err:  # raised only for the timeout given here
-        raise deadline.error(url, what) from err
+    except FSTimeoutError as err:
+        own = err.__cause__
+        if own is not None and type(own) not in (TimeoutError, asyncio.TimeoutError):
+            raise own from None  # the client's own timeout (a read timeout): a transient error, retried
+        raise deadline.error(url, what) from err  # ``wait_for``'s: the deadline passed
 
 
 def get(fs: Any, fs_path: str, url: str, start: int, end: int, deadline: Deadline) -> Any:

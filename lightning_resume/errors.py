@@ -8,6 +8,7 @@ import Lightning, torch or touch files.
 
 from __future__ import annotations
 
+import errno
 from typing import Any, Iterable, Mapping, Optional
 
 # ------------------------------------------------------------------------------------------ errors
@@ -113,6 +114,40 @@ class RemoteLoadMemoryError(LightningResumeError):
             " downloaded and the file is unchanged. Free memory, copy the file to local disk and load it from there (a local"
             f" load reads it tensor by tensor, holding it once), {raise_it}."
         )
+
+
+class RemoteReadTimeoutError(LightningResumeError, TimeoutError):
+    """A read from a URL did not end within its deadline (``RemoteOptions.read_deadline``), every retry of every
+    layer included (ours, s3fs's, botocore's): the server accepted the request and did not answer in time."""
+
+    def __init__(self, url: str, what: str, deadline_s: float) -> None:
+        self.url = str(url)
+        self.deadline_s = deadline_s
+        super().__init__(
+            f"could not {what} {self.url} within its deadline of {deadline_s:g} s (remote.read_deadline, every retry"
+            " included): the server accepted the request but did not answer in time. Check the endpoint, or raise"
+            ' the deadline: SafetensorsCheckpointIO(remote=RemoteOptions(read_deadline="30min")).'
+        )
+
+
+class RangeMismatchError(LightningResumeError, OSError):
+    """A ranged GET was answered with other bytes than the range asked for: more (the server ignores ``Range``
+    and sends the whole object), fewer, or from another offset. Refused before more than the range was held.
+    ``transient`` (a short body: a transfer cut) is retried; the others are not."""
+
+    def __init__(self, url: str, start: int, end: int, answered: str, transient: bool) -> None:
+        self.url, self.start, self.end, self.transient = str(url), start, end, transient
+        fix = (
+            "the transfer was cut short or the object changed while it was read"
+            if transient
+            else "the endpoint does not honour HTTP Range requests (every remote load reads by range). Use an"
+            " S3-compatible endpoint that does, or copy the file to local disk and load it from there"
+        )
+        super().__init__(
+            f"{self.url}: a ranged GET of bytes {start}-{end - 1} ({end - start} bytes) was answered with {answered};"
+            f" refused: {fix}"
+        )
+        self.errno = errno.EREMOTEIO if transient else errno.EPROTO  # the retry layer reads transience from errno
 
 
 class UnencodableValueError(LightningResumeError, TypeError):

@@ -8,7 +8,8 @@ from the map by a thread). A remote file is read the same way, through a ``stora
 ranged GETs kept in flight ahead of the read, each chunk copied into the tensors' own memory (a ``torch.save``
 file is read through it by ``torch.load``), so the load holds what it builds plus those chunks, never a copy of the file,
 and nothing of the download outlives it. Before any of its data is read, the load is refused (``RemoteLoadMemoryError``) if what it would hold exceeds the memory the host has left or the cap
-(``storage.remote_budget`` decides, ``storage.host_memory`` measures). This module knows files and tensors, not
+(``storage.remote_budget`` decides, ``storage.host_memory`` measures). A remote load ends by one deadline
+(``ReadOptions.read_deadline``), every GET and every retry included. This module knows files and tensors, not
 Lightning.
 """
 
@@ -29,6 +30,7 @@ from lightning_resume.format.framing import INTEGRITY_KEY, TREE_KEY
 from lightning_resume.format.legacy import load_legacy
 from lightning_resume.storage import files as storage
 from lightning_resume.storage import host_memory, remote_budget
+from lightning_resume.storage.deadline import DEFAULT_READ_DEADLINE_S, Deadline
 from lightning_resume.storage.files import is_local, local_path
 from lightning_resume.threads import Background
 
@@ -67,7 +69,9 @@ class ReadOptions:
     file's bytes and the error says how many, of ``into_owner`` (``in_place.overwritten_error``).
     ``weights_only``: a ``torch.save`` file loads weights-only (the default; ``PickledCheckpointError`` names
     what else it needs), or with ``False`` (a file the caller trusts) unpickled in full (``format.legacy``). Our
-    format never runs code either way."""
+    format never runs code either way.
+    ``read_deadline``: seconds a load from a URL may take, every GET and every retry included
+    (``RemoteReadTimeoutError`` then; ``None``: ``storage.deadline.DEFAULT_READ_DEADLINE_S``, 10 minutes)."""
 
     verify: bool = True
     map_location: Any = None
@@ -77,6 +81,7 @@ class ReadOptions:
     into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None
     weights_only: bool = True
     into_owner: str = "its caller"
+    read_deadline: Optional[float] = None
 
 
 def load_file(
@@ -89,12 +94,15 @@ def load_file(
     into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None,
     weights_only: bool = True,
     into_owner: str = "its caller",
+    read_deadline: Optional[float] = None,
 ) -> Loaded:
     """Read a checkpoint file of either format; raise ``CheckpointCorruptError`` naming what is wrong, and
     ``RemoteLoadMemoryError`` before downloading a remote file whose load would not fit in memory.
-    ``into``, ``weights_only``, ``into_owner``: see ``ReadOptions``."""
+    ``into``, ``weights_only``, ``into_owner``, ``read_deadline``: see ``ReadOptions``."""
     path = str(path)
-    opts = ReadOptions(verify, map_location, lenient, mmap, max_remote_load_bytes, into, weights_only, into_owner)
+    opts = ReadOptions(
+        verify, map_location, lenient, mmap, max_remote_load_bytes, into, weights_only, into_owner, read_deadline
+    )
     check_regular_file(path)
     if not is_local(path):
         return _load_remote(path, opts)
@@ -194,20 +202,21 @@ def _load_remote(path: str, opts: ReadOptions) -> Loaded:
     """A remote file read as a local one is (each tensor straight into its own memory), through a
     ``storage.RangedReader``: beside what is built, only its chunks of parallel ranged GETs are held. Refused
     first, after reading only its size and its first 9 bytes (the format), if the load would hold more memory
-    than ``remote_budget`` allows."""
-    size = storage.size(path)
+    than ``remote_budget`` allows. Every request ends by the load's one deadline."""
+    deadline = Deadline.after(DEFAULT_READ_DEADLINE_S if opts.read_deadline is None else opts.read_deadline)
+    size = storage.size(path, deadline)
     if size is None:
         raise FileNotFoundError(f"{path}: no such file")
     if size == 0:
         raise CheckpointCorruptError(path, "file is empty", "> 0 bytes", 0)
     fmt: remote_budget.Format = (
-        "safetensors" if _is_safetensors_head(path, storage.read_range(path, 0, 9)) else "torch.save"
+        "safetensors" if _is_safetensors_head(path, storage.read_range(path, 0, 9, deadline)) else "torch.save"
     )
     overhead = storage.reader_overhead(size)
     refused = remote_budget.refusal(path, size, fmt, overhead, opts.max_remote_load_bytes, host_memory.available())
     if refused is not None:
         raise refused
-    with storage.RangedReader(path, size) as f:
+    with storage.RangedReader(path, size, deadline) as f:
         return _load_copy(path, f, size, opts)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Literal, Optional
 
+from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import ConfigurationError
 from lightning_resume.staging.async_save import WriterKind
 from lightning_resume.storage import multipart
@@ -43,11 +44,18 @@ class RemoteOptions:
         upload_part_size: bytes of one part of a multi-part upload (at least 5 MiB; default 16 MiB).
         upload_concurrency: most parts in flight at once (default 8). An upload holds at most
             ``upload_part_size * upload_concurrency`` bytes beside the state.
+        read_deadline: the longest one load from a URL may take, every request and every retry included
+            (ours, s3fs's and botocore's). Seconds, a ``timedelta`` or a string like ``"30min"``; default
+            ``"10min"``. A load still waiting then (a server that accepted a GET and never answered) is ended
+            with ``RemoteReadTimeoutError`` naming the URL and the deadline. Reads outside a load (a header,
+            a listing) get the default, each. Each ranged GET must also answer the range it asked for: a
+            server that ignores ``Range`` is refused (``RangeMismatchError``) before more than the range is held.
     """
 
     max_load_bytes: Optional[int] = None
     upload_part_size: int = multipart.DEFAULT_UPLOAD.part_size
     upload_concurrency: int = multipart.DEFAULT_UPLOAD.concurrency
+    read_deadline: Duration = "10min"
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -60,12 +68,27 @@ class RemoteOptions:
         cap = self.max_load_bytes
         if cap is not None and (type(cap) is not int or cap < 1):
             found.append(f"max_load_bytes={cap!r} must be a number of bytes >= 1, or None for no cap")
+        found += self._deadline_problems()
         try:
             multipart.UploadOptions(self.upload_part_size, self.upload_concurrency)
         except ConfigurationError as err:
             found += [p.replace("part_size=", "upload_part_size=").replace("concurrency=", "upload_concurrency=")
                       for p in err.problems]  # fmt: skip
         return found
+
+    def _deadline_problems(self) -> List[str]:
+        try:
+            seconds = parse_duration(self.read_deadline, "read_deadline")
+        except ValueError as err:
+            return [str(err)]
+        if not 0 < seconds < float("inf"):  # nan fails too
+            return [f"read_deadline={self.read_deadline!r} must be a positive, finite duration such as '10min'"]
+        return []
+
+    @property
+    def read_deadline_s(self) -> float:
+        """``read_deadline`` in seconds."""
+        return parse_duration(self.read_deadline, "read_deadline")
 
     @property
     def upload(self) -> multipart.UploadOptions:
@@ -74,4 +97,4 @@ class RemoteOptions:
 
 
 DEFAULT_REMOTE = RemoteOptions()
-"""No load cap; 16 MiB parts, 8 in flight."""
+"""No load cap; 16 MiB parts, 8 in flight; 10 minutes per remote load."""

@@ -61,6 +61,7 @@ from lightning_resume.staging.async_save import AsyncSaver, commit_staged
 from lightning_resume.staging.buffers import StagedTensors
 from lightning_resume.staging.lending import Lending
 from lightning_resume.storage import files as storage
+from lightning_resume.storage.deadline import Deadline
 from lightning_resume.storage.files import is_local
 
 STATE_DICT = "state_dict"
@@ -199,7 +200,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         path = str(path)
         if self._saver is not None and self._saver.in_flight(path):
             self.wait(path)
-        if not storage.exists(path):
+        if not storage.exists(path, Deadline.after(self.remote.read_deadline_s)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         self._loaded[path] = path
         self._in_place = {}
@@ -224,6 +225,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
             loaded = read.load_file(
                 path, self.verify, map_location, mmap=self.mmap, max_remote_load_bytes=self.remote.max_load_bytes,
                 into=into, weights_only=weights_only, into_owner=owner,
+                read_deadline=self.remote.read_deadline_s,
             )  # fmt: skip
         except (CheckpointCorruptError, PartialLoadError) as err:
             if module is not None and err.overwritten_in_place:

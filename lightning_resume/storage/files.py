@@ -7,7 +7,9 @@ take the direct ``os`` route (plain reads, no fsspec buffering, tolerant of a fi
 listing and a stat); URLs go through ``fsspec.core.url_to_fs``, with listings uncached (another process,
 or a background upload, may have changed the store a moment ago). Transfers to remote stores are
 retried with bounded exponential backoff when the error is transient (5xx, throttling, connection
-reset, timeout) and fail at once, naming the URL, when it is permanent (no bucket, no permission).
+reset, timeout) and fail at once, naming the URL, when it is permanent (no bucket, no permission). Every
+remote read ends by a ``Deadline`` (one per load, given by the caller, or a default one per read), every retry
+of every layer included; a ranged read gets the range it asked for or an error (``storage.ranged_get``).
 
 Which entries of a directory are checkpoints is not decided here (``io.resolve.candidates``), nor how
 a file is committed atomically, its rename included (``format.atomic``). This module knows paths and errors, not checkpoints,
@@ -29,6 +31,10 @@ from typing import IO, Any, Callable, Deque, Dict, List, NamedTuple, Optional, T
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from lightning_resume.errors import RangeMismatchError, RemoteReadTimeoutError
+from lightning_resume.storage import ranged_get
+from lightning_resume.storage.deadline import Deadline, or_default
 
 T = TypeVar("T")
 
@@ -121,7 +127,7 @@ def _list_remote(dirpath: str) -> List[Entry]:
     fs, fs_path = fsspec.core.url_to_fs(dirpath)
     fs.invalidate_cache(fs_path)  # another process (or a background upload) may have changed it
     try:  # a refused listing names the URL (a raw botocore error names nothing); transient ones are retried
-        infos = with_retries(lambda: fs.ls(fs_path, detail=True), dirpath, "list")
+        infos = _listing(fs, fs_path, dirpath)
     except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
@@ -167,7 +173,7 @@ def file_sizes(dirpath: str) -> Dict[str, int]:
     fs, fs_path = fsspec.core.url_to_fs(dirpath)
     fs.invalidate_cache(fs_path)
     try:
-        infos = with_retries(lambda: fs.ls(fs_path, detail=True), dirpath, "list")
+        infos = _listing(fs, fs_path, dirpath)
     except (FileNotFoundError, NotADirectoryError):
         return {}
     return {
@@ -177,12 +183,26 @@ def file_sizes(dirpath: str) -> Dict[str, int]:
     }
 
 
-def exists(path: str) -> bool:
+def _listing(fs: Any, fs_path: str, url: str) -> List[dict]:
+    """One uncached listing, retried, ended by a default deadline."""
+    deadline = Deadline.after()
+    return list(
+        with_retries(
+            lambda: ranged_get.call(fs, "ls", deadline, url, "list", fs_path, detail=True),
+            url,
+            "list",
+            deadline=deadline,
+        )
+    )
+
+
+def exists(path: str, deadline: Optional[Deadline] = None) -> bool:
+    """Whether ``path`` exists; remotely ended by ``deadline`` (a default one if not given)."""
     if is_local(path):
         return os.path.lexists(local_path(path))
     fs, fs_path = fsspec.core.url_to_fs(str(path))
     fs.invalidate_cache()  # a listing cached earlier may predate another process's upload
-    return bool(fs.exists(fs_path))
+    return bool(ranged_get.call(fs, "exists", or_default(deadline), str(path), "find", fs_path))
 
 
 def is_dir(path: str) -> bool:
@@ -195,8 +215,9 @@ def is_dir(path: str) -> bool:
         return False
 
 
-def size(path: str) -> Optional[int]:
-    """The size in bytes of the file at ``path``, ``None`` if it is not a file (missing, or a directory)."""
+def size(path: str, deadline: Optional[Deadline] = None) -> Optional[int]:
+    """The size in bytes of the file at ``path``, ``None`` if it is not a file (missing, or a directory).
+    Remotely one ``info`` call, ended by ``deadline`` (a default one if not given)."""
     if is_local(path):
         try:
             return os.path.getsize(local_path(path)) if os.path.isfile(local_path(path)) else None
@@ -204,8 +225,11 @@ def size(path: str) -> Optional[int]:
             return None
     fs, fs_path = fsspec.core.url_to_fs(str(path))
     try:
-        return int(fs.size(fs_path)) if fs.isfile(fs_path) else None
-    except (OSError, TypeError, ValueError):
+        info = ranged_get.call(fs, "info", or_default(deadline), str(path), "find the size of", fs_path)
+        return int(info["size"]) if info.get("type") == "file" else None
+    except RemoteReadTimeoutError:
+        raise
+    except (OSError, TypeError, ValueError, KeyError):
         return None
 
 
@@ -235,23 +259,30 @@ def open_read(path: str) -> IO[bytes]:
     return fs.open(fs_path, "rb")
 
 
-def read_bytes(path: str) -> bytes:
-    """The whole file at ``path`` in one read (one GET on an object store). ``FileNotFoundError`` if missing."""
+def read_bytes(path: str, deadline: Optional[Deadline] = None) -> bytes:
+    """The whole file at ``path`` in one read (one GET on an object store). ``FileNotFoundError`` if missing.
+    Remotely ended by ``deadline`` (a default one if not given), every retry included."""
     if is_local(path):
         with open_read(path) as f:
             return f.read()
     fs, fs_path = fsspec.core.url_to_fs(str(path))
-    return bytes(with_retries(lambda: fs.cat_file(fs_path), str(path), "read"))
+    url, deadline = str(path), or_default(deadline)
+    get = functools.partial(ranged_get.call, fs, "cat_file", deadline, url, "read", fs_path)
+    return bytes(with_retries(get, url, "read", deadline=deadline))
 
 
-def read_range(path: str, start: int, end: int) -> bytes:
+def read_range(path: str, start: int, end: int, deadline: Optional[Deadline] = None) -> bytes:
     """Bytes ``start`` to ``end`` (exclusive) of ``path``, and no more: a ranged GET on an object store (an
-    fsspec file object would read ahead a whole block), ``pread`` locally. Shorter only at the end of the file."""
+    fsspec file object would read ahead a whole block), ``pread`` locally. Shorter only at the end of the file.
+    Remotely the answer must be that range (``ranged_get.get``) and come by ``deadline`` (a default one if not
+    given), every retry included."""
     if is_local(path):
         with open_read(path) as f:
             return os.pread(f.fileno(), max(end - start, 0), start)
     fs, fs_path = fsspec.core.url_to_fs(str(path))
-    return bytes(with_retries(lambda: fs.cat_file(fs_path, start=start, end=end), str(path), "read"))
+    url, deadline = str(path), or_default(deadline)
+    get = functools.partial(ranged_get.get, fs, fs_path, url, start, end, deadline)
+    return bytes(with_retries(get, url, "read", deadline=deadline))
 
 
 READ_CHUNK = 4 << 20
@@ -287,11 +318,14 @@ class RangedReader(io.RawIOBase):
     the same requests, at the same concurrency, as a raw parallel download). A reader copies the bytes it
     asks for straight from the chunk that holds them into its own memory (``readinto``), so reading a whole
     checkpoint holds ``reader_overhead`` bytes beside what is built from it, never the file. A seek away from
-    the next bytes drops what was read ahead and starts again there."""
+    the next bytes drops what was read ahead and starts again there. Each GET must answer the range it asked
+    for (``ranged_get.get``: a longer body is refused before more than the range is held) and ends by
+    ``deadline``, the load's (every GET its own default one if not given)."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, deadline: Optional[Deadline] = None) -> None:
         super().__init__()
         self.path, self.size = str(path), int(size)
+        self._deadline = deadline
         self.streams = reader_streams(self.size)
         self._fs, self._fs_path = fsspec.core.url_to_fs(self.path)
         self._pool = concurrent.futures.ThreadPoolExecutor(self.streams, thread_name_prefix="lightning-resume-read")
@@ -334,8 +368,9 @@ class RangedReader(io.RawIOBase):
     def _request(self) -> None:
         while len(self._ahead) < self.streams and self._next < self.size:
             at, end = self._next, min(self._next + READ_CHUNK, self.size)
-            get = functools.partial(self._fs.cat_file, self._fs_path, start=at, end=end)
-            self._ahead.append((at, self._pool.submit(with_retries, get, self.path, "read")))
+            deadline = or_default(self._deadline)
+            get = functools.partial(ranged_get.get, self._fs, self._fs_path, self.path, at, end, deadline)
+            self._ahead.append((at, self._pool.submit(with_retries, get, self.path, "read", deadline=deadline)))
             self._next = end
 
     def _drop_ahead(self) -> None:
@@ -433,7 +468,20 @@ def _is_botocore_transient(err: BaseException) -> bool:
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         code = response.get("Error", {}).get("Code")
         return (isinstance(status, int) and status >= 500) or code in ("SlowDown", "Throttling", "RequestTimeout")
-    return type(err).__name__ in ("EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError")
+    return type(err).__name__ in _TRANSIENT_NAMES
+
+
+_TRANSIENT_NAMES = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "AioReadTimeoutError",
+        "ResponseStreamingError",  # a body cut mid-transfer (botocore/aiobotocore)
+        "IncompleteReadError",
+        "ClientPayloadError",  # aiohttp: the body ended before its Content-Length
+    }
+)
 
 
 def with_retries(
@@ -442,23 +490,33 @@ def with_retries(
     what: str,
     sleep: Callable[[float], None] = time.sleep,
     attempts: Optional[int] = None,
+    deadline: Optional[Deadline] = None,
 ) -> T:
     """Run ``action`` (one whole transfer, safe to repeat); retry transient errors with backoff.
 
     A permanent error, or a transient one still there after ``RETRY_ATTEMPTS`` tries, is raised as an
-    ``OSError`` naming ``url`` and chained to the original.
+    ``OSError`` naming ``url`` and chained to the original (a ``RangeMismatchError``, which names the URL and
+    the range already, as it is). With a ``deadline`` (which ``action`` should end by, too), no try starts and no backoff is slept past
+    it: ``RemoteReadTimeoutError`` instead.
     """
     tries = RETRY_ATTEMPTS if attempts is None else attempts
     for attempt in range(1, tries + 1):
         try:
             return action()
+        except RemoteReadTimeoutError:
+            raise  # the deadline passed inside the transfer: no time is left for another try
         except Exception as err:
             if not _is_storage_error(err):
                 raise  # the caller's own error (encoding, a staging abort): not a transfer's
             transient = is_transient(err)
             if transient and attempt < tries:
-                sleep(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempt - 1)))
+                pause = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempt - 1))
+                if deadline is not None and deadline.remaining() <= pause:
+                    raise deadline.error(url, what) from err
+                sleep(pause)
                 continue
+            if isinstance(err, RangeMismatchError):
+                raise  # names the URL and the range itself
             raise _named(err, url, what, attempt if transient else None) from err
     raise AssertionError("unreachable")  # pragma: no cover
 

@@ -21,8 +21,6 @@ from typing import (
     runtime_checkable,
 )
 
-from lightning_resume.format import partial
-
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
     import torch
@@ -177,11 +175,3 @@ def loaded_in_place(trainer: Any) -> Dict[str, Tuple[str, str]]:
     """The weights the trainer's latest load read in place (empty for an IO without :class:`InPlaceLoading`)."""
     io: Optional[InPlaceLoading] = checkpoint_io_as(trainer, InPlaceLoading)
     return {} if io is None else io.loaded_in_place()
-
-
-def refuse_partly_loaded(trainer: Any) -> None:
-    """At fit start: raise ``PartialLoadError`` if the trainer's module is one an earlier load in this process
-    left part-overwritten (``format.partial``) and this fit restored nothing into it."""
-    refused = partial.refusal(getattr(trainer, "lightning_module", None), resumed=bool(trainer.ckpt_path))
-    if refused is not None:
-        raise refused

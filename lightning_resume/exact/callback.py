@@ -61,10 +61,11 @@ from lightning_resume.exact.state.user import (
     user_state_digests,
 )
 from lightning_resume.exact.state.user import capture as capture_user_state
+from lightning_resume.format.partial import refuse_partly_loaded
 from lightning_resume.io.plugin import refuse_unencodable_hparams
 from lightning_resume.memory.store import ROOT_KEY, RUN_KEY
 from lightning_resume.memory.tier import DURABLE, MemoryTier, warn_sharded
-from lightning_resume.protocols import loaded_in_place, offer_module, refuse_partly_loaded
+from lightning_resume.protocols import loaded_in_place, offer_module
 from lightning_resume.prove import trace
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.schedule.config import DEFAULT_MTBF, ScheduleConfig

@@ -11,7 +11,7 @@ user keeps it as it is (:func:`accept_partial`). This module knows modules and e
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from lightning_resume.errors import PartialLoadError
 
@@ -54,3 +54,11 @@ def refusal(module: Optional[torch.nn.Module], resumed: bool) -> Optional[Partia
         forget(module)
         return None
     return PartialLoadError(*_LEFT[module])
+
+
+def refuse_partly_loaded(trainer: Any) -> None:
+    """At fit start: raise ``PartialLoadError`` if the trainer's module is one an earlier load in this process
+    left part-overwritten and this fit restored nothing into it."""
+    refused = refusal(getattr(trainer, "lightning_module", None), resumed=bool(trainer.ckpt_path))
+    if refused is not None:
+        raise refused

@@ -33,10 +33,11 @@ from lightning_resume.errors import (
     TreeFormatError,
 )
 from lightning_resume.format.atomic import fsync_file_and_dir
+from lightning_resume.format.partial import refuse_partly_loaded
 from lightning_resume.io.plugin import refuse_unencodable_hparams
 from lightning_resume.io.resolve import candidates
 from lightning_resume.io.verify import precheck, problem
-from lightning_resume.protocols import AsyncCheckpointWriter, offer_module, refuse_partly_loaded
+from lightning_resume.protocols import AsyncCheckpointWriter, offer_module
 from lightning_resume.retention.last import OncePerFit, resumed_from
 from lightning_resume.retention.mirror import MirrorUploader, Outcome
 from lightning_resume.retention.naming import parse_rolling_name, rolling_name

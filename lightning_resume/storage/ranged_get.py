@@ -58,7 +58,7 @@ def get(fs: Any, fs_path: str, url: str, start: int, end: int, deadline: Deadlin
     """Bytes ``start`` to ``end`` (exclusive) of the object, never more; fewer only where the object ends."""
     if end <= start:
         return b""
-    if hasattr(fs, "_call_s3") and getattr(fs, "async_impl", False):
+    if hasattr(fs, "_call_s3") and getattr(fs, "async_impl", False):  # s3fs: headers before the body
         return run(fs, deadline, url, "read", _s3_get, fs, fs_path, url, start, end)
     body = call(fs, "cat_file", deadline, url, "read", fs_path, start=start, end=end)
     if len(body) > end - start:  # held already: a filesystem without streaming; refused all the same

@@ -337,6 +337,7 @@ class SideStream(overlap.Devices):
 
     def __init__(self):
         self.queued, self.log = [], []
+        self._ordered = threading.Lock()  # a stream runs its queued copy once, whole: a second waiter waits for it
 
     def is_cuda(self, t):
         return True
@@ -353,10 +354,11 @@ class SideStream(overlap.Devices):
         return len(self.queued) - 1
 
     def _run(self, event):
-        if self.queued[event] is not None:
-            dsts, srcs = self.queued[event]
-            torch._foreach_copy_(dsts, srcs)
-            self.queued[event] = None
+        with self._ordered:  # as on a device: a waiter returns only once the copy has ended, whoever ran it
+            if self.queued[event] is not None:
+                dsts, srcs = self.queued[event]
+                torch._foreach_copy_(dsts, srcs)
+                self.queued[event] = None
 
     def wait_event(self, event):
         self.log.append(("wait_event", threading.current_thread() is threading.main_thread()))

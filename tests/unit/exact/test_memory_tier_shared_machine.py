@@ -34,31 +34,18 @@ from lightning_resume.memory import store as memory_tier
 from lightning_resume.memory.store import MemoryStore, memory_root
 from lightning_resume.memory.tier import MemoryTier
 from lightning_resume.storage.private import UntrustedDirectory
+from tests.helpers.accounts import other_user
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
-OTHER = "lr-test-other"
 """The second local user the tests act as."""
 
 SLOT = "0123456789abcdef"
 
 
-def _other_user() -> tuple[int, int]:
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("acting as a second local user needs root (useradd, setpriv)")
-    found = subprocess.run(["id", "-u", OTHER], capture_output=True, text=True)
-    if found.returncode != 0:
-        if shutil.which("useradd") is None:
-            pytest.skip("no useradd to create a second local user")
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], check=True)
-    uid = int(subprocess.run(["id", "-u", OTHER], capture_output=True, text=True, check=True).stdout)
-    gid = int(subprocess.run(["id", "-g", OTHER], capture_output=True, text=True, check=True).stdout)
-    return uid, gid
-
-
 @pytest.fixture
 def other() -> Callable[[str], subprocess.CompletedProcess]:
     """Run a shell command as the second user."""
-    uid, gid = _other_user()
+    uid, gid = other_user()
 
     def run(command: str) -> subprocess.CompletedProcess:
         argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "sh", "-c", command]

@@ -17,10 +17,10 @@ import pytest
 
 from lightning_resume.exact.state import fingerprint, rng
 from lightning_resume.prove import compare, files, runner, trace
+from tests.helpers.accounts import other_user
 
 pytestmark = pytest.mark.timeout(120)
 
-OTHER = "lr-test-other"
 """The second local user (as in tests/unit/exact/test_memory_tier_shared_machine.py)."""
 
 
@@ -70,18 +70,6 @@ def test_a_new_trace_directory_and_file_are_the_users_alone(tmp_path: Path) -> N
     assert (tmp_path / "a" / "trace" / "trace-rank0.jsonl").stat().st_mode & 0o777 == 0o600
 
 
-def _other_user() -> tuple[int, int]:
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("acting as a second local user needs root (useradd, setpriv)")
-    if subprocess.run(["id", "-u", OTHER], capture_output=True).returncode != 0:
-        if shutil.which("useradd") is None:
-            pytest.skip("no useradd to create a second local user")
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], check=True)
-    uid = int(subprocess.run(["id", "-u", OTHER], capture_output=True, text=True, check=True).stdout)
-    gid = int(subprocess.run(["id", "-g", OTHER], capture_output=True, text=True, check=True).stdout)
-    return uid, gid
-
-
 @pytest.fixture
 def shared() -> Iterator[Path]:
     """A fresh directory like /tmp: world-writable, sticky, reachable by the second user."""
@@ -92,7 +80,7 @@ def shared() -> Iterator[Path]:
 
 
 def test_a_trace_directory_another_user_made_first_is_refused(shared: Path) -> None:
-    uid, gid = _other_user()
+    uid, gid = other_user()
     made = subprocess.run(
         ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "mkdir", "-m", "0755", str(shared / "t")],
         capture_output=True, text=True, timeout=60,

@@ -45,6 +45,8 @@ trainer = pl.Trainer(max_steps=12, accelerator="cpu", devices=2, strategy="ddp",
 trainer.fit(Model({{"out": {out!r}, "n": 200, "batch_size": 4, "devices": 2}}))
 with open(os.path.join({out!r}, f"saves-{{trainer.global_rank}}.txt"), "w") as f:
     f.write(",".join(str(s) for s, _ in spy.saves) + "\\n")
+if torch.distributed.is_initialized():  # gloo's threads end before the interpreter (else, at times, SIGABRT at exit)
+    torch.distributed.destroy_process_group()
 """
 
 

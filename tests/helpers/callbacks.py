@@ -22,3 +22,14 @@ class SpyTarget(ModelCheckpoint):
         path = os.path.join(str(self.dirpath), f"snap-{trainer.global_step}.ckpt")
         trainer.save_checkpoint(path)
         return path
+
+
+class SaveAt(pl.Callback):
+    """Save a checkpoint to ``path`` once, at the end of the batch that reaches global step ``step``."""
+
+    def __init__(self, path: object, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step and not self.path.exists():  # type: ignore[attr-defined]
+            trainer.save_checkpoint(self.path)  # type: ignore[arg-type]

@@ -15,23 +15,14 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from lightning_resume import CheckpointCorruptError, ExactResume, ResumeMismatchError
 from lightning_resume.exact.state import elastic as policy
+from tests.helpers.callbacks import SaveAt
 from tests.helpers.jobs.trainee import Model
 from tests.helpers.models import tiny_trainer
 
 CFG = {"n": 200, "batch_size": 4, "distributed_sampler": True}
-
-
-class SaveAt(Callback):
-    def __init__(self, path: Path, step: int) -> None:
-        self.path, self.step = path, step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step and not self.path.exists():
-            trainer.save_checkpoint(self.path)
 
 
 def _fit(tmp_path: Path, exact: ExactResume, callbacks=(), ckpt_path=None) -> pl.Trainer:

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_resume import ExactResume, ExactResumeWarning
+from tests.helpers.callbacks import SaveAt as SaveAtBoundary
 from tests.helpers.jobs.trainee import Model
 from tests.helpers.models import tiny_trainer
 
@@ -25,15 +26,6 @@ class SaveInside(Callback):
         self.path, self.step = path, step
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if trainer.global_step == self.step and not self.path.exists():
-            trainer.save_checkpoint(self.path)
-
-
-class SaveAtBoundary(Callback):
-    def __init__(self, path: Path, step: int) -> None:
-        self.path, self.step = path, step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == self.step and not self.path.exists():
             trainer.save_checkpoint(self.path)
 

@@ -9,22 +9,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from lightning_resume import ExactResume, ResumeMismatchError, SafetensorsCheckpointIO
 from lightning_resume.exact.state import fingerprint
 from lightning_resume.format.read import load_file
+from tests.helpers.callbacks import SaveAt
 from tests.helpers.jobs.trainee import Model
 from tests.helpers.models import tiny_trainer
-
-
-class SaveAt(Callback):
-    def __init__(self, path: Path, step: int) -> None:
-        self.path, self.step = path, step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step and not self.path.exists():
-            trainer.save_checkpoint(self.path)
 
 
 class Perturbed(Model):

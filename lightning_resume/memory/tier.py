@@ -46,6 +46,10 @@ from lightning_resume.staging.lending import Offer
 MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
 """The tiers a run can resume from (``ExactResume.resume_report.tier``)."""
 
+REPLICA = "replica"
+"""The resume source when the memory tier resumed and some rank's state came from a peer node's replica (its own
+node was lost): a node loss in the failure history."""
+
 
 FLUSH_TIMEOUT_S = 60.0
 """How long an exception waits for the memory-tier snapshot being written (one tmpfs write of the state)."""

@@ -74,11 +74,14 @@ class MemoryTierOptions:
         process_mtbf: mean time between failures that keep the machine, or ``"observed"``. ``None``:
             observed with a 1 h prior, unless ``every_n_train_steps_max`` alone paces the tier.
         every_n_train_steps_max: take a memory snapshot at least every this many optimizer steps.
+        replicas: how many other nodes keep a copy of each rank's snapshot in their memory tier, so that the
+            run survives the loss of a node. ``None``: 1 when the job has more than one node, else 0.
     """
 
     dir: str = DEFAULT_MEMORY_DIR
     process_mtbf: Optional[Duration] = None
     every_n_train_steps_max: Optional[int] = None
+    replicas: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,9 @@ def memory_tier_problems(memory_tier: MemoryTierOptions) -> list[str]:
         return [f"memory_tier.dir={where!r} must be a local (tmpfs) directory such as /dev/shm"]
     if "://" in where and not where.startswith("file://"):
         return [f"memory_tier.dir={where!r} must be a local (tmpfs) directory such as /dev/shm/..."]
+    replicas = memory_tier.replicas
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0):
+        return [f"memory_tier.replicas={replicas!r} must be an integer >= 0 (copies on other nodes), or null for auto"]
     return []
 
 

@@ -1,6 +1,7 @@
 """The CUDA paths on a real GPU, in one unattended command (issue 44): exactness first, then what a save costs.
 
-Sections (``--sections``, comma-separated; all by default, in this order):
+Sections (``--sections``, comma-separated; all by default, run in the order of ``SECTIONS``: resume, resume_ac,
+blocked_small, step, blocked_large, load, so that a run cut short has the most wanted figures):
 
 - ``resume`` / ``resume_ac``: kill-and-resume bit for bit on the accelerator. A small transformer (dropout in
   attention, residual and MLP), ``bf16-mixed``, ``StatefulDataLoader(num_workers=2, shuffle=True)`` over a dataset
@@ -54,6 +55,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -77,7 +79,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_resume import ActivationCheckpointingStrategy, ExactResume, SafetensorsCheckpointIO
 
-SECTIONS = ["resume", "resume_ac", "blocked_small", "step", "load", "blocked_large"]
+SECTIONS = ["resume", "resume_ac", "blocked_small", "step", "blocked_large", "load"]
 ESTIMATE_S = {"resume": 75, "resume_ac": 75, "blocked_small": 60, "step": 45, "load": 60, "blocked_large": 240}
 """Seconds each section is expected to take on one H200 (``--budget-s`` skips what would not fit)."""
 GB = 1e9
@@ -226,6 +228,8 @@ class Context:
     root: Path
     args: argparse.Namespace
     results: Dict[str, Any] = field(default_factory=dict)
+    current: Optional[str] = None
+    """The section running now (the watchdog names it if it hangs)."""
 
     @property
     def cuda(self) -> bool:
@@ -618,13 +622,14 @@ def run_section(ctx: Context, name: str, deadline: float) -> Dict[str, Any]:
 
 
 def estimate(ctx: Context, name: str) -> float:
+    """Seconds ``name`` is expected to take; the large state's from the small one's measured time, by bytes and
+    by saves (four warm-ups, then four per round), with a fifth more for margin."""
     if ctx.dry:
         return 0.0
-    small = ctx.results.get("blocked_small", {})
-    if name == "blocked_large" and small.get("status") == "OK":  # scaled from the small state's measured time
-        return (
-            small["seconds"] * ctx.args.large_gb / ctx.args.small_gb * max(1, ctx.args.repeats - 1) / ctx.args.repeats
-        )
+    small, a = ctx.results.get("blocked_small", {}), ctx.args
+    if name == "blocked_large" and small.get("status") == "OK":
+        saves = (4 + 4 * max(1, a.repeats - 1)) / (4 + 4 * a.repeats)
+        return 1.2 * small["seconds"] * a.large_gb / a.small_gb * saves
     return ESTIMATE_S[name]
 
 
@@ -640,6 +645,7 @@ def run_all(ctx: Context, names: List[str], t_start: float) -> None:
             }
         else:
             t0 = time.monotonic()
+            ctx.current = name
             deadline = t_start + budget - 5
             try:
                 ctx.results[name] = {"status": "OK", **run_section(ctx, name, deadline)}
@@ -649,10 +655,34 @@ def run_all(ctx: Context, names: List[str], t_start: float) -> None:
                 ctx.results[name] = {"status": "FAIL", "error": f"{type(err).__name__}: {err}"[:3000]}
                 ctx.results[name]["traceback"] = traceback.format_exc()[-3000:]
             ctx.results[name]["seconds"] = time.monotonic() - t0
+            ctx.current = None
             if ctx.results[name]["status"] == "OK" and ctx.results[name].get("ok") is False:
                 ctx.results[name]["status"] = "FAIL"
         print(f"[{time.monotonic() - t_start:6.1f} s] {name}: {ctx.results[name]['status']}", flush=True)
         write_json(ctx)
+
+
+def start_watchdog(ctx: Context, seconds: float) -> threading.Timer:
+    """After ``seconds``, a section still running is taken as hung: it is reported ``FAIL``, the table, the
+    verdicts and the JSON are written, and the process exits 3 (a hung CUDA call cannot be interrupted)."""
+
+    def fire() -> None:
+        if ctx.current is not None:
+            ctx.results[ctx.current] = {"status": "FAIL", "error": f"still running after {seconds:.0f} s (watchdog)"}
+        report(ctx)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def report(ctx: Context) -> None:
+    ctx.results.get("resume", {}).pop("losses_a", None)
+    write_json(ctx)
+    print("\n".join(table(ctx)))
+    print(verdicts(ctx), flush=True)
 
 
 def write_json(ctx: Context) -> None:
@@ -748,7 +778,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--step-gb", type=float, default=2.0)
     p.add_argument("--load-gb", type=float, default=2.0, help="bytes of weights in the file loaded")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per section (1 with --dry-run)")
-    p.add_argument("--child-timeout-s", type=float, default=240.0)
+    p.add_argument("--child-timeout-s", type=float, default=150.0, help="longest wait for one training run")
+    p.add_argument("--hang-grace-s", type=float, default=60.0, help="past the budget: a running section is hung")
     p.add_argument("--train", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -771,11 +802,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cpu" if args.dry_run else "cuda:0")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="gpu_check-") as tmp:
         ctx = Context(device, args.dry_run, Path(tmp), args)
+        watchdog = start_watchdog(ctx, args.budget_s + args.hang_grace_s)
         run_all(ctx, [n for n in SECTIONS if n in names], t_start)
-    ctx.results.get("resume", {}).pop("losses_a", None)
-    write_json(ctx)
-    print("\n".join(table(ctx)))
-    print(verdicts(ctx), flush=True)
+        watchdog.cancel()
+    report(ctx)
     return 0
 
 

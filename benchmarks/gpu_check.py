@@ -184,7 +184,7 @@ def final_state(trainer: pl.Trainer, model: nn.Module) -> Dict[str, Any]:
         "epoch": trainer.current_epoch,
         "torch_rng": torch.get_rng_state(),
         "python_rng": repr(random.getstate()),
-        "numpy_rng": repr(np.random.get_state()),
+        "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda_rng"] = torch.cuda.get_rng_state_all()
@@ -215,7 +215,10 @@ def train(cfg: Dict[str, Any]) -> None:
     trainer.fit(model, ckpt_path=cfg.get("resume"))
     torch.save(final_state(trainer, model), out / "final.pt")
     exact = next(cb for cb in trainer.callbacks if isinstance(cb, ExactResume))  # type: ignore[attr-defined]
-    (out / "report.json").write_text(json.dumps(exact.resume_report.to_dict(), default=str))
+    report = exact.resume_report.to_dict()
+    plan = getattr(trainer.strategy, "activation_plan", None)
+    report["recomputed_blocks"] = list(plan.blocks) if plan is not None else []
+    (out / "report.json").write_text(json.dumps(report, default=str))
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -342,7 +345,11 @@ def resume_section(ctx: Context, ac: bool) -> Dict[str, Any]:
         "final_state_keys": sorted(final[0]),
         "cuda_rng_compared": "cuda_rng" in final[0],
         "resume_report": {k: report.get(k) for k in ("source", "step", "exact", "differences") if k in report},
+        "recomputed_blocks": report["recomputed_blocks"],
     }
+    if ac and len(report["recomputed_blocks"]) != base["depth"]:
+        out["ok"] = False
+        out["problems"].append(f"blocks recomputed: {report['recomputed_blocks']}, expected all {base['depth']}")
     if ac and "resume" in ctx.results and ctx.results["resume"].get("losses_a") is not None:
         plain = {int(k): v for k, v in ctx.results["resume"]["losses_a"].items()}
         out["equal_to_no_checkpointing"] = plain == la
@@ -357,20 +364,20 @@ def resume_section(ctx: Context, ac: bool) -> Dict[str, Any]:
 class LinearState:
     """A stack of square Linear layers and AdamW after one step, on the device: ``nbytes`` of weights and moments."""
 
-    def __init__(self, ctx: Context, nbytes: float) -> None:
+    def __init__(self, ctx: Context, nbytes: float, host_copy: bool = True) -> None:
         self.ctx = ctx
-        self.width = 64 if ctx.dry else 4096
-        layers = max(1, round(nbytes / (3 * 4 * self.width * (self.width + 1))))
+        self.width = w = 64 if ctx.dry else 4096
+        layers = max(1, round(nbytes / (3 * 4 * w * (w + 1))))
         torch.manual_seed(0)
-        self.model = nn.Sequential(*[nn.Linear(self.width, self.width) for _ in range(layers)]).to(ctx.device)
+        self.model = nn.Sequential(*[nn.Linear(w, w, device=ctx.device) for _ in range(layers)])
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.rows = 64
         self.x = torch.randn(self.rows, self.width, device=ctx.device)
         self.step()
         self.tensors = list(self.model.state_dict().values())
         self.tensors += [t for s in self.optimizer.state.values() for t in s.values() if t.numel() > 1]
-        pin = ctx.cuda
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).zero_() for t in self.tensors]
+        pin, kept = ctx.cuda, self.tensors if host_copy else []
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).zero_() for t in kept]
         self.n = 0
 
     @property
@@ -530,7 +537,10 @@ def step_section(ctx: Context, gb: float, rounds: int, deadline: float) -> Dict[
 # ------------------------------------------------------------------------------------------ (d) load
 
 
-def drop_caches() -> bool:
+def drop_caches(dry: bool) -> bool:
+    """Drop the page cache (root only), so that a load reads the disk; not in a dry run (a shared machine)."""
+    if dry:
+        return False
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -543,7 +553,7 @@ def drop_caches() -> bool:
 def load_section(ctx: Context, gb: float, repeats: int, deadline: float) -> Dict[str, Any]:
     root = ctx.root / "load"
     root.mkdir(parents=True, exist_ok=True)
-    state = LinearState(ctx, gb * GB * 3)  # weights alone are a third of the state: ``gb`` of weights
+    state = LinearState(ctx, gb * GB * 3, host_copy=False)  # weights are a third of the state: ``gb`` of them
     source = {k: v.detach().clone() for k, v in state.model.state_dict().items()}
     ours_path, torch_path = str(root / "w.ckpt"), str(root / "w.pt")
     SafetensorsCheckpointIO().save_checkpoint({"state_dict": source}, ours_path)
@@ -585,7 +595,7 @@ def load_section(ctx: Context, gb: float, repeats: int, deadline: float) -> Dict
             with torch.no_grad():
                 for p in target.parameters():
                     p.zero_()
-            cold.append(drop_caches())
+            cold.append(drop_caches(ctx.dry))
             ctx.sync()
             t0 = time.perf_counter()
             fn()
@@ -697,8 +707,25 @@ def machine(ctx: Context) -> Dict[str, Any]:
     info: Dict[str, Any] = {"torch": torch.__version__, "lightning": pl.__version__, "dry_run": ctx.dry}
     info["device"] = torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu"
     info["precision"] = "bf16-mixed"
+    info["cpus"] = os.cpu_count()
+    info["checkpoint_dir_fs"] = filesystem(ctx.root)
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        info["gpu_memory_GB"] = round(props.total_memory / GB, 1)
+        info["cuda"] = torch.version.cuda
     info["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     return info
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (``/proc/mounts``' longest matching mount point)."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    here = str(path.resolve())
+    best = max((m for m in mounts if here == m[0] or here.startswith(m[0].rstrip("/") + "/")), key=lambda m: len(m[0]))
+    return f"{best[1]} at {best[0]}"
 
 
 def table(ctx: Context) -> List[str]:

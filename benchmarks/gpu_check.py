@@ -732,9 +732,9 @@ def table(ctx: Context) -> List[str]:
     lines = [f"machine: {json.dumps(machine(ctx))}", "| section | row | figure |", "|---|---|---|"]
     for name, res in ctx.results.items():
         if res["status"] != "OK":
-            lines.append(
-                f"| {name} | {res['status']} | {res.get('error') or res.get('reason') or res.get('problems')} |"
-            )
+            problems = res.get("problems") or []
+            said = res.get("error") or res.get("reason") or f"{len(problems)} differences, first: {problems[:3]}"
+            lines.append(f"| {name} | {res['status']} | {said} |")
             continue
         if name.startswith("resume"):
             fig = f"bitwise OK: {res['steps_compared']} losses, final state incl. CUDA RNG={res['cuda_rng_compared']}"

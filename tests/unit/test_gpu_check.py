@@ -29,7 +29,7 @@ def test_dry_run_ends_on_verdicts_with_every_section_run_and_exact(tmp_path: Pat
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("VERDICT DRY-RUN"), done.stdout[-3000:]
     assert " bitwise=OK bitwise_ac=OK " in last and last.endswith("failed=none"), done.stdout[-3000:]
-    assert "load=OK" in last and "step_while_writing=" in last and last.count("<dcp(") == 2, last
+    assert "load=OK" in last and "step_while_writing=" in last and last.count("<dcp_best(") == 2, last
     sections = json.loads(out.read_text())["sections"]
     assert {k: v["status"] for k, v in sections.items()} == dict.fromkeys(
         ["resume", "resume_ac", "blocked_small", "step", "load", "blocked_large"], "OK"

@@ -36,7 +36,9 @@ blocked_small, step, blocked_large, load, so that a run cut short has the most w
 
 Each section is isolated: one that raises is reported ``FAIL`` with its error and the others still run.
 ``--budget-s`` skips a section whose estimate would run past it (the large state's estimate is scaled from
-the small one's measured time). ``--out PATH`` writes every result as JSON, rewritten after each section.
+the small one's measured time); a section still running ``--hang-grace-s`` past the budget is reported hung
+(a watchdog prints the table and verdicts and exits 3). ``--out PATH`` writes every result as JSON,
+rewritten after each section.
 The last line printed is the verdicts. ``--dry-run`` runs the same code on the CPU with tiny sizes and
 ``bf16-mixed`` (Lightning runs it with CPU autocast), in CI's time: its timings mean nothing; it keeps the
 script from rotting (``tests/unit/test_gpu_check.py``).
@@ -325,12 +327,18 @@ def resume_section(ctx: Context, ac: bool) -> Dict[str, Any]:
     a = {**base, "pause_at": None, "out": str(root / "A"), "ckpt_dir": str(root / "A-ckpt")}
     b = {**base, "out": str(root / "B"), "ckpt_dir": str(root / "BC-ckpt")}
     c = {**base, "pause_at": None, "resume": "last", "out": str(root / "C"), "ckpt_dir": str(root / "BC-ckpt")}
-    timeout = ctx.args.child_timeout_s
-    pa, pb = start_trainee(a), start_trainee(b)
-    kill_when_paused(pb, b, timeout)
-    pc = start_trainee(c)  # beside A: C needs only B's checkpoints
-    finish(pa, a, timeout)
-    finish(pc, c, timeout)
+    timeout, started = ctx.args.child_timeout_s, []
+    try:
+        started += [start_trainee(a), start_trainee(b)]
+        kill_when_paused(started[1], b, timeout)
+        started.append(start_trainee(c))  # beside A: C needs only B's checkpoints
+        finish(started[0], a, timeout)
+        finish(started[2], c, timeout)
+    finally:  # a failed section leaves no run behind
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     la, lb, lc = losses(a), losses(b), losses(c)
     resumed_from = min(lc) - 1
     problems = [f"B step {s}: {h} != A's {la.get(s)}" for s, h in sorted(lb.items()) if la.get(s) != h]
@@ -615,8 +623,10 @@ def load_section(ctx: Context, gb: float, repeats: int, deadline: float) -> Dict
     io = SafetensorsCheckpointIO()
 
     def raw() -> None:
+        view, at = memoryview(host.numpy()), 0
         with open(ours_path, "rb", buffering=0) as f:
-            f.readinto(memoryview(host.numpy()))
+            while at < nbytes:  # one read returns at most ~2 GiB on Linux
+                at += f.readinto(view[at:]) or nbytes
         dev.copy_(host, non_blocking=True)
 
     def ours_map() -> None:

@@ -38,6 +38,7 @@ def test_dry_run_ends_on_verdicts_with_every_section_run_and_exact(tmp_path: Pat
         assert sections[name]["resumed_from_step"] < sections[name]["killed_at_step"]
         assert sections[name]["resume_report"]["exact"] is True
     assert sections["resume_ac"]["equal_to_no_checkpointing"] is True
+    assert sections["resume_ac"]["recomputed_blocks"] == ["blocks.0", "blocks.1"]
 
 
 def test_a_failing_section_is_reported_the_next_still_runs_and_one_over_budget_is_skipped(

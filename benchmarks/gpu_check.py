@@ -472,7 +472,10 @@ def dcp_savers(ctx: Context) -> List[Saver]:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return out
-    stager = DefaultStager(StagingOptions(ctx.cuda, False, True, ctx.cuda))  # pinned, no shm, async, non-blocking
+    options = StagingOptions(
+        use_pinned_memory=ctx.cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=ctx.cuda
+    )  # shared memory serves DCP's process staging only; ours and this row stage on threads
+    stager = DefaultStager(options)
     staged: List[Any] = []
 
     def overlapped(ckpt: Dict, path: str) -> None:

@@ -124,7 +124,8 @@ class Replicator:
                     os.close(pending.fd)
             self._say_nothing()  # the holders' receivers end on it
         except ReplicaTransferError as err:
-            self._disable(f"replica transfer failed ({err}); replication is off for the rest of the run")
+            self._disable(f"replication stopped ({err}); the local memory tier stays on")
+            self._say_nothing(but=err.peer)  # the other holders' receivers still end
         except Exception as err:  # noqa: BLE001 - a daemon thread: reported, never raised into training
             self._disable(f"replica sender failed ({type(err).__name__}: {err}); replication is off for this run")
 
@@ -150,10 +151,14 @@ class Replicator:
         self.last_transfer = TransferStats(nbytes, time.monotonic() - started, pending.step, pending.seq)
         return True
 
-    def _say_nothing(self) -> None:
-        """Tell every holder that nothing more comes, so its receiver ends."""
+    def _say_nothing(self, but: Optional[int] = None) -> None:
+        """Tell every holder (``but`` the one whose connection failed) that nothing more comes: its receiver ends."""
         for holder in self.holders:
-            transport.send_nothing(holder, self.group)
+            if holder != but:
+                try:
+                    transport.send_nothing(holder, self.group)
+                except ReplicaTransferError as err:
+                    log.debug("memory tier: could not tell rank %d that replication ends: %s", holder, err)
 
     def _receive_loop(self, owner: int) -> None:
         buffer = torch.empty(transport.CHUNK, dtype=torch.uint8)  # pages only where a chunk is received

@@ -216,7 +216,9 @@ def break_group(group: Any) -> None:
     peer = (dist.get_rank(group) + 1) % dist.get_world_size(group)
     dummy = torch.zeros(1, dtype=torch.uint8)
     _broken.append((group, dummy))  # gloo keeps a pointer to the buffer of the receive it gave up
+    work = dist.irecv(dummy, peer, group=group, tag=BREAK_TAG)
     try:
-        dist.irecv(dummy, peer, group=group, tag=BREAK_TAG).wait(timedelta(milliseconds=1))
+        if work is not None:  # None only on a rank outside the group
+            work.wait(timedelta(milliseconds=1))
     except RuntimeError:
         return  # the timeout: the group is closed

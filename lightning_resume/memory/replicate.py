@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning_resume.errors import ExactResumeWarning, ReplicaTransferError, byte_size
 from lightning_resume.memory import topology, transport
 from lightning_resume.memory.store import Committed, MemoryStore, NotEnoughSharedMemory, replica_name
+from lightning_resume.threads import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class Replicator:
             return None if self._stopping and pending is None else pending
 
     def _send_loop(self) -> None:
+        lower_thread_priority()  # as the snapshot's writer: training's threads get the cores first
         try:
             going = True
             while going and (pending := self._next()) is not None:
@@ -164,6 +166,7 @@ class Replicator:
                     log.debug("memory tier: could not tell rank %d that replication ends: %s", holder, err)
 
     def _receive_loop(self, owner: int) -> None:
+        lower_thread_priority()
         buffer = torch.empty(transport.CHUNK, dtype=torch.uint8)  # pages only where a chunk is received
         try:
             while (answer := transport.recv_file(owner, self.group, self._sink(owner), buffer)) is not None:

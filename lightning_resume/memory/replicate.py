@@ -89,6 +89,7 @@ class Replicator:
             for o in self.owners
         ]
         self._started = False
+        self._failed_owners: set[int] = set()  # owners whose replica could not be written here (warned once)
 
     def start(self) -> None:
         """Start the sender and the receivers (every rank, once the group exists)."""
@@ -186,7 +187,9 @@ class Replicator:
             except NotEnoughSharedMemory as err:
                 return REFUSED, err.needed, err.free  # the owner says it, once
             except OSError as err:
-                _warn(f"ExactResume: rank {owner}'s replica could not be written to {self.store.directory}: {err}")
+                if owner not in self._failed_owners:  # said once; each later snapshot tries again
+                    self._failed_owners.add(owner)
+                    _warn(f"ExactResume: rank {owner}'s replica could not be written to {self.store.directory}: {err}")
                 return FAILED, nbytes, 0
             self.received += 1
             return STORED, nbytes, 0
@@ -204,9 +207,11 @@ class Replicator:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S, quiet: bool = False) -> bool:
         """End replication: the transfer in flight finishes, a pending snapshot is dropped, every holder hears
-        "nothing", and the replicas owed to this rank end as their owners stop. ``False`` (warned, unless
-        ``quiet``: after an exception the peers are still training) when a thread was still waiting after
-        ``timeout`` seconds; it is left behind as a daemon. Idempotent."""
+        "nothing", and the replicas owed to this rank end as their owners stop (``quiet``, after an exception:
+        they are not waited for, the peers still train). A thread still waiting after ``timeout`` seconds (or,
+        ``quiet``, a receiver at all) is cut off by closing the group (``transport.break_group``): no thread may
+        wait in gloo when the interpreter exits. ``False`` when one had to be cut (warned unless ``quiet``).
+        Idempotent."""
         with self._changed:
             self._stopping = True
             dropped, self._pending = self._pending, None

@@ -67,3 +67,41 @@ def test_plan_plot_draws_the_levels(tmp_path):
     from matplotlib import image
 
     assert image.imread(str(png)).shape[1] > 1200  # two panels side by side (12 in at 120 dpi)
+
+
+def _load_sim():
+    import importlib.util
+    import os
+    import sys
+
+    from tests.helpers.paths import REPO_ROOT
+
+    path = os.path.join(str(REPO_ROOT), "benchmarks", "interval_sim.py")
+    spec = importlib.util.spec_from_file_location("interval_sim", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_three_level_simulation_agrees_with_the_model_and_beats_two_level():
+    sim = _load_sim()
+    m1, m2, m3 = sim.MIXES["llama3"]
+    lv = Levels(c1=1.0, c2=REPLICA_STEP_OVERHEAD * 10.0, d2=10.0, c3=60.0, m1=m1, m2=m2, m3=m3)
+    r = sim.run_three_level(lv, step_time=1.0, work=20 / (1 / m1 + 1 / m2 + 1 / m3), seeds=60, rng_seed=4)
+    assert r["plan"] == pytest.approx(r["plan_model"], rel=0.15)  # first-order model vs Monte Carlo
+    assert r["two"] == pytest.approx(r["two_model"], rel=0.15)
+    assert r["two"] / r["plan"] > 2.0
+    assert r["plan"] <= r["best"] * 1.1  # the plan is near the best swept replicating (T1, k)
+
+
+def test_a_node_lost_while_its_replica_is_in_flight_goes_to_disk():
+    sim = _load_sim()
+    # node losses only (M1, M3 huge); a transfer longer than an interval and a durable save: none lands in time
+    lv = Levels(c1=0.0, c2=0.0, d2=111.0, c3=10.0, m1=1e12, m2=3600.0, m3=1e12)
+    kw = dict(levels=lv, work=20 * 3600.0, seeds=40, rng_seed=2)
+    late = sim.simulate_three_level([100.0], [10], [True], **kw).mean()
+    off = sim.simulate_three_level([100.0], [10], [False], **kw).mean()
+    assert late == pytest.approx(off)  # exactly the same failures, the same rollbacks
+    early = sim.simulate_three_level([100.0], [10], [True], **{**kw, "levels": Levels(**{**vars(lv), "d2": 1.0})})
+    assert early.mean() < off / 2

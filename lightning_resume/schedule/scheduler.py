@@ -16,10 +16,11 @@ that copy's cost with ``record_memory`` at the same step (it then only adds a C1
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 from lightning_resume.errors import HistoryWarning
 from lightning_resume.protocols import AsyncCheckpointWriter
@@ -59,6 +60,8 @@ class SnapshotScheduler:
         self.next_check_step = 0
         self.history: Optional[history.FailureHistory] = None  # this run's starts, saved in every checkpoint
         self.last_durable: Optional[float] = None
+        self.replicate = False  # whether the snapshot decided last is sent to the peer nodes (all ranks agree)
+        self._transfer: Optional[Hashable] = None  # the replica transfer recorded last
         self._writer: Optional[AsyncCheckpointWriter] = None
 
     @property
@@ -79,16 +82,19 @@ class SnapshotScheduler:
         checkpoint_wall_time: Optional[float],
         resumed_tier: Optional[str] = None,
         keep_history: bool = True,
+        replicas: Optional[int] = None,
     ) -> None:
         """Begin timing at ``step``; with ``keep_history``, record this start in the failure history.
 
         The history travels inside the checkpoints (``state_dict()["history"]``): the one resumed from
         (``restored``) holds every earlier start, so no file is written beside the checkpoints.
-        ``resumed_tier`` is the tier this start resumed from (``"memory"`` or
+        ``resumed_tier`` is the tier this start resumed from (``"memory"``, ``"replica"`` or
         ``"durable"``; ``None`` for a fresh start or when unknown): a failure resumed from memory is a
-        process failure."""
-        config = self.config.with_nodes(num_nodes)
+        process failure, from a replica a node loss. ``replicas``: the count the memory tier resolved (it
+        replaces the option's; 0: the two-level schedule)."""
+        config = self.config.with_nodes(num_nodes, replicas)
         mtbf = process_mtbf = None
+        losses: tuple[Optional[float], Optional[float]] = (None, None)
         self.history = None
         if keep_history:
             tier = None if resumed_tier is None else Tier(resumed_tier)
@@ -97,6 +103,7 @@ class SnapshotScheduler:
             snapshot_time = _snapshot_time(checkpoint_wall_time, past, now)
             self.history = history.record_start(past, now, snapshot_time, tier=tier)
             mtbf, process_mtbf = _observed(config, self.history, now)
+            losses = _observed_losses(config, self.history, now)
         schedule = {k: v for k, v in (restored or {}).items() if k != HISTORY_KEY} or None
         problems = machine.valid_restored(schedule or {})[1]
         if problems:  # a checkpoint is untrusted input: what it says wrongly is measured again, never a crash
@@ -105,14 +112,16 @@ class SnapshotScheduler:
                 HistoryWarning,
                 stacklevel=2,
             )
-        self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule)
+        self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule, losses)
         self.next_check_step = step + 1
 
     def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[Tier, int, str]:
         """(tier, preempt, reason) at a step boundary: rank 0's ``state.decide``, which every rank follows.
 
         One collective at check steps, none in between. ``preempt_local`` is this rank's preemption
-        level (0: none; the caller's codes above 0); the answer is the highest level over all ranks."""
+        level (0: none; the caller's codes above 0); the answer is the highest level over all ranks.
+        Rank 0's ``replicate`` travels in the same collective: :attr:`replicate` after the call."""
+        self.replicate = False
         if self.state is None or step < self.next_check_step:
             return Tier.NONE, 0, SaveReason.NOT_DUE.value
         self.poll_write()
@@ -121,10 +130,11 @@ class SnapshotScheduler:
             if is_rank_zero
             else Decision(Tier.NONE, SaveReason.NOT_DUE, 0)
         )
-        code, next_check, preempt = agree(
-            [_TIER_CODES.index(decision.tier), decision.next_check_step, int(preempt_local)]
+        code, next_check, preempt, replicate = agree(
+            [_TIER_CODES.index(decision.tier), decision.next_check_step, int(preempt_local), int(decision.replicate)]
         )
         self.next_check_step = max(int(next_check), step + 1)
+        self.replicate = bool(replicate)
         return _TIER_CODES[int(code)], int(preempt), decision.reason.value
 
     def record(
@@ -156,6 +166,22 @@ class SnapshotScheduler:
         self.memory = machine.record_memory_snapshot(self.memory, now, step, blocked_s)
         self.next_check_step = max(self.next_check_step, step + 1)
         return _finite(memory_metrics(self.state, self.memory, blocked_s, nbytes))
+
+    def record_replica(self, seconds: float, transfer: Hashable = None) -> None:
+        """Account a replica transfer that took ``seconds`` (D2, ``Replicator.last_transfer.seconds``), once:
+        ``transfer`` names it (its step and seq), and the one recorded last is not recorded again."""
+        if self.memory is None or (transfer is not None and transfer == self._transfer):
+            return
+        self._transfer = transfer
+        self.memory = machine.record_replica_transfer(self.memory, seconds)
+
+    def without_replicas(self) -> None:
+        """The memory tier stopped replicating (a replica did not fit a peer): two levels from now on."""
+        if self.state is None or not self.state.config.replicates:
+            return
+        config = self.state.config
+        self.state = dataclasses.replace(self.state, config=config.with_nodes(config.num_nodes, 0))
+        self.replicate = False
 
     def poll_write(self) -> bool:
         """If the async write recorded last has become durable, account it; ``True`` when it did now."""
@@ -217,6 +243,19 @@ def _observed(
     if config.process_mtbf_mode is MtbfMode.OBSERVED and config.job_process_mtbf_s is not None:
         process_mtbf = history.estimate_process_mtbf(past, config.job_process_mtbf_s, w, now)
     return mtbf, process_mtbf
+
+
+def _observed_losses(
+    config: ScheduleConfig, past: history.FailureHistory, now: float
+) -> tuple[Optional[float], Optional[float]]:
+    """With replicas and ``mtbf="observed"``: (M2, M3), the job's node-loss and whole-job-loss MTBFs from
+    the history (resumes from a replica; from the durable tier), each with its prior; else ``(None, None)``
+    (the configured values)."""
+    if not config.replicates or config.mtbf_mode is not MtbfMode.OBSERVED or config.job_mtbf_s is None:
+        return None, None
+    w = config.prior_weight
+    node = history.estimate_node_loss_mtbf(past, config.job_mtbf_s, w, now)
+    return node, history.estimate_job_loss_mtbf(past, config.job_loss_mtbf_s, w, now)
 
 
 def _finite(metrics: dict) -> dict[str, float]:

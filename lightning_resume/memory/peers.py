@@ -14,13 +14,14 @@ Lightning.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Iterable, Iterator, Optional
 
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning, ReplicaTransferError
 from lightning_resume.memory import transport
 from lightning_resume.memory.recover import Held, RankOffer, RecoveryPlan, Refused
-from lightning_resume.memory.store import MemorySnapshot, MemoryStore
+from lightning_resume.memory.store import MemorySnapshot, MemoryStore, replica_name
 
 RECOVERY_TAG = transport.FILE_TAG + 1
 """Tag of the recovery transfers on the transfer group: apart from the replication's own streams."""
@@ -102,15 +103,25 @@ def _check(snapshot: Optional[MemorySnapshot], plan: RecoveryPlan, rank: int, pa
 
 
 def _send(store: MemoryStore, owner: int, group: Any, plan: RecoveryPlan) -> list[str]:
-    path = store.replica_path(owner)
-    where = f"rank {owner}'s replica on rank {store.rank} ({path})"
+    where = f"rank {owner}'s replica on rank {store.rank} ({store.replica_path(owner)})"
     try:
-        transport.send_file(path, owner, group, record=(plan.step, plan.seq), tag=RECOVERY_TAG)
+        fd = store.open_committed(replica_name(owner, store.world_size))  # through the slot's descriptor
+    except OSError as err:
+        fd, problem = None, f"{where} could not be opened: {err}"
+    else:
+        problem = f"{where} is gone" if fd is None else ""
+    if fd is None:  # before anything went out: the owner is told "nothing", so both calls complete
+        transport.send_nothing(owner, group, tag=RECOVERY_TAG)
+        return [problem]
+    try:
+        transport.send_file(fd, owner, group, record=(plan.step, plan.seq), tag=RECOVERY_TAG)
     except ReplicaTransferError as err:  # the stream broke: the receiver sees it too
         return [f"{where} could not be sent: {err}"]
-    except (OSError, ValueError) as err:  # before anything went out: the owner is told "nothing"
+    except (OSError, ValueError) as err:  # mapping it failed, before the header: the owner is told "nothing"
         transport.send_nothing(owner, group, tag=RECOVERY_TAG)
         return [f"{where} could not be read: {err}"]
+    finally:
+        os.close(fd)
     return []
 
 

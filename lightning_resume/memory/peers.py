@@ -21,10 +21,12 @@ from typing import Any, Iterable, Iterator, Optional
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning, ReplicaTransferError
 from lightning_resume.memory import transport
 from lightning_resume.memory.recover import Held, RankOffer, RecoveryPlan, Refused
+from lightning_resume.memory.replicate import ACK_TAG
 from lightning_resume.memory.store import MemorySnapshot, MemoryStore, replica_name
 
-RECOVERY_TAG = transport.FILE_TAG + 1
-"""Tag of the recovery transfers on the transfer group: apart from the replication's own streams."""
+RECOVERY_TAG = max(transport.FILE_TAG, ACK_TAG) + 1
+"""Tag of the recovery transfers on the transfer group: apart from replication's files and acknowledgements (its
+threads start after recovery, at train start; a previous fit's in the same process have stopped)."""
 
 _UNREADABLE = (CheckpointCorruptError, OSError, ValueError)
 """What a damaged, foreign or vanished snapshot raises when it is loaded (``ReplicaTransferError`` is an OSError)."""

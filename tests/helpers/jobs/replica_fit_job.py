@@ -1,10 +1,11 @@
 """One "node" of a two-node Lightning fit on 127.0.0.1 (DDP on gloo, one rank per node, a memory dir per node)
 with the replicated memory tier: memory snapshots every step, replicas on the other node.
 
-Usage: replica_fit_job.py DIR, with NODE_RANK, LOCAL_RANK=0, MASTER_ADDR, MASTER_PORT set (the processes are
+Usage: replica_fit_job.py DIR [CRASH_STEP], with NODE_RANK, LOCAL_RANK=0, MASTER_ADDR, MASTER_PORT set (the processes are
 started from outside, as torchrun or SLURM start them). At step ``CHECK_AT``, once this rank's newest snapshot
 has been acknowledged by its holder and both ranks got there, each rank compares the replica its node holds with
-the other node's own snapshot and writes what it found to ``DIR/check-rank<R>.txt``; then training ends cleanly.
+the other node's own snapshot and writes what it found to ``DIR/check-rank<R>.txt``; then training ends cleanly,
+or, given CRASH_STEP, rank 0 raises at that step (the exception path: replication stops without waiting long).
 """
 
 from __future__ import annotations
@@ -55,7 +56,16 @@ class CompareReplicas(Callback):
         trainer.strategy.barrier()
 
 
-def main(out: Path) -> None:
+class Crash(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def main(out: Path, crash: int) -> None:
     torch.set_num_threads(1)
     node = int(os.environ["NODE_RANK"])
     pl.seed_everything(0, verbose=False)
@@ -70,7 +80,7 @@ def main(out: Path) -> None:
         strategy="ddp",
         max_steps=STEPS,
         limit_val_batches=0,
-        callbacks=[exact, CompareReplicas(exact, out), checkpoints],
+        callbacks=[exact, CompareReplicas(exact, out), checkpoints, Crash(crash)],
     )
     trainer.fit(TinyModel(), datamodule=TinyData(n=64))
     left = sorted(p.name for p in (out / f"node{node}").rglob("*") if p.is_file())
@@ -78,4 +88,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else -1)

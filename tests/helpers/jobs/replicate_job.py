@@ -3,11 +3,14 @@
 Usage: replicate_job.py RANK PORT DIR MODE. Each rank saves snapshots into ``DIR/node<RANK>`` with its
 replicator on; MODE ``ring``: five snapshots, then each waits until its newest was acknowledged, stops and
 writes ``DIR/rank<RANK>.txt`` (what it sent and received). MODE ``full``: rank 0's memory dir is reported full
-to replicas (its free space looks like 1 KiB when a replica arrives), so rank 1's replica is refused.
+to replicas (its free space looks like 1 KiB when a replica arrives), so rank 1's replica is refused. MODE
+``killed``: rank 1 SIGKILLs itself after its second snapshot (its node is lost); rank 0 goes on saving, then stops.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 import warnings
@@ -38,19 +41,28 @@ def main(rank: int, port: int, directory: Path, mode: str) -> None:
         for step in range(1, 6):
             state = {"w": torch.full((50_000,), float(step + 100 * rank)), "step": step}
             store.save(state, step=step, seq=step, run="r", after_commit=replicate.after_commit(replicator))
+            if mode == "killed":
+                store.wait()
+                time.sleep(0.5)  # the transfer of this snapshot goes on meanwhile
+                if rank == 1 and step == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
         store.wait()
         deadline = time.monotonic() + 120
         while mode == "ring" and (replicator.last_transfer is None or replicator.last_transfer.seq != 5):
             assert time.monotonic() < deadline, "the newest snapshot was never acknowledged"
             time.sleep(0.01)
-        dist.barrier()  # both sides' replicas are written: nothing more is in flight
+        if mode != "killed":
+            dist.barrier()  # both sides' replicas are written: nothing more is in flight
+        started = time.monotonic()
         ended = replicator.stop(timeout=60)
+        print(f"stop took {time.monotonic() - started:.1f}s", flush=True)
     last = replicator.last_transfer
     lines = [f"ended {ended} enabled {replicator.enabled} sent {replicator.sent} received {replicator.received}"]
     lines.append(f"last {None if last is None else (last.nbytes, last.step, last.seq)}")
     lines += [f"warning {w.message}" for w in said]
     (directory / f"rank{rank}.txt").write_text("\n".join(lines))
-    dist.destroy_process_group()
+    if mode != "killed":
+        dist.destroy_process_group()
 
 
 def _full(write: Callable[[str, int, Iterable[memoryview]], str]) -> Callable[[str, int, Iterable[memoryview]], str]:

@@ -31,6 +31,7 @@ def _slot(tmp_path: Path, node: int) -> Path:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended  # in make test, tests/integration/test_memory_tier_replicate_fit.py checks this in a fit
 def test_each_node_holds_the_others_newest_snapshot_byte_for_byte(tmp_path: Path) -> None:
     reports = _run(tmp_path, "ring")
     for rank, report in enumerate(reports):
@@ -52,3 +53,19 @@ def test_a_replica_that_does_not_fit_turns_replication_off_with_one_warning(tmp_
     assert "replicas=0" in warnings[0] and "/dev/shm" in warnings[0]
     assert not (_slot(tmp_path, 0) / "replica-1-of-2.safetensors").exists()
     assert (_slot(tmp_path, 1) / "rank-1-of-2.safetensors").exists()  # the local tier kept every snapshot
+
+
+@pytest.mark.multiprocess
+def test_a_lost_peer_ends_replication_with_a_warning_and_nothing_hangs(tmp_path: Path) -> None:
+    port = free_port()
+    ranks = [
+        start_preloaded(job_script("replicate_job.py"), [r, port, tmp_path, "killed"], log=tmp_path / f"log{r}.txt")
+        for r in (0, 1)
+    ]
+    assert ranks[1].wait(180) == -9
+    assert ranks[0].wait(180) == 0, (tmp_path / "log0.txt").read_text()[-3000:]
+    report = (tmp_path / "rank0.txt").read_text()
+    assert report.startswith("ended True enabled False"), report
+    assert "rank 1" in report and "replication stopped" in report and "local memory tier stays on" in report, report
+    assert (_slot(tmp_path, 0) / "rank-0-of-2.safetensors").exists()  # the local tier is whole
+    assert (_slot(tmp_path, 0) / "replica-1-of-2.safetensors").exists()  # what arrived before the loss stays

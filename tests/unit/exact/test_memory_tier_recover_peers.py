@@ -8,6 +8,7 @@ both nodes. The kill-and-resume runs of whole fits are in ``tests/integration/te
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,32 @@ def test_a_replica_damaged_on_the_way_fails_the_owners_check(chosen) -> None:
     line = _durable_line(chosen["damaged_in_transit"])
     assert "rank 1's replica on rank 0 (" in line and "failed verification after the transfer" in line
     assert "checksum mismatch" in line
+
+
+def test_a_holder_checks_a_replica_without_keeping_its_tensors(tmp_path: Path) -> None:
+    """What a rank offers of a replica is verified a chunk at a time: the tensors are 1-element stand-ins (a
+    holder of a large state does not load it to offer it), a damaged one is refused naming the file, and so is
+    the replica of another rank under this owner's name."""
+    import torch
+
+    from lightning_resume.errors import CheckpointCorruptError
+    from lightning_resume.memory.store import MemoryStore, memory_root, replica_name
+
+    root, key = memory_root(str(tmp_path)), "0123456789abcdef"
+    owner = MemoryStore(root + "-owner", key, rank=1, world_size=2, asynchronous=False)
+    owner.save({"global_step": 8, "w": torch.arange(1 << 16, dtype=torch.float32)}, step=8, seq=4, run="r")
+    holder = MemoryStore(root, key, rank=0, world_size=2, asynchronous=False)
+    data = Path(owner.path).read_bytes()
+    holder.write_received(replica_name(1, 2), len(data), [memoryview(data)])
+    checked = holder.check_replica(1, "r")
+    assert checked is not None and (checked.step, checked.seq, checked.path) == (8, 4, holder.replica_path(1))
+    w = checked.checkpoint["w"]
+    assert w.shape == (1 << 16,) and w.untyped_storage().nbytes() == 4  # a stand-in, not the 256 KiB
+    holder.write_received(replica_name(0, 2), len(data), [memoryview(data)])  # rank 1's bytes as rank 0's replica
+    with pytest.raises(CheckpointCorruptError, match="not rank 0's"):
+        holder.check_replica(0, "r")
+    damaged = bytearray(data)
+    damaged[-3] ^= 0xFF
+    holder.write_received(replica_name(1, 2), len(damaged), [memoryview(bytes(damaged))])
+    with pytest.raises(CheckpointCorruptError, match=r"replica-1-of-2\.safetensors.*checksum mismatch"):
+        holder.check_replica(1, "r")

@@ -87,7 +87,7 @@ class MemoryTier:
         self.run: Optional[str] = None
         self.seq = 0
         self.resumed_tier: Optional[str] = None
-        self.sources: Optional[dict[int, int]] = None  # rank -> the rank whose memory held its resumed state
+        self.sources: Optional[tuple[int, ...]] = None  # per rank, the rank whose memory held its resumed state
         self._group: Any = None  # the transfer group of a recovery from peers
         self.warned_full = False
         self.dumping = False
@@ -154,7 +154,7 @@ class MemoryTier:
             return restored
         # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
         _exact_state(snapshot.checkpoint)["saved_at"] = outcome.saved_at
-        self.seq, self.run, self.sources = snapshot.seq, run, dict(enumerate(outcome.sources))
+        self.seq, self.run, self.sources = snapshot.seq, run, outcome.sources
         self.resumed_tier = REPLICA if outcome.from_peers else MEMORY
         moved = "".join(f"; rank {o}'s state from rank {h}'s memory" for h, o in outcome.transfers)
         rank_zero_info(

@@ -90,7 +90,7 @@ def test_a_memory_tier_resume_does_not_read_the_durable_checkpoint(tmp_path: Pat
         warnings.simplefilter("error", SkippedCheckpointWarning)  # no durable file was verified: none skipped
         resumed = _fit(tmp_path, shm, safetensors)
     assert resumed.resume_report.tier == "memory" and resumed.resume_report.step == 10
-    assert resumed.resume_report.memory_sources == {0: 0}
+    assert resumed.resume_report.memory_sources == (0,)
     assert resumed.resume_report.exact and resumed.resume_report.fingerprint_ok
 
 

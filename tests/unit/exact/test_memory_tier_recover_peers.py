@@ -52,15 +52,13 @@ def _durable_line(got: list[dict]) -> str:
 @pytest.mark.multiprocess
 def test_every_rank_with_its_own_snapshot_resumes_from_it(chosen) -> None:
     got = chosen["own"]
-    assert [(g["tier"], g["sources"], g["step"], g["weights_equal"]) for g in got] == [
-        ("memory", {"0": 0, "1": 1}, 8, True)
-    ] * 2
+    assert [(g["tier"], g["sources"], g["step"], g["weights_equal"]) for g in got] == [("memory", [0, 1], 8, True)] * 2
     assert "resuming from the memory tier at step 8 (durable: step 6)" in got[0]["lines"][0]
 
 
 @pytest.mark.multiprocess
 def test_a_lost_nodes_rank_gets_its_state_from_the_peers_replica(chosen) -> None:
-    for lost, sources in (("node1_lost", {"0": 0, "1": 0}), ("node0_lost", {"0": 1, "1": 1})):
+    for lost, sources in (("node1_lost", [0, 0]), ("node0_lost", [1, 1])):
         got = chosen[lost]
         assert [(g["tier"], g["sources"], g["step"], g["weights_equal"]) for g in got] == [
             ("replica", sources, 8, True)

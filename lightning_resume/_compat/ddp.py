@@ -18,16 +18,19 @@ REBUILT = "rebuilt_per_bucket_param_indices"
 (set by ``Reducer::rebuild_buckets`` through its ``Logger``; read with ``_get_ddp_logging_data``, line 2552)."""
 
 
-def rebuild_pending_buckets(ddp: DistributedDataParallel) -> bool:
-    """Rebuild the buckets now if a backward recorded their order and they were not rebuilt yet, as the next
-    forward would (``reducer._rebuild_buckets()``, line 1775; DDP's join hook calls it outside a forward too,
-    line 431); whether it did. A collective (rank 0's layout is broadcast) when it rebuilds: every rank calls it."""
-    return bool(ddp.reducer._rebuild_buckets())
-
-
 def rebuilt_layout(ddp: DistributedDataParallel) -> Optional[list[list[int]]]:
     """The buckets' parameter indices, bucket by bucket in the order they are reduced, once rebuilt; ``None``
-    before (or when DDP never rebuilds them: ``find_unused_parameters=True`` without ``static_graph``)."""
+    before any backward (or when DDP never rebuilds them: ``find_unused_parameters=True`` without
+    ``static_graph``).
+
+    A rebuild a backward made pending is done now, as the next forward would do it (``reducer._rebuild_buckets()``,
+    line 1775; DDP's join hook calls it outside a forward too, line 431): a collective when it rebuilds (rank 0's
+    layout is broadcast), so every rank calls this at the same moment. DDP's logger records the rebuilt layout at
+    the forward after the rebuild (``logger.set_runtime_stats_and_log()``, line 1757, which samples the first ten
+    iterations: the rebuild comes in the second); before that forward, it is asked to record it now."""
+    ddp.reducer._rebuild_buckets()
+    if REBUILT not in ddp._get_ddp_logging_data():
+        ddp.logger.set_runtime_stats_and_log()
     text = ddp._get_ddp_logging_data().get(REBUILT)
     if not isinstance(text, str) or not text.strip():
         return None

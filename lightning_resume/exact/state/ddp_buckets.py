@@ -40,7 +40,6 @@ def capture(trainer: pl.Trainer) -> Optional[list[list[int]]]:
     ddp = _ddp(trainer)
     if ddp is None:
         return None
-    ddp_compat.rebuild_pending_buckets(ddp)
     return ddp_compat.rebuilt_layout(ddp) or _LAID_OUT.get(ddp)
 
 

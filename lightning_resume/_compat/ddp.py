@@ -29,7 +29,7 @@ def rebuilt_layout(ddp: DistributedDataParallel) -> Optional[list[list[int]]]:
     the forward after the rebuild (``logger.set_runtime_stats_and_log()``, line 1757, which samples the first ten
     iterations: the rebuild comes in the second); before that forward, it is asked to record it now."""
     ddp.reducer._rebuild_buckets()
-    if REBUILT not in ddp._get_ddp_logging_data():
+    if REBUILT not in ddp._get_ddp_logging_data() and ddp.logger is not None:
         ddp.logger.set_runtime_stats_and_log()
     text = ddp._get_ddp_logging_data().get(REBUILT)
     if not isinstance(text, str) or not text.strip():
@@ -75,6 +75,7 @@ def lay_out_buckets(ddp: DistributedDataParallel, layout: list[list[int]]) -> No
         dist._compute_bucket_assignment_by_size = assign
     if ddp.static_graph:
         ddp.reducer._set_static_graph()
-        ddp.logger._set_static_graph()
+        if ddp.logger is not None:  # _ddp_init_helper always sets it
+            ddp.logger._set_static_graph()
     for hook, state in hooks:
         dist._register_comm_hook(ddp.reducer, state, hook)

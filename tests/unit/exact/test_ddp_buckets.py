@@ -29,9 +29,9 @@ def group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _ddp() -> DistributedDataParallel:
+def _ddp(**kwargs: Any) -> DistributedDataParallel:
     torch.manual_seed(0)
-    return DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)))
+    return DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)), **kwargs)
 
 
 def _trainer(ddp: DistributedDataParallel, world_size: int = 3) -> Any:
@@ -65,8 +65,11 @@ def test_a_save_records_the_layout_ddp_rebuilt_from_the_gradients_order(group: N
     assert ddp_buckets.capture(_trainer(ddp)) == [[3, 2, 1, 0]]
 
 
-def test_a_resumed_reducer_reduces_in_the_saved_layout_from_its_first_backward(group: None) -> None:
-    fresh = _ddp()
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"static_graph": True}, {"gradient_as_bucket_view": True}], ids=["default", "static", "views"]
+)
+def test_a_resumed_reducer_reduces_in_the_saved_layout_from_its_first_backward(group: None, kwargs: dict) -> None:
+    fresh = _ddp(**kwargs)
     assert ddp_buckets.restore(_trainer(fresh), {ddp_buckets.KEY: [[3, 2], [1, 0]]}) == []
     assert ddp_buckets.capture(_trainer(fresh)) == [[3, 2], [1, 0]]  # a save before the first step keeps it
     assert _layout_reduced(fresh) == [[3, 2], [1, 0]]
@@ -98,3 +101,18 @@ def test_a_layout_that_cannot_be_had_is_named_with_the_cause(group: None, saved:
     (line,) = ddp_buckets.restore(_trainer(ddp), saved)
     assert "all-reduce over 3 ranks may differ in the last bits" in line and cause in line
     assert _layout_reduced(ddp) == [[0, 1, 2, 3]]
+
+
+def test_a_comm_hook_registered_before_the_resume_still_reduces(group: None) -> None:
+    ddp, calls = _ddp(), []
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        calls.append(len(bucket.parameters()))
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp.register_comm_hook(None, hook)  # as Lightning's DDPStrategy(ddp_comm_hook=...) registers it
+    assert ddp_buckets.restore(_trainer(ddp), {ddp_buckets.KEY: [[3, 2], [1, 0]]}) == []
+    _step(ddp)
+    assert calls == [2, 2]

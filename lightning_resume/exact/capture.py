@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.exact import lightning_gaps
-from lightning_resume.exact.state import rank_local
+from lightning_resume.exact.state import ddp_buckets, rank_local
 from lightning_resume.exact.state.data import loader_signature, loader_state, order_record
 from lightning_resume.exact.state.fingerprint import digest, fingerprint
 from lightning_resume.exact.state.rng import capture_rng
@@ -66,6 +66,7 @@ def checkpoint_state(
         "last_saved": lc.last_saved_steps(trainer),
         lightning_gaps.KEY: lightning_gaps.capture(trainer, after_batch),
         "accumulate": int(trainer.accumulate_grad_batches),
+        ddp_buckets.KEY: ddp_buckets.capture(trainer),  # every rank is here: a pending rebuild may broadcast
         "ranks": collective.gather(local, trainer.world_size),
     }
 

@@ -26,7 +26,7 @@ from lightning_resume.exact import capture, epoch_hooks, lightning_gaps
 from lightning_resume.exact import elastic as elastic_restore
 from lightning_resume.exact.capture import AT_STEP_BOUNDARY, FORMAT_VERSION, fingerprint_of, signature
 from lightning_resume.exact.elastic import Afterwards, ElasticMode, Move
-from lightning_resume.exact.state import rank_local
+from lightning_resume.exact.state import ddp_buckets, rank_local
 from lightning_resume.exact.state.data import is_resumable, load_loader_state, loader_signature
 from lightning_resume.exact.state.elastic import old_rank_for
 from lightning_resume.exact.state.fingerprint import (
@@ -82,6 +82,10 @@ def restore(
     if mid_step is not None:
         warn_approximate([mid_step])
         differences = [*differences, mid_step]
+    relaid = ddp_buckets.restore(trainer, saved)  # before the first step: it all-reduces as the saving run did
+    if relaid:
+        warn_approximate(relaid)
+        differences = [*differences, *relaid]
     mine = state_for_this_rank(trainer, saved)
     unapplied = collective.agreed(rank_local.put_back(trainer.lightning_module, mine.get("buffers") or {}))
     if unapplied:

@@ -228,12 +228,18 @@ def paused(cfg: dict[str, Any]) -> bool:
 
 
 def run_until_paused(
-    cfg: dict[str, Any], machines: Cluster, workdir: Path, also: Callable[[], bool] = lambda: True
+    cfg: dict[str, Any],
+    machines: Cluster,
+    workdir: Path,
+    also: Callable[[], bool] = lambda: True,
+    also_timeout: float = 120,
 ) -> Launch:
-    """Start every node and wait until every rank blocks at ``cfg['pause_before']`` and ``also()``; the
+    """Start every node and wait until every rank blocks at ``cfg['pause_before']``, then until ``also()``
+    (what background work, such as replication, must have done by then: ``also_timeout`` s at most); the
     launch, still running, for the test to kill (:meth:`Launch.lose`)."""
     running = launch(cfg, machines, workdir)
-    running.ready(lambda: paused(cfg) and also())
+    running.ready(lambda: paused(cfg))
+    running.ready(also, timeout=also_timeout)
     return running
 
 
@@ -243,3 +249,31 @@ def memory_step(path: Path) -> Optional[int]:
         return int(load_file(str(path)).checkpoint[MEMORY_KEY]["step"])
     except Exception:  # absent, or damaged: not there (yet)
         return None
+
+
+def holder(rank: int, world_size: int, num_nodes: int, j: int = 1) -> int:
+    """The rank that keeps replica ``j`` of ``rank``'s snapshots: the same local rank ``j`` nodes further round
+    the ring of node ranks (the layout the replicated memory tier promises)."""
+    per_node = world_size // num_nodes
+    node, local = divmod(rank, per_node)
+    return ((node + j) % num_nodes) * per_node + local
+
+
+def snapshot_file(machines: Cluster, ckpt_dir: str, rank: int, world_size: int, num_nodes: int) -> Path:
+    """Where ``rank``'s own memory-tier snapshot lives: its node's memory, the run's slot."""
+    return machines.slot(rank // (world_size // num_nodes), ckpt_dir) / f"rank-{rank}-of-{world_size}.safetensors"
+
+
+def replica_file(machines: Cluster, ckpt_dir: str, rank: int, world_size: int, num_nodes: int, j: int = 1) -> Path:
+    """Where replica ``j`` of ``rank``'s snapshot lives: on its holder's node (:func:`holder`), the run's slot."""
+    node = holder(rank, world_size, num_nodes, j) // (world_size // num_nodes)
+    return machines.slot(node, ckpt_dir) / f"replica-{rank}-of-{world_size}.safetensors"
+
+
+def replicated_at(machines: Cluster, cfg: dict[str, Any], step: int, replicas: int = 1) -> Callable[[], bool]:
+    """A check that every rank's snapshot of ``step`` is in its node's memory and its ``replicas`` copies in
+    their holders' (each file is renamed into place whole, so one of that step is complete)."""
+    w, n = world(cfg), int(cfg["num_nodes"])
+    files = [snapshot_file(machines, cfg["ckpt_dir"], r, w, n) for r in range(w)]
+    files += [replica_file(machines, cfg["ckpt_dir"], r, w, n, j) for r in range(w) for j in range(1, replicas + 1)]
+    return lambda: all(memory_step(path) == step for path in files)

@@ -1,42 +1,227 @@
-"""The replicated memory tier across real "nodes" (``tests/helpers/nodes.py``: one ``torchrun --nnodes 2
---node-rank i`` per node on 127.0.0.1, each node its own tmpfs): a node lost between durable saves."""
+"""The replicated memory tier across real "nodes" (``tests/helpers/nodes.py``: one ``torchrun --nnodes N
+--node-rank i`` per node on 127.0.0.1, each node its own tmpfs, DDP on gloo). Run B is SIGKILLed between
+durable saves (disk: step 6, memory: step 8, every snapshot replicated to the next node round the ring),
+then a node is lost: its processes killed, its memory gone, the job relaunched on every node.
+
+- The lost node's ranks get their step-8 snapshots from the peer that holds their replicas, and the run goes
+  on bit for bit (every step's loss bits, every rank's final state, ``prove``'s verdict) against the
+  uninterrupted run A; the resume report says tier "replica" and which rank's memory held each rank's state;
+  with the durable checkpoints on the S3 test server, the bytes of every object the relaunch read are
+  counted: none beyond the file's header (no tensor bytes of the durable checkpoint).
+- A replica damaged in the holder's memory is refused by its digest, named, and the run resumes from disk,
+  bit for bit; so does a run that lost a node and the holder of its replicas, saying why in one line; and a
+  run without replicas (``replicas=0``)."""
 
 from __future__ import annotations
 
+import json
+import re
+import struct
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import fsspec
 import pytest
 
 from tests.helpers import kill_resume as h
 from tests.helpers import nodes
+from tests.helpers.s3 import s3_env
+
+EXTENDED = frozenset(
+    {
+        "test_a_node_lost_resumes_from_the_peers_replica_exactly[2x2]",
+        "test_a_node_lost_without_replicas_resumes_from_disk_exactly",
+    }
+)
+"""In make test-all only: 2 nodes x 2 ranks (the same path with two local ranks per node: each rank's replica
+on the same local rank of the peer), and replicas=0 (the fallback to disk, as losing the holder too does)."""
 
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 """Durable snapshots every 6 steps, memory ones every 2: killed at step 9, disk has step 6, memory step 8."""
 
-
-@pytest.fixture
-def machines(tmp_path: Path) -> Iterator[nodes.Cluster]:
-    with nodes.cluster(tmp_path / "machines") as cluster:
-        yield cluster
+pytestmark = pytest.mark.timeout(900)
 
 
-def _cfg(tmp_path: Path, devices: int, **memory: Any) -> dict[str, Any]:
+def _cfg(tmp_path: Path, num_nodes: int, devices: int, **memory: Any) -> dict[str, Any]:
     memory = {"every_n_train_steps_max": MEMORY_EVERY, **memory}
     exact = {"schedule": {"every_n_train_steps_max": DURABLE_EVERY}, "memory_tier": memory}
     return {
-        "n": 80 * devices, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "augment": True, "shuffle": True,
-        "num_nodes": 2, "devices": devices, "safetensors": True, "ckpt": {"save_top_k": 0}, "exact_args": exact,
-        "ckpt_dir": str(tmp_path / "B" / "ckpt"), "flush_memory_tier": True,
+        "n": 40 * num_nodes * devices, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "augment": True,
+        "shuffle": True, "num_nodes": num_nodes, "devices": devices, "safetensors": True, "ckpt": {"save_top_k": 0},
+        "exact_args": exact, "ckpt_dir": str(tmp_path / "ckpt"), "flush_memory_tier": True,
     }  # fmt: skip
 
 
-def test_a_node_lost_without_replicas_resumes_from_disk_exactly(tmp_path: Path, machines: nodes.Cluster) -> None:
-    cfg = _cfg(tmp_path, devices=1, replicas=0)
-    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
-    nodes.run(a, machines, tmp_path)
+@pytest.fixture
+def machines(tmp_path: Path) -> Iterator[nodes.Cluster]:
+    with nodes.cluster(tmp_path / "machines", 3) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], Path]:
+    """Run A of a topology (nodes, ranks per node), once per module: the whole fit, replicated, on its own
+    machines; its output directory."""
+    done: dict[tuple[int, int], Path] = {}
+
+    def reference(num_nodes: int, devices: int) -> Path:
+        if (num_nodes, devices) not in done:
+            root = tmp_path_factory.mktemp(f"A{num_nodes}x{devices}")
+            with nodes.cluster(root / "machines", num_nodes) as cluster:
+                a = dict(_cfg(root, num_nodes, devices), out=str(root / "A"))
+                nodes.run(a, cluster, root)
+                leftovers = [p for i in range(num_nodes) for p in cluster.slot(i, a["ckpt_dir"]).glob("*")]
+                assert not leftovers, f"a clean end of training frees the memory tier: {leftovers}"
+            done[(num_nodes, devices)] = root / "A"
+        return done[(num_nodes, devices)]
+
+    return reference
+
+
+def _killed(cfg: dict[str, Any], machines: nodes.Cluster, tmp_path: Path, replicas: int = 1) -> nodes.Launch:
+    """Run B, paused before step ``KILL_AT`` once every rank's step-8 snapshot and its replicas are in memory."""
     b = dict(cfg, out=str(tmp_path / "B"), pause_before=KILL_AT)
-    nodes.run_until_paused(b, machines, tmp_path).lose(1)
+    return nodes.run_until_paused(b, machines, tmp_path, nodes.replicated_at(machines, b, 8, replicas))
+
+
+def _resume(cfg: dict[str, Any], machines: nodes.Cluster, tmp_path: Path) -> dict[str, Any]:
     c = dict(cfg, out=str(tmp_path / "C"), resume="last")
     nodes.run(c, machines, tmp_path)
-    h.assert_exact_resume(Path(a["out"]), Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=2)
+    return c
+
+
+def _report(c: dict[str, Any], rank: int = 0) -> dict[str, Any]:
+    return json.loads((Path(c["out"]) / f"report-rank{rank}.json").read_text())
+
+
+class ObjectReads:
+    """What the S3 server sent in answer to object GETs (listings aside): ``(key, first byte, bytes)`` each."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[str, int, int]] = []
+
+    def wrap(self, app):
+        def middleware(environ, start_response):
+            body = app(environ, start_response)
+            _, _, key = environ.get("PATH_INFO", "").lstrip("/").partition("/")
+            if environ.get("REQUEST_METHOD") != "GET" or not key:
+                return body
+            first = re.match(r"bytes=(\d+)-", environ.get("HTTP_RANGE", ""))
+            return self._counted(body, key, int(first.group(1)) if first else 0)
+
+        return middleware
+
+    def _counted(self, body, key: str, first: int):
+        sent = 0
+        try:
+            for chunk in body:
+                sent += len(chunk)
+                yield chunk
+        finally:
+            self.reads.append((key, first, sent))
+            if hasattr(body, "close"):
+                body.close()
+
+
+@pytest.fixture
+def object_reads(s3_server) -> Iterator[ObjectReads]:
+    wsgi = s3_server._server._server  # the werkzeug server under moto's ThreadedMotoServer (as tests/helpers/s3.py)
+    app, counter = wsgi.app, ObjectReads()
+    wsgi.app = counter.wrap(app)
+    try:
+        yield counter
+    finally:
+        wsgi.app = app
+
+
+def _header_ends(bucket: str) -> dict[str, int]:
+    """Where the data of each file in ``bucket`` starts (8 + its safetensors header's length), by key."""
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    ends = {}
+    for path in fs.find(bucket):
+        with fs.open(path, "rb") as f:
+            ends[path[len(bucket) + 1 :]] = 8 + struct.unpack("<Q", f.read(8))[0]
+    return ends
+
+
+def _beyond_headers(reads: list[tuple[str, int, int]], ends: dict[str, int]) -> list[tuple[str, int, int]]:
+    """The reads of a durable file the relaunch found (``ends``) that went past its header. (Files the relaunch
+    wrote itself, read back to verify them, are not the state it resumed from.)"""
+    return [(key, first, n) for key, first, n in reads if key in ends and first + n > ends[key]]
+
+
+@pytest.mark.parametrize("devices", [1, 2], ids=["2x1", "2x2"])
+def test_a_node_lost_resumes_from_the_peers_replica_exactly(
+    tmp_path: Path, machines: nodes.Cluster, uninterrupted, s3_bucket: str, s3_server, object_reads, devices: int
+) -> None:
+    a = uninterrupted(2, devices)
+    env = s3_env(s3_server.endpoint)
+    cfg = dict(_cfg(tmp_path, 2, devices), ckpt_dir=f"{s3_bucket}/run", env=env)
+    _killed(cfg, machines, tmp_path).lose(1)
+    world = 2 * devices
+    lost = list(range(devices, world))  # node 1's ranks
+    assert not list(machines.nodes[1].memory.iterdir()), "node 1 was replaced: its memory is empty"
+    bucket = s3_bucket[len("s3://") :]
+    ends = _header_ends(bucket)  # the durable files the relaunch finds
+    object_reads.reads.clear()
+    c = _resume(cfg, machines, tmp_path)
+    reads = list(object_reads.reads)
+    h.assert_exact_resume(a, Path(c["out"]), resumed_after=8, ranks=world)
+    for rank in range(world):
+        report = _report(c, rank)
+        assert report["tier"] == "replica", report
+        sources = {int(r): held for r, held in report["memory_sources"].items()}
+        assert all(sources.get(r, r) == r for r in range(devices)), sources  # node 0's ranks: their own memory
+        assert {r: sources[r] for r in lost} == {r: r - devices for r in lost}, sources  # node 1's: the peer's
+    out = nodes.output(c, tail=None)
+    for r in lost:
+        assert re.search(rf"rank {r}\b.*\brank {r - devices}\b", out), f"the log names rank {r}'s source:\n{out}"
+    assert not _beyond_headers(reads, ends), f"durable bytes beyond a header were read: {reads} (headers: {ends})"
+
+
+def test_a_replica_damaged_on_the_peer_is_refused_and_the_run_resumes_from_disk(
+    tmp_path: Path, machines: nodes.Cluster, uninterrupted, s3_bucket: str, s3_server, object_reads
+) -> None:
+    """Also the counter's check: this resume reads the durable checkpoint's tensors, and they are counted."""
+    a = uninterrupted(2, 1)
+    cfg = dict(_cfg(tmp_path, 2, 1), ckpt_dir=f"{s3_bucket}/run", env=s3_env(s3_server.endpoint))
+    _killed(cfg, machines, tmp_path).lose(1)
+    replica = nodes.replica_file(machines, cfg["ckpt_dir"], 1, 2, 2)
+    data = bytearray(replica.read_bytes())
+    data[-5] ^= 0x01  # a tensor byte: only the digest can tell
+    replica.write_bytes(bytes(data))
+    ends = _header_ends(s3_bucket[len("s3://") :])
+    object_reads.reads.clear()
+    c = _resume(cfg, machines, tmp_path)
+    assert _beyond_headers(object_reads.reads, ends), "the durable checkpoint's tensors were read, and counted"
+    h.assert_exact_resume(a, Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=2)
+    assert _report(c)["tier"] == "durable"
+    out = nodes.output(c, tail=None)
+    assert str(replica) in out and "checksum mismatch" in out, out
+
+
+def test_a_node_and_the_holder_of_its_replicas_lost_resume_from_disk_in_one_line(
+    tmp_path: Path, machines: nodes.Cluster, uninterrupted
+) -> None:
+    """Three nodes, one rank each: node 1's replicas live on node 2; both are lost, node 0 keeps its own
+    snapshot and node 2's replica, which are not enough: every rank resumes from disk together."""
+    a = uninterrupted(3, 1)
+    cfg = _cfg(tmp_path, 3, 1)
+    _killed(cfg, machines, tmp_path).lose(1)
+    machines.nodes[2].wipe()
+    c = _resume(cfg, machines, tmp_path)
+    h.assert_exact_resume(a, Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=3)
+    assert [_report(c, r)["tier"] for r in range(3)] == ["durable"] * 3
+    lines = [line for line in nodes.output(c, tail=None).splitlines() if "not resuming from the memory tier" in line]
+    assert len(lines) == 1 and ("rank 1" in lines[0] or "[1]" in lines[0]), lines
+
+
+def test_a_node_lost_without_replicas_resumes_from_disk_exactly(
+    tmp_path: Path, machines: nodes.Cluster, uninterrupted
+) -> None:
+    a = uninterrupted(2, 1)
+    cfg = _cfg(tmp_path, 2, 1, replicas=0)
+    _killed(cfg, machines, tmp_path, replicas=0).lose(1)
+    c = _resume(cfg, machines, tmp_path)
+    h.assert_exact_resume(a, Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=2)
+    assert "no verified snapshot on rank(s) [1]" in nodes.output(c, tail=None)

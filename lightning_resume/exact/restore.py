@@ -470,8 +470,12 @@ class ResumeReport:
     unsaved_buffers_differ: tuple[str, ...] = ()
     """Non-persistent buffers (in no checkpoint) that differed from the saving run's right after the restore."""
     tier: Optional[str] = None
-    """Where the run resumed from: ``"memory"`` (a memory-tier snapshot) or ``"durable"`` (a checkpoint file);
-    ``None``: nothing restored."""
+    """Where the run resumed from: ``"memory"`` (every rank's own memory-tier snapshot), ``"replica"`` (memory-tier
+    snapshots, some rank's from a peer's replica: its node was lost; ``memory_sources`` says whose) or
+    ``"durable"`` (a checkpoint file); ``None``: nothing restored."""
+    memory_sources: Optional[tuple[int, ...]] = None
+    """Resumed from the memory tier: ``memory_sources[r]`` is the rank whose memory held rank ``r``'s state (``r``
+    itself, or the peer that held its replica); ``None`` otherwise."""
     memory_tier: Optional[str] = None
     """Why the memory tier's snapshots were not used (they were taken on another world size); ``None``: no reason."""
     sample_exact: Optional[bool] = None
@@ -553,11 +557,17 @@ def moved_report(move: Move) -> dict[str, Any]:
 
 
 def as_launched(
-    report: ResumeReport, source: Optional[str], tier: Optional[str], memory_tier: bool, unsaved: list[str]
+    report: ResumeReport,
+    source: Optional[str],
+    tier: Optional[str],
+    memory_tier: bool,
+    unsaved: list[str],
+    memory_sources: Optional[tuple[int, ...]] = None,
 ) -> ResumeReport:
     """The report of a launch: the ``source`` resumed from and, where something was restored, what the callback
-    adds: the ``tier`` resumed from, why a memory tier's snapshots were not used (another world size), and the
-    loaders whose position could not be saved (then not exact)."""
+    adds: the ``tier`` resumed from and from whose memory each rank's state came (``memory_sources``), why a
+    memory tier's snapshots were not used (another world size), and the loaders whose position could not be
+    saved (then not exact)."""
     if not report.resumed:
         return replace(report, source=source)
     memory = None
@@ -565,4 +575,12 @@ def as_launched(
         memory = f"snapshots of {report.world_size.before} ranks not used: resumed from disk"
     exact = False if unsaved else report.exact
     differences = (*report.differences, *unsaved)
-    return replace(report, source=source, tier=tier, memory_tier=memory, exact=exact, differences=differences)
+    return replace(
+        report,
+        source=source,
+        tier=tier,
+        memory_tier=memory,
+        exact=exact,
+        differences=differences,
+        memory_sources=memory_sources,
+    )

@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import secrets
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from functools import partial
+from typing import Any, Callable, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
-from lightning_resume.errors import AsyncWriteError, CheckpointCorruptError, ConfigurationError, ExactResumeWarning
+from lightning_resume.errors import AsyncWriteError, ConfigurationError, ExactResumeWarning
+from lightning_resume.memory import peers, transport
+from lightning_resume.memory import replicate as replication
+from lightning_resume.memory.recover import NoRecovery, Outcome, RecoveryPlan, plan_recovery
+from lightning_resume.memory.replicate import Replicator, Ring
 from lightning_resume.memory.store import (
     ROOT_KEY,
     MemorySnapshot,
@@ -40,6 +45,7 @@ from lightning_resume.memory.store import (
     squatted,
 )
 from lightning_resume.protocols import Loan, StagingLender, checkpoint_io_as
+from lightning_resume.retention.last import confirm_last
 from lightning_resume.schedule.state import Tier
 from lightning_resume.staging.lending import Offer
 
@@ -51,6 +57,13 @@ REPLICA = "replica"
 node was lost): a node loss in the failure history."""
 
 
+Chosen = Union[tuple[str, dict[str, Any]], str, None]
+"""What :meth:`MemoryTier.choose` answers: ``(path, checkpoint)`` from memory, or the durable checkpoint to restore."""
+
+Confirm = Callable[[], Optional[str]]
+"""The full "last" resolution, asked when the memory tier does not supply the resume."""
+
+
 FLUSH_TIMEOUT_S = 60.0
 """How long an exception waits for the memory-tier snapshot being written (one tmpfs write of the state)."""
 
@@ -58,16 +71,22 @@ FLUSH_TIMEOUT_S = 60.0
 class MemoryTier:
     """One run's memory tier: set up per ``fit``, saves at step boundaries, chooses the resume source.
 
-    ``memory_dir``: the tmpfs under which this user's root ``lightning-resume-<uid>`` lives."""
+    ``memory_dir``: the tmpfs under which this user's root ``lightning-resume-<uid>`` lives. ``replicas``: the
+    option (``MemoryTierOptions.replicas``), resolved at :meth:`setup` into :attr:`replicas`."""
 
-    def __init__(self, memory_dir: str) -> None:
+    def __init__(self, memory_dir: str, replicas: Optional[int] = None) -> None:
         self.memory_dir = str(memory_dir)
+        self.replicas_option = replicas
+        self.ring = Ring()  # resolved at setup: replica count, holders, owners, the transfer group
+        self.replicator: Optional[Replicator] = None  # this fit's, from train start
         self.root = memory_root(memory_dir)
         self.root_token: Optional[str] = None  # the fallback root's (``ROOT_KEY``), when the name is squatted
         self.store: Optional[MemoryStore] = None
         self.run: Optional[str] = None
         self.seq = 0
         self.resumed_tier: Optional[str] = None
+        self.sources: Optional[tuple[int, ...]] = None  # per rank, the rank whose memory held its resumed state
+        self._group: Any = None  # the transfer group of a recovery from peers
         self.warned_full = False
         self.dumping = False
         self._warned_failed = False
@@ -93,43 +112,80 @@ class MemoryTier:
         overlap = self._lending is not None and self._lending.overlapped  # the user's choice, for both tiers
         self._overlap = overlap
         self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size, overlap_copy=overlap)
-        self.resumed_tier, self.run = None, None
+        self.resumed_tier, self.run, self.sources = None, None, None
         self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
-            self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)
+            choose = partial(self.choose, confirm=partial(confirm_last, trainer))  # "last" read headers only
+            self._remove_hook = lc.substitute_checkpoint(trainer, choose)
+        self.ring = replication.ring(self.replicas_option, trainer.num_nodes, self.rank, self.world_size, self.ring)
 
     def teardown(self) -> None:
+        replication.stop(self.replicator, quiet=True)  # after an exception the peers still train
         if self._remove_hook is not None:
             self._remove_hook()
             self._remove_hook = None
 
-    def choose(self, durable: Optional[str]) -> Optional[tuple[str, dict[str, Any]]]:
-        """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank agrees to resume
-        from memory; ``None`` to restore ``durable`` (Lightning's "last", possibly ``None``) instead."""
+    def choose(self, durable: Optional[str], confirm: Optional[Confirm] = None) -> Chosen:
+        """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank can obtain the same
+        save, newer than ``durable`` (Lightning's "last", possibly ``None``), from its own memory or a peer's
+        replica (``memory.recover``; the transfers: ``memory.peers``); else the durable checkpoint to restore:
+        ``confirm()`` (the full "last" resolution, ``retention.last.confirm_last``: while the memory tier is
+        asked first, "last" read the candidates' headers only), or ``durable`` without it."""
         read_run = lambda: (
             durable_run(durable, self.weights_only),
             durable_value(durable, ROOT_KEY, self.weights_only),
         )
         run, token = collective.on_rank_zero(read_run, _failure(f"read the run id of {durable}"))
         self._use_root(token if isinstance(token, str) else None)
-        mine = self._load_verified(run) if self.store is not None and run is not None else None
-        record = None if mine is None else (mine.step, mine.seq, _exact_state(mine.checkpoint).get("saved_at"))
-        everyone = collective.gather((record, durable_step(durable, self.weights_only)))
-        records, newest_durable = [r for r, _ in everyone], max(d for _, d in everyone)
-        reason = _why_not_memory(records, newest_durable)
-        if reason is not None:
-            if any(r is not None for r in records):
-                rank_zero_info(f"ExactResume: not resuming from the memory tier: {reason}; using {durable}")
+        if run is None or self.store is None:  # no run id (a fresh start, another tool's file): no snapshot is ours
             self.resumed_tier = DURABLE if durable else None
-            return None
-        assert mine is not None and records[0] is not None
+            return durable if confirm is None else confirm()
+        mine, offered = peers.offer(self.store, run, self._owners(), durable_step(durable, self.weights_only))
+        offers = collective.gather(offered)
+        newest_durable = max(o.durable_step for o in offers)
+        outcome = plan_recovery(offers, self.world_size, newest_durable)
+        snapshot, reason = self._recover(outcome, mine, run)
+        if snapshot is None or not isinstance(outcome, RecoveryPlan):
+            restored = durable if confirm is None else confirm()
+            rank_zero_info(f"ExactResume: not resuming from the memory tier: {reason}; using {restored}")
+            self.resumed_tier = DURABLE if restored else None
+            return restored
         # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
-        _exact_state(mine.checkpoint)["saved_at"] = records[0][2]
-        self.seq, self.resumed_tier, self.run = mine.seq, MEMORY, run
+        _exact_state(snapshot.checkpoint)["saved_at"] = outcome.saved_at
+        self.seq, self.run, self.sources = snapshot.seq, run, outcome.sources
+        self.resumed_tier = REPLICA if outcome.from_peers else MEMORY
+        moved = "".join(f"; rank {o}'s state from rank {h}'s memory" for h, o in outcome.transfers)
         rank_zero_info(
-            f"ExactResume: resuming from the memory tier at step {mine.step} (durable: step {newest_durable})"
+            f"ExactResume: resuming from the memory tier at step {snapshot.step} (durable: step {newest_durable}){moved}"
         )
-        return mine.path, mine.checkpoint
+        return snapshot.path, snapshot.checkpoint
+
+    def _owners(self) -> list[int]:
+        """The ranks whose replicas this rank's slot holds (a replica's own record says whose it is)."""
+        return [] if self.store is None else [owner for owner in self.store.replica_owners() if owner != self.rank]
+
+    def _recover(
+        self, outcome: Outcome, mine: Optional[MemorySnapshot], run: str
+    ) -> tuple[Optional[MemorySnapshot], str]:
+        """Every rank: this rank's state of the planned save, or why no rank resumes from memory. Transfers only
+        where some rank's state is on a peer; any rank's problem is every rank's (all resume from disk)."""
+        if isinstance(outcome, NoRecovery):
+            return None, outcome.reason
+        if not outcome.from_peers or self.store is None:
+            return mine, ""
+        try:
+            snapshot, problems = peers.carry_out(outcome, self.store, self._transfers(), run, mine)
+        except Exception as err:  # noqa: BLE001 - any rank's failure sends every rank to disk, named
+            snapshot, problems = None, [f"rank {self.rank}: the recovery from peers failed: {collective.describe(err)}"]
+        everyone = [line for lines in collective.gather(problems) for line in lines]
+        return (snapshot, "") if not everyone else (None, "; ".join(everyone))
+
+    def _transfers(self) -> Any:
+        """The transfer group: the ring's (made at setup), else (replicas now off, replicas of an earlier launch
+        still held) one made here, collectively: every rank asks at the same point, as every rank has the plan."""
+        if self.ring.group is None and self._group is None:
+            self._group = transport.transfer_group()
+        return self.ring.group if self.ring.group is not None else self._group
 
     def _use_root(self, token: Optional[str]) -> None:
         """Snapshots go to (and are read from) the fallback root of ``token`` when it names one, else this user's
@@ -143,30 +199,20 @@ class MemoryTier:
             )
         self.root = root
 
-    def _load_verified(self, run: str) -> Optional[MemorySnapshot]:
-        assert self.store is not None
-        try:
-            return self.store.load(run)
-        except (CheckpointCorruptError, OSError, ValueError) as err:
-            warnings.warn(
-                f"ExactResume: skipping the memory-tier snapshot {self.store.path} on rank {self.store.rank}: {err}",
-                ExactResumeWarning,
-                stacklevel=2,
-            )
-            return None
-
     def start(self, restored_run: Optional[str], restored_token: Optional[str] = None) -> None:
         """At the start of training (every rank): the run's id, the restored checkpoint's (``restored_run``)
         or, at a fresh start, a new one; the root of its snapshots (:meth:`_choose_root`); and a snapshot
         that is not the resume source belongs to a line of training this run left (older than the durable
         checkpoint it resumed from, another run's, or a fresh start): it is dropped."""
-        if self.resumed_tier == MEMORY:
+        if self.resumed_tier in (MEMORY, REPLICA):
+            self._start_replication()
             return
         if self.store is not None:
             self.store.free()
         self.seq = 0
         self.run = restored_run or collective.broadcast(secrets.token_hex(8))
         self._choose_root(restored_token)
+        self._start_replication()
 
     def _choose_root(self, restored_token: Optional[str]) -> None:
         """Every rank: the root of this run's snapshots: the fallback root the restored checkpoint names
@@ -188,16 +234,27 @@ class MemoryTier:
             )
         self._use_root(fresh if held else None)
 
+    def _start_replication(self) -> None:
+        """This fit's replicator, on the store of the root chosen (once per fit: a stop tells the holders)."""
+        replication.stop(self.replicator, quiet=True)
+        self.replicator = replication.start(self.store, self.ring)
+
+    @property
+    def replicas(self) -> int:
+        """How many other nodes hold each rank's snapshot (resolved at :meth:`setup`)."""
+        return self.ring.replicas
+
     def offer(self, trainer: pl.Trainer) -> Optional[Offer]:
         """The durable IO's newest staged save on this rank (``staging.lending``), or ``None``: read before and after a
         durable save, it tells whether that save staged the state here (only rank 0 writes a DDP checkpoint)."""
         return None if self._lending is None else self._lending.newest()
 
-    def save(self, trainer: pl.Trainer, borrow: Optional[Offer] = None) -> Optional[int]:
+    def save(self, trainer: pl.Trainer, borrow: Optional[Offer] = None, replicate: bool = True) -> Optional[int]:
         """Every rank: snapshot the full checkpoint into its slot; the bytes written, or ``None`` (warned)
         when shared memory is too small, the root cannot be trusted or the write failed (training goes on;
         the durable tier still saves). ``borrow``: the offer of the durable save just taken at this step
-        boundary: the tensors it staged are written from there, not copied again."""
+        boundary: the tensors it staged are written from there, not copied again. ``replicate``: once
+        committed, the snapshot goes to its holders in the background (with replicas on)."""
         self.dumping = True  # not a durable save: nothing waits for the durable tier's write
         try:
             checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
@@ -209,7 +266,10 @@ class MemoryTier:
         try:
             if self.seq == 1:
                 self.store.clean_stale()  # after other runs of this user
-            return self.store.save(checkpoint, trainer.global_step, self.seq, self.run, borrow=borrow)
+            after = replication.after_commit(self.replicator) if replicate else None
+            return self.store.save(
+                checkpoint, trainer.global_step, self.seq, self.run, borrow=borrow, after_commit=after
+            )
         except NotEnoughSharedMemory as err:
             if not self.warned_full:
                 warnings.warn(f"ExactResume: {err}", ExactResumeWarning, stacklevel=2)
@@ -228,6 +288,7 @@ class MemoryTier:
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
         """After an exception, before the process exits: let the snapshot being written commit (its worker is a
         daemon thread that exit would cut short, losing the newest snapshot to the failure it is for)."""
+        replication.stop(self.replicator, quiet=True)
         if self.store is None:
             return
         try:
@@ -243,6 +304,7 @@ class MemoryTier:
 
     def free(self) -> None:
         """A clean end of training: the durable tier has the final state; give the memory back."""
+        replication.stop(self.replicator)  # first: no replica arrives after the slot is freed
         if self.store is not None:
             self.store.free()
 
@@ -252,20 +314,6 @@ def _exact_state(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return state if isinstance(state, dict) else {}
 
 
-def _why_not_memory(records: list[Any], newest_durable: int) -> Optional[str]:
-    """``None`` when every rank holds the same (step, sequence) newer than the durable checkpoint; else why not."""
-    missing = [rank for rank, r in enumerate(records) if r is None]
-    if missing:
-        return f"no verified snapshot on rank(s) {missing}"
-    if len({(step, seq) for step, seq, _ in records}) > 1:
-        return "ranks hold snapshots of different steps: " + ", ".join(
-            f"rank {rank} step {step} (save {seq})" for rank, (step, seq, _) in enumerate(records)
-        )
-    if records[0][0] <= newest_durable:
-        return f"its step {records[0][0]} is not newer than the durable checkpoint's step {newest_durable}"
-    return None
-
-
 def _failure(what: str) -> collective.Failure:
     def failure(problems: Mapping[int, str]) -> BaseException:
         return ConfigurationError("ExactResume(memory_tier=...)", [f"could not {what}: {problems}"])
@@ -273,9 +321,14 @@ def _failure(what: str) -> collective.Failure:
     return failure
 
 
-def warn_sharded(trainer: pl.Trainer) -> bool:
+def unsupported(trainer: pl.Trainer) -> bool:
     """The memory tier keeps one full checkpoint per rank: not for strategies whose ranks hold shards."""
-    if trainer.world_size > 1 and not type(trainer.strategy).__name__.startswith("DDP"):
+    return trainer.world_size > 1 and not type(trainer.strategy).__name__.startswith("DDP")
+
+
+def warn_sharded(trainer: pl.Trainer) -> bool:
+    """:func:`unsupported`, said once."""
+    if unsupported(trainer):
         rank_zero_warn(
             f"ExactResume(memory_tier=...) supports single-device and DDP runs, not {type(trainer.strategy).__name__};"
             " the memory tier is off for this run",

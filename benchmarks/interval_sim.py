@@ -28,6 +28,16 @@ buffer backed by a ``/dev/shm`` file) and C2 (a synchronous ``SafetensorsCheckpo
 the same state to ``--durable-dir``, fsync included) and uses them:
 
     python benchmarks/interval_sim.py --two-level --measure --m1 1h --m2 24h   # RESULTS.md, "Two-level schedule"
+
+Three failure classes (``--three-level``): with replicas on peer nodes, process losses go back to the
+newest memory snapshot, node losses to the newest replica (the newest snapshot once its transfer of
+``D2`` seconds has landed; before that, to the newest durable save: the peers still hold the previous
+snapshot), whole-job losses to the newest durable save. A snapshot blocks ``C1 + C2`` (C2: the transfer's
+cost to training), every ``k``-th one is durable and blocks ``C3`` more. On a published failure mix (the
+Llama 3 run's: ``--mix``), compared in one run: the three-level plan (``three_level_plan``), the two-level
+plan that sends node and job losses to disk, and the best swept replicating (T1, k):
+
+    python benchmarks/interval_sim.py --three-level          # RESULTS.md, "Three-level schedule"
 """
 
 from __future__ import annotations
@@ -44,7 +54,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_resume.durations import parse_duration
-from lightning_resume.schedule.formulas import daly_interval, single_level_waste, two_level_plan, young_interval
+from lightning_resume.schedule.formulas import (
+    Levels,
+    daly_interval,
+    single_level_waste,
+    three_level_plan,
+    two_level_plan,
+    young_interval,
+)
+from lightning_resume.schedule.state import REPLICA_STEP_OVERHEAD
 
 
 def measure_copy_cost(megabytes: int = 100, repeats: int = 7) -> float:
@@ -354,6 +372,147 @@ def main_two_level(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# Three failure classes (replicas on peer nodes)
+# --------------------------------------------------------------------------------------------
+
+LLAMA3_RUN_S = 54 * 86400.0
+"""Llama 3 405B pre-training (Llama 3 paper, 2024, section 3.3.4 and table 5): 419 unexpected interruptions
+in a 54-day snapshot on 16,384 H100 (2,048 nodes). Software (bugs 54, NCCL watchdog timeouts 7, dependencies
+2: 63) leaves the node up; every other cause (GPU, HBM, SRAM, host maintenance, NIC, network switch and cable,
+SSD, power, chassis, CPU...: 356) takes one node out. None is reported to have taken every node's memory."""
+
+MIXES = {
+    # job-wide MTBFs (M1 process, M2 node, M3 whole job); M3: none in 54 days, counted as one
+    "llama3": (LLAMA3_RUN_S / 63, LLAMA3_RUN_S / 356, LLAMA3_RUN_S),
+    # the 35 network switch/cable interruptions as whole-job losses (a rack's switch takes a node and its ring
+    # neighbour, the replica holder, together): the pessimistic reading of the same table
+    "llama3-switch-as-job": (LLAMA3_RUN_S / 63, LLAMA3_RUN_S / 321, LLAMA3_RUN_S / 35),
+}
+
+
+def simulate_three_level(
+    t1s: np.ndarray,
+    ks: np.ndarray,
+    replicate: np.ndarray,
+    levels: Levels,
+    work: float,
+    seeds: int,
+    restart: float = 0.0,
+    rng_seed: int = 0,
+) -> np.ndarray:
+    """Waste fraction, shape (len(t1s), seeds), of ``work`` seconds under plan i = (t1s[i], ks[i],
+    replicate[i]); common random numbers as ``simulate_two_level`` (a seed's failure times and classes are
+    the same for every plan). A plan that does not replicate pays no C2 and sends node losses to disk."""
+    rng = np.random.default_rng(rng_seed)
+    lv = levels
+    rates = np.array([1.0 / lv.m1, 1.0 / lv.m2, 1.0 / lv.m3])
+    bounds = np.cumsum(rates) / rates.sum()
+    t1 = np.repeat(np.asarray(t1s, dtype=float), seeds)
+    k = np.repeat(np.asarray(ks, dtype=float), seeds)
+    rep = np.repeat(np.asarray(replicate, dtype=bool), seeds)
+    seed = np.tile(np.arange(seeds), len(t1s))
+    seg = t1 + lv.c1 + np.where(rep, lv.c2, 0.0)
+    need = np.ceil(work / t1)
+    useful = need * t1
+    pos, wall = np.zeros_like(t1), np.zeros_like(t1)
+    held = np.ones_like(t1, dtype=bool)  # whether the peers hold a replica of the restart point's state
+    idx, life = np.arange(t1.size), 0
+    while idx.size:
+        x = rng.exponential(1.0 / rates.sum(), size=seeds)[seed[idx]]
+        u = rng.random(size=seeds)[seed[idx]]
+        process, node = u < bounds[0], (u >= bounds[0]) & (u < bounds[1])
+        r = restart if life > 0 else 0.0
+        kk, sg = k[idx], seg[idx]
+        base = _elapsed(pos[idx], sg, kk, lv.c3)
+        failed_at = base + np.clip(x - r, 0.0, None)
+        reached = _position(failed_at, sg, kk, lv.c3)
+        finish = reached >= need[idx]
+        wall[idx] += np.where(finish, r + _elapsed(need[idx], sg, kk, lv.c3) - base, x)
+        # the newest snapshot's replica has landed (no snapshot since the restart point: whether that one's had)
+        landed = np.where(reached == pos[idx], held[idx], failed_at - _elapsed(reached, sg, kk, lv.c3) >= lv.d2)
+        keep = process | (node & rep[idx] & landed)
+        pos[idx] = np.where(keep, reached, np.floor(reached / kk) * kk)
+        held[idx] = np.where(keep, landed | node, True)  # a durable point needs none: it is on disk
+        idx = idx[~finish]
+        life += 1
+    return (1.0 - useful / wall).reshape(len(t1s), seeds)
+
+
+def run_three_level(
+    levels: Levels, step_time: float, work: float, seeds: int, restart: float = 0.0, rng_seed: int = 0
+) -> Dict[str, float]:
+    """Mean simulated waste of the three-level plan, the two-level plan (no replicas) and the best swept
+    replicating (T1, k), all in one simulation (the same failures)."""
+    plan, two = three_level_plan(levels), two_level_plan(*levels.without_replicas())
+    t1_grid = np.unique([_steps(t, step_time) for t in np.geomspace(max(step_time, levels.d2), 40 * plan.t1, 24)])
+    k_grid = np.unique(np.round(np.geomspace(1, max(4.0, 4 * plan.k), 16)))
+    pairs = [(_steps(plan.t1, step_time), plan.k, plan.replicate), (_steps(two.t1, step_time), two.k, False)]
+    pairs += [(t, k, True) for t in t1_grid for k in k_grid]
+    t1s, ks, reps = (np.array([p[i] for p in pairs]) for i in range(3))
+    waste = simulate_three_level(t1s, ks, reps, levels, work, seeds, restart, rng_seed)
+    mean = waste.mean(axis=1)
+    best = 2 + int(np.argmin(mean[2:]))
+    ci = lambda i: float(1.96 * waste[i].std(ddof=1) / math.sqrt(seeds))
+    return {
+        "plan_t1": plan.t1,
+        "plan_k": float(plan.k),
+        "plan_replicate": float(plan.replicate),
+        "plan_model": plan.waste,
+        "plan": float(mean[0]),
+        "plan_ci": ci(0),
+        "two_t1": two.t1,
+        "two_k": float(two.k),
+        "two_model": two.waste,
+        "two": float(mean[1]),
+        "two_ci": ci(1),
+        "best_t1": float(t1s[best]),
+        "best_k": float(ks[best]),
+        "best": float(mean[best]),
+    }
+
+
+def three_level_table(rows: List[Dict[str, float]]) -> str:
+    head = (
+        "| failure mix | M1 / M2 / M3 (job) | C1 / D2 (C2) / C3 | three-level T1, k (T3) | waste (sim ± 95% CI) | "
+        "model | two-level T1, k (T2) | waste (sim ± 95% CI) | model | two / three | best replicating (T1, k) | "
+        "three / best |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['mix']} | {fmt(r['m1'])} / {fmt(r['m2'])} / {fmt(r['m3'])} | {fmt(r['c1'])} / {fmt(r['d2'])} "
+            f"({fmt(r['c2'])}) / {fmt(r['c3'])} | {fmt(r['plan_t1'])}, {r['plan_k']:.0f} "
+            f"({fmt(r['plan_t1'] * r['plan_k'])}){'' if r['plan_replicate'] else ' no replicas'} | "
+            f"{r['plan']:.2%} ± {r['plan_ci']:.2%} | {r['plan_model']:.2%} | {fmt(r['two_t1'])}, {r['two_k']:.0f} "
+            f"({fmt(r['two_t1'] * r['two_k'])}) | {r['two']:.2%} ± {r['two_ci']:.2%} | {r['two_model']:.2%} | "
+            f"{r['two'] / r['plan']:.2f}x | {fmt(r['best_t1'])}, {r['best_k']:.0f}: {r['best']:.2%} | "
+            f"{r['plan'] / r['best']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main_three_level(args: argparse.Namespace) -> int:
+    step, restart = parse_duration(args.step_time, "--step-time"), parse_duration(args.restart, "--restart")
+    costs = [tuple(parse_duration(c, "--costs") for c in spec.split(",")) for spec in args.costs or ["1s,10s,60s"]]
+    start, rows = time.perf_counter(), []
+    for mix in args.mix or list(MIXES):
+        m1, m2, m3 = MIXES[mix]
+        for c1, d2, c3 in costs:
+            lv = Levels(c1=c1, c2=REPLICA_STEP_OVERHEAD * d2, d2=d2, c3=c3, m1=m1, m2=m2, m3=m3)
+            work = args.work_mtbfs / (1.0 / m1 + 1.0 / m2 + 1.0 / m3)
+            result = run_three_level(lv, step, work, args.seeds, restart)
+            rows.append({"mix": mix, **vars(lv), **result})
+    print(three_level_table(rows))
+    print(
+        f"\n{args.seeds} seeds x {len(rows)} scenarios, work = {args.work_mtbfs:g} x (1/M1 + 1/M2 + 1/M3)^-1 each, "
+        f"step {fmt(step)}, restart {fmt(restart)}, C2 = {REPLICA_STEP_OVERHEAD:.0%} of D2; "
+        f"{time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def fmt(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.3g} s"
@@ -425,7 +584,15 @@ def main(argv: Sequence[str] = None) -> int:
     two.add_argument("--state-mb", type=float, default=600.0, help="state size for --measure (default 600 MB)")
     two.add_argument("--durable-dir", default=".", help="where --measure writes the durable saves (default .)")
     two.add_argument("--repeats", type=int, default=5, help="repeats of each --measure timing (default 5)")
+    three = p.add_argument_group("three failure classes (--three-level)")
+    three.add_argument("--three-level", action="store_true", help="simulate memory, replicas and durable tiers")
+    three.add_argument("--mix", action="append", choices=list(MIXES), help="published failure mix(es) (default all)")
+    three.add_argument(
+        "--costs", action="append", help="C1,D2,C3 (memory, replica transfer, durable); default 1s,10s,60s"
+    )
     args = p.parse_args(argv)
+    if args.three_level:
+        return main_three_level(args)
     if args.two_level:
         return main_two_level(args)
 

@@ -27,6 +27,8 @@ DEFAULT_MEMORY_INITIAL_COST: Duration = "5s"
 DEFAULT_MTBF: Duration = "observed"
 DEFAULT_MTBF_PRIOR: Duration = "30d"
 DEFAULT_PROCESS_MTBF_PRIOR: Duration = "1h"
+DEFAULT_JOB_LOSS_MTBF_PRIOR: Duration = "30d"
+DEFAULT_REPLICA_INITIAL_COST: Duration = "5s"
 """The schedule's defaults, written once: ``ScheduleConfig`` and ``ExactResume``'s arguments use these.
 
 The MTBF prior is per node. Meta's Llama 3 405B run (Llama 3 paper, 2024) saw 419 unexpected
@@ -35,7 +37,15 @@ about 9x shorter, for clusters less tended than that one, preemptible capacity a
 if the truth is k times longer the waste is (sqrt(k) + 1/sqrt(k)) / 2 of the optimum (1.7x at k = 9),
 and the observed history replaces the prior as failures (or failure-free time) accumulate. The process
 MTBF prior (M1, the memory tier's failures: exceptions, OOM kills, timeouts, deploys, which keep the
-machine) is the common kind of failure, so it is much shorter; the history refines it the same way."""
+machine) is the common kind of failure, so it is much shorter; the history refines it the same way.
+
+With replicas (three-level schedule) the node MTBF prior prices node losses (a peer's replica survives
+them) and a job-loss prior, for the whole job (not per node), prices what sends every rank back to the
+durable tier: every node's memory gone at once (a rack's switch or power, a job moved to other nodes) or a
+node and its replica holder both lost. None of the 419 interruptions of the Llama 3 run lost more than one
+host's memory in its 54 days (Llama 3 paper, table 5: each cause is one component); one such loss a month
+(about half that run) errs towards more frequent durable saves, and the history refines it.
+``DEFAULT_REPLICA_INITIAL_COST`` is the transfer time D2 assumed before the first replica is measured."""
 
 
 LABELS = {
@@ -49,6 +59,7 @@ LABELS = {
     "check_interval": "schedule.check_interval",
     "process_mtbf": "memory_tier.process_mtbf",
     "memory_every_n_train_steps_max": "memory_tier.every_n_train_steps_max",
+    "replicas": "memory_tier.replicas",
 }
 """How each option is named in a message: its path in ``ExactResume``'s groups (``mtbf`` is top-level; the
 rest, such as ``prior_weight``, are not user options and keep their own name)."""
@@ -107,6 +118,13 @@ class ScheduleConfig:
     M2). ``None`` with no ``memory_every_n_train_steps_max`` is the single-level schedule, exactly as
     before. ``memory_initial_cost_s`` is the conservative C1 assumed before the first measurement.
     In ``process_mtbf_mode`` OBSERVED, ``process_mtbf_s`` is the prior of M1.
+
+    Three-level schedule (replicas, ``replicas`` > 0 or ``None`` on more than one node; ``None`` resolves as
+    the memory tier does: 1 with more than one node, else 0): ``mtbf_s`` then prices node losses (back to
+    a peer's replica) and ``job_loss_mtbf_s`` (for the whole job, not per node) whole-job losses (back to
+    the durable tier); in ``mtbf_mode`` OBSERVED both are priors. ``replica_initial_cost_s`` is the
+    transfer time assumed before the first replica is measured. ``replicas=0`` is the two-level schedule,
+    exactly as before.
     """
 
     mtbf_s: Optional[float] = None
@@ -123,6 +141,9 @@ class ScheduleConfig:
     memory_every_n_train_steps_max: Optional[int] = None
     process_mtbf_mode: MtbfMode = MtbfMode.CONFIGURED
     memory_initial_cost_s: float = parse_duration(DEFAULT_MEMORY_INITIAL_COST)
+    replicas: Optional[int] = 0
+    job_loss_mtbf_s: float = parse_duration(DEFAULT_JOB_LOSS_MTBF_PRIOR)
+    replica_initial_cost_s: float = parse_duration(DEFAULT_REPLICA_INITIAL_COST)
 
     def __post_init__(self) -> None:
         problems = []
@@ -168,6 +189,17 @@ class ScheduleConfig:
                 f"memory_initial_cost={self.memory_initial_cost_s!r}s must be > 0 "
                 "(a conservative guess of a memory snapshot's blocking time)"
             )
+        return p + self._replica_problems()
+
+    def _replica_problems(self) -> list:
+        p = []
+        r = self.replicas
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            p.append(f"{label('replicas')}={r!r} must be an integer >= 0 (copies on other nodes), or null for auto")
+        if not _positive(self.job_loss_mtbf_s):
+            p.append(f"job_loss_mtbf={self.job_loss_mtbf_s!r}s must be > 0 (mean time between whole-job losses)")
+        if not _positive(self.replica_initial_cost_s):
+            p.append(f"replica_initial_cost={self.replica_initial_cost_s!r}s must be > 0 (a replica transfer's time)")
         return p
 
     @property
@@ -186,6 +218,18 @@ class ScheduleConfig:
         return self.process_mtbf_s is not None or self.memory_every_n_train_steps_max is not None
 
     @property
+    def replica_count(self) -> int:
+        """Replicas per snapshot, resolved: ``replicas``, or for ``None`` 1 with more than one node, else 0."""
+        if self.replicas is None:
+            return 1 if self.num_nodes > 1 else 0
+        return self.replicas
+
+    @property
+    def replicates(self) -> bool:
+        """Whether the schedule is three-level: a memory tier with replicas on peer nodes."""
+        return self.takes_memory_snapshots and self.replica_count > 0
+
+    @property
     def takes_snapshots(self) -> bool:
         """Whether the durable tier ever saves on its own (an MTBF or a step cap is configured)."""
         return self.mtbf_s is not None or self.every_n_train_steps_max is not None
@@ -200,7 +244,11 @@ class ScheduleConfig:
     def single_level(self) -> ScheduleConfig:
         """The same durable-tier options without a memory tier (the run has none after all)."""
         return dataclasses.replace(
-            self, process_mtbf_s=None, memory_every_n_train_steps_max=None, process_mtbf_mode=MtbfMode.CONFIGURED
+            self,
+            process_mtbf_s=None,
+            memory_every_n_train_steps_max=None,
+            process_mtbf_mode=MtbfMode.CONFIGURED,
+            replicas=0,
         )
 
     @classmethod
@@ -219,6 +267,7 @@ class ScheduleConfig:
         memory_every_n_train_steps_max: Optional[int] = None,
         process_mtbf_prior: Optional[Duration] = None,
         memory_initial_cost: Duration = DEFAULT_MEMORY_INITIAL_COST,
+        replicas: Optional[int] = 0,
     ) -> ScheduleConfig:
         """Build from user-facing values (durations as ``"24h"``, seconds or ``timedelta``).
 
@@ -226,6 +275,7 @@ class ScheduleConfig:
         ``process_mtbf`` (M1, per node) turns the memory tier on with the two-level schedule;
         ``process_mtbf="observed"`` estimates it from the history (process failures: resumes from
         the memory tier) with ``process_mtbf_prior`` as prior. ``mtbf`` stays the node MTBF (M2).
+        ``replicas`` (the memory tier's; ``None``: 1 with more than one node) makes it three-level.
         Every problem is collected into one ``ConfigurationError``.
         """
         seconds = _Seconds(cls)
@@ -251,6 +301,7 @@ class ScheduleConfig:
                 memory_every_n_train_steps_max=memory_every_n_train_steps_max,
                 process_mtbf_mode=MtbfMode.OBSERVED if p_observed else MtbfMode.CONFIGURED,
                 memory_initial_cost_s=seconds(memory_initial_cost, "memory_initial_cost"),
+                replicas=replicas,
             )
         except ConfigurationError as err:
             raise ConfigurationError("ScheduleConfig", seconds.problems + err.problems) from None

@@ -13,10 +13,11 @@ blocking part and the start of the next save; ``c`` is the time training is bloc
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 
 class Formula(str, Enum):
@@ -185,3 +186,138 @@ def single_level_waste(c: float, m1: float, m2: float) -> float:
     ``sqrt(2 c (1/M1 + 1/M2))``."""
     _check_two_level(c, c, m1, m2)
     return math.sqrt(2.0 * c * (1.0 / m1 + 1.0 / m2))
+
+
+# The three-level model (memory tier + replicas on peer nodes + durable tier)
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The inputs of the three-level model, seconds, job-wide.
+
+    Costs: ``c1`` a memory snapshot's blocking time; ``c2`` the training time a replica transfer costs
+    (it runs in the background: only the steps it slows down); ``d2`` a replica transfer's duration,
+    from the snapshot's end until the peers hold it; ``c3`` a durable save's extra blocking time.
+    MTBFs: ``m1`` of process losses (the node survives: back to the newest memory snapshot), ``m2`` of
+    node losses (back to the newest replica), ``m3`` of whole-job losses (back to the newest durable save).
+    """
+
+    c1: float
+    c2: float
+    d2: float
+    c3: float
+    m1: float
+    m2: float
+    m3: float
+
+    def __post_init__(self) -> None:
+        _check_inputs(
+            {"c1": self.c1, "c2": self.c2, "d2": self.d2, "c3": self.c3}, {"m1": self.m1, "m2": self.m2, "m3": self.m3}
+        )
+
+    def without_replicas(self) -> tuple[float, float, float, float]:
+        """(C1, C2, M1, M2) of the two-level model the same job has with no replica: a node loss goes back
+        to the durable tier, so the two-level ``M2`` merges node and job losses."""
+        return self.c1, self.c3, self.m1, 1.0 / (1.0 / self.m2 + 1.0 / self.m3)
+
+
+@dataclass(frozen=True)
+class ThreeLevelPlan(TwoLevelPlan):
+    """A plan for a job that can keep replicas: a memory snapshot every ``t1`` seconds, every ``k``-th one
+    durable; ``replicate``: whether each snapshot is also sent to the peers (when it does not pay, the
+    plan is the two-level one for node and job losses both sent back to the durable tier)."""
+
+    replicate: bool = False
+
+
+def three_level_waste(t1: float, k: int, levels: Levels) -> float:
+    """First-order expected waste of replicating every memory snapshot taken every ``t1``, every
+    ``k``-th one durable:
+
+    ``(C1 + C2)/T1 + C3/(k T1) + T1/(2 M1) + (T1 + (k - 1) w)/(2 M2) + k T1/(2 M3)``, ``w = min(D2, T1)``.
+
+    The multi-level model of Moody et al. (SC'10, SCR's "partner" level: a copy of each node's checkpoint
+    on another node) and Di et al. (IPDPS'14), first order as Young's, with one level per failure class,
+    and two changes for how this replica mechanism works. (1) Each rank keeps one memory snapshot and
+    each peer one replica of it, so a replica helps only while it is of the newest snapshot: every
+    snapshot is replicated (replicating every j-th one would leave the others without a usable replica),
+    and the replica interval is ``T1``. (2) The transfer runs in the background for ``D2`` seconds after a
+    snapshot; a node lost before it lands finds the peers holding the previous snapshot and the survivors
+    the new one, no common step, so it goes back to the durable tier. Over a memory interval (a node loss
+    at a uniform time ``u`` in it, the interval uniform in its durable cycle) that costs
+    ``u + (k - 1) T1 / 2`` on average for ``u < w`` and ``u`` otherwise: ``T1/2 + (k - 1) w / 2``. With
+    ``D2 >= T1`` a replica never lands before the next snapshot and the model is the two-level one with
+    node and job losses sent to disk; with ``C2 = D2 = 0`` it is the two-level one with process and node
+    losses both sent to memory.
+    """
+    _check_interval("t1", t1)
+    if isinstance(k, bool) or int(k) != k or k < 1:
+        raise ValueError(f"k={k!r} must be an integer >= 1 (durable every k-th memory snapshot)")
+    lv, w = levels, min(levels.d2, t1)
+    node = (t1 + (k - 1) * w) / (2.0 * lv.m2)
+    return (lv.c1 + lv.c2) / t1 + lv.c3 / (k * t1) + t1 / (2.0 * lv.m1) + node + k * t1 / (2.0 * lv.m3)
+
+
+def three_level_t1(k: int, levels: Levels) -> float:
+    """The best ``T1`` for a fixed ``k`` among ``T1 >= D2`` (shorter ones leave no usable replica):
+    ``max(D2, sqrt((C1 + C2 + C3/k) / (1/(2 M1) + 1/(2 M2) + k/(2 M3))))``."""
+    lv = levels
+    rate = 1.0 / (2.0 * lv.m1) + 1.0 / (2.0 * lv.m2) + k / (2.0 * lv.m3)
+    return max(lv.d2, math.sqrt((lv.c1 + lv.c2 + lv.c3 / k) / rate))
+
+
+def three_level_k(t1: float, levels: Levels) -> int:
+    """The best ``k`` for a given ``T1`` (one the scheduler clamped): the integer neighbours of
+    ``sqrt(C3 / (T1 (T1/(2 M3) + w/(2 M2))))``, which minimises the ``k`` terms of the waste."""
+    _check_interval("t1", t1)
+    lv = levels
+    slope = t1 * (t1 / (2.0 * lv.m3) + min(lv.d2, t1) / (2.0 * lv.m2))
+    k_real = min(float(MAX_K), math.sqrt(lv.c3 / slope)) if lv.c3 > 0 and slope > 0 else 1.0
+    if lv.c3 > 0 and slope <= 0:  # underflow: durable saves as rarely as allowed
+        k_real = float(MAX_K)
+    candidates = {min(MAX_K, max(1, math.floor(k_real))), min(MAX_K, max(1, math.ceil(k_real)))}
+    return min(sorted(candidates), key=lambda n: three_level_waste(t1, n, lv))
+
+
+def _k_candidates(levels: Levels) -> list[int]:
+    """The ``k`` to try: every one up to 256, then a 2 % geometric grid to ``MAX_K``, and the integer
+    neighbours of the optimum at ``T1 = D2`` (where the waste need not be unimodal in ``k``)."""
+    ks = set(range(1, 257))
+    x = 256.0
+    while x < MAX_K:
+        x *= 1.02
+        ks.add(min(MAX_K, int(x)))
+    if levels.d2 > 0:
+        ks.add(three_level_k(levels.d2, levels))
+    return sorted(ks)
+
+
+@functools.lru_cache(maxsize=256)  # pure; the scheduler asks again at every check with the same estimates
+def three_level_plan(levels: Levels) -> ThreeLevelPlan:
+    """The optimal plan for ``levels``: the better of replicating every memory snapshot (``T1`` and ``k``
+    minimising ``three_level_waste``) and not replicating (``two_level_plan`` of
+    ``levels.without_replicas()``); a tie keeps the replicas off (nothing sent for nothing).
+
+    ``k`` has no closed form here (the in-flight term ``(k - 1) D2 / (2 M2)`` grows with it), so each
+    candidate of ``_k_candidates`` is tried at its own best ``T1``; the waste of the best is refined on the
+    candidates' neighbours. Unclamped: the scheduler applies ``min_interval`` / ``max_interval``."""
+    two = two_level_plan(*levels.without_replicas())
+    best = ThreeLevelPlan(t1=two.t1, k=two.k, waste=two.waste, replicate=False)
+    replicated = _best_replicated(levels, _k_candidates(levels))
+    if replicated is not None and replicated.k > 256:  # between two grid points: try every integer near it
+        near = range(max(257, int(replicated.k / 1.03)), min(MAX_K, int(replicated.k * 1.03) + 1) + 1)
+        replicated = _best_replicated(levels, near)
+    return replicated if replicated is not None and replicated.waste < best.waste else best
+
+
+def _best_replicated(levels: Levels, ks: Iterable[int]) -> Optional[ThreeLevelPlan]:
+    """The best replicating plan among ``ks`` (each at its own best ``T1``); ``None`` when every cost is 0."""
+    best: Optional[ThreeLevelPlan] = None
+    for k in ks:
+        t1 = three_level_t1(k, levels)
+        if t1 <= 0:
+            continue
+        waste = three_level_waste(t1, k, levels)
+        if best is None or waste < best.waste:
+            best = ThreeLevelPlan(t1=t1, k=k, waste=waste, replicate=True)
+    return best

@@ -6,7 +6,12 @@ died or stopped cleanly, and which tier it resumed from). A failure resumed from
 is a *process failure* (the machine survived: its shared memory still held the snapshot); any
 other failure is counted as a *node failure* (the conservative reading of a disk resume, or of a
 resume whose tier is unknown). ``mtbf="observed"`` turns that history into the job's M with
-``estimate_mtbf``. Everything here is pure (clock passed in): the scheduler stores
+``estimate_mtbf``. With replicas (the three-level schedule) a failure resumed from a peer's replica
+(``Tier.REPLICA``) is a *node loss* and one resumed from the durable tier (or of unknown tier) a *whole-job
+loss*: it lost what replicas protect against, whatever the cause (every node's memory, a node and its
+replica holder, a node lost while its replica was in flight, a replica refused by its digest), and the
+durable tier is what it cost. Without replicas a durable resume stays a node failure as before (the
+two-level M2 prices node and job losses together). Everything here is pure (clock passed in): the scheduler stores
 ``history_to_json`` in the checkpoint's schedule state and reads it back with ``read_history``.
 The ``history`` entry of the checkpoint resumed from is untrusted input: ``read_history`` checks every
 value (finite, non-negative, durations at most ``MAX_DURATION_S``), keeps the newest ``MAX_EVENTS``
@@ -75,6 +80,16 @@ class ResumeEvent:
         """Any other failure (a disk resume after an unclean stop, or tier unknown)."""
         return self.kind is EventKind.FAILURE and self.tier is not Tier.MEMORY
 
+    @property
+    def node_loss(self) -> bool:
+        """With replicas: a failure resumed from a peer node's replica (its own node was lost)."""
+        return self.kind is EventKind.FAILURE and self.tier is Tier.REPLICA
+
+    @property
+    def job_loss(self) -> bool:
+        """With replicas: a failure neither memory nor a replica covered (a durable resume, or tier unknown)."""
+        return self.kind is EventKind.FAILURE and self.tier not in (Tier.MEMORY, Tier.REPLICA)
+
 
 @dataclass(frozen=True)
 class FailureHistory:
@@ -99,6 +114,16 @@ class FailureHistory:
         """Failures resumed from the durable tier (or of unknown tier)."""
         return tuple(e for e in self.events if e.node_failure)
 
+    @property
+    def node_losses(self) -> tuple:
+        """Failures resumed from a peer's replica."""
+        return tuple(e for e in self.events if e.node_loss)
+
+    @property
+    def job_losses(self) -> tuple:
+        """Failures resumed from neither memory nor a replica."""
+        return tuple(e for e in self.events if e.job_loss)
+
     def life_start(self) -> Optional[float]:
         """When the current process (life) started."""
         return self.events[-1].restart_time if self.events else self.run_start
@@ -116,7 +141,7 @@ def record_start(
 
     ``checkpoint_time`` is when the snapshot being resumed from was taken, or ``None`` for a fresh
     run (which starts a new history: an old one described another run). ``tier`` is the tier it
-    came from (``Tier.MEMORY`` or ``Tier.DURABLE``; ``None`` if unknown).
+    came from (``Tier.MEMORY``, ``Tier.REPLICA`` or ``Tier.DURABLE``; ``None`` if unknown).
     """
     if checkpoint_time is None:
         return FailureHistory(run_start=float(now))
@@ -192,6 +217,16 @@ def estimate_process_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_we
 def estimate_node_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: float, now: float) -> float:
     """The job's M2 (node failures: every other failure), as ``estimate_mtbf``."""
     return _posterior_mtbf(len(history.node_failures), history, prior_mtbf_s, prior_weight, now)
+
+
+def estimate_node_loss_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: float, now: float) -> float:
+    """With replicas: the job's M2 (node losses: resumed from a peer's replica), as ``estimate_mtbf``."""
+    return _posterior_mtbf(len(history.node_losses), history, prior_mtbf_s, prior_weight, now)
+
+
+def estimate_job_loss_mtbf(history: FailureHistory, prior_mtbf_s: float, prior_weight: float, now: float) -> float:
+    """With replicas: the job's M3 (whole-job losses: resumed from the durable tier), as ``estimate_mtbf``."""
+    return _posterior_mtbf(len(history.job_losses), history, prior_mtbf_s, prior_weight, now)
 
 
 def _posterior_mtbf(n: int, history: FailureHistory, prior_mtbf_s: float, prior_weight: float, now: float) -> float:

@@ -143,7 +143,7 @@ def resolve(
     try:
         config = ScheduleConfig.from_user(mtbf=mtbf, **schedule_args(schedule), **memory_args(memory_tier))
     except ConfigurationError as err:
-        return Resolved(None, poll_s, tuple(problems + err.problems))
+        return Resolved(None, poll_s, tuple(dict.fromkeys(problems + err.problems)))  # replicas: checked by both
     return Resolved(None if problems else config, poll_s, tuple(problems))
 
 
@@ -183,7 +183,12 @@ def memory_args(memory_tier: Optional[MemoryTierOptions]) -> dict[str, Any]:
     if process_mtbf is None and every is None:
         process_mtbf = MtbfMode.OBSERVED.value
     prior = DEFAULT_PROCESS_MTBF_PRIOR if process_mtbf == MtbfMode.OBSERVED.value else None
-    return {"process_mtbf": process_mtbf, "memory_every_n_train_steps_max": every, "process_mtbf_prior": prior}
+    return {
+        "process_mtbf": process_mtbf,
+        "memory_every_n_train_steps_max": every,
+        "process_mtbf_prior": prior,
+        "replicas": memory_tier.replicas,
+    }
 
 
 def memory_tier_problems(memory_tier: MemoryTierOptions) -> list[str]:

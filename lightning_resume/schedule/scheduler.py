@@ -59,6 +59,7 @@ class SnapshotScheduler:
         self.next_check_step = 0
         self.history: Optional[history.FailureHistory] = None  # this run's starts, saved in every checkpoint
         self.last_durable: Optional[float] = None
+        self.replicate = False  # whether the snapshot decided last is sent to the peer nodes (all ranks agree)
         self._writer: Optional[AsyncCheckpointWriter] = None
 
     @property
@@ -84,11 +85,12 @@ class SnapshotScheduler:
 
         The history travels inside the checkpoints (``state_dict()["history"]``): the one resumed from
         (``restored``) holds every earlier start, so no file is written beside the checkpoints.
-        ``resumed_tier`` is the tier this start resumed from (``"memory"`` or
+        ``resumed_tier`` is the tier this start resumed from (``"memory"``, ``"replica"`` or
         ``"durable"``; ``None`` for a fresh start or when unknown): a failure resumed from memory is a
-        process failure."""
+        process failure, from a replica a node loss."""
         config = self.config.with_nodes(num_nodes)
         mtbf = process_mtbf = None
+        losses: tuple[Optional[float], Optional[float]] = (None, None)
         self.history = None
         if keep_history:
             tier = None if resumed_tier is None else Tier(resumed_tier)
@@ -97,6 +99,7 @@ class SnapshotScheduler:
             snapshot_time = _snapshot_time(checkpoint_wall_time, past, now)
             self.history = history.record_start(past, now, snapshot_time, tier=tier)
             mtbf, process_mtbf = _observed(config, self.history, now)
+            losses = _observed_losses(config, self.history, now)
         schedule = {k: v for k, v in (restored or {}).items() if k != HISTORY_KEY} or None
         problems = machine.valid_restored(schedule or {})[1]
         if problems:  # a checkpoint is untrusted input: what it says wrongly is measured again, never a crash
@@ -105,14 +108,16 @@ class SnapshotScheduler:
                 HistoryWarning,
                 stacklevel=2,
             )
-        self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule)
+        self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule, losses)
         self.next_check_step = step + 1
 
     def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[Tier, int, str]:
         """(tier, preempt, reason) at a step boundary: rank 0's ``state.decide``, which every rank follows.
 
         One collective at check steps, none in between. ``preempt_local`` is this rank's preemption
-        level (0: none; the caller's codes above 0); the answer is the highest level over all ranks."""
+        level (0: none; the caller's codes above 0); the answer is the highest level over all ranks.
+        Rank 0's ``replicate`` travels in the same collective: :attr:`replicate` after the call."""
+        self.replicate = False
         if self.state is None or step < self.next_check_step:
             return Tier.NONE, 0, SaveReason.NOT_DUE.value
         self.poll_write()
@@ -121,10 +126,11 @@ class SnapshotScheduler:
             if is_rank_zero
             else Decision(Tier.NONE, SaveReason.NOT_DUE, 0)
         )
-        code, next_check, preempt = agree(
-            [_TIER_CODES.index(decision.tier), decision.next_check_step, int(preempt_local)]
+        code, next_check, preempt, replicate = agree(
+            [_TIER_CODES.index(decision.tier), decision.next_check_step, int(preempt_local), int(decision.replicate)]
         )
         self.next_check_step = max(int(next_check), step + 1)
+        self.replicate = bool(replicate)
         return _TIER_CODES[int(code)], int(preempt), decision.reason.value
 
     def record(
@@ -156,6 +162,11 @@ class SnapshotScheduler:
         self.memory = machine.record_memory_snapshot(self.memory, now, step, blocked_s)
         self.next_check_step = max(self.next_check_step, step + 1)
         return _finite(memory_metrics(self.state, self.memory, blocked_s, nbytes))
+
+    def record_replica(self, seconds: float) -> None:
+        """Account a replica transfer that took ``seconds`` (D2, ``Replicator.last_transfer.seconds``)."""
+        if self.memory is not None:
+            self.memory = machine.record_replica_transfer(self.memory, seconds)
 
     def poll_write(self) -> bool:
         """If the async write recorded last has become durable, account it; ``True`` when it did now."""
@@ -217,6 +228,19 @@ def _observed(
     if config.process_mtbf_mode is MtbfMode.OBSERVED and config.job_process_mtbf_s is not None:
         process_mtbf = history.estimate_process_mtbf(past, config.job_process_mtbf_s, w, now)
     return mtbf, process_mtbf
+
+
+def _observed_losses(
+    config: ScheduleConfig, past: history.FailureHistory, now: float
+) -> tuple[Optional[float], Optional[float]]:
+    """With replicas and ``mtbf="observed"``: (M2, M3), the job's node-loss and whole-job-loss MTBFs from
+    the history (resumes from a replica; from the durable tier), each with its prior; else ``(None, None)``
+    (the configured values)."""
+    if not config.replicates or config.mtbf_mode is not MtbfMode.OBSERVED or config.job_mtbf_s is None:
+        return None, None
+    w = config.prior_weight
+    node = history.estimate_node_loss_mtbf(past, config.job_mtbf_s, w, now)
+    return node, history.estimate_job_loss_mtbf(past, config.job_loss_mtbf_s, w, now)
 
 
 def _finite(metrics: dict) -> dict[str, float]:

@@ -21,9 +21,14 @@ from typing import Any, Mapping, Optional
 
 from lightning_resume.schedule.config import ScheduleConfig
 from lightning_resume.schedule.formulas import (
+    Levels,
+    ThreeLevelPlan,
     TwoLevelPlan,
     expected_waste,
     optimal_interval,
+    three_level_k,
+    three_level_plan,
+    three_level_waste,
     two_level_plan,
     two_level_waste,
     young_interval,
@@ -31,6 +36,12 @@ from lightning_resume.schedule.formulas import (
 
 COST_WINDOW = 5
 """How many recent blocking costs the C estimate is the median of (robust to one slow first save)."""
+
+REPLICA_STEP_OVERHEAD = 0.03
+"""C2, the training time a replica transfer costs, as a fraction of its duration D2: it runs in the background
+and only slows the steps it overlaps; the issue's bound on that slowdown is 3 % (steps while a replica is in
+flight <= 1.03x calm ones), measured by the replica benchmark. The memory snapshot's own blocking part,
+handing the snapshot to the replicator included, is measured in C1."""
 
 
 class SaveReason(str, Enum):
@@ -51,11 +62,13 @@ class SaveReason(str, Enum):
 
 class Tier(str, Enum):
     """Where a snapshot goes: nowhere, the memory tier (survives a crashed process, not a lost node) or
-    the durable tier (disk or object store; survives anything)."""
+    the durable tier (disk or object store; survives anything). ``REPLICA`` names a resume source only:
+    the memory tier's snapshot as a peer node held it (the rank's own node was lost)."""
 
     NONE = "none"
     MEMORY = "memory"
     DURABLE = "durable"
+    REPLICA = "replica"  # a resume source only (a memory snapshot as a peer node held it); never a decision
 
 
 @dataclass(frozen=True)
@@ -64,12 +77,14 @@ class Decision:
     step of the next check.
 
     Between checks the scheduler needs no collective; ``next_check_step`` (> the current step) is
-    broadcast together with ``tier`` so every rank checks at the same step.
+    broadcast together with ``tier`` so every rank checks at the same step. ``replicate``: whether the
+    memory snapshot taken now (also the one a durable save refreshes) is sent to the peer nodes.
     """
 
     tier: Tier
     reason: SaveReason
     next_check_step: int
+    replicate: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,8 @@ class MemoryState:
     save is also that step's memory snapshot). ``costs``: recent measured C1, newest last.
     ``since_durable``: memory snapshots since the newest durable save; ``durable_step``: that save's
     step (``None`` before the first one of this process).
+    With replicas (``ScheduleConfig.replicates``): ``node_mtbf_s`` / ``job_loss_mtbf_s``, the job's M2
+    (node losses) and M3 (whole-job losses), and ``replica_costs``, recent measured transfer times D2.
     """
 
     process_mtbf_s: Optional[float]
@@ -109,6 +126,9 @@ class MemoryState:
     since_durable: int = 0
     durable_step: Optional[int] = None
     snapshots: int = 0
+    node_mtbf_s: Optional[float] = None
+    job_loss_mtbf_s: Optional[float] = None
+    replica_costs: tuple = ()
 
 
 def start(
@@ -118,6 +138,7 @@ def start(
     mtbf_s: Optional[float] = None,
     process_mtbf_s: Optional[float] = None,
     restored: Optional[Mapping[str, Any]] = None,
+    losses: tuple[Optional[float], Optional[float]] = (None, None),
 ) -> tuple[ScheduleState, Optional[MemoryState]]:
     """The state at the start of a process (fresh or resumed); the memory tier's only when the config
     has one.
@@ -126,6 +147,8 @@ def start(
     ``config.job_process_mtbf_s``; pass the history estimates in observed mode). ``restored`` is a
     ``state_dict`` from the checkpoint: it keeps the measured costs, so a resumed run does not repeat
     the early measuring saves. Times are not restored: the clock of another process means nothing here.
+    ``losses``: the job's M2 and M3 of a three-level schedule (node and whole-job losses; default
+    ``config.job_mtbf_s`` and ``config.job_loss_mtbf_s``), used only when ``config.replicates``.
     """
     restored = valid_restored(restored or {})[0]
     last_write = restored.get("last_write_s")
@@ -147,7 +170,15 @@ def start(
         costs=_costs(restored.get("memory_costs", ())),
         snapshots=int(restored.get("memory_snapshots", 0)),
     )
-    return state, memory
+    if not config.replicates:
+        return state, memory
+    node, job = losses
+    return state, dataclasses.replace(
+        memory,
+        node_mtbf_s=config.job_mtbf_s if node is None else float(node),
+        job_loss_mtbf_s=config.job_loss_mtbf_s if job is None else float(job),
+        replica_costs=_costs(restored.get("replica_costs", ())),
+    )
 
 
 def state_dict(state: ScheduleState, memory: Optional[MemoryState] = None) -> dict:
@@ -155,6 +186,8 @@ def state_dict(state: ScheduleState, memory: Optional[MemoryState] = None) -> di
     kept = {"costs": list(state.costs), "last_write_s": state.last_write_s, "saves": state.saves}
     if memory is not None:
         kept.update(memory_costs=list(memory.costs), memory_snapshots=memory.snapshots)
+        if memory.replica_costs:
+            kept.update(replica_costs=list(memory.replica_costs))
     return kept
 
 
@@ -168,7 +201,7 @@ def valid_restored(restored: Mapping[str, Any]) -> tuple[dict, list[str]]:
     in [0, ``MAX_COST_S``], counts non-negative integers; a value left out takes its fresh default."""
     kept: dict = {}
     problems: list[str] = []
-    for key in ("costs", "memory_costs"):
+    for key in ("costs", "memory_costs", "replica_costs"):
         values = restored.get(key, ())
         if isinstance(values, (list, tuple)) and all(_seconds(v) for v in values):
             kept[key] = values
@@ -288,13 +321,49 @@ def memory_cost_estimate(state: ScheduleState, memory: MemoryState) -> float:
     return statistics.median(memory.costs) if memory.costs else state.config.memory_initial_cost_s
 
 
-def current_plan(state: ScheduleState, memory: MemoryState) -> Optional[TwoLevelPlan]:
-    """The unclamped two-level optimum for the current C1, C2, M1, M2 (``None`` unless both MTBFs are known)."""
-    if memory.process_mtbf_s is None or state.mtbf_s is None:
+def replica_cost_estimate(state: ScheduleState, memory: MemoryState) -> float:
+    """D2: the median of the recent measured replica transfer times, or the conservative guess."""
+    return statistics.median(memory.replica_costs) if memory.replica_costs else state.config.replica_initial_cost_s
+
+
+def levels(state: ScheduleState, memory: MemoryState) -> Optional[Levels]:
+    """The three-level model's inputs now (``None`` without replicas, or unless every MTBF is known)."""
+    m1, m2, m3 = memory.process_mtbf_s, memory.node_mtbf_s, memory.job_loss_mtbf_s
+    if not state.config.replicates or m1 is None or m2 is None or m3 is None or state.mtbf_s is None:
         return None
-    return two_level_plan(
-        memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
-    )
+    d2 = replica_cost_estimate(state, memory)
+    c1, c3 = memory_cost_estimate(state, memory), cost_estimate(state)
+    return Levels(c1=c1, c2=REPLICA_STEP_OVERHEAD * d2, d2=d2, c3=c3, m1=m1, m2=m2, m3=m3)
+
+
+def _two_level_inputs(state: ScheduleState, memory: MemoryState) -> Optional[tuple[float, float, float, float]]:
+    """(C1, C2, M1, M2) of the two-level model: the current estimates, or with replicas the three-level
+    model's own (node and job losses merged: what a schedule that does not replicate sends to disk)."""
+    three = levels(state, memory)
+    if three is not None:
+        return three.without_replicas()
+    if memory.process_mtbf_s is None or state.mtbf_s is None or state.config.replicates:
+        return None
+    return memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
+
+
+def current_plan(state: ScheduleState, memory: MemoryState) -> Optional[TwoLevelPlan]:
+    """The unclamped optimum for the current estimates: without replicas the two-level one for C1, C2, M1,
+    M2 (``None`` unless both MTBFs are known); with replicas the three-level one (a ``ThreeLevelPlan``)."""
+    three = levels(state, memory)
+    if three is not None:
+        return three_level_plan(three)
+    inputs = _two_level_inputs(state, memory)
+    return None if inputs is None else two_level_plan(*inputs)
+
+
+def replicate_now(state: ScheduleState, memory: MemoryState) -> bool:
+    """Whether the memory snapshot taken now is sent to the peers: with replicas, as the plan says (always
+    while D2 is unmeasured, so that it is measured, and when no plan paces the tier); else never."""
+    if not state.config.replicates:
+        return False
+    plan = current_plan(state, memory)
+    return not memory.replica_costs or not isinstance(plan, ThreeLevelPlan) or plan.replicate
 
 
 def memory_interval(state: ScheduleState, memory: MemoryState) -> Optional[float]:
@@ -319,11 +388,22 @@ def durable_every(state: ScheduleState, memory: MemoryState) -> Optional[int]:
         return None
     k = plan.k
     if not math.isclose(t1, plan.t1):
-        c1, c2, m1, m2 = memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
-        k_real = math.sqrt(2.0 * c2 * m2) / t1
-        candidates = {max(1, math.floor(k_real)), max(1, math.ceil(k_real))}
-        k = min(sorted(candidates), key=lambda n: two_level_waste(t1, n, c1, c2, m1, m2))
+        k = _k_for(t1, state, memory, plan)
     return max(1, min(k, math.floor(state.config.max_interval_s / t1)))
+
+
+def _k_for(t1: float, state: ScheduleState, memory: MemoryState, plan: TwoLevelPlan) -> int:
+    """The best k for a clamped ``t1``: the three-level one when the plan replicates, else the integer
+    neighbours of ``sqrt(2 C2 M2) / T1`` for the two-level waste."""
+    three = levels(state, memory)
+    if three is not None and isinstance(plan, ThreeLevelPlan) and plan.replicate:
+        return three_level_k(t1, three)
+    inputs = _two_level_inputs(state, memory)
+    assert inputs is not None  # a plan exists
+    c1, c2, m1, m2 = inputs
+    k_real = math.sqrt(2.0 * c2 * m2) / t1
+    candidates = {max(1, math.floor(k_real)), max(1, math.ceil(k_real))}
+    return min(sorted(candidates), key=lambda n: two_level_waste(t1, n, c1, c2, m1, m2))
 
 
 def _durable_reason(state: ScheduleState, memory: MemoryState, now: float, step: int) -> Optional[SaveReason]:
@@ -391,10 +471,18 @@ def decide(state: ScheduleState, memory: Optional[MemoryState], now: float, step
     node MTBF is off, its single-level schedule), or when the memory snapshot due now is the k-th
     since the last durable save (and no async write is in flight); else a memory snapshot when T1
     (or the memory step cap) has passed since the newest snapshot of either tier. The first memory
-    snapshot is never promoted to durable: it measures C1, which the plan's k depends on.
+    snapshot is never promoted to durable: it measures C1, which the plan's k depends on. With replicas,
+    a snapshot's ``replicate`` is ``replicate_now``'s answer.
     """
     if memory is None or not state.config.takes_memory_snapshots:
         return _single_level(state, now, step)
+    decision = _two_tier(state, memory, now, step)
+    if decision.tier is Tier.NONE or not replicate_now(state, memory):
+        return decision
+    return dataclasses.replace(decision, replicate=True)
+
+
+def _two_tier(state: ScheduleState, memory: MemoryState, now: float, step: int) -> Decision:
     durable = _durable_reason(state, memory, now, step)
     if durable is not None:
         return Decision(Tier.DURABLE, durable, step + 1)
@@ -480,10 +568,18 @@ def expected_waste_now(state: ScheduleState) -> Optional[float]:
 
 
 def two_level_waste_now(state: ScheduleState, memory: MemoryState) -> Optional[float]:
-    """First-order expected waste at the clamped T1 and applied k (``None`` without a plan)."""
+    """First-order expected waste at the clamped T1 and applied k (``None`` without a plan); the
+    three-level waste when the plan replicates."""
     t1, k = memory_interval(state, memory), durable_every(state, memory)
-    if t1 is None or k is None or memory.process_mtbf_s is None or state.mtbf_s is None:
+    inputs = _two_level_inputs(state, memory)
+    if t1 is None or k is None or inputs is None:
         return None
-    return two_level_waste(
-        t1, k, memory_cost_estimate(state, memory), cost_estimate(state), memory.process_mtbf_s, state.mtbf_s
-    )
+    three = levels(state, memory)
+    if three is not None and replicate_now(state, memory):
+        return three_level_waste(t1, k, three)
+    return two_level_waste(t1, k, *inputs)
+
+
+def record_replica_transfer(memory: MemoryState, seconds: float) -> MemoryState:
+    """The memory tier's state after a replica transfer that took ``seconds`` (a D2 sample)."""
+    return dataclasses.replace(memory, replica_costs=_with_cost(memory.replica_costs, seconds))

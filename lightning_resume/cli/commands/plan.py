@@ -12,6 +12,12 @@ it also prints the two-level plan: a memory snapshot every T1 at cost C1 (``--me
 state bytes over ``--memory-bw``, by default this machine's measured memcpy bandwidth), every k-th
 one durable (T2 = k T1), and its expected waste against the single-level optimum that sends every
 failure (rate 1/M1 + 1/M2) back to the newest durable save.
+
+With ``--replica-time`` too (D2: how long sending one memory snapshot to a peer node takes, in the
+background) it prints the three-level plan of a memory tier with replicas: node losses (``--mtbf``) go
+back to the newest replica, whole-job losses (``--job-loss-mtbf``, for the job, not per node) to the
+newest durable save; each snapshot is replicated when that pays, every k-th one durable; against the
+two-level plan that sends node and job losses to disk.
 """
 
 from __future__ import annotations
@@ -26,14 +32,20 @@ from typing import Any, Callable, List, Optional, TypedDict
 
 from lightning_resume.durations import parse_duration
 from lightning_resume.errors import ConfigurationError
+from lightning_resume.schedule.config import DEFAULT_JOB_LOSS_MTBF_PRIOR
 from lightning_resume.schedule.formulas import (
+    Levels,
     daly_interval,
     expected_waste,
     first_order_waste,
     single_level_waste,
+    three_level_plan,
+    three_level_waste,
     two_level_plan,
+    two_level_waste,
     young_interval,
 )
+from lightning_resume.schedule.state import REPLICA_STEP_OVERHEAD
 
 _COUNT = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _BYTES = {
@@ -82,6 +94,27 @@ class TwoLevelSummary(TypedDict):
     waste: float
     single_level_young_s: float
     single_level_waste: float
+    ratio: float
+
+
+class ThreeLevelSummary(TypedDict):
+    """The three-level part of ``--json`` (``three_level``): first-order model, job-wide MTBFs."""
+
+    memory_cost_s: float
+    replica_time_s: float
+    replica_cost_s: float
+    durable_cost_s: float
+    process_mtbf_s: float
+    node_mtbf_s: float
+    job_loss_mtbf_s: float
+    replicate: bool
+    t1_s: float
+    k: int
+    t3_s: float
+    waste: float
+    two_level_t1_s: float
+    two_level_k: int
+    two_level_waste: float
     ratio: float
 
 
@@ -189,6 +222,54 @@ def format_two_level(two: TwoLevelSummary) -> str:
     )
 
 
+def compute_three_level(levels: Levels) -> ThreeLevelSummary:
+    """The three-level plan and the two-level plan of the same job without replicas."""
+    plan, two = three_level_plan(levels), two_level_plan(*levels.without_replicas())
+    return {
+        "memory_cost_s": levels.c1,
+        "replica_time_s": levels.d2,
+        "replica_cost_s": levels.c2,
+        "durable_cost_s": levels.c3,
+        "process_mtbf_s": levels.m1,
+        "node_mtbf_s": levels.m2,
+        "job_loss_mtbf_s": levels.m3,
+        "replicate": plan.replicate,
+        "t1_s": plan.t1,
+        "k": plan.k,
+        "t3_s": plan.t2,
+        "waste": plan.waste,
+        "two_level_t1_s": two.t1,
+        "two_level_k": two.k,
+        "two_level_waste": two.waste,
+        "ratio": two.waste / plan.waste if plan.waste > 0 else math.inf,
+    }
+
+
+def format_three_level(three: ThreeLevelSummary) -> str:
+    replicate = "every memory snapshot" if three["replicate"] else "none: replicas do not pay here"
+    return "\n".join(
+        [
+            "",
+            "",
+            "three-level: a memory snapshot every T1, sent to a peer node, every k-th one durable (first-order model)",
+            f"C1 (memory snapshot) {fmt_duration(three['memory_cost_s']):>10}   C3 (durable save) "
+            f"{fmt_duration(three['durable_cost_s'])}",
+            f"D2 (replica transfer){fmt_duration(three['replica_time_s']):>10}   C2 (its cost to training, "
+            f"{REPLICA_STEP_OVERHEAD:.0%} of D2) {fmt_duration(three['replica_cost_s'])}",
+            f"M1 process loss      {fmt_duration(three['process_mtbf_s']):>10}   -> newest memory snapshot",
+            f"M2 node loss         {fmt_duration(three['node_mtbf_s']):>10}   -> newest replica (peer node)",
+            f"M3 whole-job loss    {fmt_duration(three['job_loss_mtbf_s']):>10}   -> newest durable save",
+            f"replicate            {replicate}",
+            f"T1 memory interval   {fmt_duration(three['t1_s']):>10}",
+            f"k  durable every     {three['k']:>10}   -> T3 durable interval {fmt_duration(three['t3_s'])}",
+            f"expected waste       {three['waste']:>10.2%}",
+            f"two-level            {fmt_duration(three['two_level_t1_s']):>10}   k {three['two_level_k']}, expected waste "
+            f"{three['two_level_waste']:.2%}  (no replicas: node and job losses back to disk)",
+            f"replicas save        {three['ratio']:>9.1f}x   of the two-level waste",
+        ]
+    )
+
+
 def measure_memcpy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3) -> float:
     """This machine's memcpy bandwidth (bytes/s): the best of ``repeats`` copies of ``nbytes`` into a
     preallocated buffer, roughly what a memory-tier snapshot costs per byte."""
@@ -219,8 +300,10 @@ def format_plan(plan: Plan, header: List[str]) -> str:
     return "\n".join(lines)
 
 
-def write_plot(plan: Plan, path: str) -> Optional[str]:
-    """Write the waste(T) curve as a PNG; return an error message instead if matplotlib is missing."""
+def write_plot(plan: Plan, path: str, three: Optional[ThreeLevelSummary] = None) -> Optional[str]:
+    """Write the waste(T) curve as a PNG; return an error message instead if matplotlib is missing. With
+    ``three``, a second panel: the first-order waste against T1 of the two- and three-level plans, each at
+    its own k."""
     try:
         import matplotlib
 
@@ -231,7 +314,8 @@ def write_plot(plan: Plan, path: str) -> Optional[str]:
     c, m = plan["cost_s"], plan["job_mtbf_s"]
     lo, hi = plan["young_s"] / 10, plan["young_s"] * 10
     ts = [lo * (hi / lo) ** (i / 199) for i in range(200)]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, 1 if three is None else 2, figsize=(6 if three is None else 12, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot([t / 60 for t in ts], [100 * expected_waste(t, c, m) for t in ts], label="expected waste")
     for name, t in (("young", plan["young_s"]), ("daly", plan["daly_s"])):
         ax.axvline(t / 60, linestyle="--", color="C1" if name == "young" else "C2", label=f"{name} {fmt_duration(t)}")
@@ -242,10 +326,43 @@ def write_plot(plan: Plan, path: str) -> Optional[str]:
         title=f"C = {fmt_duration(c)}, M = {fmt_duration(m)}",
     )
     ax.legend()
+    if three is not None:
+        _plot_levels(axes[0][1], three)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
+
+
+def _plot_levels(ax: Any, three: ThreeLevelSummary) -> None:
+    """Waste against T1: two-level (no replicas) and three-level, each at its plan's k."""
+    levels = _levels_of(three)
+    two_args = levels.without_replicas()
+    lo, hi = min(three["t1_s"], three["two_level_t1_s"]) / 10, max(three["t1_s"], three["two_level_t1_s"]) * 10
+    ts = [lo * (hi / lo) ** (i / 199) for i in range(200)]
+    k2, k3 = three["two_level_k"], three["k"]
+    ax.plot([t / 60 for t in ts], [100 * two_level_waste(t, k2, *two_args) for t in ts], label=f"two-level, k={k2}")
+    if three["replicate"]:
+        ax.plot(
+            [t / 60 for t in ts], [100 * three_level_waste(t, k3, levels) for t in ts], label=f"three-level, k={k3}"
+        )
+    for name, t, color in (("two-level", three["two_level_t1_s"], "C0"), ("three-level", three["t1_s"], "C1")):
+        ax.axvline(t / 60, linestyle="--", color=color, label=f"{name} T1 {fmt_duration(t)}")
+    ax.set(xscale="log", xlabel="memory interval T1 (min)", ylabel="waste (% of wall time, first order)")
+    ax.set_title(f"replicas: D2 = {fmt_duration(three['replica_time_s'])}, saves {three['ratio']:.1f}x")
+    ax.legend(fontsize=8)
+
+
+def _levels_of(three: ThreeLevelSummary) -> Levels:
+    return Levels(
+        c1=three["memory_cost_s"],
+        c2=three["replica_cost_s"],
+        d2=three["replica_time_s"],
+        c3=three["durable_cost_s"],
+        m1=three["process_mtbf_s"],
+        m2=three["node_mtbf_s"],
+        m3=three["job_loss_mtbf_s"],
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -264,12 +381,14 @@ def run(args: argparse.Namespace) -> int:
     plan = compute_plan(cost, args.mtbf / args.nodes)
     header.append(f"nodes                {args.nodes} x MTBF {fmt_duration(args.mtbf)} per node")
     two = _two_level(args, cost)
+    three = _three_level(args, cost, two)
     if args.json:
-        print(json.dumps({**plan, "two_level": two}, indent=1))
+        print(json.dumps({**plan, "two_level": two, "three_level": three}, indent=1))
     else:
-        print(format_plan(plan, header) + ("" if two is None else format_two_level(two)))
+        tiers = ("" if two is None else format_two_level(two)) + ("" if three is None else format_three_level(three))
+        print(format_plan(plan, header) + tiers)
     if args.plot:
-        error = write_plot(plan, args.plot)
+        error = write_plot(plan, args.plot, three)
         if error:
             raise ConfigurationError("lightning-resume plan", [error])
         print(f"plot written to {args.plot}", file=sys.stderr)
@@ -288,6 +407,28 @@ def _two_level(args: argparse.Namespace, durable_cost: float) -> Optional[TwoLev
         bandwidth = args.memory_bw if args.memory_bw is not None else measure_memcpy_bandwidth()
         memory_cost = args.size * args.bytes_per_param / bandwidth
     return compute_two_level(memory_cost, durable_cost, args.process_mtbf / args.nodes, args.mtbf / args.nodes)
+
+
+def _three_level(
+    args: argparse.Namespace, durable_cost: float, two: Optional[TwoLevelSummary]
+) -> Optional[ThreeLevelSummary]:
+    if args.replica_time is None:
+        return None
+    if two is None:
+        raise ConfigurationError(
+            "lightning-resume plan", ["--replica-time needs --process-mtbf (the memory tier's M1)"]
+        )
+    d2 = args.replica_time
+    levels = Levels(
+        c1=two["memory_cost_s"],
+        c2=REPLICA_STEP_OVERHEAD * d2,
+        d2=d2,
+        c3=durable_cost,
+        m1=two["process_mtbf_s"],
+        m2=two["node_mtbf_s"],
+        m3=args.job_loss_mtbf,
+    )
+    return compute_three_level(levels)
 
 
 def register(subparsers: Any) -> None:
@@ -310,6 +451,17 @@ def register(subparsers: Any) -> None:
         "--memory-bw",
         type=parse_bandwidth,
         help="host memcpy bandwidth for C1 = size / bw (default: measured here)",
+    )
+    p.add_argument(
+        "--replica-time",
+        type=_duration("--replica-time"),
+        help="time D2 to send one memory snapshot to a peer node (background): adds the three-level plan",
+    )
+    p.add_argument(
+        "--job-loss-mtbf",
+        type=_duration("--job-loss-mtbf"),
+        default=parse_duration(DEFAULT_JOB_LOSS_MTBF_PRIOR),
+        help=f"mean time between whole-job losses (M3, for the job; default {DEFAULT_JOB_LOSS_MTBF_PRIOR})",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="PNG", help="also write the waste(T) curve (needs matplotlib)")

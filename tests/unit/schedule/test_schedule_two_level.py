@@ -242,7 +242,7 @@ def test_ranks_agree_on_the_highest_tier():
 
     def agree(values):  # rank 0 says MEMORY at step 2, DURABLE at step 4; its next check is step + 1
         seen.append(list(values))
-        return [max(values[0], {2: 1, 4: 2}.get(step, 0)), step + 1, max(values[2], 0)]
+        return [max(values[0], {2: 1, 4: 2}.get(step, 0)), step + 1, max(values[2], 0), values[3]]
 
     tiers = []
     for step in range(1, 5):

@@ -445,7 +445,10 @@ def run_three_level(
     """Mean simulated waste of the three-level plan, the two-level plan (no replicas) and the best swept
     replicating (T1, k), all in one simulation (the same failures)."""
     plan, two = three_level_plan(levels), two_level_plan(*levels.without_replicas())
-    t1_grid = np.unique([_steps(t, step_time) for t in np.geomspace(max(step_time, levels.d2), 40 * plan.t1, 24)])
+    # around the plan (far longer intervals are hopeless and would only slow the simulation: a life rarely ends one)
+    t1_grid = np.unique(
+        [_steps(t, step_time) for t in np.geomspace(max(step_time, levels.d2, plan.t1 / 8), 4 * plan.t1, 20)]
+    )
     k_grid = np.unique(np.round(np.geomspace(1, max(4.0, 4 * plan.k), 16)))
     pairs = [(_steps(plan.t1, step_time), plan.k, plan.replicate), (_steps(two.t1, step_time), two.k, False)]
     pairs += [(t, k, True) for t in t1_grid for k in k_grid]

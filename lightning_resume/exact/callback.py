@@ -307,7 +307,7 @@ class ExactResume(Callback):
                 [*found, *unsaved_found, *restored],
             )
         if self.scheduler is not None:
-            driver.start(self.scheduler, trainer, self._num_nodes, pending or {}, tier)
+            driver.start(self.scheduler, trainer, self._num_nodes, pending or {}, tier, self.memory)
         if self.preemption is not None:
             self._take_over_slurm_requeue(trainer)
             self.preemption.install()  # after Lightning's own SIGTERM handler (trainer.py:1074), replacing it

@@ -54,10 +54,13 @@ def start(
     num_nodes: Optional[int],
     pending: Mapping[str, Any],
     resumed_tier: Optional[str] = None,
+    memory: Optional[MemoryTier] = None,
 ) -> None:
     """Begin timing; a resumed run keeps the measured costs of ``pending`` (the restored state) and records
-    whether it resumed from the memory tier (a process failure) or from disk. The failure history lives in
-    the checkpoints themselves, so no file of ours appears beside them (``fast_dev_run`` keeps none)."""
+    whether it resumed from the memory tier (a process failure), a peer's replica (a node loss) or from disk.
+    With a ``memory`` tier the schedule takes its resolved replica count (three levels when it has replicas).
+    The failure history lives in the checkpoints themselves, so no file of ours appears beside them
+    (``fast_dev_run`` keeps none)."""
     quick = trainer.fast_dev_run  # type: ignore[attr-defined]  # set by Lightning's debugging connector
     scheduler.start(
         step=trainer.global_step,
@@ -66,6 +69,7 @@ def start(
         checkpoint_wall_time=pending.get("saved_at"),
         resumed_tier=resumed_tier,
         keep_history=scheduler.takes_snapshots and not quick,
+        replicas=None if memory is None else memory.replicas,
     )
 
 
@@ -162,14 +166,26 @@ def memory_snapshot(
     """Snapshot into the memory tier now (every rank); its blocking time is the schedule's C1, except where it
     wrote a durable save's staging (``borrow``) instead of copying: that cost is not what a snapshot costs."""
     started = scheduler.clock()
-    nbytes = memory.save(trainer, borrow)
+    nbytes = memory.save(trainer, borrow, replicate=scheduler.replicate)
     blocked = scheduler.clock() - started
+    replica_measured(scheduler, memory)
     if scheduler.state is None or nbytes is None or memory.borrowed_bytes:
         return
     metrics = scheduler.record_memory(trainer.global_step, blocked, nbytes)
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def replica_measured(scheduler: SnapshotScheduler, memory: MemoryTier) -> None:
+    """The schedule learns the newest replica transfer's time (D2; each transfer once), or that replication
+    stopped (a replica did not fit a peer): two levels from then on."""
+    replicator = memory.replicator
+    if memory.replicas and (replicator is None or not replicator.enabled):
+        scheduler.without_replicas()
+    elif replicator is not None and replicator.last_transfer is not None:
+        done = replicator.last_transfer
+        scheduler.record_replica(done.seconds, (done.step, done.seq))
 
 
 def _requeue(trainer: pl.Trainer, path: str) -> None:

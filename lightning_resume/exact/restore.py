@@ -474,8 +474,8 @@ class ResumeReport:
     snapshots, some rank's from a peer's replica: its node was lost; ``memory_sources`` says whose) or
     ``"durable"`` (a checkpoint file); ``None``: nothing restored."""
     memory_sources: Optional[tuple[int, ...]] = None
-    """Resumed from the memory tier: ``memory_sources[r]`` is the rank whose memory held rank ``r``'s state (``r``
-    itself, or the peer that held its replica); ``None`` otherwise."""
+    """Resumed from the memory tier: one entry per rank, ``memory_sources[r]`` the rank whose memory held rank ``r``'s
+    state (``r`` itself, or the peer that held its replica: a rank of another node); ``None`` otherwise."""
     memory_tier: Optional[str] = None
     """Why the memory tier's snapshots were not used (they were taken on another world size); ``None``: no reason."""
     sample_exact: Optional[bool] = None

@@ -4,10 +4,12 @@ The store (``memory.store``) keeps one verified file per rank in this user's pri
 Here: the run's slot is named by the durable checkpoint directory, and the run by an id that every
 checkpoint carries (``RUN_KEY`` in ``ExactResume``'s state): made at a fresh start, kept across resumes. A
 snapshot is the trainer's full checkpoint dict, built on every rank; on ``fit(ckpt_path="last")`` the memory
-tier replaces the durable checkpoint Lightning resolved when every rank holds a verified snapshot of that
-checkpoint's run, of the same step and save sequence, newer (by global step) than that checkpoint.
-Otherwise every rank falls back to disk together, and the snapshots that are not the resume source are
-dropped, so a later resume never goes back to another line of training. A checkpoint directory emptied by
+tier replaces the durable checkpoint Lightning resolved when every rank can obtain a verified snapshot of that
+checkpoint's run, of the same step and save sequence, newer (by global step) than that checkpoint: its own,
+or (its node lost) the replica a peer node holds, streamed to it and verified (``memory.recover`` decides,
+``memory.peers`` moves it). Otherwise every rank falls back to disk together, "last" then verified in full
+(it read only headers while the memory tier was asked first: ``retention.last``), and the snapshots that are
+not the resume source are dropped, so a later resume never goes back to another line of training. A checkpoint directory emptied by
 hand holds no run id, so the next start is a new run, whatever shared memory still holds. When another
 user holds the name of this user's root first (a directory, a file, a link), the run's snapshots go to a
 fallback root of a random name (``store.fallback_root``), said once; its token travels in every checkpoint
@@ -238,6 +240,8 @@ class MemoryTier:
         """This fit's replicator, on the store of the root chosen (once per fit: a stop tells the holders)."""
         replication.stop(self.replicator, quiet=True)
         self.replicator = replication.start(self.store, self.ring)
+        if self.replicator is not None:
+            rank_zero_info(f"ExactResume: each rank's memory snapshots also go to {self.replicas} other node(s)")
 
     @property
     def replicas(self) -> int:

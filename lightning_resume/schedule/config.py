@@ -309,9 +309,12 @@ class ScheduleConfig:
             raise ConfigurationError("ScheduleConfig", seconds.problems)
         return config
 
-    def with_nodes(self, num_nodes: int) -> ScheduleConfig:
-        """The same options for ``num_nodes`` nodes (known only once the trainer is set up)."""
-        return dataclasses.replace(self, num_nodes=num_nodes)
+    def with_nodes(self, num_nodes: int, replicas: Optional[int] = None) -> ScheduleConfig:
+        """The same options for ``num_nodes`` nodes (known only once the trainer is set up); ``replicas``: the
+        count the memory tier resolved, when it is known (it replaces the option's)."""
+        if replicas is None:
+            return dataclasses.replace(self, num_nodes=num_nodes)
+        return dataclasses.replace(self, num_nodes=num_nodes, replicas=replicas)
 
 
 class _Seconds:

@@ -1,5 +1,6 @@
 """The optimal-interval formulas: Young's and Daly's single-level intervals, the expected-waste
-models and the two-level (memory + durable tier) optimum.
+models, the two-level (memory + durable tier) optimum and the three-level one (memory, replicas on
+peer nodes, durable).
 
 Pure math over seconds: no configuration, no state, no clock, no Lightning, no files. ``config``
 validates the options these are applied with; ``state`` (the schedule state machine) and the

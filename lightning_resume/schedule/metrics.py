@@ -18,6 +18,8 @@ from lightning_resume.schedule.state import (
     expected_waste_now,
     memory_cost_estimate,
     memory_interval,
+    replica_cost_estimate,
+    replicate_now,
     two_level_waste_now,
 )
 
@@ -74,7 +76,10 @@ def memory_metrics(
     Keys, each present only when known: ``ckpt/memory_blocked_s`` (training blocked, C1 sample),
     ``ckpt/memory_bytes``, ``ckpt/memory_copy_MBps``, ``ckpt/memory_interval_s`` (T1 as applied),
     ``ckpt/memory_cost_s`` (C1 estimate), ``ckpt/process_mtbf_s`` (job M1), ``ckpt/durable_every_k``,
-    ``ckpt/memory_snapshots``, ``ckpt/expected_waste`` (two-level, first order).
+    ``ckpt/memory_snapshots``, ``ckpt/expected_waste`` (two-level, first order). With replicas (three
+    levels): ``ckpt/replica_transfer_s`` (D2 estimate), ``ckpt/node_mtbf_s`` and ``ckpt/job_loss_mtbf_s``
+    (job M2, M3), ``ckpt/replicate`` (1 when the plan sends snapshots to the peers), and the waste is the
+    three-level one when it does.
     """
     k = durable_every(state, memory)
     metrics: Dict[str, Optional[float]] = {
@@ -88,4 +93,9 @@ def memory_metrics(
         "memory_snapshots": float(memory.snapshots),
         "expected_waste": two_level_waste_now(state, memory),
     }
+    if state.config.replicates:
+        metrics["replica_transfer_s"] = replica_cost_estimate(state, memory)
+        metrics["node_mtbf_s"] = memory.node_mtbf_s
+        metrics["job_loss_mtbf_s"] = memory.job_loss_mtbf_s
+        metrics["replicate"] = float(replicate_now(state, memory))
     return {PREFIX + k: float(v) for k, v in metrics.items() if v is not None}

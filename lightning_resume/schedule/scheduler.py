@@ -16,10 +16,11 @@ that copy's cost with ``record_memory`` at the same step (it then only adds a C1
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 from lightning_resume.errors import HistoryWarning
 from lightning_resume.protocols import AsyncCheckpointWriter
@@ -60,6 +61,7 @@ class SnapshotScheduler:
         self.history: Optional[history.FailureHistory] = None  # this run's starts, saved in every checkpoint
         self.last_durable: Optional[float] = None
         self.replicate = False  # whether the snapshot decided last is sent to the peer nodes (all ranks agree)
+        self._transfer: Optional[Hashable] = None  # the replica transfer recorded last
         self._writer: Optional[AsyncCheckpointWriter] = None
 
     @property
@@ -80,6 +82,7 @@ class SnapshotScheduler:
         checkpoint_wall_time: Optional[float],
         resumed_tier: Optional[str] = None,
         keep_history: bool = True,
+        replicas: Optional[int] = None,
     ) -> None:
         """Begin timing at ``step``; with ``keep_history``, record this start in the failure history.
 
@@ -87,8 +90,9 @@ class SnapshotScheduler:
         (``restored``) holds every earlier start, so no file is written beside the checkpoints.
         ``resumed_tier`` is the tier this start resumed from (``"memory"``, ``"replica"`` or
         ``"durable"``; ``None`` for a fresh start or when unknown): a failure resumed from memory is a
-        process failure, from a replica a node loss."""
-        config = self.config.with_nodes(num_nodes)
+        process failure, from a replica a node loss. ``replicas``: the count the memory tier resolved (it
+        replaces the option's; 0: the two-level schedule)."""
+        config = self.config.with_nodes(num_nodes, replicas)
         mtbf = process_mtbf = None
         losses: tuple[Optional[float], Optional[float]] = (None, None)
         self.history = None
@@ -163,10 +167,21 @@ class SnapshotScheduler:
         self.next_check_step = max(self.next_check_step, step + 1)
         return _finite(memory_metrics(self.state, self.memory, blocked_s, nbytes))
 
-    def record_replica(self, seconds: float) -> None:
-        """Account a replica transfer that took ``seconds`` (D2, ``Replicator.last_transfer.seconds``)."""
-        if self.memory is not None:
-            self.memory = machine.record_replica_transfer(self.memory, seconds)
+    def record_replica(self, seconds: float, transfer: Hashable = None) -> None:
+        """Account a replica transfer that took ``seconds`` (D2, ``Replicator.last_transfer.seconds``), once:
+        ``transfer`` names it (its step and seq), and the one recorded last is not recorded again."""
+        if self.memory is None or (transfer is not None and transfer == self._transfer):
+            return
+        self._transfer = transfer
+        self.memory = machine.record_replica_transfer(self.memory, seconds)
+
+    def without_replicas(self) -> None:
+        """The memory tier stopped replicating (a replica did not fit a peer): two levels from now on."""
+        if self.state is None or not self.state.config.replicates:
+            return
+        config = self.state.config
+        self.state = dataclasses.replace(self.state, config=config.with_nodes(config.num_nodes, 0))
+        self.replicate = False
 
     def poll_write(self) -> bool:
         """If the async write recorded last has become durable, account it; ``True`` when it did now."""

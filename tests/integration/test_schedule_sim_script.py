@@ -31,3 +31,13 @@ def test_two_level_simulation_script_prints_its_table():
     assert lines[2].startswith("| 60 min | 24 h | 0.2 s | 10 s |")
     ratio = float(lines[2].split("|")[-3].strip().rstrip("x"))  # single-level Young waste / two-level waste
     assert ratio > 2.0
+
+
+def test_three_level_simulation_script_prints_its_table():
+    lines, stderr = _simulate("--three-level", "--mix", "llama3", "--seeds", "20", "--work-mtbfs", "10")
+    assert lines[0].startswith("| failure mix | M1 / M2 / M3 (job) | C1 / D2 (C2) / C3 | three-level T1, k (T3)")
+    assert len(lines) == 3 and lines[2].startswith(
+        "| llama3 | 20.6 h / 3.64 h / 1.3e+03 h | 1 s / 10 s (0.3 s) / 60 s |"
+    )
+    ratio = float(lines[2].split("|")[-4].strip().rstrip("x"))  # two-level waste / three-level waste
+    assert ratio > 1.5 and "C2 = 3% of D2" in stderr

@@ -22,6 +22,7 @@ from lightning_resume.schedule.formulas import (
     two_level_plan,
     two_level_waste,
 )
+from lightning_resume.schedule.metrics import memory_metrics
 from lightning_resume.schedule.scheduler import SnapshotScheduler
 from lightning_resume.schedule.state import (
     REPLICA_STEP_OVERHEAD,
@@ -162,6 +163,10 @@ def test_with_replicas_the_plan_is_three_level_and_snapshots_are_replicated():
     decision = decide(state, memory, plan.t1 + 1.0, 10)
     assert decision.tier is Tier.MEMORY and decision.replicate
     assert state_dict(state, memory)["replica_costs"] == [3.0]
+    metrics = memory_metrics(state, memory, 0.5, 100)
+    assert metrics["ckpt/replica_transfer_s"] == 3.0 and metrics["ckpt/replicate"] == 1.0
+    assert metrics["ckpt/node_mtbf_s"] == 30 * DAY / 4 and metrics["ckpt/job_loss_mtbf_s"] == 30 * DAY
+    assert metrics["ckpt/expected_waste"] == pytest.approx(three_level_waste(plan.t1, plan.k, lv))
 
 
 def test_replicas_that_do_not_pay_are_not_sent_once_measured():

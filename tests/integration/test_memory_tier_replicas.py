@@ -93,8 +93,7 @@ def _resume(
     resume (until the first training step is recorded: a later durable save is not the resume)."""
     c = dict(cfg, out=str(tmp_path / "C"), resume="last")
     if reads is not None:
-        reads.reads.clear()
-        reads.counting = lambda: not (tmp_path / "C" / "steps-rank0.jsonl").exists()
+        reads.count(lambda: not (tmp_path / "C" / "steps-rank0.jsonl").exists())
     nodes.run(c, machines, tmp_path)
     return c
 
@@ -109,7 +108,12 @@ class ObjectReads:
 
     def __init__(self) -> None:
         self.reads: list[tuple[str, int, int]] = []
-        self.counting: Callable[[], bool] = lambda: True
+        self.counting: Callable[[], bool] = lambda: False
+
+    def count(self, counting: Callable[[], bool]) -> None:
+        """From now on, count the reads that arrive while ``counting()``, in a new list (a read that arrived
+        before, whose body the server is still finishing, goes to the old one)."""
+        self.reads, self.counting = [], counting
 
     def wrap(self, app):
         def middleware(environ, start_response):
@@ -118,18 +122,19 @@ class ObjectReads:
             if environ.get("REQUEST_METHOD") != "GET" or not key or not self.counting():
                 return body
             first = re.match(r"bytes=(\d+)-", environ.get("HTTP_RANGE", ""))
-            return self._counted(body, key, int(first.group(1)) if first else 0)
+            return self._counted(body, key, int(first.group(1)) if first else 0, self.reads)
 
         return middleware
 
-    def _counted(self, body, key: str, first: int):
+    @staticmethod
+    def _counted(body, key: str, first: int, into: list):
         sent = 0
         try:
             for chunk in body:
                 sent += len(chunk)
                 yield chunk
         finally:
-            self.reads.append((key, first, sent))
+            into.append((key, first, sent))
             if hasattr(body, "close"):
                 body.close()
 
@@ -150,8 +155,7 @@ def _header_ends(bucket: str) -> dict[str, int]:
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     ends = {}
     for path in fs.find(bucket):
-        with fs.open(path, "rb") as f:
-            ends[path[len(bucket) + 1 :]] = 8 + struct.unpack("<Q", f.read(8))[0]
+        ends[path[len(bucket) + 1 :]] = 8 + struct.unpack("<Q", fs.cat_file(path, start=0, end=8))[0]
     return ends
 
 
@@ -196,14 +200,15 @@ def test_a_node_lost_resumes_from_the_peers_replica_exactly(
     ends = _header_ends(bucket)  # the durable files the relaunch finds
     c = _resume(cfg, machines, tmp_path, object_reads)
     reads = list(object_reads.reads)
-    # node 0's ranks: their own memory; node 1's: the same local rank on node 0, which held their replicas
-    sources = list(range(devices)) + [r - devices for r in lost]
+    # node 0's ranks: their own memory; node 1's: a rank of node 0, whose memory held their replicas
+    sources = _report(c)["memory_sources"]
+    assert sources[:devices] == list(range(devices)) and all(0 <= sources[r] < devices for r in lost), sources
     for rank in range(world):
         report = _report(c, rank)
         assert (report["tier"], report["memory_sources"]) == ("replica", sources), report
     out = nodes.output(c, tail=None)
     for r in lost:
-        assert f"rank {r}'s state from rank {r - devices}'s memory" in out, f"the log names rank {r}'s source:\n{out}"
+        assert f"rank {r}'s state from rank {sources[r]}'s memory" in out, f"the log names rank {r}'s source:\n{out}"
     assert not _beyond_headers(reads, ends), f"durable bytes beyond a header were read: {reads} (headers: {ends})"
     _assert_exact(a, c, 8, world)
 

@@ -16,27 +16,37 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import shutil
 import struct
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import fsspec
 import pytest
 
+from lightning_resume.schedule.options import DEFAULT_MEMORY_DIR
+from lightning_resume.testing import assert_resumes_exactly
 from tests.helpers import kill_resume as h
 from tests.helpers import nodes
+from tests.helpers.paths import JOBS_DIR
 from tests.helpers.s3 import s3_env
+
+PROVE_TARGET = JOBS_DIR / "prove_target.py"
 
 EXTENDED = frozenset(
     {
         "test_a_node_lost_resumes_from_the_peers_replica_exactly[2x2]",
         "test_a_node_lost_without_replicas_resumes_from_disk_exactly",
         "test_a_node_and_the_holder_of_its_replicas_lost_resume_from_disk_in_one_line[3x1]",
+        "test_prove_is_unchanged_on_a_two_node_script_with_the_replicated_tier",
     }
 )
 """In make test-all only: 2 nodes x 2 ranks (the same path with two local ranks per node: each rank's replica
 on the same local rank of the peer), replicas=0 (the fallback to disk, as losing the holder too does), and three
-nodes (a survivor whose memory is not enough; three fresh launches of three nodes)."""
+nodes (a survivor whose memory is not enough; three fresh launches of three nodes), and ``prove`` on a two-node
+script (test_prove_torchrun.py covers ``prove`` of torchrun in make test)."""
 
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 """Durable snapshots every 6 steps, memory ones every 2: killed at step 9, disk has step 6, memory step 8."""
@@ -262,3 +272,26 @@ def test_a_node_lost_without_replicas_resumes_from_disk_exactly(
     c = _resume(cfg, machines, tmp_path)
     h.assert_exact_resume(a, Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=2)
     assert "no verified snapshot on rank(s) [1]" in nodes.output(c, tail=None)
+
+
+def test_prove_is_unchanged_on_a_two_node_script_with_the_replicated_tier(tmp_path: Path) -> None:
+    """``lightning-resume prove`` on a launch of two torchrun nodes (one shell command, the nodes' memory tiers
+    in one tmpfs directory of this machine): it kills the whole launch at a step it draws and relaunches it;
+    the relaunch resumes from the memory tier (a snapshot every step), replicated underneath, and the verdict
+    is EXACT."""
+    shm = Path(DEFAULT_MEMORY_DIR) / f"lightning-resume-test-prove-{tmp_path.name[-8:]}"
+    node = (
+        f"{shlex.quote(sys.executable)} -m torch.distributed.run --nnodes 2 --node-rank $i --nproc-per-node 1"
+        " --master-addr 127.0.0.1 --master-port $port --max-restarts 0"
+        f" {shlex.quote(str(PROVE_TARGET))} --num_nodes 2 --max_steps 16 --memory_dir {shlex.quote(str(shm))}"
+    )
+    bind = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+    free = f"{shlex.quote(sys.executable)} -c {shlex.quote(bind)}"
+    script = f"port=$({free}); i=0; {node} & a=$!; i=1; {node} & b=$!; wait $a && wait $b"
+    try:
+        verdict = assert_resumes_exactly(["sh", "-c", script], kills=1, seed=0, workdir=tmp_path / "prove", timeout=300)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert verdict.exact and sorted(verdict.launches) == [0, 1] and verdict.launches[0] == 2, verdict
+    relaunch = (tmp_path / "prove" / "B" / "launch-2.log").read_text()
+    assert "resuming from the memory tier" in relaunch, relaunch[-3000:]  # what the kill left in memory

@@ -1,6 +1,7 @@
 """A training script for ``lightning-resume prove``, written as users write theirs, with a defect to choose.
 
-Usage: python prove_target.py [--defect NAME] [--devices N] [--max_steps N] [--validate_every N] [--crash_at N].
+Usage: python prove_target.py [--defect NAME] [--devices N] [--max_steps N] [--validate_every N] [--crash_at N]
+[--num_nodes N] [--memory_dir DIR] (the memory tier, replicated to the next node when there are several).
 It trains a small
 model with dropout and AdamW on a plain ``DataLoader(shuffle=True)``, ``ExactResume()`` and a
 ``ModelCheckpoint`` into ``./ckpt`` (the working directory is the run's own), and relaunched it resumes with
@@ -29,7 +30,7 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from lightning_resume import ExactResume  # noqa: E402
+from lightning_resume import ExactResume, MemoryTierOptions  # noqa: E402
 
 
 class Points(Dataset):
@@ -96,14 +97,19 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=30)
     parser.add_argument("--crash_at", type=int, default=-1)
     parser.add_argument("--validate_every", type=int, default=0, help="validate every N batches (0: never)")
+    parser.add_argument("--num_nodes", type=int, default=1, help="torchrun's --nnodes")
+    parser.add_argument("--memory_dir", default=None, help="the memory tier on, in this tmpfs, every step")
     args = parser.parse_args()
     if args.crash_at == 0:
         raise SystemExit("prove_target: crashing on purpose")
     pl.seed_everything(0)
+    memory = None if args.memory_dir is None else MemoryTierOptions(dir=args.memory_dir, every_n_train_steps_max=1)
+    exact = ExactResume(mtbf=None, memory_tier=memory)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        num_nodes=args.num_nodes,
+        strategy="ddp" if args.devices > 1 or args.num_nodes > 1 else "auto",
         max_steps=args.max_steps,
         limit_val_batches=2 if args.validate_every else 0,
         val_check_interval=args.validate_every or None,
@@ -111,7 +117,7 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ExactResume(mtbf=None), ModelCheckpoint(dirpath="ckpt", every_n_train_steps=4, save_last=True)],
+        callbacks=[exact, ModelCheckpoint(dirpath="ckpt", every_n_train_steps=4, save_last=True)],
     )
     ckpt_path = None if args.defect == "no_ckpt_path" else "last"
     trainer.fit(Net(args.defect), ckpt_path=ckpt_path)

@@ -318,6 +318,7 @@ class PauseBefore(Callback):
                 trainer.strategy.checkpoint_io.wait()  # the checkpoints before this batch are durable
             if trainer.global_rank == 0:
                 (self.out / "paused").write_text(str(trainer.global_step))
+            (self.out / f"paused-rank{trainer.global_rank}").write_text(str(trainer.global_step))
             while True:
                 time.sleep(1)
         self.seen += 1
@@ -435,6 +436,9 @@ def _callbacks(cfg: dict, out: Path) -> list[Callback]:
         # No wall-clock snapshots unless a test asks: they would make the step a run resumes from depend
         # on this machine's speed (the default schedule is tested in tests/unit/exact/test_exact_schedule.py).
         exact_args = {"mtbf": None, **cfg.get("exact_args", {})}
+        node_memory = os.environ.get("LIGHTNING_RESUME_TEST_NODE_MEMORY")  # tests/helpers/nodes.py: this node's
+        if node_memory and isinstance(exact_args.get("memory_tier"), dict):
+            exact_args["memory_tier"] = {**exact_args["memory_tier"], "dir": node_memory}
         if cfg.get("notice_endpoints"):  # one metadata server per rank: a notice only one rank sees
             endpoint = cfg["notice_endpoints"][int(os.environ.get("LOCAL_RANK", "0"))]
             exact_args["preemption"] = {**exact_args.get("preemption", {}), "endpoint": endpoint}
@@ -498,6 +502,7 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
         plugins=plugins,
         accelerator="cpu",
         devices=devices,
+        num_nodes=cfg.get("num_nodes", 1),  # torchrun's --nnodes (tests/helpers/nodes.py)
         # ``ddp`` (DDPStrategy's kwargs) also on one device: a one-process DDP run, as torchrun launches it
         strategy=(DDPStrategy(**cfg.get("ddp") or {}) if devices > 1 or cfg.get("ddp") is not None else "auto"),
         use_distributed_sampler=cfg.get("use_distributed_sampler", False),

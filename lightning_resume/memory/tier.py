@@ -163,8 +163,12 @@ class MemoryTier:
         return snapshot.path, snapshot.checkpoint
 
     def _owners(self) -> list[int]:
-        """The ranks whose replicas this rank's slot holds (a replica's own record says whose it is)."""
-        return [] if self.store is None else [owner for owner in self.store.replica_owners() if owner != self.rank]
+        """The ranks whose replicas this rank holds: the ring's owners of this rank whose replica is in the slot. The
+        node's ranks share the slot, so a replica another rank of this node holds is that rank's to offer."""
+        if self.store is None:
+            return []
+        held = set(self.store.replica_owners())
+        return [owner for owner in self.ring.owners if owner in held and owner != self.rank]
 
     def _recover(
         self, outcome: Outcome, mine: Optional[MemorySnapshot], run: str

@@ -175,24 +175,9 @@ def _beyond_headers(reads: list[tuple[str, int, int]], ends: dict[str, int]) -> 
     return [(key, first, n) for key, first, n in reads if key in ends and first + n > ends[key]]
 
 
-MORE_THAN_TWO_RANKS = (
-    "known, not the replicated tier's: with more than 2 DDP ranks a resume (from disk too, with replicas=0, and on"
-    " one node under Lightning's own launcher, before the replicated tier) differs from the uninterrupted run by"
-    " 1 ulp at a late step, run after run the same; 2 ranks never do (a sum of two is commutative, of three not)."
-    " Suspected: the order gloo's allreduce adds the ranks' gradients in follows each element's place in the DDP"
-    " bucket, and a resumed process's first step runs on the bucket's initial layout, the uninterrupted run's on"
-    " the rebuilt one"
-)
-
-
 def _assert_exact(a: Path, c: dict[str, Any], resumed_after: int, ranks: int) -> None:
-    """``kill_resume.assert_exact_resume``; on more than 2 ranks a difference is the known one (xfail, named)."""
-    try:
-        h.assert_exact_resume(a, Path(c["out"]), resumed_after=resumed_after, ranks=ranks)
-    except AssertionError as err:
-        if ranks <= 2:
-            raise
-        pytest.xfail(f"{MORE_THAN_TWO_RANKS}: {err}")
+    """``kill_resume.assert_exact_resume``, on any number of ranks (DDP's bucket layout is resumed too)."""
+    h.assert_exact_resume(a, Path(c["out"]), resumed_after=resumed_after, ranks=ranks)
 
 
 @pytest.mark.parametrize("devices", [1, 2], ids=["2x1", "2x2"])
@@ -210,9 +195,9 @@ def test_a_node_lost_resumes_from_the_peers_replica_exactly(
     ends = _header_ends(bucket)  # the durable files the relaunch finds
     c = _resume(cfg, machines, tmp_path, object_reads)
     reads = list(object_reads.reads)
-    # node 0's ranks: their own memory; node 1's: a rank of node 0, whose memory held their replicas
+    # node 0's ranks: their own memory; node 1's: the same local rank of node 0, which held their replicas (the ring)
     sources = _report(c)["memory_sources"]
-    assert sources[:devices] == list(range(devices)) and all(0 <= sources[r] < devices for r in lost), sources
+    assert sources == list(range(devices)) * 2, sources
     for rank in range(world):
         report = _report(c, rank)
         assert (report["tier"], report["memory_sources"]) == ("replica", sources), report

@@ -1,0 +1,666 @@
+"""The replicated memory tier (issue 42): recovery after a node loss, and the training step while a replica is sent.
+
+One command, two parts, in the same run (``--only`` picks one):
+
+**Recovery** of a state of ``--size-mb`` (default ~1 GB) by the rank whose node was lost, in a fresh process of
+a 2-process gloo job on 127.0.0.1 (rank 0: the replaced node, its memory dir empty; rank 1: the peer holding
+rank 0's replica in its memory dir), ``--repeats`` times, the sources interleaved (order rotated per repeat):
+
+- *peer replica*: as recovery does it: the holder sends the replica file over the transfer group
+  (``memory.transport.send_file``), the owner receives it and installs it as its own snapshot
+  (``MemoryStore.write_received``), then loads it verified (``MemoryStore.load``: every digest, the record);
+  timed on the owner from the barrier before the transfer to the verified checkpoint in hand, and split into
+  transfer + install and verified load;
+- *local durable*: ``SafetensorsCheckpointIO().load_checkpoint`` of the same state on local disk, verified:
+  *cold* (the file's pages dropped from the page cache first with ``posix_fadvise(DONTNEED)``, as a relaunched
+  process on another node finds it) and *warm* (read again at once, from the page cache: the hardest bar);
+- *S3*: the same load from the moto S3 server on 127.0.0.1 (``s3://``, through s3fs, as the product reads remote
+  checkpoints; the server runs in this parent process, idle meanwhile, the loader in the worker);
+- for scale, not goals: the *bare transfer* (the same bytes over a gloo group into a tmpfs file: no format, no
+  digest, no load: this machine's limit for the transfer) and one *raw S3 GET* of the object (no format, no
+  verification: this server's limit).
+
+Goal (issue 42): peer replica >= 5x faster than S3 and no slower than the local durable read.
+
+**Step time** in a Lightning fit: 2 processes as 2 nodes (``NODE_RANK`` 0 and 1, one rank each, gloo, each node
+its own memory dir), an MLP of ``--fit-params-mb`` fp32 weights with AdamW (a state of about 3x that), one CPU
+thread, ``ExactResume(memory_tier=MemoryTierOptions(replicas=1, every_n_train_steps_max=E))``: a memory
+snapshot every ``--every`` steps, each replicated to the other node in the background. Halfway between
+snapshots, a bare callback runs this machine's limit beside the same fit: each rank sends its newest snapshot
+file's bytes to the other over a gloo group of its own and writes what it receives into tmpfs (a thread; no
+format, no digest). Each step's wall time is taken from one batch start to the next, with what was in flight at
+its start: the local snapshot's write, a replica transfer, the bare transfer. Calm steps: nothing in flight, not
+a snapshot's step nor a bare start's. Reported over the calm step's median: the snapshot step (the memory tier's
+own copy, C1, not the replica's), the steps with a replica in flight, the steps with the local write in flight
+(no replica yet), the steps with the bare transfer in flight (the limit). Goal: replica in flight <= 1.03x, or
+at the limit measured beside it.
+
+The last line is the verdict. ``--quick`` is a small run that checks that the benchmark still works (a test
+runs it); its figures mean nothing.
+
+Usage: ``python benchmarks/bench_replica.py`` (~1 GB state, 3 repeats; a few minutes), ``--size-mb 256`` to
+shrink it, ``--quick``. Needs ``moto[server]`` and ``s3fs`` for the S3 row (skipped, said, without them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from benchmarks.flat_state import flat_state  # noqa: E402
+from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO  # noqa: E402
+from lightning_resume.memory.store import MemoryStore, memory_root, slot_key  # noqa: E402
+from tests.helpers.paths import free_port  # noqa: E402
+
+CHUNK = 16 << 20
+"""The bare transfer's chunk (bytes)."""
+
+RUN = "bench-replica"
+STEP, SEQ = 100, 7
+REPLICA, COLD, WARM, S3, BARE, RAW_S3 = (
+    "peer replica",
+    "local durable, cold",
+    "local durable, warm",
+    "S3 (moto)",
+    "bare transfer (limit)",
+    "raw S3 GET (limit)",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------- recovery
+
+
+def prepare_recovery(size_mb: int, work: str, disk: str, s3_url: Optional[str]) -> Dict[str, Any]:
+    """Write the state where each source keeps it: rank 0's snapshot (its bytes become rank 1's replica of it,
+    then node 0's memory is emptied: the node loss), the durable file on local disk, the object on S3."""
+    state = flat_state(size_mb)
+    nodes = [os.path.join(work, f"node{i}") for i in range(2)]
+    durable_dir = os.path.join(disk, "durable")
+    os.makedirs(durable_dir)
+    key = slot_key(durable_dir)
+    owner = MemoryStore(memory_root(nodes[0]), key, rank=0, world_size=2, asynchronous=False)
+    nbytes = owner.save(state, step=STEP, seq=SEQ, run=RUN)
+    holder = MemoryStore(memory_root(nodes[1]), key, rank=1, world_size=2, asynchronous=False)
+    replica = install_replica(holder, owner.path, 0)
+    owner.free()
+    shutil.rmtree(nodes[0])  # node 0 is lost: its memory dir with it
+    io = SafetensorsCheckpointIO()
+    durable = os.path.join(durable_dir, "step=100.ckpt")
+    io.save_checkpoint(state, durable)
+    if s3_url is not None:
+        io.save_checkpoint(state, s3_url)
+    return {"nodes": nodes, "key": key, "replica": replica, "durable": durable, "s3": s3_url, "nbytes": nbytes}
+
+
+def install_replica(holder: MemoryStore, source: str, owner: int) -> str:
+    """Put the exact bytes of ``owner``'s snapshot file into the holder's slot as its replica of it."""
+    write_received = getattr(holder, "write_received", None)
+    name = f"replica-{owner}-of-{holder.world_size}.safetensors"
+    nbytes = os.path.getsize(source)
+    with open(source, "rb") as f:
+        chunks = (memoryview(f.read(CHUNK)) for _ in range(0, nbytes, CHUNK))
+        if write_received is not None:
+            return str(write_received(name, nbytes, chunks))
+        holder._slot(create=True)  # before memory.transport: a plain copy
+        path = os.path.join(holder.directory, name)
+        with open(path, "wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+        return path
+
+
+def recovery_worker(rank: int, port: int, spec: Dict[str, Any], repeats: int) -> Optional[Dict[str, List[float]]]:
+    """Rank 0 (the replaced node) recovers from each source in turn; rank 1 (the peer) serves the replica."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = make_transfer_group()
+    bare = dist.new_group(backend="gloo")
+    store = MemoryStore(memory_root(spec["nodes"][rank]), spec["key"], rank=rank, world_size=2, asynchronous=False)
+    sources = [REPLICA, BARE, COLD, WARM] + ([S3, RAW_S3] if spec["s3"] else [])
+    times: Dict[str, List[float]] = {name: [] for name in [*sources, "transfer + install", "verified load"]}
+    for r in range(repeats):
+        order = sources[r % len(sources) :] + sources[: r % len(sources)]
+        if WARM in order and COLD in order and order.index(WARM) < order.index(COLD):
+            order.remove(WARM)
+            order.insert(order.index(COLD) + 1, WARM)  # warm right after cold: the pages it read
+        for source in order:
+            dist.barrier()
+            measured = recover_once(source, rank, store, spec, group, bare)
+            for name, seconds in measured.items():
+                times[name].append(seconds)
+    dist.barrier()
+    store.free()
+    dist.destroy_process_group()
+    return times if rank == 0 else None
+
+
+def recover_once(source: str, rank: int, store: MemoryStore, spec: Dict[str, Any], group, bare) -> Dict[str, float]:
+    """One recovery from ``source``: on rank 0 the seconds (and phases), on rank 1 its part of the transfer."""
+    if source in (REPLICA, BARE):
+        peer = spec["replica"]
+        if rank == 1:
+            (send_replica if source == REPLICA else bare_send)(peer, 0, group if source == REPLICA else bare)
+            return {}
+        return recover_from_peer(store, group) if source == REPLICA else {BARE: bare_recv_timed(store, bare)}
+    if rank == 1:
+        return {}
+    if source == COLD:
+        drop_cached(spec["durable"])
+        return {COLD: timed_load(spec["durable"])}
+    if source == WARM:
+        return {WARM: timed_load(spec["durable"])}
+    if source == S3:
+        return {S3: timed_load(spec["s3"])}
+    return {RAW_S3: raw_get(spec["s3"])}
+
+
+def recover_from_peer(store: MemoryStore, group) -> Dict[str, float]:
+    """Receive rank 0's snapshot from the peer, install it as this rank's own, load it verified."""
+    started = time.perf_counter()
+    receive_snapshot(store, group)
+    received = time.perf_counter()
+    snapshot = store.load(RUN)
+    done = time.perf_counter()
+    assert snapshot is not None and snapshot.step == STEP and snapshot.seq == SEQ, snapshot
+    del snapshot
+    store.free()  # the next repeat installs it again
+    return {REPLICA: done - started, "transfer + install": received - started, "verified load": done - received}
+
+
+def timed_load(path: str) -> float:
+    started = time.perf_counter()
+    checkpoint = SafetensorsCheckpointIO().load_checkpoint(path)
+    seconds = time.perf_counter() - started
+    assert checkpoint["global_step"] == 1
+    return seconds
+
+
+def raw_get(url: str) -> float:
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    started = time.perf_counter()
+    data = fs.cat_file(url)
+    seconds = time.perf_counter() - started
+    assert len(data) > 0
+    return seconds
+
+
+def drop_cached(path: str) -> None:
+    """Evict ``path``'s pages from the page cache (clean pages: the save fsync'd them), this file only."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------- the transfer: the product's (memory.transport) and bare
+
+
+def make_transfer_group():
+    """The product's transfer group (``memory.transport.transfer_group``), else a gloo group of its own."""
+    try:
+        from lightning_resume.memory import transport
+    except ImportError:
+        return dist.new_group(backend="gloo")
+    return transport.transfer_group()
+
+
+def send_replica(path: str, dst: int, group) -> None:
+    try:
+        from lightning_resume.memory.transport import send_file
+    except ImportError:
+        bare_send(path, dst, group)  # before memory.transport exists: the bare protocol
+        return
+    send_file(path, dst, group)
+
+
+def receive_snapshot(store: MemoryStore, group) -> None:
+    """Receive a snapshot from rank 1 and install it as ``store``'s own file (as recovery does)."""
+    try:
+        from lightning_resume.memory.transport import recv_file
+    except ImportError:
+        store._slot(create=True)
+        bare_recv(1, group, store.path)
+        return
+    installed = recv_file(1, group, lambda nbytes, chunks: store.write_received(store.name, nbytes, chunks))
+    assert installed is not None
+
+
+def bare_send(path: str, dst: int, group) -> int:
+    """The file's size, then its bytes in ``CHUNK`` pieces straight from the page cache (mmap), over ``group``."""
+    nbytes = os.path.getsize(path)
+    dist.send(torch.tensor([nbytes], dtype=torch.int64), dst, group=group)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        for start in range(0, nbytes, CHUNK):
+            piece = torch.frombuffer(view, dtype=torch.uint8, count=min(CHUNK, nbytes - start), offset=start)
+            dist.send(piece, dst, group=group)
+            del piece
+    return nbytes
+
+
+def bare_recv(src: int, group, out_path: str) -> int:
+    """What :func:`bare_send` sends, written into ``out_path`` through one reused chunk buffer."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    nbytes, buffer = int(size.item()), torch.empty(CHUNK, dtype=torch.uint8)
+    with open(out_path, "wb") as out:
+        for start in range(0, nbytes, CHUNK):
+            n = min(CHUNK, nbytes - start)
+            dist.recv(buffer[:n], src, group=group)
+            out.write(memoryview(buffer.numpy())[:n])
+    return nbytes
+
+
+def bare_recv_timed(store: MemoryStore, group) -> float:
+    store._slot(create=True)
+    out = os.path.join(store.directory, "bare.bin")
+    started = time.perf_counter()
+    bare_recv(1, group, out)
+    seconds = time.perf_counter() - started
+    os.unlink(out)
+    return seconds
+
+
+def bare_exchange(path: str, out_path: str, peer: int, group) -> None:
+    """Both ranks at once: send this rank's file to ``peer`` and write the peer's into ``out_path`` (chunk by
+    chunk, ``isend``/``irecv`` paired), as a 2-node ring replicates each snapshot both ways."""
+    mine = torch.tensor([os.path.getsize(path)], dtype=torch.int64)
+    theirs = torch.zeros(1, dtype=torch.int64)
+    for work in (dist.isend(mine, peer, group=group), dist.irecv(theirs, peer, group=group)):
+        work.wait()
+    sending, receiving, buffer = int(mine.item()), int(theirs.item()), torch.empty(CHUNK, dtype=torch.uint8)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view, open(out_path, "wb") as out:
+        for start in range(0, max(sending, receiving), CHUNK):
+            works, n_in = [], max(0, min(CHUNK, receiving - start))
+            if start < sending:
+                piece = torch.frombuffer(view, dtype=torch.uint8, count=min(CHUNK, sending - start), offset=start)
+                works.append(dist.isend(piece, peer, group=group))
+            if n_in:
+                works.append(dist.irecv(buffer[:n_in], peer, group=group))
+            for work in works:
+                work.wait()
+            if n_in:
+                out.write(memoryview(buffer.numpy())[:n_in])
+            works, piece = [], None
+
+
+# ------------------------------------------------------------------------------------------------------ step time
+
+
+class Wide(pl.LightningModule):
+    """Square layers of ``width`` until the weights reach ``params_mb``; a step is one small batch."""
+
+    def __init__(self, params_mb: float, width: int = 1024) -> None:
+        super().__init__()
+        layers = max(1, int(params_mb * 2**20 // (4 * width * width)))
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+        self.width = width
+
+    def training_step(self, batch, _):
+        (x,) = batch
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(64, self.width)), batch_size=8)
+
+
+class BareExchange(Callback):
+    """This machine's limit beside the fit: at the end of the steps halfway between snapshots, a thread sends this
+    rank's newest snapshot file to the other node over a gloo group of its own and writes the other's into
+    tmpfs (:func:`bare_exchange`): the replica's bytes moved both ways with no format, digest or bookkeeping."""
+
+    def __init__(self, every: int, out_dir: str) -> None:
+        self.every, self.out_dir = every, out_dir
+        self.group = None
+        self.thread: Optional[threading.Thread] = None
+        self.starts: List[int] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.group = dist.new_group(backend="gloo")  # every rank, in the same order: collective
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        memory = _memory(trainer)
+        if step % self.every != self.every // 2 or memory is None or memory.store is None:
+            return
+        if self.thread is not None:
+            self.thread.join()
+        path = memory.store.path
+        if not os.path.exists(path):
+            return
+        out = os.path.join(self.out_dir, f"bare-{trainer.global_rank}.bin")
+        peer = 1 - trainer.global_rank
+        self.thread = threading.Thread(target=bare_exchange, args=(path, out, peer, self.group), daemon=True)
+        self.thread.start()
+        self.starts.append(batch_idx + trainer.current_epoch * trainer.num_training_batches)
+
+    def in_flight(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+def _memory(trainer: pl.Trainer):
+    exact = next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)  # type: ignore[attr-defined]
+    return None if exact is None else exact.memory
+
+
+def replica_in_flight(memory) -> bool:
+    """Whether the replicator is sending or receiving a replica now (``memory.replicate.Replicator``)."""
+    replicator = getattr(memory, "replicator", None) if memory is not None else None
+    if replicator is None:
+        return False
+    probe = getattr(replicator, "in_flight", None)
+    return bool(probe() if callable(probe) else probe)
+
+
+def local_write_in_flight(memory) -> bool:
+    saver = getattr(memory.store, "_saver", None) if memory is not None and memory.store is not None else None
+    return saver is not None and saver.in_flight()
+
+
+class StepClock(Callback):
+    """Every batch start's time, what was in flight then, and the batches whose end took a memory snapshot."""
+
+    def __init__(self, bare: BareExchange) -> None:
+        self.bare = bare
+        self.starts: List[float] = []
+        self.flags: List[List[bool]] = []  # replica, local write, bare
+        self.snapshots: List[int] = []
+        self._seq = 0
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        memory = _memory(trainer)
+        if memory is not None and memory.seq != self._seq:  # the previous batch's end took a snapshot
+            self._seq = memory.seq
+            self.snapshots.append(len(self.starts) - 1)
+        self.starts.append(time.perf_counter())
+        self.flags.append([replica_in_flight(memory), local_write_in_flight(memory), self.bare.in_flight()])
+
+
+def fit_worker(node: int, work: str, params_mb: float, steps: int, every: int, replicas: int) -> Dict[str, Any]:
+    """One node's rank of the 2-node fit (``NODE_RANK``, ``MASTER_PORT`` set by the parent)."""
+    durable = os.path.join(work, "durable")
+    memory_dir = os.path.join(work, f"node{node}")
+    bare = BareExchange(every, memory_dir)
+    clock = StepClock(bare)
+    options = MemoryTierOptions(dir=memory_dir, every_n_train_steps_max=every, replicas=replicas)
+    exact = ExactResume(mtbf=None, preemption=None, memory_tier=options)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", max_steps=steps,
+        callbacks=[exact, ModelCheckpoint(dirpath=durable, every_n_train_steps=10 * steps), bare, clock],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=work, use_distributed_sampler=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(Wide(params_mb))
+    memory = exact.memory
+    last = getattr(getattr(memory, "replicator", None), "last_transfer", None)
+    return {
+        "starts": clock.starts,
+        "flags": clock.flags,
+        "snapshots": clock.snapshots,
+        "bare": bare.starts,
+        "replicator": memory is not None and getattr(memory, "replicator", None) is not None,
+        "last_transfer": None if last is None else {"nbytes": last.nbytes, "seconds": last.seconds},
+        "state_mb": sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values()) * 3 / 2**20,
+    }
+
+
+def analyse_steps(run: Dict[str, Any]) -> Dict[str, Any]:
+    """Each kind of step over the calm step's median (steps from one batch start to the next)."""
+    starts = run["starts"]
+    steps = [b - a for a, b in zip(starts, starts[1:])]
+    flags = run["flags"][: len(steps)]
+    snapshot, bare_start = set(run["snapshots"]), set(run["bare"])
+    warmup = 3
+    kinds: Dict[str, List[float]] = {"calm": [], "snapshot step": [], "replica in flight": [], "local write only": []}
+    kinds["bare in flight (limit)"] = []
+    for i, t in enumerate(steps):
+        if i < warmup:
+            continue
+        replica, local, bare = flags[i]
+        if i in snapshot:
+            kinds["snapshot step"].append(t)
+        elif bare and not replica and not local:
+            kinds["bare in flight (limit)"].append(t)
+        elif replica:
+            kinds["replica in flight"].append(t)
+        elif local:
+            kinds["local write only"].append(t)
+        elif i not in bare_start and not bare:
+            kinds["calm"].append(t)
+    calm = statistics.median(kinds["calm"]) if kinds["calm"] else float("nan")
+    return {
+        name: {"n": len(v), "ratio": statistics.median(v) / calm if v else None, "mean": _mean(v) / calm if v else None}
+        for name, v in kinds.items()
+    } | {"calm_s": calm}
+
+
+def _mean(values: List[float]) -> float:
+    return sum(values) / len(values)
+
+
+# ------------------------------------------------------------------------------------------------------- parent
+
+
+def run_recovery(args: argparse.Namespace) -> Tuple[Dict[str, List[float]], float]:
+    work = tempfile.mkdtemp(prefix="bench-replica-", dir=args.shm_dir)
+    disk = tempfile.mkdtemp(prefix="bench-replica-", dir=args.disk_dir)
+    server = start_s3(args)
+    try:
+        s3_url = None
+        if server is not None:
+            import fsspec
+
+            bucket = f"bench-{uuid.uuid4().hex[:8]}"
+            fsspec.filesystem("s3").mkdir(bucket)
+            s3_url = f"s3://{bucket}/step=100.ckpt"
+        spec = prepare_recovery(args.size_mb, work, disk, s3_url)
+        print(f"recovery: a {spec['nbytes'] / 2**20:.0f} MiB snapshot, {args.repeats} repeats, load {_load()}")
+        results = spawn_pair("recovery", json.dumps({"spec": spec, "repeats": args.repeats}), args)
+        return results[0], spec["nbytes"] / 2**20
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def start_s3(args: argparse.Namespace):
+    """The moto server in this process (idle while the workers load), its endpoint in the environment; ``None``
+    without moto/s3fs or with ``--no-s3``."""
+    if args.no_s3:
+        return None
+    try:
+        import s3fs  # noqa: F401
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        print("S3 rows skipped: moto[server] and s3fs are not installed")
+        return None
+    import logging
+
+    from tests.helpers.s3 import s3_env
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(s3_env(f"http://127.0.0.1:{port}"))
+    return server
+
+
+def run_steps(args: argparse.Namespace) -> Dict[str, Any]:
+    work = tempfile.mkdtemp(prefix="bench-replica-fit-", dir=args.shm_dir)
+    try:
+        payload = {"params_mb": args.fit_params_mb, "steps": args.fit_steps, "every": args.every}
+        payload["replicas"], payload["work"] = args.replicas, work
+        print(f"step time: 2 nodes x 1 rank, {args.fit_steps} steps, snapshot every {args.every}, load {_load()}")
+        results = spawn_pair("fit", json.dumps(payload), args)
+        return results[0]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def spawn_pair(kind: str, payload: str, args: argparse.Namespace) -> List[Any]:
+    """Rank/node 0 and 1 as two fresh processes on 127.0.0.1; their results (rank 0's first)."""
+    port = free_port()
+    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": "0"}
+    env_base["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    children = []
+    for rank in range(2):
+        env = {**env_base, "NODE_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--rank", str(rank), "--port", str(port)]
+        children.append(subprocess.Popen([*cmd, payload], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = []
+    for rank, child in enumerate(children):
+        out, err = child.communicate(timeout=args.timeout)
+        line = next((x for x in out.decode().splitlines() if x.startswith("RESULT ")), None)
+        if child.returncode != 0 or line is None:
+            for other in children:
+                other.kill()
+            raise RuntimeError(f"{kind} worker {rank} failed ({child.returncode}):\n{err.decode()[-4000:]}")
+        results.append(json.loads(line[len("RESULT ") :]))
+    return results
+
+
+def worker(args: argparse.Namespace) -> None:
+    payload = json.loads(args.payload)
+    if args.worker == "recovery":
+        result: Any = recovery_worker(args.rank, args.port, payload["spec"], payload["repeats"])
+    else:
+        result = fit_worker(
+            args.rank, payload["work"], payload["params_mb"], payload["steps"], payload["every"], payload["replicas"]
+        )
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _med(values: List[float]) -> float:
+    return statistics.median(values)
+
+
+def report_recovery(times: Dict[str, List[float]], nbytes_mb: float) -> Dict[str, float]:
+    print(f"| recovery of {nbytes_mb:.0f} MiB, node 0 replaced | median s (min-max) | GB/s | replica faster by |")
+    print("|---|---|---|---|")
+    replica = _med(times[REPLICA])
+    for name, values in times.items():
+        if not values:
+            continue
+        m = _med(values)
+        speedup = f"{m / replica:.2f}x" if name in (COLD, WARM, S3, RAW_S3, BARE) else ""
+        print(f"| {name} | {m:.3f} ({min(values):.3f}-{max(values):.3f}) | {nbytes_mb / 1024 / m:.2f} | {speedup} |")
+    return {name: _med(v) for name, v in times.items() if v}
+
+
+def report_steps(run: Dict[str, Any], analysed: Dict[str, Any]) -> None:
+    transfer = run["last_transfer"]
+    said = "none" if transfer is None else f"{transfer['nbytes'] / 2**20:.0f} MiB in {transfer['seconds']:.2f} s"
+    print(f"state ~{run['state_mb']:.0f} MB, replicator on: {run['replicator']}, last replica transfer: {said};")
+    print(f"calm step {analysed['calm_s'] * 1000:.1f} ms (median), load {_load()}")
+    print("| step (node 0) | n | median / calm | mean / calm |")
+    print("|---|---|---|---|")
+    for name, row in analysed.items():
+        if name == "calm_s":
+            continue
+        med = "-" if row["ratio"] is None else f"{row['ratio']:.3f}x"
+        mean = "-" if row["mean"] is None else f"{row['mean']:.3f}x"
+        print(f"| {name} | {row['n']} | {med} | {mean} |")
+
+
+def verdict(recovery: Optional[Dict[str, float]], steps: Optional[Dict[str, Any]]) -> str:
+    parts = []
+    if recovery is not None:
+        replica = recovery[REPLICA]
+        if S3 in recovery:
+            s3 = recovery[S3] / replica
+            parts.append(f"replica {s3:.1f}x faster than S3 (goal >= 5x: {'met' if s3 >= 5 else 'NOT met'})")
+        for name in (COLD, WARM):
+            ratio = replica / recovery[name]
+            parts.append(f"{ratio:.2f}x the {name} read (goal <= 1: {'met' if ratio <= 1 else 'NOT met'})")
+    if steps is not None:
+        ours, limit = steps["replica in flight"]["ratio"], steps["bare in flight (limit)"]["ratio"]
+        if ours is None:
+            parts.append("no step ran with a replica in flight")
+        else:
+            met = ours <= 1.03 or (limit is not None and ours <= limit)
+            lim = "-" if limit is None else f"{limit:.3f}x"
+            parts.append(f"step with a replica in flight {ours:.3f}x calm, limit {lim} (goal <= 1.03x or <= limit:"
+                         f" {'met' if met else 'NOT met'})")  # fmt: skip
+    return "VERDICT: " + "; ".join(parts)
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=1024, help="the recovered state (MB)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fit-params-mb", type=float, default=100, help="the fit's fp32 weights (state ~3x)")
+    parser.add_argument("--fit-steps", type=int, default=121)
+    parser.add_argument("--every", type=int, default=20, help="a memory snapshot every this many steps")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--only", choices=("recovery", "steps"), default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that the benchmark runs")
+    parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="where the nodes' memory dirs go (a tmpfs)")
+    parser.add_argument("--disk-dir", default=None, help="where the durable file goes (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--worker", choices=("recovery", "fit"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("payload", nargs="?", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.size_mb, args.repeats, args.fit_params_mb, args.fit_steps, args.every = 8, 1, 4, 25, 8
+    return args
+
+
+def main() -> None:
+    args = parse()
+    if args.worker is not None:
+        worker(args)
+        return
+    recovery = steps = None
+    if args.only in (None, "recovery"):
+        times, size = run_recovery(args)
+        recovery = report_recovery(times, size)
+    if args.only in (None, "steps"):
+        run = run_steps(args)
+        steps = analyse_steps(run)
+        report_steps(run, steps)
+    print(verdict(recovery, steps))
+
+
+if __name__ == "__main__":
+    main()

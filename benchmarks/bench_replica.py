@@ -45,6 +45,8 @@ shrink it, ``--quick``. Needs ``moto[server]`` and ``s3fs`` for the S3 row (skip
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import mmap
 import os
@@ -314,8 +316,9 @@ def bare_exchange(path: str, out_path: str, peer: int, group) -> None:
 class Wide(pl.LightningModule):
     """Square layers of ``width`` until the weights reach ``params_mb``; a step is one small batch."""
 
-    def __init__(self, params_mb: float, width: int = 1024) -> None:
+    def __init__(self, params_mb: float, steps: int, width: int = 1024) -> None:
         super().__init__()
+        self.samples = 2 * 8 * (steps + 1)  # one epoch for the whole fit: no epoch boundary among the steps
         layers = max(1, int(params_mb * 2**20 // (4 * width * width)))
         self.net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
         self.width = width
@@ -328,59 +331,93 @@ class Wide(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(64, self.width)), batch_size=8)
+        return DataLoader(TensorDataset(torch.randn(self.samples, self.width)), batch_size=8)
 
 
 class BareExchange(Callback):
     """This machine's limit beside the fit: at the end of the steps halfway between snapshots, a thread sends this
     rank's newest snapshot file to the other node over a gloo group of its own and writes the other's into
-    tmpfs (:func:`bare_exchange`): the replica's bytes moved both ways with no format, digest or bookkeeping."""
+    tmpfs (:func:`bare_exchange`): the replica's bytes moved both ways with no format, digest or bookkeeping.
+    ``spans``: each exchange's (start, end), ``time.perf_counter``."""
 
     def __init__(self, every: int, out_dir: str) -> None:
         self.every, self.out_dir = every, out_dir
         self.group = None
         self.thread: Optional[threading.Thread] = None
-        self.starts: List[int] = []
+        self.spans: List[List[float]] = []
 
     def setup(self, trainer, pl_module, stage) -> None:
         self.group = dist.new_group(backend="gloo")  # every rank, in the same order: collective
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
         memory = _memory(trainer)
-        if step % self.every != self.every // 2 or memory is None or memory.store is None:
+        if trainer.global_step % self.every != self.every // 2 or memory is None or memory.store is None:
             return
         if self.thread is not None:
             self.thread.join()
-        path = memory.store.path
-        if not os.path.exists(path):
-            return
+        ready: List[Any] = [None, None]
+        dist.all_gather_object(ready, os.path.exists(memory.store.path))  # both ranks start it, or neither
+        if not all(ready):
+            return  # before the first snapshot
         out = os.path.join(self.out_dir, f"bare-{trainer.global_rank}.bin")
-        peer = 1 - trainer.global_rank
-        self.thread = threading.Thread(target=bare_exchange, args=(path, out, peer, self.group), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(memory.store.path, out, 1 - trainer.global_rank))
         self.thread.start()
-        self.starts.append(batch_idx + trainer.current_epoch * trainer.num_training_batches)
 
-    def in_flight(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+    def _run(self, path: str, out: str, peer: int) -> None:
+        started = time.perf_counter()
+        bare_exchange(path, out, peer, self.group)
+        self.spans.append([started, time.perf_counter()])
 
     def teardown(self, trainer, pl_module, stage) -> None:
         if self.thread is not None:
             self.thread.join()
 
 
+class TransferLog:
+    """The (start, end) of every replica transfer of this rank, sent or received: ``memory.transport``'s
+    ``send_file`` and ``recv_file`` wrapped wherever the package bound them (a receive from the moment its
+    header arrived: the sink's call, not the wait for it)."""
+
+    def __init__(self) -> None:
+        self.spans: List[List[float]] = []
+
+    def install(self) -> bool:
+        try:
+            from lightning_resume.memory import transport
+        except ImportError:
+            return False
+        with contextlib.suppress(ImportError):
+            importlib.import_module("lightning_resume.memory.replicate")
+        send, recv = transport.send_file, transport.recv_file
+
+        def timed_send(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return send(*args, **kwargs)
+            finally:
+                self.spans.append([started, time.perf_counter()])
+
+        def timed_recv(src, group, sink, *args, **kwargs):
+            def timed_sink(nbytes, chunks):
+                started = time.perf_counter()
+                try:
+                    return sink(nbytes, chunks)
+                finally:
+                    self.spans.append([started, time.perf_counter()])
+
+            return recv(src, group, timed_sink, *args, **kwargs)
+
+        for name, module in list(sys.modules.items()):
+            if name.startswith("lightning_resume.") and module is not None:
+                for attr, original, wrapped in (("send_file", send, timed_send), ("recv_file", recv, timed_recv)):
+                    if getattr(module, attr, None) is original:
+                        setattr(module, attr, wrapped)
+        return True
+
+
 def _memory(trainer: pl.Trainer):
     exact = next((c for c in trainer.callbacks if isinstance(c, ExactResume)), None)  # type: ignore[attr-defined]
     return None if exact is None else exact.memory
-
-
-def replica_in_flight(memory) -> bool:
-    """Whether the replicator is sending or receiving a replica now (``memory.replicate.Replicator``)."""
-    replicator = getattr(memory, "replicator", None) if memory is not None else None
-    if replicator is None:
-        return False
-    probe = getattr(replicator, "in_flight", None)
-    return bool(probe() if callable(probe) else probe)
 
 
 def local_write_in_flight(memory) -> bool:
@@ -389,12 +426,12 @@ def local_write_in_flight(memory) -> bool:
 
 
 class StepClock(Callback):
-    """Every batch start's time, what was in flight then, and the batches whose end took a memory snapshot."""
+    """Every batch start's time, whether the memory tier's own write was in flight then, and the batches whose end
+    took a memory snapshot."""
 
-    def __init__(self, bare: BareExchange) -> None:
-        self.bare = bare
+    def __init__(self) -> None:
         self.starts: List[float] = []
-        self.flags: List[List[bool]] = []  # replica, local write, bare
+        self.local: List[bool] = []
         self.snapshots: List[int] = []
         self._seq = 0
 
@@ -404,15 +441,15 @@ class StepClock(Callback):
             self._seq = memory.seq
             self.snapshots.append(len(self.starts) - 1)
         self.starts.append(time.perf_counter())
-        self.flags.append([replica_in_flight(memory), local_write_in_flight(memory), self.bare.in_flight()])
+        self.local.append(local_write_in_flight(memory))
 
 
 def fit_worker(node: int, work: str, params_mb: float, steps: int, every: int, replicas: int) -> Dict[str, Any]:
     """One node's rank of the 2-node fit (``NODE_RANK``, ``MASTER_PORT`` set by the parent)."""
     durable = os.path.join(work, "durable")
     memory_dir = os.path.join(work, f"node{node}")
-    bare = BareExchange(every, memory_dir)
-    clock = StepClock(bare)
+    bare, clock, log = BareExchange(every, memory_dir), StepClock(), TransferLog()
+    instrumented = log.install()
     options = MemoryTierOptions(dir=memory_dir, every_n_train_steps_max=every, replicas=replicas)
     exact = ExactResume(mtbf=None, preemption=None, memory_tier=options)
     trainer = pl.Trainer(
@@ -422,48 +459,59 @@ def fit_worker(node: int, work: str, params_mb: float, steps: int, every: int, r
         default_root_dir=work, use_distributed_sampler=True,
     )  # fmt: skip
     torch.manual_seed(0)
-    trainer.fit(Wide(params_mb))
-    memory = exact.memory
-    last = getattr(getattr(memory, "replicator", None), "last_transfer", None)
+    trainer.fit(Wide(params_mb, steps))
+    replicator = getattr(exact.memory, "replicator", None)
+    last = getattr(replicator, "last_transfer", None)
     return {
         "starts": clock.starts,
-        "flags": clock.flags,
+        "local": clock.local,
         "snapshots": clock.snapshots,
-        "bare": bare.starts,
-        "replicator": memory is not None and getattr(memory, "replicator", None) is not None,
+        "bare": bare.spans,
+        "replica": log.spans,
+        "instrumented": instrumented,
+        "replicator": replicator is not None,
         "last_transfer": None if last is None else {"nbytes": last.nbytes, "seconds": last.seconds},
         "state_mb": sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values()) * 3 / 2**20,
     }
 
 
-def analyse_steps(run: Dict[str, Any]) -> Dict[str, Any]:
-    """Each kind of step over the calm step's median (steps from one batch start to the next)."""
+KINDS = ("calm", "snapshot step", "replica in flight", "local write only", "bare in flight (limit)")
+
+
+def classify(run: Dict[str, Any]) -> Dict[str, List[float]]:
+    """Each step (one batch start to the next) by what ran beside it. The first transfer of each kind (its
+    buffers new) and the steps beside both kinds at once are left out."""
     starts = run["starts"]
-    steps = [b - a for a, b in zip(starts, starts[1:])]
-    flags = run["flags"][: len(steps)]
-    snapshot, bare_start = set(run["snapshots"]), set(run["bare"])
-    warmup = 3
-    kinds: Dict[str, List[float]] = {"calm": [], "snapshot step": [], "replica in flight": [], "local write only": []}
-    kinds["bare in flight (limit)"] = []
-    for i, t in enumerate(steps):
-        if i < warmup:
+    steps = [(a, b) for a, b in zip(starts, starts[1:])]
+    replica, bare = sorted(run["replica"]), sorted(run["bare"])
+    first = [s for spans in (replica[:1], bare[:1]) for s in spans]
+    kinds: Dict[str, List[float]] = {name: [] for name in KINDS}
+    for i, (a, b) in enumerate(steps):
+        beside = lambda spans: any(s < b and e > a for s, e in spans)
+        if i < 3 or beside(first) or (beside(replica) and beside(bare)):
             continue
-        replica, local, bare = flags[i]
-        if i in snapshot:
-            kinds["snapshot step"].append(t)
-        elif bare and not replica and not local:
-            kinds["bare in flight (limit)"].append(t)
-        elif replica:
-            kinds["replica in flight"].append(t)
-        elif local:
-            kinds["local write only"].append(t)
-        elif i not in bare_start and not bare:
-            kinds["calm"].append(t)
+        if i in run["snapshots"]:
+            kind = "snapshot step"
+        elif beside(replica):
+            kind = "replica in flight"
+        elif beside(bare):
+            kind = "bare in flight (limit)"
+        elif run["local"][i] or (i + 1 < len(run["local"]) and run["local"][i + 1]):
+            kind = "local write only"
+        else:
+            kind = "calm"
+        kinds[kind].append(b - a)
+    return kinds
+
+
+def analyse_steps(run: Dict[str, Any]) -> Dict[str, Any]:
+    """Each kind of step over the calm step's median."""
+    kinds = classify(run)
     calm = statistics.median(kinds["calm"]) if kinds["calm"] else float("nan")
-    return {
-        name: {"n": len(v), "ratio": statistics.median(v) / calm if v else None, "mean": _mean(v) / calm if v else None}
-        for name, v in kinds.items()
-    } | {"calm_s": calm}
+    out: Dict[str, Any] = {"calm_s": calm}
+    for name, v in kinds.items():
+        out[name] = {"n": len(v), "ratio": _med(v) / calm if v else None, "mean": _mean(v) / calm if v else None}
+    return out
 
 
 def _mean(values: List[float]) -> float:
@@ -588,7 +636,8 @@ def report_recovery(times: Dict[str, List[float]], nbytes_mb: float) -> Dict[str
 def report_steps(run: Dict[str, Any], analysed: Dict[str, Any]) -> None:
     transfer = run["last_transfer"]
     said = "none" if transfer is None else f"{transfer['nbytes'] / 2**20:.0f} MiB in {transfer['seconds']:.2f} s"
-    print(f"state ~{run['state_mb']:.0f} MB, replicator on: {run['replicator']}, last replica transfer: {said};")
+    print(f"state ~{run['state_mb']:.0f} MB, replicator on: {run['replicator']}, {len(run['replica'])} transfers timed,"
+          f" {len(run['bare'])} bare exchanges, last replica transfer: {said};")  # fmt: skip
     print(f"calm step {analysed['calm_s'] * 1000:.1f} ms (median), load {_load()}")
     print("| step (node 0) | n | median / calm | mean / calm |")
     print("|---|---|---|---|")
@@ -609,7 +658,7 @@ def verdict(recovery: Optional[Dict[str, float]], steps: Optional[Dict[str, Any]
             parts.append(f"replica {s3:.1f}x faster than S3 (goal >= 5x: {'met' if s3 >= 5 else 'NOT met'})")
         for name in (COLD, WARM):
             ratio = replica / recovery[name]
-            parts.append(f"{ratio:.2f}x the {name} read (goal <= 1: {'met' if ratio <= 1 else 'NOT met'})")
+            parts.append(f"replica / {name} {ratio:.2f}x (goal <= 1: {'met' if ratio <= 1 else 'NOT met'})")
     if steps is not None:
         ours, limit = steps["replica in flight"]["ratio"], steps["bare in flight (limit)"]["ratio"]
         if ours is None:
@@ -642,7 +691,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("payload", nargs="?", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.size_mb, args.repeats, args.fit_params_mb, args.fit_steps, args.every = 8, 1, 4, 25, 8
+        args.size_mb, args.repeats, args.fit_params_mb, args.fit_steps, args.every = 8, 1, 4, 33, 8
     return args
 
 

@@ -277,6 +277,15 @@ class WriterProcessDied(LightningResumeError, OSError):
         )
 
 
+class ReplicaTransferError(LightningResumeError, OSError):
+    """A memory-tier file sent to or received from a peer rank did not arrive whole (``memory.transport``):
+    the peer ended, the stream lost step, or the sizes it announced are out of bounds. Names the peer."""
+
+    def __init__(self, peer: int, what: str) -> None:
+        self.peer, self.what = peer, what
+        super().__init__(f"memory-tier transfer with rank {peer}: {what}")
+
+
 class StagingAborted(LightningResumeError):
     """The snapshot copy failed on the training thread; the write waiting for its bytes stops (no file)."""
 

@@ -7,7 +7,9 @@ renamed over the previous one: a reader never sees half a snapshot, and the old 
 new one is complete. tmpfs has no disk behind it, so its ``fsync`` costs nothing.
 
 Layout: ``<memory dir>/lightning-resume-<uid>/<slot>/rank-<r>-of-<w>.safetensors`` plus
-``rank-<r>-of-<w>.owner`` (owner token and pid, for stale cleanup). ``/dev/shm`` is shared by every user of
+``rank-<r>-of-<w>.owner`` (owner token and pid, for stale cleanup), and, with replicas on, ``replica-<o>-of-<w>.safetensors``:
+the exact bytes of rank ``o``'s snapshot, received from that peer (``memory.replicate``) and written as a
+snapshot is (:meth:`MemoryStore.write_received`), verified when read (:meth:`MemoryStore.load_replica`). ``/dev/shm`` is shared by every user of
 the node, so each user has a root of their own, mode 0700, opened once as a directory descriptor and checked
 on it (owner, mode, not a link; ``storage.private.open_private_dir``); the slot is opened relative to it and
 every file reached relative to the slot's descriptor, so no rename of a path component (possible where the
@@ -27,18 +29,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import stat
+import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from lightning_resume._compat.torch_ops import NBYTES
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning
 from lightning_resume.format import read, write
-from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive
+from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive, temp_name
 from lightning_resume.format.integrity import DEFAULT_ALGORITHM
 from lightning_resume.io import resolve
 from lightning_resume.staging.async_save import AsyncSaver, commit_staged
@@ -55,6 +59,8 @@ from lightning_resume.storage.private import (
     user_root,
 )
 
+log = logging.getLogger(__name__)
+
 ROOT_PREFIX = "lightning-resume"
 """The memory root is ``<memory dir>/lightning-resume-<uid>``: one per user, never shared."""
 
@@ -68,8 +74,12 @@ HEADER_SLACK = 1 << 20
 _SLOT = re.compile(r"^[0-9a-f]{16}$")
 """A slot directory's name (:func:`slot_key`): cleanup looks at nothing else."""
 
-_OWN_FILE = re.compile(r"^\.?rank-\d+-of-\d+\.(?:safetensors|owner)(?:\.tmp-[0-9a-f-]+)?$")
-"""What a slot holds: snapshots, owner files, and the temporaries of interrupted writes of either."""
+_OWN_FILE = re.compile(r"^\.?(?:rank|replica)-\d+-of-\d+\.(?:safetensors|owner)(?:\.tmp-[0-9a-f-]+)?$")
+"""What a slot holds: snapshots, replicas of peers' snapshots, owner files, and the temporaries of interrupted
+writes of any of them."""
+
+_REPLICA = re.compile(r"^replica-(\d+)-of-(\d+)\.safetensors$")
+"""A replica's name (:func:`replica_name`)."""
 
 
 _FALLBACK = re.compile(rf"^{ROOT_PREFIX}-\d+-[0-9a-f]{{16}}$")
@@ -103,12 +113,12 @@ def squatted(root: str) -> Optional[str]:
 
 
 class NotEnoughSharedMemory(OSError):
-    """The snapshot does not fit in the free space of the memory tier's filesystem."""
+    """The snapshot (or a peer's replica, ``what``) does not fit in the free space of the memory tier's filesystem."""
 
-    def __init__(self, root: str, needed: int, free: int) -> None:
+    def __init__(self, root: str, needed: int, free: int, what: str = "a snapshot") -> None:
         self.root, self.needed, self.free = root, needed, free
         super().__init__(
-            f"memory tier: a snapshot needs {needed / 2**20:.1f} MiB but {root} has {free / 2**20:.1f} MiB free; "
+            f"memory tier: {what} needs {needed / 2**20:.1f} MiB but {root} has {free / 2**20:.1f} MiB free; "
             "raise the size of /dev/shm (e.g. `mount -o remount,size=XXG /dev/shm`, or `--shm-size` for Docker), "
             "point MemoryTierOptions(dir=...) at a larger tmpfs, or pass memory_tier=None"
         )
@@ -123,6 +133,12 @@ class MemorySnapshot:
     step: int
     seq: int
     saved_at: float
+
+
+def replica_name(owner: int, world_size: int) -> str:
+    """``replica-<owner>-of-<w>.safetensors``: the name, in the holder's slot, of rank ``owner``'s snapshot as its
+    replica: the exact bytes of the owner's ``rank-<owner>-of-<w>.safetensors``."""
+    return f"replica-{owner}-of-{world_size}.safetensors"
 
 
 def slot_key(checkpoint_dir: str) -> str:
@@ -169,6 +185,8 @@ class MemoryStore:
         self.owner_path = os.path.join(self.directory, self.owner_name)
         self._root_fd: Optional[int] = None
         self._slot_fd: Optional[int] = None
+        self._after: Optional[tuple[Committed, int, int]] = None  # the asynchronous snapshot's after_commit
+        self._fds = threading.RLock()  # a replica is written on the replicator's thread, snapshots on the saver's
         self._saver = AsyncSaver(self._commit, on_error="raise", overlapped=overlap_copy) if asynchronous else None
 
     def save(
@@ -179,11 +197,14 @@ class MemoryStore:
         run: str,
         now: Optional[float] = None,
         borrow: Optional[Offer] = None,
+        after_commit: Optional[Committed] = None,
     ) -> int:
         """Snapshot ``checkpoint`` of run ``run`` as this rank's (the previous one is replaced once the new one
         is complete); return its size in bytes. ``borrow`` (asynchronous): a durable save's offer of the same
         state at the same point (``staging.lending``): the tensors it holds are written from its staging, not copied
-        again (:attr:`last_borrowed_bytes`). Raises ``NotEnoughSharedMemory`` before writing anything when
+        again (:attr:`last_borrowed_bytes`). ``after_commit(fd, step, seq)``: called once the snapshot is committed
+        (on the saver's thread when asynchronous) with a descriptor of the committed file, which it closes; its
+        errors are logged, never the snapshot's. Raises ``NotEnoughSharedMemory`` before writing anything when
         it would not fit, ``UntrustedDirectory`` when the root or slot is not this user's alone, and
         (asynchronous) ``AsyncWriteError`` for a previous snapshot whose write failed."""
         record: Dict[str, Any] = {"step": int(step), "seq": int(seq), "saved_at": time.time() if now is None else now}
@@ -191,6 +212,7 @@ class MemoryStore:
         tree = {**checkpoint, MEMORY_KEY: record}
         if self._saver is not None:
             self._saver.wait()  # the previous write holds shared memory until it is renamed over the old file
+            self._after = None if after_commit is None else (after_commit, int(step), int(seq))
             encoded = self._saver.encode(tree)  # the kept encoding reused, as a durable async save does
             tree_json, tensors = encoded.tree_json, encoded.tensors
         else:
@@ -206,6 +228,8 @@ class MemoryStore:
         target = os.path.join(fd_path(slot, self.directory), self.name)  # the checked slot itself, not its name
         if self._saver is None:
             write.commit(target, tree_json, tensors, self.checksum, mode=PRIVATE_FILE_MODE)
+            if after_commit is not None:
+                self._notify((after_commit, int(step), int(seq)))
         else:
             self._saver.save_text(encoded, target, borrow)  # encoded once: the size check needed it
         return nbytes
@@ -236,27 +260,98 @@ class MemoryStore:
 
     def _slot(self, create: bool) -> Optional[int]:
         """The slot's descriptor, opened relative to the root's and checked as it is; ``None`` when missing."""
-        if self._slot_fd is not None and os.fstat(self._slot_fd).st_nlink == 0:
-            self._close()
-        root = self._root(create)
-        if root is None:
-            return None
-        if self._slot_fd is None:
-            try:
-                self._slot_fd = open_private_dir(self.key, root, create=create, shown=self.directory)
-            except FileNotFoundError:
+        with self._fds:
+            if self._slot_fd is not None and os.fstat(self._slot_fd).st_nlink == 0:
+                self._close()
+            root = self._root(create)
+            if root is None:
                 return None
-        return self._slot_fd
+            if self._slot_fd is None:
+                try:
+                    self._slot_fd = open_private_dir(self.key, root, create=create, shown=self.directory)
+                except FileNotFoundError:
+                    return None
+            return self._slot_fd
 
     def _close(self) -> None:
-        for fd in (self._slot_fd, self._root_fd):
-            if fd is not None:
-                os.close(fd)
-        self._root_fd = self._slot_fd = None
+        with self._fds:
+            for fd in (self._slot_fd, self._root_fd):
+                if fd is not None:
+                    os.close(fd)
+            self._root_fd = self._slot_fd = None
 
     def _commit(self, path: str, tree_json: str, staged: StagedTensors) -> None:
-        """The background write of an asynchronous snapshot (on the saver's worker thread)."""
+        """The background write of an asynchronous snapshot (on the saver's worker thread). The next save waits
+        for it before it sets :attr:`_after` again, so the hand-over read here is this snapshot's."""
         commit_staged(path, tree_json, staged, self.checksum, mode=PRIVATE_FILE_MODE)
+        after, self._after = self._after, None
+        if after is not None:
+            self._notify(after)
+
+    def _notify(self, after: tuple[Committed, int, int]) -> None:
+        """Hand the snapshot just committed, open, to ``after_commit``: the file, not whatever replaces it later."""
+        call, step, seq = after
+        try:
+            fd = self.open_committed()
+            if fd is not None:
+                call(fd, step, seq)
+        except Exception:  # the snapshot is committed; what follows it must not undo that
+            log.exception("memory tier: handing over the committed snapshot %s failed", self.path)
+
+    def open_committed(self, name: Optional[str] = None) -> Optional[int]:
+        """A read-only descriptor of this rank's committed snapshot (or of the replica ``name`` in the slot), or
+        ``None`` when there is none: the file as it is now, whatever a later commit renames over it."""
+        slot = self._slot(create=False)
+        if slot is None:
+            return None
+        try:
+            return os.open(name or self.name, _READ_FLAGS, dir_fd=slot)
+        except FileNotFoundError:
+            return None
+
+    def replica_path(self, owner: int) -> str:
+        """Where rank ``owner``'s replica is in this rank's slot (as named in messages; reached through the slot)."""
+        return os.path.join(self.directory, replica_name(owner, self.world_size))
+
+    def replica_owners(self) -> List[int]:
+        """The ranks (of this world size) whose replicas this rank's slot holds, in rank order."""
+        slot = self._slot(create=False)
+        if slot is None:
+            return []
+        found = (_REPLICA.match(n) for n in os.listdir(fd_path(slot, self.directory)))
+        return sorted(int(m[1]) for m in found if m is not None and int(m[2]) == self.world_size)
+
+    def write_received(self, name: str, nbytes: int, chunks: Iterable[memoryview]) -> str:
+        """Write ``nbytes`` arriving as ``chunks`` as the file ``name`` of this slot (a peer's replica,
+        :func:`replica_name`, or this rank's own snapshot received from a holder), atomically: a temporary
+        created new (``O_EXCL | O_NOFOLLOW``, 0600) relative to the slot's descriptor, renamed over the old file
+        once whole. Returns its path. Raises ``NotEnoughSharedMemory`` before writing anything when it would
+        not fit, ``CheckpointCorruptError`` when the chunks hold another number of bytes (nothing is renamed)."""
+        if name != self.name and not ((m := _REPLICA.match(name)) and int(m[2]) == self.world_size):
+            raise ValueError(f"{name!r} is neither {self.name} nor a replica of world size {self.world_size}")
+        slot = self._slot(create=True)
+        if slot is None:
+            raise FileNotFoundError(errno.ENOENT, "memory tier: no slot could be made", self.directory)
+        free = free_bytes(fd_path(slot, self.directory))
+        if nbytes > free:
+            raise NotEnoughSharedMemory(self.root, nbytes, free, f"the received file {name}")
+        self._claim(slot)
+        shown, tmp = os.path.join(self.directory, name), temp_name(name)
+        fd = os.open(tmp, _CREATE_FLAGS, PRIVATE_FILE_MODE, dir_fd=slot)
+        try:
+            try:
+                written = _write_chunks(fd, chunks, nbytes)
+                os.fsync(fd)  # free on tmpfs; where the memory dir is a disk, the rename must not come first
+            finally:
+                os.close(fd)
+            if written != nbytes:
+                raise CheckpointCorruptError(shown, "the received bytes are not the size announced", nbytes, written)
+            os.rename(tmp, name, src_dir_fd=slot, dst_dir_fd=slot)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=slot)
+            raise
+        return shown
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Until the snapshot being written is committed (``False`` if ``timeout`` passed first)."""
@@ -288,24 +383,36 @@ class MemoryStore:
         ``UntrustedDirectory`` when the root or slot is not this user's alone, and ``CheckpointCorruptError``
         naming the file when it does not verify or is not this slot's or this run's."""
         self.wait()
+        return self._load(self.name, self.rank, run, "not this slot's or this run's memory-tier snapshot")
+
+    def load_replica(self, owner: int, run: str) -> Optional[MemorySnapshot]:
+        """Rank ``owner``'s replica in this rank's slot, verified as :meth:`load` verifies a snapshot (every
+        checksum; the record inside says rank ``owner``, this world size, this slot and run ``run``); ``None``
+        when there is none. ``CheckpointCorruptError`` naming the file when it does not verify."""
+        what = f"not rank {owner}'s memory-tier snapshot of this slot and run"
+        return self._load(replica_name(owner, self.world_size), owner, run, what)
+
+    def _load(self, name: str, rank: int, run: str, what: str) -> Optional[MemorySnapshot]:
         slot = self._slot(create=False)
         if slot is None:
             return None
+        shown = os.path.join(self.directory, name)
         try:
-            fd = os.open(self.name, _READ_FLAGS, dir_fd=slot)  # this slot's file, whatever its path names now
+            fd = os.open(name, _READ_FLAGS, dir_fd=slot)  # this slot's file, whatever its path names now
         except FileNotFoundError:
             return None
         with os.fdopen(fd, "rb", buffering=0) as f:
-            loaded = read.load_open(self.path, f, verify=True).checkpoint
+            loaded = read.load_open(shown, f, verify=True).checkpoint
         record = loaded.pop(MEMORY_KEY, None)
-        expected = {"slot": self.key, "rank": self.rank, "world_size": self.world_size, "run": run}
+        expected = {"slot": self.key, "rank": rank, "world_size": self.world_size, "run": run}
         if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):
             got = {k: record.get(k) for k in expected} if isinstance(record, dict) else record
-            raise CheckpointCorruptError(self.path, "not this slot's or this run's memory-tier snapshot", expected, got)
-        return MemorySnapshot(self.path, loaded, int(record["step"]), int(record["seq"]), float(record["saved_at"]))
+            raise CheckpointCorruptError(shown, what, expected, got)
+        return MemorySnapshot(shown, loaded, int(record["step"]), int(record["seq"]), float(record["saved_at"]))
 
     def free(self) -> None:
-        """Remove this rank's snapshot (a clean end of training), and the slot once empty."""
+        """Remove this rank's snapshot and the replicas it holds (a clean end of training), and the slot once
+        empty."""
         if self._saver is not None:
             self._saver.close()  # a write still in flight would otherwise commit after the removal
         try:
@@ -313,7 +420,8 @@ class MemoryStore:
         except OSError:
             slot = None  # not ours: nothing of ours to remove
         if slot is not None:
-            for name in (self.name, self.owner_name):
+            replicas = [replica_name(owner, self.world_size) for owner in self.replica_owners()]
+            for name in (self.name, self.owner_name, *replicas):
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=slot)
             with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
@@ -352,6 +460,26 @@ class MemoryStore:
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 """A snapshot is read as itself: never through a link, never waiting on a FIFO."""
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""A received file's temporary is created new: never through a link, never over a name someone planted."""
+
+Committed = Callable[[int, int, int], None]
+"""``after_commit(fd, step, seq)`` of :meth:`MemoryStore.save`: the committed snapshot's descriptor (the callee
+closes it), step and save sequence."""
+
+
+def _write_chunks(fd: int, chunks: Iterable[memoryview], limit: int) -> int:
+    """Write ``chunks`` in order (short writes retried), stopping past ``limit`` bytes; the bytes seen."""
+    seen = 0
+    for chunk in chunks:
+        seen += len(chunk)
+        if seen > limit:
+            return seen
+        done = 0
+        while done < len(chunk):
+            done += os.write(fd, chunk[done:])
+    return seen
 
 
 def free_bytes(directory: str) -> int:

@@ -73,7 +73,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from benchmarks.flat_state import flat_state  # noqa: E402
 from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO  # noqa: E402
-from lightning_resume.memory.store import MemoryStore, memory_root, slot_key  # noqa: E402
+from lightning_resume.memory import transport  # noqa: E402
+from lightning_resume.memory.store import MemoryStore, memory_root, replica_name, slot_key  # noqa: E402
 from tests.helpers.paths import free_port  # noqa: E402
 
 CHUNK = 16 << 20
@@ -118,25 +119,16 @@ def prepare_recovery(size_mb: int, work: str, disk: str, s3_url: Optional[str]) 
 
 def install_replica(holder: MemoryStore, source: str, owner: int) -> str:
     """Put the exact bytes of ``owner``'s snapshot file into the holder's slot as its replica of it."""
-    write_received = getattr(holder, "write_received", None)
-    name = f"replica-{owner}-of-{holder.world_size}.safetensors"
     nbytes = os.path.getsize(source)
     with open(source, "rb") as f:
         chunks = (memoryview(f.read(CHUNK)) for _ in range(0, nbytes, CHUNK))
-        if write_received is not None:
-            return str(write_received(name, nbytes, chunks))
-        holder._slot(create=True)  # before memory.transport: a plain copy
-        path = os.path.join(holder.directory, name)
-        with open(path, "wb") as out:
-            for chunk in chunks:
-                out.write(chunk)
-        return path
+        return holder.write_received(replica_name(owner, holder.world_size), nbytes, chunks)
 
 
 def recovery_worker(rank: int, port: int, spec: Dict[str, Any], repeats: int) -> Optional[Dict[str, List[float]]]:
     """Rank 0 (the replaced node) recovers from each source in turn; rank 1 (the peer) serves the replica."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group = make_transfer_group()
+    group = transport.transfer_group()
     bare = dist.new_group(backend="gloo")
     store = MemoryStore(memory_root(spec["nodes"][rank]), spec["key"], rank=rank, world_size=2, asynchronous=False)
     sources = [REPLICA, BARE, COLD, WARM] + ([S3, RAW_S3] if spec["s3"] else [])
@@ -162,9 +154,12 @@ def recover_once(source: str, rank: int, store: MemoryStore, spec: Dict[str, Any
     if source in (REPLICA, BARE):
         peer = spec["replica"]
         if rank == 1:
-            (send_replica if source == REPLICA else bare_send)(peer, 0, group if source == REPLICA else bare)
+            if source == REPLICA:
+                send_replica(store, 0, group)
+            else:
+                bare_send(peer, 0, bare)
             return {}
-        return recover_from_peer(store, group) if source == REPLICA else {BARE: bare_recv_timed(store, bare)}
+        return recover_from_peer(store, group) if source == REPLICA else {BARE: bare_recv_timed(spec["nodes"][0], bare)}
     if rank == 1:
         return {}
     if source == COLD:
@@ -180,7 +175,7 @@ def recover_once(source: str, rank: int, store: MemoryStore, spec: Dict[str, Any
 def recover_from_peer(store: MemoryStore, group) -> Dict[str, float]:
     """Receive rank 0's snapshot from the peer, install it as this rank's own, load it verified."""
     started = time.perf_counter()
-    receive_snapshot(store, group)
+    receive_snapshot(store, 1, group)
     received = time.perf_counter()
     snapshot = store.load(RUN)
     done = time.perf_counter()
@@ -222,33 +217,19 @@ def drop_cached(path: str) -> None:
 # ---------------------------------------------------------- the transfer: the product's (memory.transport) and bare
 
 
-def make_transfer_group():
-    """The product's transfer group (``memory.transport.transfer_group``), else a gloo group of its own."""
+def send_replica(holder: MemoryStore, owner: int, group) -> None:
+    """The holder's side of a recovery: its replica of ``owner``'s snapshot, as it is now, to ``owner``."""
+    fd = holder.open_committed(replica_name(owner, holder.world_size))
+    assert fd is not None
     try:
-        from lightning_resume.memory import transport
-    except ImportError:
-        return dist.new_group(backend="gloo")
-    return transport.transfer_group()
+        transport.send_file(fd, owner, group, record=(SEQ, STEP))
+    finally:
+        os.close(fd)
 
 
-def send_replica(path: str, dst: int, group) -> None:
-    try:
-        from lightning_resume.memory.transport import send_file
-    except ImportError:
-        bare_send(path, dst, group)  # before memory.transport exists: the bare protocol
-        return
-    send_file(path, dst, group)
-
-
-def receive_snapshot(store: MemoryStore, group) -> None:
-    """Receive a snapshot from rank 1 and install it as ``store``'s own file (as recovery does)."""
-    try:
-        from lightning_resume.memory.transport import recv_file
-    except ImportError:
-        store._slot(create=True)
-        bare_recv(1, group, store.path)
-        return
-    installed = recv_file(1, group, lambda nbytes, chunks: store.write_received(store.name, nbytes, chunks))
+def receive_snapshot(store: MemoryStore, src: int, group) -> None:
+    """The owner's side: receive its snapshot from ``src`` and install it as its own file (as recovery does)."""
+    installed = transport.recv_file(src, group, lambda nbytes, chunks: store.write_received(store.name, nbytes, chunks))
     assert installed is not None
 
 
@@ -277,9 +258,8 @@ def bare_recv(src: int, group, out_path: str) -> int:
     return nbytes
 
 
-def bare_recv_timed(store: MemoryStore, group) -> float:
-    store._slot(create=True)
-    out = os.path.join(store.directory, "bare.bin")
+def bare_recv_timed(node_dir: str, group) -> float:
+    out = os.path.join(node_dir, "bare.bin")
     started = time.perf_counter()
     bare_recv(1, group, out)
     seconds = time.perf_counter() - started

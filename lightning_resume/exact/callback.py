@@ -141,7 +141,7 @@ class ExactResume(Callback):
         problems = [*options.problems, *elastic_restore.check_mode(elastic), *registration_problems(state)]
         if problems or options.schedule is None:
             raise ConfigurationError("ExactResume", problems)
-        self.memory = MemoryTier(memory_tier.dir) if memory_tier is not None else None
+        self.memory = MemoryTier(memory_tier.dir, memory_tier.replicas) if memory_tier is not None else None
         if memory_tier is not None:
             lc.remember_ckpt_path_requests()  # fit(ckpt_path="last") considers the memory tier first
         self.state: dict[str, Any] = dict(state or {})

@@ -26,6 +26,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import AsyncWriteError, CheckpointCorruptError, ConfigurationError, ExactResumeWarning
+from lightning_resume.memory import replicate as replication
+from lightning_resume.memory.replicate import Replicator, Ring
 from lightning_resume.memory.store import (
     ROOT_KEY,
     MemorySnapshot,
@@ -58,10 +60,14 @@ FLUSH_TIMEOUT_S = 60.0
 class MemoryTier:
     """One run's memory tier: set up per ``fit``, saves at step boundaries, chooses the resume source.
 
-    ``memory_dir``: the tmpfs under which this user's root ``lightning-resume-<uid>`` lives."""
+    ``memory_dir``: the tmpfs under which this user's root ``lightning-resume-<uid>`` lives. ``replicas``: the
+    option (``MemoryTierOptions.replicas``), resolved at :meth:`setup` into :attr:`replicas`."""
 
-    def __init__(self, memory_dir: str) -> None:
+    def __init__(self, memory_dir: str, replicas: Optional[int] = None) -> None:
         self.memory_dir = str(memory_dir)
+        self.replicas_option = replicas
+        self.ring = Ring()  # resolved at setup: replica count, holders, owners, the transfer group
+        self.replicator: Optional[Replicator] = None  # this fit's, from train start
         self.root = memory_root(memory_dir)
         self.root_token: Optional[str] = None  # the fallback root's (``ROOT_KEY``), when the name is squatted
         self.store: Optional[MemoryStore] = None
@@ -97,8 +103,10 @@ class MemoryTier:
         self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)
+        self.ring = replication.ring(self.replicas_option, trainer.num_nodes, self.rank, self.world_size, self.ring)
 
     def teardown(self) -> None:
+        replication.stop(self.replicator, quiet=True)  # after an exception the peers still train
         if self._remove_hook is not None:
             self._remove_hook()
             self._remove_hook = None
@@ -161,12 +169,14 @@ class MemoryTier:
         that is not the resume source belongs to a line of training this run left (older than the durable
         checkpoint it resumed from, another run's, or a fresh start): it is dropped."""
         if self.resumed_tier == MEMORY:
+            self._start_replication()
             return
         if self.store is not None:
             self.store.free()
         self.seq = 0
         self.run = restored_run or collective.broadcast(secrets.token_hex(8))
         self._choose_root(restored_token)
+        self._start_replication()
 
     def _choose_root(self, restored_token: Optional[str]) -> None:
         """Every rank: the root of this run's snapshots: the fallback root the restored checkpoint names
@@ -188,16 +198,27 @@ class MemoryTier:
             )
         self._use_root(fresh if held else None)
 
+    def _start_replication(self) -> None:
+        """This fit's replicator, on the store of the root chosen (once per fit: a stop tells the holders)."""
+        replication.stop(self.replicator, quiet=True)
+        self.replicator = replication.start(self.store, self.ring)
+
+    @property
+    def replicas(self) -> int:
+        """How many other nodes hold each rank's snapshot (resolved at :meth:`setup`)."""
+        return self.ring.replicas
+
     def offer(self, trainer: pl.Trainer) -> Optional[Offer]:
         """The durable IO's newest staged save on this rank (``staging.lending``), or ``None``: read before and after a
         durable save, it tells whether that save staged the state here (only rank 0 writes a DDP checkpoint)."""
         return None if self._lending is None else self._lending.newest()
 
-    def save(self, trainer: pl.Trainer, borrow: Optional[Offer] = None) -> Optional[int]:
+    def save(self, trainer: pl.Trainer, borrow: Optional[Offer] = None, replicate: bool = True) -> Optional[int]:
         """Every rank: snapshot the full checkpoint into its slot; the bytes written, or ``None`` (warned)
         when shared memory is too small, the root cannot be trusted or the write failed (training goes on;
         the durable tier still saves). ``borrow``: the offer of the durable save just taken at this step
-        boundary: the tensors it staged are written from there, not copied again."""
+        boundary: the tensors it staged are written from there, not copied again. ``replicate``: once
+        committed, the snapshot goes to its holders in the background (with replicas on)."""
         self.dumping = True  # not a durable save: nothing waits for the durable tier's write
         try:
             checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
@@ -209,7 +230,10 @@ class MemoryTier:
         try:
             if self.seq == 1:
                 self.store.clean_stale()  # after other runs of this user
-            return self.store.save(checkpoint, trainer.global_step, self.seq, self.run, borrow=borrow)
+            after = replication.after_commit(self.replicator) if replicate else None
+            return self.store.save(
+                checkpoint, trainer.global_step, self.seq, self.run, borrow=borrow, after_commit=after
+            )
         except NotEnoughSharedMemory as err:
             if not self.warned_full:
                 warnings.warn(f"ExactResume: {err}", ExactResumeWarning, stacklevel=2)
@@ -228,6 +252,7 @@ class MemoryTier:
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
         """After an exception, before the process exits: let the snapshot being written commit (its worker is a
         daemon thread that exit would cut short, losing the newest snapshot to the failure it is for)."""
+        replication.stop(self.replicator, quiet=True)
         if self.store is None:
             return
         try:
@@ -243,6 +268,7 @@ class MemoryTier:
 
     def free(self) -> None:
         """A clean end of training: the durable tier has the final state; give the memory back."""
+        replication.stop(self.replicator)  # first: no replica arrives after the slot is freed
         if self.store is not None:
             self.store.free()
 

@@ -69,6 +69,16 @@ class LastResolver(Protocol):
 
 
 @runtime_checkable
+class MemoryFirst(Protocol):
+    """A callback that may resume ``fit(ckpt_path="last")`` from a memory tier (``ExactResume`` with
+    ``memory_tier``): "last" resolution then reads each durable candidate only as far as its header, and verifies
+    the durable checkpoint in full only if the memory tier does not supply the resume (``retention.last``)."""
+
+    def resumes_from_memory_first(self, trainer: pl.Trainer) -> bool:
+        """Whether this ``fit`` asks the memory tier before any durable checkpoint is read beyond its header."""
+
+
+@runtime_checkable
 class SnapshotTarget(Protocol):
     """A checkpoint callback that writes a snapshot when asked (used by ``ExactResume``'s schedule).
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import re
 import signal
-from typing import Any, Callable, Mapping, Optional, cast
+from typing import Any, Callable, Mapping, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -538,21 +538,23 @@ def requested_ckpt_path(trainer: pl.Trainer) -> Any:
     return getattr(trainer._checkpoint_connector, "_lightning_resume_requested", None)
 
 
-Chooser = Callable[[Optional[str]], Optional[tuple[str, dict[str, Any]]]]
-"""Given the checkpoint Lightning resolved (or ``None``), a ``(path, loaded checkpoint)`` to restore instead."""
+Chooser = Callable[[Optional[str]], Union[tuple[str, dict[str, Any]], str, None]]
+"""Given the checkpoint Lightning resolved (or ``None``): a ``(path, loaded checkpoint)`` to restore instead, or the
+path of the checkpoint file Lightning loads and restores (``None``: none, a fresh start)."""
 
 
 def substitute_checkpoint(trainer: pl.Trainer, choose: Chooser) -> Callable[[], None]:
     """Let ``choose`` replace the checkpoint the trainer restores, at ``resume_start``
-    (checkpoint_connector.py:67-84): after ``setup`` hooks (the process group exists), before any state is
-    restored (trainer.py:1046, :1066). Returns the function that removes the hook."""
+    (checkpoint_connector.py:67-84, which sets ``trainer.ckpt_path`` to the path it is given): after ``setup``
+    hooks (the process group exists), before any state is restored (trainer.py:1046, :1066). Returns the
+    function that removes the hook."""
     connector = trainer._checkpoint_connector
     original = connector.resume_start
 
     def resume_start(checkpoint_path: Any = None, weights_only: Optional[bool] = None) -> None:
         chosen = choose(str(checkpoint_path) if checkpoint_path else None)
-        if chosen is None:
-            return original(checkpoint_path, weights_only=weights_only)
+        if chosen is None or isinstance(chosen, str):
+            return original(chosen, weights_only=weights_only)
         path, checkpoint = chosen
         rank_zero_info(f"Restoring states from the checkpoint at {path}")
         connector._ckpt_path = path

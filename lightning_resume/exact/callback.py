@@ -64,7 +64,7 @@ from lightning_resume.exact.state.user import capture as capture_user_state
 from lightning_resume.format.partial import refuse_partly_loaded
 from lightning_resume.io.plugin import refuse_unencodable_hparams
 from lightning_resume.memory.store import ROOT_KEY, RUN_KEY
-from lightning_resume.memory.tier import DURABLE, MemoryTier, warn_sharded
+from lightning_resume.memory.tier import DURABLE, MemoryTier, unsupported, warn_sharded
 from lightning_resume.protocols import loaded_in_place, offer_module
 from lightning_resume.prove import trace
 from lightning_resume.retention.last import OncePerFit, resumed_from
@@ -205,6 +205,11 @@ class ExactResume(Callback):
     def resolve_last(self, trainer: pl.Trainer) -> set[str]:
         return self._last.resolve(trainer)
 
+    def resumes_from_memory_first(self, trainer: pl.Trainer) -> bool:
+        """``fit(ckpt_path="last")`` with the memory tier, on a strategy it supports: "last" reads the durable
+        checkpoints' headers only, the rest only if the memory tier does not supply the resume (``MemoryFirst``)."""
+        return self.memory is not None and lc.requested_ckpt_path(trainer) == "last" and not unsupported(trainer)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_trainer(trainer)  # a pytorch_lightning.Trainer is refused, naming the import that fixes it
@@ -289,7 +294,8 @@ class ExactResume(Callback):
             self._user_again = put_back_later(self._user)
         self._own.train_started(trainer, resumed_every_loader=pending is not None and not unsaved)
         tier = self._resumed_tier(trainer, pending)
-        self.resume_report = as_launched(report, resumed_from(trainer), tier, self.memory is not None, unsaved)
+        sources = None if self.memory is None else self.memory.sources
+        self.resume_report = as_launched(report, resumed_from(trainer), tier, self.memory is not None, unsaved, sources)
         if self._trace is not None:  # after the restore: the step this launch resumed at
             unsaved_buffers = list(self.resume_report.unsaved_buffers_differ)
             buffers = [f"non-persistent buffers {unsaved_buffers} differ after restore"] if unsaved_buffers else []

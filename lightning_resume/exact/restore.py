@@ -470,8 +470,12 @@ class ResumeReport:
     unsaved_buffers_differ: tuple[str, ...] = ()
     """Non-persistent buffers (in no checkpoint) that differed from the saving run's right after the restore."""
     tier: Optional[str] = None
-    """Where the run resumed from: ``"memory"`` (a memory-tier snapshot) or ``"durable"`` (a checkpoint file);
-    ``None``: nothing restored."""
+    """Where the run resumed from: ``"memory"`` (every rank's own memory-tier snapshot), ``"replica"`` (memory-tier
+    snapshots, some rank's from a peer's replica: its node was lost; ``memory_sources`` says whose) or
+    ``"durable"`` (a checkpoint file); ``None``: nothing restored."""
+    memory_sources: Optional[Mapping[int, int]] = None
+    """Resumed from the memory tier: for every rank ``r``, ``memory_sources[r]`` is the rank whose memory held its
+    state (``r`` itself, or the peer that held its replica: a rank of another node); ``None`` otherwise."""
     memory_tier: Optional[str] = None
     """Why the memory tier's snapshots were not used (they were taken on another world size); ``None``: no reason."""
     sample_exact: Optional[bool] = None
@@ -510,7 +514,9 @@ class ResumeReport:
             if isinstance(value, BeforeAfter):
                 names = ("checkpoint", "now") if f.name == "world_size" else ("before", "after")
                 value = dict(zip(names, value, strict=True))
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            out[f.name] = (
+                list(value) if isinstance(value, tuple) else dict(value) if isinstance(value, Mapping) else value
+            )
         return out
 
     def __getitem__(self, key: str) -> Any:
@@ -553,11 +559,17 @@ def moved_report(move: Move) -> dict[str, Any]:
 
 
 def as_launched(
-    report: ResumeReport, source: Optional[str], tier: Optional[str], memory_tier: bool, unsaved: list[str]
+    report: ResumeReport,
+    source: Optional[str],
+    tier: Optional[str],
+    memory_tier: bool,
+    unsaved: list[str],
+    memory_sources: Optional[Mapping[int, int]] = None,
 ) -> ResumeReport:
     """The report of a launch: the ``source`` resumed from and, where something was restored, what the callback
-    adds: the ``tier`` resumed from, why a memory tier's snapshots were not used (another world size), and the
-    loaders whose position could not be saved (then not exact)."""
+    adds: the ``tier`` resumed from and from whose memory each rank's state came (``memory_sources``), why a
+    memory tier's snapshots were not used (another world size), and the loaders whose position could not be
+    saved (then not exact)."""
     if not report.resumed:
         return replace(report, source=source)
     memory = None
@@ -565,4 +577,12 @@ def as_launched(
         memory = f"snapshots of {report.world_size.before} ranks not used: resumed from disk"
     exact = False if unsaved else report.exact
     differences = (*report.differences, *unsaved)
-    return replace(report, source=source, tier=tier, memory_tier=memory, exact=exact, differences=differences)
+    return replace(
+        report,
+        source=source,
+        tier=tier,
+        memory_tier=memory,
+        exact=exact,
+        differences=differences,
+        memory_sources=memory_sources,
+    )

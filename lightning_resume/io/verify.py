@@ -25,7 +25,7 @@ import zipfile
 from typing import Any, Callable, Optional
 
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
-from lightning_resume.format.legacy import is_zip, unsafe_globals
+from lightning_resume.format.legacy import is_zip, load_legacy, unsafe_globals
 from lightning_resume.format.read import check_regular_file, is_safetensors, load_file, read_summary, verify_local
 from lightning_resume.protocols import VerifyingCheckpointIO
 from lightning_resume.sharded.verify import verify_directory
@@ -65,6 +65,22 @@ def precheck(path: str, weights_only: bool = True) -> None:
     check_regular_file(path)
     if not storage.is_dir(path) and is_safetensors(path):
         read_summary(path)
+    else:
+        verify(path, weights_only=weights_only)
+
+
+def header_only(path: str, weights_only: bool = True) -> None:
+    """What "last" resolution checks of a candidate while a memory tier may supply the resume: the part the
+    memory tier reads (the run id and step), nothing more. A file of our format: its header, integrity record
+    and tree digest (``read.read_summary``); a local ``torch.save`` file: its pickle, with the tensors mapped,
+    not read; anything else is verified in full. The full check follows, before any load, when the memory tier
+    does not supply the resume (``retention.last.confirm_last``)."""
+    path = str(path)
+    check_regular_file(path)
+    if not storage.is_dir(path) and is_safetensors(path):
+        read_summary(path)
+    elif not storage.is_dir(path) and is_local(path) and is_zip(path, local_path(path)):
+        load_legacy(path, local_path(path), mmap=True, weights_only=weights_only)
     else:
         verify(path, weights_only=weights_only)
 

@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import secrets
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from functools import partial
+from typing import Any, Callable, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
-from lightning_resume.errors import AsyncWriteError, CheckpointCorruptError, ConfigurationError, ExactResumeWarning
+from lightning_resume.errors import AsyncWriteError, ConfigurationError, ExactResumeWarning
+from lightning_resume.memory import peers, transport
 from lightning_resume.memory import replicate as replication
+from lightning_resume.memory.recover import NoRecovery, Outcome, RecoveryPlan, plan_recovery
 from lightning_resume.memory.replicate import Replicator, Ring
 from lightning_resume.memory.store import (
     ROOT_KEY,
@@ -42,6 +45,7 @@ from lightning_resume.memory.store import (
     squatted,
 )
 from lightning_resume.protocols import Loan, StagingLender, checkpoint_io_as
+from lightning_resume.retention.last import confirm_last
 from lightning_resume.schedule.state import Tier
 from lightning_resume.staging.lending import Offer
 
@@ -51,6 +55,13 @@ MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
 REPLICA = "replica"
 """The resume source when the memory tier resumed and some rank's state came from a peer node's replica (its own
 node was lost): a node loss in the failure history."""
+
+
+Chosen = Union[tuple[str, dict[str, Any]], str, None]
+"""What :meth:`MemoryTier.choose` answers: ``(path, checkpoint)`` from memory, or the durable checkpoint to restore."""
+
+Confirm = Callable[[], Optional[str]]
+"""The full "last" resolution, asked when the memory tier does not supply the resume."""
 
 
 FLUSH_TIMEOUT_S = 60.0
@@ -74,6 +85,8 @@ class MemoryTier:
         self.run: Optional[str] = None
         self.seq = 0
         self.resumed_tier: Optional[str] = None
+        self.sources: Optional[dict[int, int]] = None  # rank -> the rank whose memory held its resumed state
+        self._group: Any = None  # the transfer group of a recovery from peers
         self.warned_full = False
         self.dumping = False
         self._warned_failed = False
@@ -99,10 +112,11 @@ class MemoryTier:
         overlap = self._lending is not None and self._lending.overlapped  # the user's choice, for both tiers
         self._overlap = overlap
         self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size, overlap_copy=overlap)
-        self.resumed_tier, self.run = None, None
+        self.resumed_tier, self.run, self.sources = None, None, None
         self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
-            self._remove_hook = lc.substitute_checkpoint(trainer, self.choose)
+            choose = partial(self.choose, confirm=partial(confirm_last, trainer))  # "last" read headers only
+            self._remove_hook = lc.substitute_checkpoint(trainer, choose)
         self.ring = replication.ring(self.replicas_option, trainer.num_nodes, self.rank, self.world_size, self.ring)
 
     def teardown(self) -> None:
@@ -111,33 +125,67 @@ class MemoryTier:
             self._remove_hook()
             self._remove_hook = None
 
-    def choose(self, durable: Optional[str]) -> Optional[tuple[str, dict[str, Any]]]:
-        """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank agrees to resume
-        from memory; ``None`` to restore ``durable`` (Lightning's "last", possibly ``None``) instead."""
+    def choose(self, durable: Optional[str], confirm: Optional[Confirm] = None) -> Chosen:
+        """Every rank: this rank's memory snapshot and the loaded checkpoint, when every rank can obtain the same
+        save, newer than ``durable`` (Lightning's "last", possibly ``None``), from its own memory or a peer's
+        replica (``memory.recover``; the transfers: ``memory.peers``); else the durable checkpoint to restore:
+        ``confirm()`` (the full "last" resolution, ``retention.last.confirm_last``: while the memory tier is
+        asked first, "last" read the candidates' headers only), or ``durable`` without it."""
         read_run = lambda: (
             durable_run(durable, self.weights_only),
             durable_value(durable, ROOT_KEY, self.weights_only),
         )
         run, token = collective.on_rank_zero(read_run, _failure(f"read the run id of {durable}"))
         self._use_root(token if isinstance(token, str) else None)
-        mine = self._load_verified(run) if self.store is not None and run is not None else None
-        record = None if mine is None else (mine.step, mine.seq, _exact_state(mine.checkpoint).get("saved_at"))
-        everyone = collective.gather((record, durable_step(durable, self.weights_only)))
-        records, newest_durable = [r for r, _ in everyone], max(d for _, d in everyone)
-        reason = _why_not_memory(records, newest_durable)
-        if reason is not None:
-            if any(r is not None for r in records):
-                rank_zero_info(f"ExactResume: not resuming from the memory tier: {reason}; using {durable}")
+        if run is None or self.store is None:  # no run id (a fresh start, another tool's file): no snapshot is ours
             self.resumed_tier = DURABLE if durable else None
-            return None
-        assert mine is not None and records[0] is not None
+            return durable if confirm is None else confirm()
+        mine, offered = peers.offer(self.store, run, self._owners(), durable_step(durable, self.weights_only))
+        offers = collective.gather(offered)
+        newest_durable = max(o.durable_step for o in offers)
+        outcome = plan_recovery(offers, self.world_size, newest_durable)
+        snapshot, reason = self._recover(outcome, mine, run)
+        if snapshot is None or not isinstance(outcome, RecoveryPlan):
+            restored = durable if confirm is None else confirm()
+            rank_zero_info(f"ExactResume: not resuming from the memory tier: {reason}; using {restored}")
+            self.resumed_tier = DURABLE if restored else None
+            return restored
         # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
-        _exact_state(mine.checkpoint)["saved_at"] = records[0][2]
-        self.seq, self.resumed_tier, self.run = mine.seq, MEMORY, run
+        _exact_state(snapshot.checkpoint)["saved_at"] = outcome.saved_at
+        self.seq, self.run, self.sources = snapshot.seq, run, dict(enumerate(outcome.sources))
+        self.resumed_tier = REPLICA if outcome.from_peers else MEMORY
+        moved = "".join(f"; rank {o}'s state from rank {h}'s memory" for h, o in outcome.transfers)
         rank_zero_info(
-            f"ExactResume: resuming from the memory tier at step {mine.step} (durable: step {newest_durable})"
+            f"ExactResume: resuming from the memory tier at step {snapshot.step} (durable: step {newest_durable}){moved}"
         )
-        return mine.path, mine.checkpoint
+        return snapshot.path, snapshot.checkpoint
+
+    def _owners(self) -> list[int]:
+        """The ranks whose replicas this rank's slot holds (a replica's own record says whose it is)."""
+        return [] if self.store is None else [owner for owner in self.store.replica_owners() if owner != self.rank]
+
+    def _recover(
+        self, outcome: Outcome, mine: Optional[MemorySnapshot], run: str
+    ) -> tuple[Optional[MemorySnapshot], str]:
+        """Every rank: this rank's state of the planned save, or why no rank resumes from memory. Transfers only
+        where some rank's state is on a peer; any rank's problem is every rank's (all resume from disk)."""
+        if isinstance(outcome, NoRecovery):
+            return None, outcome.reason
+        if not outcome.from_peers or self.store is None:
+            return mine, ""
+        try:
+            snapshot, problems = peers.carry_out(outcome, self.store, self._transfers(), run, mine)
+        except Exception as err:  # noqa: BLE001 - any rank's failure sends every rank to disk, named
+            snapshot, problems = None, [f"rank {self.rank}: the recovery from peers failed: {collective.describe(err)}"]
+        everyone = [line for lines in collective.gather(problems) for line in lines]
+        return (snapshot, "") if not everyone else (None, "; ".join(everyone))
+
+    def _transfers(self) -> Any:
+        """The transfer group: the ring's (made at setup), else (replicas now off, replicas of an earlier launch
+        still held) one made here, collectively: every rank asks at the same point, as every rank has the plan."""
+        if self.ring.group is None and self._group is None:
+            self._group = transport.transfer_group()
+        return self.ring.group if self.ring.group is not None else self._group
 
     def _use_root(self, token: Optional[str]) -> None:
         """Snapshots go to (and are read from) the fallback root of ``token`` when it names one, else this user's
@@ -151,24 +199,12 @@ class MemoryTier:
             )
         self.root = root
 
-    def _load_verified(self, run: str) -> Optional[MemorySnapshot]:
-        assert self.store is not None
-        try:
-            return self.store.load(run)
-        except (CheckpointCorruptError, OSError, ValueError) as err:
-            warnings.warn(
-                f"ExactResume: skipping the memory-tier snapshot {self.store.path} on rank {self.store.rank}: {err}",
-                ExactResumeWarning,
-                stacklevel=2,
-            )
-            return None
-
     def start(self, restored_run: Optional[str], restored_token: Optional[str] = None) -> None:
         """At the start of training (every rank): the run's id, the restored checkpoint's (``restored_run``)
         or, at a fresh start, a new one; the root of its snapshots (:meth:`_choose_root`); and a snapshot
         that is not the resume source belongs to a line of training this run left (older than the durable
         checkpoint it resumed from, another run's, or a fresh start): it is dropped."""
-        if self.resumed_tier == MEMORY:
+        if self.resumed_tier in (MEMORY, REPLICA):
             self._start_replication()
             return
         if self.store is not None:
@@ -278,20 +314,6 @@ def _exact_state(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return state if isinstance(state, dict) else {}
 
 
-def _why_not_memory(records: list[Any], newest_durable: int) -> Optional[str]:
-    """``None`` when every rank holds the same (step, sequence) newer than the durable checkpoint; else why not."""
-    missing = [rank for rank, r in enumerate(records) if r is None]
-    if missing:
-        return f"no verified snapshot on rank(s) {missing}"
-    if len({(step, seq) for step, seq, _ in records}) > 1:
-        return "ranks hold snapshots of different steps: " + ", ".join(
-            f"rank {rank} step {step} (save {seq})" for rank, (step, seq, _) in enumerate(records)
-        )
-    if records[0][0] <= newest_durable:
-        return f"its step {records[0][0]} is not newer than the durable checkpoint's step {newest_durable}"
-    return None
-
-
 def _failure(what: str) -> collective.Failure:
     def failure(problems: Mapping[int, str]) -> BaseException:
         return ConfigurationError("ExactResume(memory_tier=...)", [f"could not {what}: {problems}"])
@@ -299,9 +321,14 @@ def _failure(what: str) -> collective.Failure:
     return failure
 
 
-def warn_sharded(trainer: pl.Trainer) -> bool:
+def unsupported(trainer: pl.Trainer) -> bool:
     """The memory tier keeps one full checkpoint per rank: not for strategies whose ranks hold shards."""
-    if trainer.world_size > 1 and not type(trainer.strategy).__name__.startswith("DDP"):
+    return trainer.world_size > 1 and not type(trainer.strategy).__name__.startswith("DDP")
+
+
+def warn_sharded(trainer: pl.Trainer) -> bool:
+    """:func:`unsupported`, said once."""
+    if unsupported(trainer):
         rank_zero_warn(
             f"ExactResume(memory_tier=...) supports single-device and DDP runs, not {type(trainer.strategy).__name__};"
             " the memory tier is off for this run",

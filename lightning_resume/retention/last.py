@@ -23,6 +23,12 @@ it checks the candidates itself, each by its header only, and falls back along t
 fails: a resume reads the checkpoint once. Lightning asks before ``setup`` and before any process group
 exists, so no collective runs: every rank reads the same files and reaches the same answer.
 
+When a callback may resume from a memory tier first (``protocols.MemoryFirst``: ``ExactResume`` with
+``memory_tier``), each candidate is read only as far as its header here (``io.verify.header_only``: what the
+memory tier reads, the run id and step), whatever the ``CheckpointIO``: a resume the memory tier supplies reads
+nothing more of durable storage. If it does not supply it, :func:`confirm_last` resolves "last" again as
+described above, before anything is loaded, and that answer is restored.
+
 Knows Lightning's checkpoint callbacks (through ``_compat``) and files (through ``io``); decides nothing
 about what to keep.
 """
@@ -40,8 +46,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_resume._compat import lightning as lc
 from lightning_resume.errors import NoLoadableCheckpointError, SkippedCheckpointWarning
 from lightning_resume.io.resolve import candidates, newest_verified, progress, step_in_name
-from lightning_resume.io.verify import pickled_globals, verify
-from lightning_resume.protocols import ResolvingCheckpointIO
+from lightning_resume.io.verify import header_only, pickled_globals, verify
+from lightning_resume.protocols import MemoryFirst, ResolvingCheckpointIO
 from lightning_resume.storage import files as storage
 
 
@@ -56,9 +62,17 @@ class LastChoice:
     skipped: tuple[str, ...]
     pickled: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """When no candidate loads and each is a ``torch.save`` file that needs pickled objects: each one's globals."""
+    deferred: bool = False
+    """Only the candidates' headers were read: a memory tier is asked first (:func:`confirm_last` follows if not)."""
 
     def describe(self) -> str:
         where = ", ".join(self.directories) or "no checkpoint directory"
+        if self.deferred:
+            newest = f"by its header, {self.path}" if self.path else "none"
+            return (
+                f"ckpt_path='last': the memory tier is asked first; the newest checkpoint in {where}, {newest}, is"
+                " verified only if it is what the resume reads"
+            )
         if self.path is None:
             return f"ckpt_path='last' found no checkpoint in {where}; training starts from the beginning"
         passed = f", {len(self.skipped)} newer one(s) skipped" if self.skipped else ""
@@ -68,8 +82,9 @@ class LastChoice:
         )
 
 
-def choose_last(trainer: pl.Trainer) -> LastChoice:
-    """Resolve ``ckpt_path="last"`` across the trainer's checkpoint callbacks (see the module docstring)."""
+def choose_last(trainer: pl.Trainer, memory_first: Optional[bool] = None) -> LastChoice:
+    """Resolve ``ckpt_path="last"`` across the trainer's checkpoint callbacks (see the module docstring).
+    ``memory_first``: read the candidates' headers only (default: whether a callback asks a memory tier first)."""
     callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
     directories: dict[str, None] = {}
     paths: dict[str, None] = {}
@@ -80,18 +95,38 @@ def choose_last(trainer: pl.Trainer) -> LastChoice:
     twins = _mirror_copies(callbacks, directories, paths)
     io = trainer.strategy.checkpoint_io
     weights_only = lc.fit_weights_only(trainer) is not False  # None: the safe default, as torch.load takes it
+    deferred = asks_memory_first(trainer) if memory_first is None else memory_first
     skipped: list[str] = []
-    path = _newest(io, list(paths), skipped, weights_only)
+    path = _newest(io, list(paths), skipped, weights_only, deferred)
     chosen = -1 if path is None else step_in_name(path) or -1
     passed = [p for p in twins if (step_in_name(p) or -1) > chosen]
     if passed:  # a newer local copy did not verify: its mirror copy, before anything older
         older = [p for p in paths if path is not None and (step_in_name(p) or -1) <= chosen]
-        path = _newest(io, [twins[p] for p in passed] + older, skipped, weights_only)
+        path = _newest(io, [twins[p] for p in passed] + older, skipped, weights_only, deferred)
+    if deferred:  # the full resolution (confirm_last) says what it passes over, if it is needed
+        return LastChoice(path, tuple(directories), len(paths) + len(twins), (), deferred=True)
     pickled = _all_pickled([*paths, *twins.values()]) if path is None and skipped and weights_only else {}
     return LastChoice(path, tuple(directories), len(paths) + len(twins), tuple(skipped), pickled)
 
 
-def _newest(io: object, paths: list[str], skipped: list[str], weights_only: bool) -> Optional[str]:
+def asks_memory_first(trainer: pl.Trainer) -> bool:
+    """Whether a callback of ``trainer`` resumes this ``fit`` from a memory tier when it can (``MemoryFirst``)."""
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # assigned by Lightning's callback connector
+    return any(isinstance(cb, MemoryFirst) and cb.resumes_from_memory_first(trainer) for cb in callbacks)
+
+
+def confirm_last(trainer: pl.Trainer) -> Optional[str]:
+    """The memory tier did not supply the resume: "last" resolved in full, as without it (warnings, the info line,
+    ``NoLoadableCheckpointError``), before anything is loaded; the checkpoint to restore (``None``: start over)."""
+    return next(iter(report(choose_last(trainer, memory_first=False))), None)
+
+
+def _newest(io: object, paths: list[str], skipped: list[str], weights_only: bool, headers: bool) -> Optional[str]:
+    """The newest of ``paths`` that passes the IO's check, or (``headers``: a memory tier is asked first) whose
+    header reads (``io.verify.header_only``)."""
+    if headers:
+        check = lambda p: header_only(p, weights_only)
+        return newest_verified(paths, check, key=lambda p: progress(p, weights_only), skipped=skipped.append)
     if isinstance(io, ResolvingCheckpointIO):
         return io.resolve_newest(paths, skipped=skipped.append, weights_only=weights_only)
     return newest_verified(
@@ -139,6 +174,9 @@ def _mirror_copies(callbacks: list, directories: dict[str, None], paths: dict[st
 def report(choice: LastChoice) -> set[str]:
     """Tell what was chosen (rank 0), and return it as Lightning's ``_find_last_checkpoints`` does. Raises
     ``NoLoadableCheckpointError`` when checkpoints exist but none loads: starting over would lose the run."""
+    if choice.deferred:
+        rank_zero_info(choice.describe())
+        return {choice.path} if choice.path is not None else set()
     for line in choice.skipped:
         rank_zero_warn(f"ckpt_path='last': {line}", category=SkippedCheckpointWarning)
     if choice.path is None and choice.skipped:

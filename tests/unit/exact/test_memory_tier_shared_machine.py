@@ -30,9 +30,9 @@ from lightning_resume import (
 )
 from lightning_resume.format import write
 from lightning_resume.format.atomic import STALE_AFTER_S
+from lightning_resume.memory import peers
 from lightning_resume.memory import store as memory_tier
 from lightning_resume.memory.store import MemoryStore, memory_root
-from lightning_resume.memory.tier import MemoryTier
 from lightning_resume.storage.private import UntrustedDirectory
 from tests.helpers.accounts import other_user
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
@@ -86,10 +86,8 @@ def test_a_root_another_user_made_first_is_refused_for_saves_and_loads(shm: Path
     os.chown(root / SLOT, os.geteuid(), os.getegid())  # even a slot of ours inside their root is not trusted
     with pytest.raises(UntrustedDirectory, match="belongs to uid"):
         ours.load("r")
-    tier = MemoryTier(str(shm))
-    tier.store, tier.run = ours, "r"
     with pytest.warns(ExactResumeWarning, match="skipping the memory-tier snapshot"):
-        assert tier._load_verified("r") is None
+        assert peers.offer(ours, "r", [], durable_step=-1)[0] is None
 
 
 def test_a_link_or_an_open_mode_in_place_of_our_root_is_refused(shm: Path) -> None:

@@ -16,9 +16,9 @@ from lightning_resume import ConfigurationError, ExactResume, ExactResumeWarning
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.format.atomic import owner_token
 from lightning_resume.format.write import save_file
+from lightning_resume.memory import peers
 from lightning_resume.memory import store as memory_tier
 from lightning_resume.memory.store import MemoryStore, NotEnoughSharedMemory, durable_run, durable_step, slot_key
-from lightning_resume.memory.tier import MemoryTier, _why_not_memory
 
 K = "0123456789abcdef"
 """A slot name (16 hex digits, as ``slot_key`` makes them)."""
@@ -106,10 +106,9 @@ def test_a_damaged_or_foreign_snapshot_is_refused(tmp_path: Path) -> None:
     Path(store.path).write_bytes(bytes(data))
     with pytest.raises(CheckpointCorruptError, match="rank-0-of-2.safetensors"):
         store.load("r")
-    tier = MemoryTier(str(tmp_path))
-    tier.store = store
     with pytest.warns(ExactResumeWarning, match=f"skipping the memory-tier snapshot {store.path} on rank 0"):
-        assert tier._load_verified("r") is None
+        mine, offered = peers.offer(store, "r", [], durable_step=-1)
+    assert mine is None and offered.own is None and offered.refused[0].path == store.path
 
 
 def test_size_check_names_needed_free_and_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,13 +182,6 @@ def test_durable_step_reads_every_format_lightning_writes(tmp_path: Path) -> Non
     assert durable_step(str(tmp_path / "last.ckpt")) == 3
     assert durable_step(str(tmp_path / "epoch=0-step=7.ckpt")) == 7
     assert durable_step(None) == -1 and durable_step(str(tmp_path / "missing.ckpt")) == -1
-
-
-def test_ranks_resume_from_memory_only_together() -> None:
-    assert _why_not_memory([(7, 3, 1.0), (7, 3, 2.0)], newest_durable=4) is None
-    assert "rank(s) [1]" in str(_why_not_memory([(7, 3, 1.0), None], newest_durable=4))
-    assert "different steps" in str(_why_not_memory([(7, 3, 1.0), (5, 2, 1.0)], newest_durable=4))
-    assert "not newer" in str(_why_not_memory([(7, 3, 1.0)], newest_durable=7))
 
 
 def test_memory_options_are_checked_at_construction() -> None:

@@ -72,8 +72,9 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from benchmarks.flat_state import flat_state  # noqa: E402
-from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO  # noqa: E402
-from lightning_resume.memory import transport  # noqa: E402
+from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO, collective  # noqa: E402
+from lightning_resume.memory import peers, transport  # noqa: E402
+from lightning_resume.memory.recover import RecoveryPlan, plan_recovery  # noqa: E402
 from lightning_resume.memory.store import MemoryStore, memory_root, replica_name, slot_key  # noqa: E402
 from tests.helpers.paths import free_port  # noqa: E402
 
@@ -81,9 +82,11 @@ CHUNK = 16 << 20
 """The bare transfer's chunk (bytes)."""
 
 RUN = "bench-replica"
-STEP, SEQ = 100, 7
+STEP, SEQ, DURABLE_STEP = 100, 7, 90
+"""The memory snapshot's save, and the older durable checkpoint's step: the node was lost between durable saves."""
+OFFERS, CARRY_OUT = "of which: offers verified + plan", "of which: transfer + install + verified load"
 REPLICA, COLD, WARM, S3, BARE, RAW_S3 = (
-    "peer replica",
+    "peer replica (recovery)",
     "local durable, cold",
     "local durable, warm",
     "S3 (moto)",
@@ -106,11 +109,12 @@ def prepare_recovery(size_mb: int, work: str, disk: str, s3_url: Optional[str]) 
     owner = MemoryStore(memory_root(nodes[0]), key, rank=0, world_size=2, asynchronous=False)
     nbytes = owner.save(state, step=STEP, seq=SEQ, run=RUN)
     holder = MemoryStore(memory_root(nodes[1]), key, rank=1, world_size=2, asynchronous=False)
+    holder.save(state, step=STEP, seq=SEQ, run=RUN)  # node 1's own rank, at the same save
     replica = install_replica(holder, owner.path, 0)
     owner.free()
     shutil.rmtree(nodes[0])  # node 0 is lost: its memory dir with it
     io = SafetensorsCheckpointIO()
-    durable = os.path.join(durable_dir, "step=100.ckpt")
+    durable = os.path.join(durable_dir, f"step={DURABLE_STEP}.ckpt")
     io.save_checkpoint(state, durable)
     if s3_url is not None:
         io.save_checkpoint(state, s3_url)
@@ -135,7 +139,7 @@ def recovery_worker(
     store = MemoryStore(memory_root(spec["nodes"][rank]), spec["key"], rank=rank, world_size=2, asynchronous=False)
     remote = [S3, RAW_S3] if spec["s3"] else []
     times: Dict[str, List[float]] = {name: [] for name in [REPLICA, BARE, COLD, WARM, *remote]}
-    times.update({"transfer + install": [], "verified load": []})
+    times.update({OFFERS: [], CARRY_OUT: []})
     for r in range(repeats):
         sources = [REPLICA, BARE, COLD, WARM] + (remote if r < s3_repeats else [])
         order = sources[r % len(sources) :] + sources[: r % len(sources)]
@@ -155,15 +159,14 @@ def recovery_worker(
 
 def recover_once(source: str, rank: int, store: MemoryStore, spec: Dict[str, Any], group, bare) -> Dict[str, float]:
     """One recovery from ``source``: on rank 0 the seconds (and phases), on rank 1 its part of the transfer."""
-    if source in (REPLICA, BARE):
-        peer = spec["replica"]
+    if source == REPLICA:
+        measured = recover_from_peers(store, group)
+        return measured if rank == 0 else {}
+    if source == BARE:
         if rank == 1:
-            if source == REPLICA:
-                send_replica(store, 0, group)
-            else:
-                bare_send(peer, 0, bare)
+            bare_send(spec["replica"], 0, bare)
             return {}
-        return recover_from_peer(store, group) if source == REPLICA else {BARE: bare_recv_timed(spec["nodes"][0], bare)}
+        return {BARE: bare_recv_timed(spec["nodes"][0], bare)}
     if rank == 1:
         return {}
     if source == COLD:
@@ -176,17 +179,25 @@ def recover_once(source: str, rank: int, store: MemoryStore, spec: Dict[str, Any
     return {RAW_S3: raw_get(spec["s3"])}
 
 
-def recover_from_peer(store: MemoryStore, group) -> Dict[str, float]:
-    """Receive rank 0's snapshot from the peer, install it as this rank's own, load it verified."""
+def recover_from_peers(store: MemoryStore, group) -> Dict[str, float]:
+    """Both ranks, as ``MemoryTier.choose`` recovers: each offers what its memory holds, verified
+    (``memory.peers.offer``: the holder loads its own snapshot and the replica); the offers are gathered and
+    planned (``memory.recover.plan_recovery``); the plan is carried out (``memory.peers.carry_out``: the holder
+    streams the replica, the owner installs it as its own snapshot and loads it verified). Times on rank 0."""
     started = time.perf_counter()
-    receive_snapshot(store, 1, group)
-    received = time.perf_counter()
-    snapshot = store.load(RUN)
+    owners = [o for o in store.replica_owners() if o != store.rank]
+    mine, offered = peers.offer(store, RUN, owners, DURABLE_STEP)
+    offers = collective.gather(offered)
+    plan = plan_recovery(offers, 2, max(o.durable_step for o in offers))
+    planned = time.perf_counter()
+    assert isinstance(plan, RecoveryPlan) and plan.transfers == ((1, 0),), plan
+    snapshot, problems = peers.carry_out(plan, store, group, RUN, mine)
     done = time.perf_counter()
-    assert snapshot is not None and snapshot.step == STEP and snapshot.seq == SEQ, snapshot
-    del snapshot
-    store.free()  # the next repeat installs it again
-    return {REPLICA: done - started, "transfer + install": received - started, "verified load": done - received}
+    assert not problems and snapshot is not None and (snapshot.step, snapshot.seq) == (STEP, SEQ), problems
+    del snapshot, mine
+    if store.rank == 0:
+        store.free()  # the next repeat receives it again
+    return {REPLICA: done - started, OFFERS: planned - started, CARRY_OUT: done - planned}
 
 
 def timed_load(path: str) -> float:
@@ -219,22 +230,6 @@ def drop_cached(path: str) -> None:
 
 
 # ---------------------------------------------------------- the transfer: the product's (memory.transport) and bare
-
-
-def send_replica(holder: MemoryStore, owner: int, group) -> None:
-    """The holder's side of a recovery: its replica of ``owner``'s snapshot, as it is now, to ``owner``."""
-    fd = holder.open_committed(replica_name(owner, holder.world_size))
-    assert fd is not None
-    try:
-        transport.send_file(fd, owner, group, record=(SEQ, STEP))
-    finally:
-        os.close(fd)
-
-
-def receive_snapshot(store: MemoryStore, src: int, group) -> None:
-    """The owner's side: receive its snapshot from ``src`` and install it as its own file (as recovery does)."""
-    installed = transport.recv_file(src, group, lambda nbytes, chunks: store.write_received(store.name, nbytes, chunks))
-    assert installed is not None
 
 
 def bare_send(path: str, dst: int, group) -> int:
@@ -516,7 +511,7 @@ def run_recovery(args: argparse.Namespace) -> Tuple[Dict[str, List[float]], floa
 
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             fsspec.filesystem("s3").mkdir(bucket)
-            s3_url = f"s3://{bucket}/step=100.ckpt"
+            s3_url = f"s3://{bucket}/step={DURABLE_STEP}.ckpt"
         spec = prepare_recovery(args.size_mb, work, disk, s3_url)
         said = f"{args.repeats} repeats ({min(args.repeats, args.s3_repeats)} with S3)"
         print(f"recovery: a {spec['nbytes'] / 2**20:.0f} MiB snapshot, {said}, load {_load()}")

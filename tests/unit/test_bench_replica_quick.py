@@ -26,8 +26,10 @@ def test_bench_replica_quick_runs_both_parts() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     lines = done.stdout.strip().splitlines()
     rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
-    for row in ("peer replica", "local durable, cold", "local durable, warm", "verified load", "calm"):
+    expected = ["peer replica (recovery)", "local durable, cold", "local durable, warm", "bare transfer (limit)"]
+    for row in [*expected, "calm"]:
         assert row in rows, done.stdout
     assert "bare in flight (limit)" in rows and "replica in flight" in rows, done.stdout
+    assert "replicator on: True" in done.stdout and " 0 transfers timed" not in done.stdout, done.stdout
     assert lines[-1].startswith("VERDICT: "), done.stdout
     assert "faster than S3" in lines[-1] or "S3 rows skipped" in done.stdout, done.stdout

@@ -358,7 +358,7 @@ class TransferLog:
     header arrived: the sink's call, not the wait for it)."""
 
     def __init__(self) -> None:
-        self.spans: List[List[float]] = []
+        self.spans: List[List[Any]] = []  # start, end, "send" or "recv"
 
     def install(self) -> bool:
         try:
@@ -374,7 +374,7 @@ class TransferLog:
             try:
                 return send(*args, **kwargs)
             finally:
-                self.spans.append([started, time.perf_counter()])
+                self.spans.append([started, time.perf_counter(), "send"])
 
         def timed_recv(src, group, sink, *args, **kwargs):
             def timed_sink(nbytes, chunks):
@@ -382,7 +382,7 @@ class TransferLog:
                 try:
                     return sink(nbytes, chunks)
                 finally:
-                    self.spans.append([started, time.perf_counter()])
+                    self.spans.append([started, time.perf_counter(), "recv"])
 
             return recv(src, group, timed_sink, *args, **kwargs)
 
@@ -457,17 +457,24 @@ def fit_worker(node: int, work: str, params_mb: float, steps: int, every: int, r
 KINDS = ("calm", "snapshot step", "replica in flight", "local write only", "bare in flight (limit)")
 
 
-def classify(run: Dict[str, Any]) -> Dict[str, List[float]]:
-    """Each step (one batch start to the next) by what ran beside it. The first transfer of each kind (its
-    buffers new) and the steps beside both kinds at once are left out."""
+def classify(run: Dict[str, Any]) -> tuple[Dict[str, List[float]], Dict[str, int]]:
+    """Each step (one batch start to the next) by what ran beside it, and the transfers (rounds) counted. Steps
+    before the second snapshot (the first snapshot and transfer of each kind: buffers new) and the steps beside
+    both kinds of transfer at once are left out."""
     starts = run["starts"]
     steps = [(a, b) for a, b in zip(starts, starts[1:])]
-    replica, bare = sorted(run["replica"]), sorted(run["bare"])
-    first = [s for spans in (replica[:1], bare[:1]) for s in spans]
+    warmup = run["snapshots"][1] if len(run["snapshots"]) > 1 else len(steps)
+    since = starts[min(warmup, len(starts) - 1)]
+    replica = [(s, e) for s, e, _ in run["replica"]]
+    bare = [(s, e) for s, e in run["bare"]]
+    rounds = {
+        "replica in flight": sum(1 for s, _, kind in run["replica"] if kind == "send" and s >= since),
+        "bare in flight (limit)": sum(1 for s, _ in bare if s >= since),
+    }
     kinds: Dict[str, List[float]] = {name: [] for name in KINDS}
     for i, (a, b) in enumerate(steps):
         beside = lambda spans: any(s < b and e > a for s, e in spans)
-        if i < 3 or beside(first) or (beside(replica) and beside(bare)):
+        if i < warmup or (beside(replica) and beside(bare)):
             continue
         if i in run["snapshots"]:
             kind = "snapshot step"
@@ -480,16 +487,21 @@ def classify(run: Dict[str, Any]) -> Dict[str, List[float]]:
         else:
             kind = "calm"
         kinds[kind].append(b - a)
-    return kinds
+    return kinds, rounds
 
 
 def analyse_steps(run: Dict[str, Any]) -> Dict[str, Any]:
-    """Each kind of step over the calm step's median."""
-    kinds = classify(run)
+    """Each kind of step over the calm step's median; for the transfers, the time lost per transfer (the sum over
+    the steps beside them of step - calm, over the transfers) in calm steps."""
+    kinds, rounds = classify(run)
     calm = statistics.median(kinds["calm"]) if kinds["calm"] else float("nan")
     out: Dict[str, Any] = {"calm_s": calm}
     for name, v in kinds.items():
-        out[name] = {"n": len(v), "ratio": _med(v) / calm if v else None, "mean": _mean(v) / calm if v else None}
+        row = {"n": len(v), "ratio": _med(v) / calm if v else None, "mean": _mean(v) / calm if v else None}
+        if rounds.get(name):
+            row["rounds"] = rounds[name]
+            row["lost"] = sum(t - calm for t in v) / rounds[name] / calm
+        out[name] = row
     return out
 
 
@@ -623,14 +635,15 @@ def report_steps(run: Dict[str, Any], analysed: Dict[str, Any]) -> None:
     print(f"state ~{run['state_mb']:.0f} MB, replicator on: {run['replicator']}, {len(run['replica'])} transfers timed,"
           f" {len(run['bare'])} bare exchanges, last replica transfer: {said};")  # fmt: skip
     print(f"calm step {analysed['calm_s'] * 1000:.1f} ms (median), load {_load()}")
-    print("| step (node 0) | n | median / calm | mean / calm |")
-    print("|---|---|---|---|")
+    print("| step (node 0) | n | median / calm | mean / calm | transfers | lost per transfer, in calm steps |")
+    print("|---|---|---|---|---|---|")
     for name, row in analysed.items():
         if name == "calm_s":
             continue
         med = "-" if row["ratio"] is None else f"{row['ratio']:.3f}x"
         mean = "-" if row["mean"] is None else f"{row['mean']:.3f}x"
-        print(f"| {name} | {row['n']} | {med} | {mean} |")
+        lost = f"| {row['rounds']} | {row['lost']:.2f} |" if "lost" in row else "| | |"
+        print(f"| {name} | {row['n']} | {med} | {mean} {lost}")
 
 
 def verdict(recovery: Optional[Dict[str, float]], steps: Optional[Dict[str, Any]]) -> str:

@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning_resume.errors import ExactResumeWarning, ReplicaTransferError, byte_size
 from lightning_resume.memory import topology, transport
 from lightning_resume.memory.store import Committed, MemoryStore, NotEnoughSharedMemory, replica_name
+from lightning_resume.threads import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +82,14 @@ class Replicator:
         self._pending: Optional[_Pending] = None
         self._changed = threading.Condition()
         self._stopping = False
+        self._stopping_by_force = False  # the group was cut: the errors it causes are not news
         self._sender = threading.Thread(target=self._send_loop, name="lightning-resume-replica-send", daemon=True)
         self._receivers = [
             threading.Thread(target=self._receive_loop, args=(o,), name=f"lightning-resume-replica-{o}", daemon=True)
             for o in self.owners
         ]
         self._started = False
+        self._failed_owners: set[int] = set()  # owners whose replica could not be written here (warned once)
 
     def start(self) -> None:
         """Start the sender and the receivers (every rank, once the group exists)."""
@@ -115,6 +118,7 @@ class Replicator:
             return None if self._stopping and pending is None else pending
 
     def _send_loop(self) -> None:
+        lower_thread_priority()  # as the snapshot's writer: training's threads get the cores first
         try:
             going = True
             while going and (pending := self._next()) is not None:
@@ -124,6 +128,8 @@ class Replicator:
                     os.close(pending.fd)
             self._say_nothing()  # the holders' receivers end on it
         except ReplicaTransferError as err:
+            if self._stopping_by_force:
+                return
             self._disable(f"replication stopped ({err}); the local memory tier stays on")
             self._say_nothing(but=err.peer)  # the other holders' receivers still end
         except Exception as err:  # noqa: BLE001 - a daemon thread: reported, never raised into training
@@ -161,12 +167,13 @@ class Replicator:
                     log.debug("memory tier: could not tell rank %d that replication ends: %s", holder, err)
 
     def _receive_loop(self, owner: int) -> None:
+        lower_thread_priority()
         buffer = torch.empty(transport.CHUNK, dtype=torch.uint8)  # pages only where a chunk is received
         try:
             while (answer := transport.recv_file(owner, self.group, self._sink(owner), buffer)) is not None:
                 _send_ack(owner, self.group, answer)
         except ReplicaTransferError as err:
-            if not self._stopping:
+            if not self._stopping_by_force:
                 _warn(f"ExactResume: no more replicas of rank {owner} this run: {err}")
         except Exception as err:  # noqa: BLE001 - a daemon thread: reported, never raised into training
             _warn(f"ExactResume: receiving rank {owner}'s replicas failed ({type(err).__name__}: {err})")
@@ -180,7 +187,9 @@ class Replicator:
             except NotEnoughSharedMemory as err:
                 return REFUSED, err.needed, err.free  # the owner says it, once
             except OSError as err:
-                _warn(f"ExactResume: rank {owner}'s replica could not be written to {self.store.directory}: {err}")
+                if owner not in self._failed_owners:  # said once; each later snapshot tries again
+                    self._failed_owners.add(owner)
+                    _warn(f"ExactResume: rank {owner}'s replica could not be written to {self.store.directory}: {err}")
                 return FAILED, nbytes, 0
             self.received += 1
             return STORED, nbytes, 0
@@ -198,9 +207,11 @@ class Replicator:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S, quiet: bool = False) -> bool:
         """End replication: the transfer in flight finishes, a pending snapshot is dropped, every holder hears
-        "nothing", and the replicas owed to this rank end as their owners stop. ``False`` (warned, unless
-        ``quiet``: after an exception the peers are still training) when a thread was still waiting after
-        ``timeout`` seconds; it is left behind as a daemon. Idempotent."""
+        "nothing", and the replicas owed to this rank end as their owners stop (``quiet``, after an exception:
+        they are not waited for, the peers still train). A thread still waiting after ``timeout`` seconds (or,
+        ``quiet``, a receiver at all) is cut off by closing the group (``transport.break_group``): no thread may
+        wait in gloo when the interpreter exits. ``False`` when one had to be cut (warned unless ``quiet``).
+        Idempotent."""
         with self._changed:
             self._stopping = True
             dropped, self._pending = self._pending, None
@@ -210,21 +221,28 @@ class Replicator:
         if not self._started:
             return True
         deadline = time.monotonic() + timeout
-        left: List[str] = []
-        for thread in (self._sender, *self._receivers):
+        self._sender.join(timeout)  # it tells the holders "nothing"
+        for thread in [] if quiet else self._receivers:  # they end as their owners stop
             thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                left.append(thread.name)
+        left = [t.name for t in (self._sender, *self._receivers) if t.is_alive()]
+        if left:
+            self._stopping_by_force = True
+            transport.break_group(self.group)  # no thread may still wait in gloo when the interpreter exits
+            for thread in (self._sender, *self._receivers):
+                thread.join(QUIET_STOP_TIMEOUT_S)
         if left and not quiet:
             _warn(
                 f"ExactResume: replica transfers {left} did not end within {timeout:.0f}s of the end of training"
-                " (a peer rank hangs or ended without a word); left behind, the local memory tier is unaffected"
+                " (a peer rank hangs or ended without a word); they were cut, the local memory tier is unaffected"
             )
         return not left
 
 
 def _send_ack(owner: int, group: Any, answer: tuple[int, int, int]) -> None:
-    dist.send(torch.tensor(answer, dtype=torch.int64), owner, group=group, tag=ACK_TAG)
+    try:
+        dist.send(torch.tensor(answer, dtype=torch.int64), owner, group=group, tag=ACK_TAG)
+    except RuntimeError as err:
+        raise ReplicaTransferError(owner, f"the acknowledgement could not be sent: {err}") from err
 
 
 def _receive_ack(holder: int, group: Any) -> tuple[int, int, int]:
@@ -254,12 +272,14 @@ class Ring:
 
 def ring(option: Optional[int], num_nodes: int, rank: int, world_size: int, previous: Ring = Ring()) -> Ring:
     """Every rank, at setup: the replication of a run on ``num_nodes`` nodes (``ConfigurationError`` for a replica
-    count no ring can place). The transfer group is made here, collectively, when there are replicas (kept from
-    ``previous``, an earlier fit of the same world, when it had one)."""
+    count no ring can place). The transfer group is made here, collectively, when there are replicas; the one
+    of ``previous`` (an earlier fit's) is destroyed first."""
     replicas = topology.resolve_replicas(option, num_nodes)
+    if previous.group is not None:  # an earlier fit's, perhaps cut at its end (transport.break_group)
+        dist.destroy_process_group(previous.group)
     if replicas == 0:
         return Ring()
-    group = previous.group if previous.group is not None else transport.transfer_group()
+    group = transport.transfer_group()
     holders = topology.replica_holders(rank, world_size, num_nodes, replicas)
     owners = topology.replicas_held(rank, world_size, num_nodes, replicas)
     return Ring(replicas, tuple(holders), tuple(owners), group)

@@ -238,6 +238,8 @@ class MemoryTier:
         """This fit's replicator, on the store of the root chosen (once per fit: a stop tells the holders)."""
         replication.stop(self.replicator, quiet=True)
         self.replicator = replication.start(self.store, self.ring)
+        if self.replicator is not None:
+            rank_zero_info(f"ExactResume: each rank's memory snapshots also go to {self.replicas} other node(s)")
 
     @property
     def replicas(self) -> int:

@@ -49,7 +49,12 @@ IDLE_TIMEOUT = timedelta(hours=24)
 """How long a receive on the transfer group may wait: a receiver waits for the next snapshot between saves,
 which may be far apart. A peer that ends closes its connection, which ends the wait at once."""
 
+BREAK_TAG = 0x4C52
+"""Tag nothing is ever sent with: :func:`break_group` waits on it to close the group's connections."""
+
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+_broken: list[tuple[Any, torch.Tensor]] = []  # groups cut by break_group, with the buffer gloo still points at
 
 
 def transfer_group(timeout: timedelta = IDLE_TIMEOUT) -> Any:
@@ -197,3 +202,23 @@ def recv_file(
         raise
     chunks.drain()
     return result
+
+
+def break_group(group: Any) -> None:
+    """Close ``group``'s connections now, so that every send and receive waiting on it, here and on its peers,
+    fails at once ("Application timeout caused pair closure" here, "Connection closed by peer" there). For an
+    end that cannot wait for the peers' last word: a thread still waiting in gloo when the interpreter exits
+    is woken during finalization when a peer ends, and aborts the process. The group is unusable afterwards;
+    the job's other groups are untouched. Gloo closes a context whose receive times out; this makes one time
+    out at once, on a tag nothing is sent with."""
+    if group is None or dist.get_world_size(group) < 2:
+        return
+    peer = (dist.get_rank(group) + 1) % dist.get_world_size(group)
+    dummy = torch.zeros(1, dtype=torch.uint8)
+    _broken.append((group, dummy))  # gloo keeps a pointer to the buffer of the receive it gave up
+    work = dist.irecv(dummy, peer, group=group, tag=BREAK_TAG)
+    try:
+        if work is not None:  # None only on a rank outside the group
+            work.wait(timedelta(milliseconds=1))
+    except RuntimeError:
+        return  # the timeout: the group is closed

@@ -1,10 +1,12 @@
 """One "node" of a two-node Lightning fit on 127.0.0.1 (DDP on gloo, one rank per node, a memory dir per node)
 with the replicated memory tier: memory snapshots every step, replicas on the other node.
 
-Usage: replica_fit_job.py DIR, with NODE_RANK, LOCAL_RANK=0, MASTER_ADDR, MASTER_PORT set (the processes are
-started from outside, as torchrun or SLURM start them). At step ``CHECK_AT``, once this rank's newest snapshot
+Usage: replica_fit_job.py DIR PER_NODE [CRASH_STEP], with NODE_RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set (the
+processes are started from outside, as torchrun or SLURM start them; PER_NODE ranks on each node). At step ``CHECK_AT``, once this rank's newest snapshot
 has been acknowledged by its holder and both ranks got there, each rank compares the replica its node holds with
-the other node's own snapshot and writes what it found to ``DIR/check-rank<R>.txt``; then training ends cleanly.
+the other node's own snapshot and writes what it found to ``DIR/check-rank<R>.txt``; then training ends cleanly
+(freeing every snapshot and replica),
+or, given CRASH_STEP, rank 0 raises at that step (the exception path: replication stops without waiting long).
 """
 
 from __future__ import annotations
@@ -45,17 +47,29 @@ class CompareReplicas(Callback):
             assert time.monotonic() < deadline, "the newest snapshot was never acknowledged by its holder"
             time.sleep(0.01)
         trainer.strategy.barrier()  # both replicas written; no rank snapshots again before the next barrier
-        rank, other = trainer.global_rank, 1 - trainer.global_rank
-        replica = Path(memory.store.replica_path(other))
-        theirs = Path(memory_root(str(self.out / f"node{other}"))) / memory.store.key / f"rank-{other}-of-2.safetensors"
+        rank, world, (owner,) = trainer.global_rank, trainer.world_size, memory.ring.owners
+        replica = Path(memory.store.replica_path(owner))
+        node = owner // (world // trainer.num_nodes)
+        theirs = (
+            Path(memory_root(str(self.out / f"node{node}"))) / memory.store.key / f"rank-{owner}-of-{world}.safetensors"
+        )
         same = replica.read_bytes() == theirs.read_bytes()
         (self.out / f"check-rank{rank}.txt").write_text(
-            f"replicas {memory.replicas} same {same} seq {last.seq} step {last.step} bytes {last.nbytes}"
+            f"replicas {memory.replicas} of {owner} same {same} seq {last.seq} step {last.step} bytes {last.nbytes}"
         )
         trainer.strategy.barrier()
 
 
-def main(out: Path) -> None:
+class Crash(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def main(out: Path, per_node: int, crash: int) -> None:
     torch.set_num_threads(1)
     node = int(os.environ["NODE_RANK"])
     pl.seed_everything(0, verbose=False)
@@ -65,17 +79,15 @@ def main(out: Path) -> None:
     trainer = pl.Trainer(
         **QUIET,
         accelerator="cpu",
-        devices=1,
+        devices=per_node,
         num_nodes=2,
         strategy="ddp",
         max_steps=STEPS,
         limit_val_batches=0,
-        callbacks=[exact, CompareReplicas(exact, out), checkpoints],
+        callbacks=[exact, CompareReplicas(exact, out), checkpoints, Crash(crash)],
     )
     trainer.fit(TinyModel(), datamodule=TinyData(n=64))
-    left = sorted(p.name for p in (out / f"node{node}").rglob("*") if p.is_file())
-    (out / f"end-rank{trainer.global_rank}.txt").write_text(f"left {left}")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else -1)

@@ -31,6 +31,7 @@ def _slot(tmp_path: Path, node: int) -> Path:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended  # in make test, tests/integration/test_memory_tier_replicate_fit.py checks this in a fit
 def test_each_node_holds_the_others_newest_snapshot_byte_for_byte(tmp_path: Path) -> None:
     reports = _run(tmp_path, "ring")
     for rank, report in enumerate(reports):

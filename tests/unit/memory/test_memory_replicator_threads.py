@@ -71,6 +71,7 @@ def test_a_stop_that_a_hanging_peer_blocks_returns_after_its_timeout_with_a_warn
     never = threading.Event()
     monkeypatch.setattr(transport, "recv_file", lambda *a, **k: never.wait() and None)  # no "nothing" comes
     monkeypatch.setattr(transport, "send_file", lambda *a, **k: 0)
+    monkeypatch.setattr(replicate, "QUIET_STOP_TIMEOUT_S", 0.1)  # the join after the group is cut
     replicator = replicate.Replicator(_store(tmp_path), None, holders=[1], owners=[1])
     replicator.start()
     with pytest.warns(ExactResumeWarning, match=r"replica transfers \['lightning-resume-replica-1'\] did not end"):

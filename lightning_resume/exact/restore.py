@@ -473,8 +473,8 @@ class ResumeReport:
     """Where the run resumed from: ``"memory"`` (every rank's own memory-tier snapshot), ``"replica"`` (memory-tier
     snapshots, some rank's from a peer's replica: its node was lost; ``memory_sources`` says whose) or
     ``"durable"`` (a checkpoint file); ``None``: nothing restored."""
-    memory_sources: Optional[Mapping[int, int]] = None
-    """Resumed from the memory tier: for every rank ``r``, ``memory_sources[r]`` is the rank whose memory held its
+    memory_sources: Optional[tuple[int, ...]] = None
+    """Resumed from the memory tier: one entry per rank, ``memory_sources[r]`` the rank whose memory held rank ``r``'s
     state (``r`` itself, or the peer that held its replica: a rank of another node); ``None`` otherwise."""
     memory_tier: Optional[str] = None
     """Why the memory tier's snapshots were not used (they were taken on another world size); ``None``: no reason."""
@@ -514,9 +514,7 @@ class ResumeReport:
             if isinstance(value, BeforeAfter):
                 names = ("checkpoint", "now") if f.name == "world_size" else ("before", "after")
                 value = dict(zip(names, value, strict=True))
-            out[f.name] = (
-                list(value) if isinstance(value, tuple) else dict(value) if isinstance(value, Mapping) else value
-            )
+            out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
     def __getitem__(self, key: str) -> Any:
@@ -564,7 +562,7 @@ def as_launched(
     tier: Optional[str],
     memory_tier: bool,
     unsaved: list[str],
-    memory_sources: Optional[Mapping[int, int]] = None,
+    memory_sources: Optional[tuple[int, ...]] = None,
 ) -> ResumeReport:
     """The report of a launch: the ``source`` resumed from and, where something was restored, what the callback
     adds: the ``tier`` resumed from and from whose memory each rank's state came (``memory_sources``), why a

@@ -31,7 +31,7 @@ from lightning_resume.format.atomic import (
     fsync_file_and_dir,
     temp_name,
 )
-from lightning_resume.format.read import load_file
+from lightning_resume.io.resolve import header_value
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.protocols import AsyncCheckpointWriter, SnapshotTarget, StagingCheckpointIO
 from lightning_resume.storage import files as storage
@@ -117,19 +117,21 @@ def step_of_snapshot(name: str) -> Optional[int]:
 
 def written_as_snapshot(path: str) -> bool:
     """Whether ``path`` records that ExactResume wrote it as the snapshot of that name (``SNAPSHOT_KEY``). Read
-    without running code and without reading tensors (memory-mapped, unverified); any file that cannot be read
-    so, or lacks the record (a user's file, a snapshot of a version before the record), is not ours to delete."""
+    without running code and without reading tensors (the header of our format, a ``torch.save`` pickle with its
+    tensors mapped: ``io.resolve.header_value``; remotely, a ranged read of the header, not the whole file); any
+    file that cannot be read so, or lacks the record (a user's file, a snapshot of a version before the record),
+    is not ours to delete."""
     try:
         if storage.is_dir(path):
             from lightning_resume.sharded.api import load_meta  # DCP is imported only for sharded runs
 
-            checkpoint = load_meta(path)
+            record = (load_meta(path) or {}).get(SNAPSHOT_KEY)
+            name = record.get("name") if isinstance(record, dict) else None
         else:
-            checkpoint = load_file(path, verify=False, lenient=True, mmap=True).checkpoint
+            name = header_value(path, (SNAPSHOT_KEY, "name"))
     except Exception:  # noqa: BLE001 - an unreadable file is simply not proven ours
         return False
-    record = checkpoint.get(SNAPSHOT_KEY) if isinstance(checkpoint, dict) else None
-    return isinstance(record, dict) and record.get("name") == storage.basename(path)
+    return isinstance(name, str) and name == storage.basename(path)
 
 
 def remove_superseded(trainer: pl.Trainer) -> list[str]:

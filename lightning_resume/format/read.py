@@ -278,20 +278,27 @@ def verify_local(path: str) -> None:
     run on those, unknown classes decode leniently).
     """
     with open(local_path(path), "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(9)
-        if not _is_safetensors_head(path, head):
-            raise CheckpointCorruptError(path, "not a safetensors checkpoint", "safetensors", "torch.save")
-        n = framing.header_length(path, head, size)
-        header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
-        record, tree_json = _checked_metadata(path, header)
-        ordered = sorted(header.entries.values(), key=lambda e: e.begin)  # entries tile the data in order
-        check, scratch = integrity.DataCheck(path, record), memoryview(bytearray(CHUNK))
-        for e in ordered:
-            _read_tensor(path, f, e, scratch, check, reuse=True)
-        check.finish()
+        verify_open(path, f)
+
+
+def verify_open(path: str, f: Any) -> Dict[str, Any]:
+    """:func:`verify_local` of a file open for reading from its start (``path`` names it in messages: e.g. a file
+    reached through a directory's descriptor). Returns the checkpoint's tree, each tensor a 1-element stand-in of
+    its dtype and shape: the values beside the tensors, read with no tensor's bytes kept."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(9)
+    if not _is_safetensors_head(path, head):
+        raise CheckpointCorruptError(path, "not a safetensors checkpoint", "safetensors", "torch.save")
+    n = framing.header_length(path, head, size)
+    header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
+    record, tree_json = _checked_metadata(path, header)
+    ordered = sorted(header.entries.values(), key=lambda e: e.begin)  # entries tile the data in order
+    check, scratch = integrity.DataCheck(path, record), memoryview(bytearray(CHUNK))
+    for e in ordered:
+        _read_tensor(path, f, e, scratch, check, reuse=True)
+    check.finish()
     stand_ins = {e.name: torch.zeros((), dtype=framing.DTYPES[e.dtype]).expand(e.shape) for e in ordered}
-    _decode_tree(path, tree_json, stand_ins, lenient=True)
+    return _decode_tree(path, tree_json, stand_ins, lenient=True)
 
 
 CHUNK = 1 << 18

@@ -1,7 +1,7 @@
 """Recovery from peers at a relaunch, the mechanism: what a rank's memory holds, and moving a replica to its owner.
 
 :func:`offer` loads this rank's own snapshot and the replicas it holds for other ranks, each verified (every
-digest, and the record's run, rank and world size: ``MemoryStore.load``/``load_replica``), and describes them
+digest, and the record's run, rank and world size: ``MemoryStore.load``/``check_replica``), and describes them
 to the policy (``memory.recover``); what does not verify is warned, named in the offer, and never used.
 :func:`carry_out` does this rank's part of a plan: the transfers, in the plan's order, each rank sending the
 replicas it holds to their owners (``memory.transport``: streamed in bounded chunks from the file) and
@@ -36,16 +36,15 @@ def offer(
     store: MemoryStore, run: str, owners: Iterable[int], durable_step: int
 ) -> tuple[Optional[MemorySnapshot], RankOffer]:
     """This rank's own verified snapshot of ``run`` (kept: it is likely the state this rank resumes) and its offer:
-    that snapshot's record, the records of the verified replicas it holds of ``owners`` (each loaded, checked
-    and dropped, one at a time), the ones refused, and ``durable_step``."""
+    that snapshot's record, the records of the verified replicas it holds of ``owners`` (``check_replica``: every
+    digest read a chunk at a time, no tensor kept), the ones refused, and ``durable_step``."""
     own, refused = _load(store, store.rank, store.path, lambda: store.load(run))
     replicas = []
     for owner in owners:
-        replica, refusals = _load(store, owner, store.replica_path(owner), lambda o=owner: store.load_replica(o, run))
+        replica, refusals = _load(store, owner, store.replica_path(owner), lambda o=owner: store.check_replica(o, run))
         refused += refusals
-        if replica is not None:
+        if replica is not None:  # verified a chunk at a time: no replica's tensors are held
             replicas.append(_held(owner, replica))
-        del replica  # its tensors: one replica in memory at a time
     mine = None if own is None else _held(store.rank, own)
     return own, RankOffer(store.rank, mine, tuple(replicas), tuple(refused), durable_step)
 

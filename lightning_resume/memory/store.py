@@ -392,7 +392,14 @@ class MemoryStore:
         what = f"not rank {owner}'s memory-tier snapshot of this slot and run"
         return self._load(replica_name(owner, self.world_size), owner, run, what)
 
-    def _load(self, name: str, rank: int, run: str, what: str) -> Optional[MemorySnapshot]:
+    def check_replica(self, owner: int, run: str) -> Optional[MemorySnapshot]:
+        """:meth:`load_replica` without keeping the tensors: every checksum verified from plain reads, one chunk at
+        a time, and the record checked; the snapshot's ``checkpoint`` holds 1-element stand-ins for its tensors.
+        What a holder offers at a relaunch, in the memory of a chunk, whatever the replica's size."""
+        what = f"not rank {owner}'s memory-tier snapshot of this slot and run"
+        return self._load(replica_name(owner, self.world_size), owner, run, what, stand_ins=True)
+
+    def _load(self, name: str, rank: int, run: str, what: str, stand_ins: bool = False) -> Optional[MemorySnapshot]:
         slot = self._slot(create=False)
         if slot is None:
             return None
@@ -402,7 +409,7 @@ class MemoryStore:
         except FileNotFoundError:
             return None
         with os.fdopen(fd, "rb", buffering=0) as f:
-            loaded = read.load_open(shown, f, verify=True).checkpoint
+            loaded = read.verify_open(shown, f) if stand_ins else read.load_open(shown, f, verify=True).checkpoint
         record = loaded.pop(MEMORY_KEY, None)
         expected = {"slot": self.key, "rank": rank, "world_size": self.world_size, "run": run}
         if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):

@@ -4,10 +4,12 @@ The store (``memory.store``) keeps one verified file per rank in this user's pri
 Here: the run's slot is named by the durable checkpoint directory, and the run by an id that every
 checkpoint carries (``RUN_KEY`` in ``ExactResume``'s state): made at a fresh start, kept across resumes. A
 snapshot is the trainer's full checkpoint dict, built on every rank; on ``fit(ckpt_path="last")`` the memory
-tier replaces the durable checkpoint Lightning resolved when every rank holds a verified snapshot of that
-checkpoint's run, of the same step and save sequence, newer (by global step) than that checkpoint.
-Otherwise every rank falls back to disk together, and the snapshots that are not the resume source are
-dropped, so a later resume never goes back to another line of training. A checkpoint directory emptied by
+tier replaces the durable checkpoint Lightning resolved when every rank can obtain a verified snapshot of that
+checkpoint's run, of the same step and save sequence, newer (by global step) than that checkpoint: its own,
+or (its node lost) the replica a peer node holds, streamed to it and verified (``memory.recover`` decides,
+``memory.peers`` moves it). Otherwise every rank falls back to disk together, "last" then verified in full
+(it read only headers while the memory tier was asked first: ``retention.last``), and the snapshots that are
+not the resume source are dropped, so a later resume never goes back to another line of training. A checkpoint directory emptied by
 hand holds no run id, so the next start is a new run, whatever shared memory still holds. When another
 user holds the name of this user's root first (a directory, a file, a link), the run's snapshots go to a
 fallback root of a random name (``store.fallback_root``), said once; its token travels in every checkpoint
@@ -85,7 +87,7 @@ class MemoryTier:
         self.run: Optional[str] = None
         self.seq = 0
         self.resumed_tier: Optional[str] = None
-        self.sources: Optional[dict[int, int]] = None  # rank -> the rank whose memory held its resumed state
+        self.sources: Optional[tuple[int, ...]] = None  # per rank, the rank whose memory held its resumed state
         self._group: Any = None  # the transfer group of a recovery from peers
         self.warned_full = False
         self.dumping = False
@@ -152,7 +154,7 @@ class MemoryTier:
             return restored
         # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
         _exact_state(snapshot.checkpoint)["saved_at"] = outcome.saved_at
-        self.seq, self.run, self.sources = snapshot.seq, run, dict(enumerate(outcome.sources))
+        self.seq, self.run, self.sources = snapshot.seq, run, outcome.sources
         self.resumed_tier = REPLICA if outcome.from_peers else MEMORY
         moved = "".join(f"; rank {o}'s state from rank {h}'s memory" for h, o in outcome.transfers)
         rank_zero_info(

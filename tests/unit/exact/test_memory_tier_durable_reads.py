@@ -90,7 +90,7 @@ def test_a_memory_tier_resume_does_not_read_the_durable_checkpoint(tmp_path: Pat
         warnings.simplefilter("error", SkippedCheckpointWarning)  # no durable file was verified: none skipped
         resumed = _fit(tmp_path, shm, safetensors)
     assert resumed.resume_report.tier == "memory" and resumed.resume_report.step == 10
-    assert resumed.resume_report.memory_sources == {0: 0}
+    assert resumed.resume_report.memory_sources == (0,)
     assert resumed.resume_report.exact and resumed.resume_report.fingerprint_ok
 
 
@@ -105,3 +105,26 @@ def test_without_the_memory_snapshot_last_is_verified_in_full(tmp_path: Path, sh
         resumed = _fit(tmp_path, shm, safetensors)
     assert resumed.resume_report.tier == "durable" and resumed.resume_report.step == 4
     assert "step=4" in str(resumed.resume_report.source) and resumed.resume_report.memory_sources is None
+
+
+def test_a_superseded_snapshot_is_proven_ours_from_its_header(tmp_path: Path) -> None:
+    """The previous snapshot goes once the new one is durable, if it records being that snapshot: the record is
+    read from the header (remotely a ranged read; before, the whole file was fetched, so a relaunch from memory
+    read the durable checkpoint in full at its first durable save: tests/integration/test_memory_tier_replicas.py
+    counts those bytes), for both formats; a file naming another snapshot, or none, is not ours."""
+    import torch
+
+    from lightning_resume.exact.snapshots import SNAPSHOT_KEY, written_as_snapshot
+    from lightning_resume.format.write import save_file
+
+    name = "last-snapshot-step=000000006.ckpt"
+    state = {"global_step": 6, "w": torch.ones(4), SNAPSHOT_KEY: {"name": name}}
+    ours, theirs, torch_file = tmp_path / "a" / name, tmp_path / name, tmp_path / "t" / name
+    for path in (ours, torch_file):
+        path.parent.mkdir()
+    save_file(state, str(ours))
+    save_file({**state, SNAPSHOT_KEY: {"name": "other"}}, str(theirs))
+    torch.save(state, torch_file)
+    _damage_tensor_bytes(ours)  # its tensors are not read: the record in the header decides
+    assert written_as_snapshot(str(ours)) and written_as_snapshot(str(torch_file))
+    assert not written_as_snapshot(str(theirs)) and not written_as_snapshot(str(tmp_path / "missing.ckpt"))

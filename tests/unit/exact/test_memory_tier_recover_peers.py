@@ -8,6 +8,7 @@ both nodes. The kill-and-resume runs of whole fits are in ``tests/integration/te
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -51,15 +52,13 @@ def _durable_line(got: list[dict]) -> str:
 @pytest.mark.multiprocess
 def test_every_rank_with_its_own_snapshot_resumes_from_it(chosen) -> None:
     got = chosen["own"]
-    assert [(g["tier"], g["sources"], g["step"], g["weights_equal"]) for g in got] == [
-        ("memory", {"0": 0, "1": 1}, 8, True)
-    ] * 2
+    assert [(g["tier"], g["sources"], g["step"], g["weights_equal"]) for g in got] == [("memory", [0, 1], 8, True)] * 2
     assert "resuming from the memory tier at step 8 (durable: step 6)" in got[0]["lines"][0]
 
 
 @pytest.mark.multiprocess
 def test_a_lost_nodes_rank_gets_its_state_from_the_peers_replica(chosen) -> None:
-    for lost, sources in (("node1_lost", {"0": 0, "1": 0}), ("node0_lost", {"0": 1, "1": 1})):
+    for lost, sources in (("node1_lost", [0, 0]), ("node0_lost", [1, 1])):
         got = chosen[lost]
         assert [(g["tier"], g["sources"], g["step"], g["weights_equal"]) for g in got] == [
             ("replica", sources, 8, True)
@@ -100,3 +99,32 @@ def test_a_replica_damaged_on_the_way_fails_the_owners_check(chosen) -> None:
     line = _durable_line(chosen["damaged_in_transit"])
     assert "rank 1's replica on rank 0 (" in line and "failed verification after the transfer" in line
     assert "checksum mismatch" in line
+
+
+def test_a_holder_checks_a_replica_without_keeping_its_tensors(tmp_path: Path) -> None:
+    """What a rank offers of a replica is verified a chunk at a time: the tensors are 1-element stand-ins (a
+    holder of a large state does not load it to offer it), a damaged one is refused naming the file, and so is
+    the replica of another rank under this owner's name."""
+    import torch
+
+    from lightning_resume.errors import CheckpointCorruptError
+    from lightning_resume.memory.store import MemoryStore, memory_root, replica_name
+
+    root, key = memory_root(str(tmp_path)), "0123456789abcdef"
+    owner = MemoryStore(root + "-owner", key, rank=1, world_size=2, asynchronous=False)
+    owner.save({"global_step": 8, "w": torch.arange(1 << 16, dtype=torch.float32)}, step=8, seq=4, run="r")
+    holder = MemoryStore(root, key, rank=0, world_size=2, asynchronous=False)
+    data = Path(owner.path).read_bytes()
+    holder.write_received(replica_name(1, 2), len(data), [memoryview(data)])
+    checked = holder.check_replica(1, "r")
+    assert checked is not None and (checked.step, checked.seq, checked.path) == (8, 4, holder.replica_path(1))
+    w = checked.checkpoint["w"]
+    assert w.shape == (1 << 16,) and w.untyped_storage().nbytes() == 4  # a stand-in, not the 256 KiB
+    holder.write_received(replica_name(0, 2), len(data), [memoryview(data)])  # rank 1's bytes as rank 0's replica
+    with pytest.raises(CheckpointCorruptError, match="not rank 0's"):
+        holder.check_replica(0, "r")
+    damaged = bytearray(data)
+    damaged[-3] ^= 0xFF
+    holder.write_received(replica_name(1, 2), len(damaged), [memoryview(bytes(damaged))])
+    with pytest.raises(CheckpointCorruptError, match=r"replica-1-of-2\.safetensors.*checksum mismatch"):
+        holder.check_replica(1, "r")

@@ -6,12 +6,14 @@ One command, two parts, in the same run (``--only`` picks one):
 a 2-process gloo job on 127.0.0.1 (rank 0: the replaced node, its memory dir empty; rank 1: the peer holding
 rank 0's replica in its memory dir), ``--repeats`` times, the sources interleaved (order rotated per repeat):
 
-- *peer replica*: as recovery does it: the holder sends the replica file over the transfer group
-  (``memory.transport.send_file``), the owner receives it and installs it as its own snapshot
-  (``MemoryStore.write_received``), then loads it verified (``MemoryStore.load``: every digest, the record);
-  timed on the owner from the barrier before the transfer to the verified checkpoint in hand, and split into
-  transfer + install and verified load;
-- *local durable*: ``SafetensorsCheckpointIO().load_checkpoint`` of the same state on local disk, verified:
+- *peer replica*: the recovery as ``MemoryTier.choose`` runs it: both ranks offer what their memory holds, verified
+  (``memory.peers.offer``; rank 1 also holds its own snapshot of the same save), the offers are gathered and
+  planned (``memory.recover.plan_recovery``), and the plan is carried out (``memory.peers.carry_out``: the holder
+  streams the replica over the transfer group with ``memory.transport``, the owner installs it as its own
+  snapshot with ``MemoryStore.write_received`` and loads it verified); timed on rank 0 from the barrier before
+  the offers to its verified state in hand, and split into offers + plan and the carrying out;
+- *local durable*: ``SafetensorsCheckpointIO().load_checkpoint`` of the same state on local disk, verified, by
+  rank 0 alone (a lower bound for a durable recovery, where every rank reads at once):
   *cold* (the file's pages dropped from the page cache first with ``posix_fadvise(DONTNEED)``, as a relaunched
   process on another node finds it) and *warm* (read again at once, from the page cache: the hardest bar);
 - *S3*: the same load from the moto S3 server on 127.0.0.1 (``s3://``, through s3fs, as the product reads remote
@@ -38,7 +40,7 @@ at the limit measured beside it.
 The last line is the verdict. ``--quick`` is a small run that checks that the benchmark still works (a test
 runs it); its figures mean nothing.
 
-Usage: ``python benchmarks/bench_replica.py`` (~1 GB state, 3 repeats; a few minutes), ``--size-mb 256`` to
+Usage: ``python benchmarks/bench_replica.py`` (~1 GB state, 3 repeats; 7-11 minutes on a 2-core VM, most of it the S3 load on moto), ``--size-mb 256`` to
 shrink it, ``--quick``. Needs ``moto[server]`` and ``s3fs`` for the S3 row (skipped, said, without them).
 """
 

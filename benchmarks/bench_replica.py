@@ -40,8 +40,8 @@ at the limit measured beside it.
 The last line is the verdict. ``--quick`` is a small run that checks that the benchmark still works (a test
 runs it); its figures mean nothing.
 
-Usage: ``python benchmarks/bench_replica.py`` (~1 GB state, 3 repeats; 7-11 minutes on a 2-core VM, most of it the S3 load on moto), ``--size-mb 256`` to
-shrink it, ``--quick``. Needs ``moto[server]`` and ``s3fs`` for the S3 row (skipped, said, without them).
+Usage: ``python benchmarks/bench_replica.py`` (~1 GB state, 3 repeats; 7-11 minutes on a 2-core VM, most of it
+the S3 load on moto), ``--size-mb 256`` to shrink it, ``--quick``. Needs ``moto[server]`` and ``s3fs`` for the S3 row (skipped, said, without them).
 """
 
 from __future__ import annotations

@@ -10,5 +10,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # No test connects beyond 127.0.0.1/::1 (never the cloud metadata address): see tests/helpers/network.py.
 from tests.helpers import network  # noqa: E402
 from tests.helpers.s3 import s3_bucket, s3_server  # noqa: E402, F401
+from tests.helpers.shm import shm  # noqa: E402, F401
 
 network.install()

@@ -33,3 +33,14 @@ class SaveAt(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_step == self.step and not self.path.exists():  # type: ignore[attr-defined]
             trainer.save_checkpoint(self.path)  # type: ignore[arg-type]
+
+
+class CrashAt(pl.Callback):
+    """Raise ``RuntimeError("crash")`` at the start of the batch at global step ``step`` (on ``rank`` only, when given)."""
+
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            raise RuntimeError("crash")

@@ -6,16 +6,14 @@ Under DDP x2 both ranks resume from memory, or, when one rank's snapshot is miss
 from __future__ import annotations
 
 import shutil
-import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from lightning_resume.format.read import load_file
 from lightning_resume.memory import store as memory_tier
 from lightning_resume.schedule import history
-from lightning_resume.schedule.options import DEFAULT_MEMORY_DIR
 from lightning_resume.schedule.state import Tier
 from tests.helpers import kill_resume as h
 
@@ -28,13 +26,6 @@ EXTENDED = frozenset(
 
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 """Durable snapshots every 6 steps, memory ones every 2: killed at step 9, disk has step 6, memory step 8."""
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    root = Path(DEFAULT_MEMORY_DIR) / f"lightning-resume-test-{uuid.uuid4().hex[:8]}"
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _cfg(tmp_path: Path, shm: Path, devices: int = 1) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_resume import ExactResume, MemoryTierOptions, ScheduleOptions
 from lightning_resume.memory.store import memory_root
+from tests.helpers.callbacks import CrashAt
 from tests.helpers.models import QUIET, TinyData, TinyModel
 
 CHECK_AT, STEPS = 4, 6
@@ -60,15 +61,6 @@ class CompareReplicas(Callback):
         trainer.strategy.barrier()
 
 
-class Crash(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_rank == 0 and trainer.global_step == self.step:
-            raise RuntimeError("crash")
-
-
 def main(out: Path, per_node: int, crash: int) -> None:
     torch.set_num_threads(1)
     node = int(os.environ["NODE_RANK"])
@@ -84,7 +76,7 @@ def main(out: Path, per_node: int, crash: int) -> None:
         strategy="ddp",
         max_steps=STEPS,
         limit_val_batches=0,
-        callbacks=[exact, CompareReplicas(exact, out), checkpoints, Crash(crash)],
+        callbacks=[exact, CompareReplicas(exact, out), checkpoints, CrashAt(crash, rank=0)],
     )
     trainer.fit(TinyModel(), datamodule=TinyData(n=64))
 

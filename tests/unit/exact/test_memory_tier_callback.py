@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
-import uuid
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import lightning
 import pytest
@@ -16,23 +14,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO, ScheduleOptions
+from tests.helpers.callbacks import CrashAt
 from tests.helpers.models import TinyData, TinyMLP, TinyModel, tiny_trainer
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    root = Path("/dev/shm") / f"lightning-resume-unit-{uuid.uuid4().hex[:8]}"
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-class Crash(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("crash")
 
 
 def _fit(tmp_path: Path, shm: Path, ckpt_path, crash_at=None) -> ExactResume:
@@ -43,7 +26,7 @@ def _fit(tmp_path: Path, shm: Path, ckpt_path, crash_at=None) -> ExactResume:
         memory_tier=MemoryTierOptions(dir=str(shm), every_n_train_steps_max=2),
     )
     callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
-    callbacks += [Crash(crash_at)] if crash_at is not None else []
+    callbacks += [CrashAt(crash_at)] if crash_at is not None else []
     trainer = tiny_trainer(callbacks, max_steps=12, limit_train_batches=4, plugins=[SafetensorsCheckpointIO()])
     trainer.fit(TinyModel(), datamodule=TinyData(), ckpt_path=ckpt_path)
     return exact
@@ -134,7 +117,7 @@ def _overlapped_fit(
     if made is not None:
         made.append(exact)
     callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0)]
-    callbacks += [Crash(crash_at)] if crash_at is not None else []
+    callbacks += [CrashAt(crash_at)] if crash_at is not None else []
     callbacks += list(extra)
     io = SafetensorsCheckpointIO(save="overlapped" if overlap else "async")
     trainer = tiny_trainer(callbacks, max_steps=12, plugins=[io], default_root_dir=str(tmp_path))

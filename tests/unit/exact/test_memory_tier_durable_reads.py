@@ -8,36 +8,20 @@ from __future__ import annotations
 
 import re
 import shutil
-import uuid
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import lightning
 import pytest
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO, ScheduleOptions
 from lightning_resume.errors import SkippedCheckpointWarning
 from lightning_resume.format.read import read_summary
+from tests.helpers.callbacks import CrashAt
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    root = Path("/dev/shm") / f"lightning-resume-unit-{uuid.uuid4().hex[:8]}"
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-class Crash(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("crash")
 
 
 def _fit(tmp_path: Path, shm: Path, safetensors: bool, crash_at: Optional[int] = None) -> ExactResume:
@@ -49,7 +33,7 @@ def _fit(tmp_path: Path, shm: Path, safetensors: bool, crash_at: Optional[int] =
         memory_tier=MemoryTierOptions(dir=str(shm), every_n_train_steps_max=2),
     )
     callbacks = [exact, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_train_steps=4)]
-    callbacks += [Crash(crash_at)] if crash_at is not None else []
+    callbacks += [CrashAt(crash_at)] if crash_at is not None else []
     plugins = [SafetensorsCheckpointIO()] if safetensors else []
     trainer = tiny_trainer(callbacks, max_steps=12, limit_train_batches=4, plugins=plugins)
     trainer.fit(TinyModel(), datamodule=TinyData(), ckpt_path="last")

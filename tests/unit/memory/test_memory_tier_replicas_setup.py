@@ -3,10 +3,7 @@ naming the option and the node count; the default there is no replica (no transf
 
 from __future__ import annotations
 
-import shutil
-import uuid
 from pathlib import Path
-from typing import Iterator
 
 import lightning
 import pytest
@@ -14,13 +11,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resume import ConfigurationError, ExactResume, MemoryTierOptions
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    root = Path("/dev/shm") / f"lightning-resume-unit-{uuid.uuid4().hex[:8]}"
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _fit(tmp_path: Path, shm: Path, replicas: int | None) -> ExactResume:

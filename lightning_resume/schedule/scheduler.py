@@ -116,6 +116,7 @@ class SnapshotScheduler:
             )
         self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule, losses)
         self.next_check_step = step + 1
+        self._step_began = None  # an earlier fit's last step boundary: the time since is no step
 
     def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[Tier, int, str]:
         """(tier, preempt, reason) at a step boundary: rank 0's ``state.decide``, which every rank follows.

@@ -221,6 +221,11 @@ def test_time_spent_in_our_hook_is_not_a_slow_step() -> None:
         clock.now += 1.0
         driver.at_step_boundary(sched, None, _trainer(step), memory=memory, notices=notices)  # type: ignore[arg-type]
     assert sched.memory is not None and sched.memory.step_times.calm == (1.0,) * 4
+    clock.now += 500.0  # the fit ends; a second fit of the same trainer starts its schedule again
+    sched.start(5, 2, None, None, replicas=1)
+    clock.now += 1.0
+    driver.at_step_boundary(sched, None, _trainer(6), memory=memory)  # type: ignore[arg-type]
+    assert sched.memory is not None and sched.memory.step_times == StepTimes()  # its first step is not timed
 
 
 def test_without_replicas_no_step_is_timed() -> None:

@@ -92,6 +92,7 @@ def at_step_boundary(
     advisories), ``SNAPSHOT``: a durable snapshot, and training goes on. With a ``memory`` tier, the schedule
     picks the tier of each snapshot.
     """
+    scheduler.step_ended(replica_activity(memory))  # the step that just ended is a C2 sample (replicas)
     local = 0
     if preemption is not None and preemption.requested:
         local = REQUEUE if requeue_signal is not None and preemption.received == requeue_signal else STOP
@@ -131,7 +132,15 @@ def at_step_boundary(
         trainer.should_stop = trainer.should_stop or not forwarded
     if preempt == REQUEUE and path is not None:
         _requeue(trainer, path)
+    scheduler.step_began(replica_activity(memory))  # our snapshots' blocking stays out of the next step's time
     return stop
+
+
+def replica_activity(memory: Optional[MemoryTier]) -> Optional[tuple[int, bool]]:
+    """The replicator's transfers now (begun, in flight), for timing the steps they overlap (C2); ``None``
+    without one."""
+    replicator = None if memory is None else memory.replicator
+    return None if replicator is None else replicator.activity()
 
 
 def _durable_cost(scheduler: SnapshotScheduler) -> Optional[float]:

@@ -79,6 +79,8 @@ class Replicator:
         self.last_transfer: Optional[TransferStats] = None
         self.sent = 0  # snapshots sent to every holder
         self.received = 0  # replicas written here
+        self.begun = 0  # transfers begun (each snapshot sent to every holder is one)
+        self.in_flight = False  # whether a transfer is being sent now
         self._pending: Optional[_Pending] = None
         self._changed = threading.Condition()
         self._stopping = False
@@ -97,6 +99,12 @@ class Replicator:
             self._started = True
             for thread in (self._sender, *self._receivers):
                 thread.start()
+
+    def activity(self) -> tuple[int, bool]:
+        """(transfers begun, one in flight now), read together: what the schedule times the steps against (C2,
+        ``schedule.replica_cost``)."""
+        with self._changed:
+            return self.begun, self.in_flight
 
     def offer(self, fd: int, step: int, seq: int) -> None:
         """A snapshot just committed, open as ``fd`` (taken: closed here or once sent): send it next, replacing
@@ -122,9 +130,11 @@ class Replicator:
         try:
             going = True
             while going and (pending := self._next()) is not None:
+                self._in_flight(True)
                 try:
                     going = self._send(pending)
                 finally:
+                    self._in_flight(False)
                     os.close(pending.fd)
             self._say_nothing()  # the holders' receivers end on it
         except ReplicaTransferError as err:
@@ -134,6 +144,11 @@ class Replicator:
             self._say_nothing(but=err.peer)  # the other holders' receivers still end
         except Exception as err:  # noqa: BLE001 - a daemon thread: reported, never raised into training
             self._disable(f"replica sender failed ({type(err).__name__}: {err}); replication is off for this run")
+
+    def _in_flight(self, now: bool) -> None:
+        with self._changed:
+            self.begun += int(now)
+            self.in_flight = now
 
     def _send(self, pending: _Pending) -> bool:
         """Send one snapshot to every holder; ``False`` when replication ends (a holder refused it)."""

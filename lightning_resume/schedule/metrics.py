@@ -19,6 +19,7 @@ from lightning_resume.schedule.state import (
     memory_cost_estimate,
     memory_interval,
     replica_cost_estimate,
+    replica_step_cost_estimate,
     replicate_now,
     two_level_waste_now,
 )
@@ -77,7 +78,8 @@ def memory_metrics(
     ``ckpt/memory_bytes``, ``ckpt/memory_copy_MBps``, ``ckpt/memory_interval_s`` (T1 as applied),
     ``ckpt/memory_cost_s`` (C1 estimate), ``ckpt/process_mtbf_s`` (job M1), ``ckpt/durable_every_k``,
     ``ckpt/memory_snapshots``, ``ckpt/expected_waste`` (two-level, first order). With replicas (three
-    levels): ``ckpt/replica_transfer_s`` (D2 estimate), ``ckpt/node_mtbf_s`` and ``ckpt/job_loss_mtbf_s``
+    levels): ``ckpt/replica_transfer_s`` (D2 estimate), ``ckpt/replica_cost_s`` (C2: the training time a
+    transfer costs, measured from the step times, else the prior 3 % of D2), ``ckpt/node_mtbf_s`` and ``ckpt/job_loss_mtbf_s``
     (job M2, M3), ``ckpt/replicate`` (1 when the plan sends snapshots to the peers), and the waste is the
     three-level one when it does.
     """
@@ -95,6 +97,7 @@ def memory_metrics(
     }
     if state.config.replicates:
         metrics["replica_transfer_s"] = replica_cost_estimate(state, memory)
+        metrics["replica_cost_s"] = replica_step_cost_estimate(state, memory)
         metrics["node_mtbf_s"] = memory.node_mtbf_s
         metrics["job_loss_mtbf_s"] = memory.job_loss_mtbf_s
         metrics["replicate"] = float(replicate_now(state, memory))

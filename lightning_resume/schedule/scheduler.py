@@ -28,6 +28,7 @@ from lightning_resume.schedule import history
 from lightning_resume.schedule import state as machine
 from lightning_resume.schedule.config import MtbfMode, ScheduleConfig
 from lightning_resume.schedule.metrics import memory_metrics, save_metrics
+from lightning_resume.schedule.replica_cost import Activity, overlapped
 from lightning_resume.schedule.state import Decision, MemoryState, SaveReason, ScheduleState, Tier
 
 _TIER_CODES = (Tier.NONE, Tier.MEMORY, Tier.DURABLE)
@@ -62,6 +63,7 @@ class SnapshotScheduler:
         self.last_durable: Optional[float] = None
         self.replicate = False  # whether the snapshot decided last is sent to the peer nodes (all ranks agree)
         self._transfer: Optional[Hashable] = None  # the replica transfer recorded last
+        self._step_began: Optional[tuple[float, Optional[Activity]]] = None  # (clock, replica activity) then
         self._writer: Optional[AsyncCheckpointWriter] = None
 
     @property
@@ -114,6 +116,7 @@ class SnapshotScheduler:
             )
         self.state, self.memory = machine.start(config, self.clock(), step, mtbf, process_mtbf, schedule, losses)
         self.next_check_step = step + 1
+        self._step_began = None  # an earlier fit's last step boundary: the time since is no step
 
     def decide(self, step: int, preempt_local: int, agree: Agree, is_rank_zero: bool) -> tuple[Tier, int, str]:
         """(tier, preempt, reason) at a step boundary: rank 0's ``state.decide``, which every rank follows.
@@ -174,6 +177,20 @@ class SnapshotScheduler:
             return
         self._transfer = transfer
         self.memory = machine.record_replica_transfer(self.memory, seconds)
+
+    def step_began(self, transfers: Optional[Activity]) -> None:
+        """A training step begins now (after our hook, its snapshots included); ``transfers``: the replicator's
+        activity now (``Replicator.activity()``; ``None`` without one)."""
+        self._step_began = (self.clock(), transfers)
+
+    def step_ended(self, transfers: Optional[Activity]) -> None:
+        """The step begun at :meth:`step_began` ended now (before our hook): with replicas, its duration and the
+        transfer it overlapped are a C2 sample (``replica_cost``). The first step of a process is not timed."""
+        began, self._step_began = self._step_began, None
+        if began is None or self.memory is None or self.state is None or not self.state.config.replicates:
+            return
+        seconds = max(0.0, self.clock() - began[0])
+        self.memory = machine.record_step_time(self.memory, seconds, overlapped(began[1], transfers))
 
     def without_replicas(self) -> None:
         """The memory tier stopped replicating (a replica did not fit a peer): two levels from now on."""

@@ -33,15 +33,16 @@ from lightning_resume.schedule.formulas import (
     two_level_waste,
     young_interval,
 )
+from lightning_resume.schedule.replica_cost import StepTimes, record_step, transfer_cost
 
 COST_WINDOW = 5
 """How many recent blocking costs the C estimate is the median of (robust to one slow first save)."""
 
 REPLICA_STEP_OVERHEAD = 0.03
-"""C2, the training time a replica transfer costs, as a fraction of its duration D2: it runs in the background
-and only slows the steps it overlaps; the issue's bound on that slowdown is 3 % (steps while a replica is in
-flight <= 1.03x calm ones), measured by the replica benchmark. The memory snapshot's own blocking part,
-handing the snapshot to the replicator included, is measured in C1."""
+"""C2's prior, the training time a replica transfer costs, as a fraction of its duration D2: it runs in the
+background and only slows the steps it overlaps; the issue's bound on that slowdown is 3 % (steps while a replica
+is in flight <= 1.03x calm ones). Used until C2 is measured from the run's own step times (``replica_cost``).
+The memory snapshot's own blocking part, handing the snapshot to the replicator included, is measured in C1."""
 
 
 class SaveReason(str, Enum):
@@ -116,7 +117,8 @@ class MemoryState:
     ``since_durable``: memory snapshots since the newest durable save; ``durable_step``: that save's
     step (``None`` before the first one of this process).
     With replicas (``ScheduleConfig.replicates``): ``node_mtbf_s`` / ``job_loss_mtbf_s``, the job's M2
-    (node losses) and M3 (whole-job losses), and ``replica_costs``, recent measured transfer times D2.
+    (node losses) and M3 (whole-job losses), ``replica_costs``, recent measured transfer times D2, and
+    ``step_times``, the step durations with the transfers they overlapped (C2, ``replica_cost``).
     """
 
     process_mtbf_s: Optional[float]
@@ -129,6 +131,7 @@ class MemoryState:
     node_mtbf_s: Optional[float] = None
     job_loss_mtbf_s: Optional[float] = None
     replica_costs: tuple = ()
+    step_times: StepTimes = StepTimes()
 
 
 def start(
@@ -326,6 +329,13 @@ def replica_cost_estimate(state: ScheduleState, memory: MemoryState) -> float:
     return statistics.median(memory.replica_costs) if memory.replica_costs else state.config.replica_initial_cost_s
 
 
+def replica_step_cost_estimate(state: ScheduleState, memory: MemoryState) -> float:
+    """C2: the measured training time a replica transfer costs (``replica_cost.transfer_cost``), or, until both
+    calm steps and a finished transfer were seen, the prior ``REPLICA_STEP_OVERHEAD`` of D2."""
+    measured = transfer_cost(memory.step_times)
+    return REPLICA_STEP_OVERHEAD * replica_cost_estimate(state, memory) if measured is None else measured
+
+
 def levels(state: ScheduleState, memory: MemoryState) -> Optional[Levels]:
     """The three-level model's inputs now (``None`` without replicas, or unless every MTBF is known)."""
     m1, m2, m3 = memory.process_mtbf_s, memory.node_mtbf_s, memory.job_loss_mtbf_s
@@ -333,7 +343,8 @@ def levels(state: ScheduleState, memory: MemoryState) -> Optional[Levels]:
         return None
     d2 = replica_cost_estimate(state, memory)
     c1, c3 = memory_cost_estimate(state, memory), cost_estimate(state)
-    return Levels(c1=c1, c2=REPLICA_STEP_OVERHEAD * d2, d2=d2, c3=c3, m1=m1, m2=m2, m3=m3)
+    c2 = replica_step_cost_estimate(state, memory)
+    return Levels(c1=c1, c2=c2, d2=d2, c3=c3, m1=m1, m2=m2, m3=m3)
 
 
 def _two_level_inputs(state: ScheduleState, memory: MemoryState) -> Optional[tuple[float, float, float, float]]:
@@ -583,3 +594,9 @@ def two_level_waste_now(state: ScheduleState, memory: MemoryState) -> Optional[f
 def record_replica_transfer(memory: MemoryState, seconds: float) -> MemoryState:
     """The memory tier's state after a replica transfer that took ``seconds`` (a D2 sample)."""
     return dataclasses.replace(memory, replica_costs=_with_cost(memory.replica_costs, seconds))
+
+
+def record_step_time(memory: MemoryState, seconds: float, transfer: Optional[int]) -> MemoryState:
+    """The memory tier's state after a training step that took ``seconds`` (our snapshots' blocking left out)
+    and overlapped replica ``transfer`` (``None``: a calm step): a C2 sample (``replica_cost``)."""
+    return dataclasses.replace(memory, step_times=record_step(memory.step_times, seconds, transfer))

@@ -29,7 +29,7 @@ import pytest
 from lightning_resume.schedule.options import DEFAULT_MEMORY_DIR
 from lightning_resume.testing import assert_resumes_exactly
 from tests.helpers import kill_resume as h
-from tests.helpers import nodes
+from tests.helpers import nodes, slurm_nodes
 from tests.helpers.paths import JOBS_DIR
 from tests.helpers.s3 import s3_env
 
@@ -41,6 +41,7 @@ EXTENDED = frozenset(
         "test_a_node_lost_without_replicas_resumes_from_disk_exactly",
         "test_a_node_and_the_holder_of_its_replicas_lost_resume_from_disk_in_one_line[3x1]",
         "test_prove_is_unchanged_on_a_two_node_script_with_the_replicated_tier",
+        "test_a_node_lost_under_slurm_resumes_from_the_peers_replica_exactly",
     }
 )
 """In make test-all only: 2 nodes x 2 ranks (the same path with two local ranks per node: each rank's replica
@@ -280,3 +281,31 @@ def test_prove_is_unchanged_on_a_two_node_script_with_the_replicated_tier(tmp_pa
     assert verdict.exact and sorted(verdict.launches) == [0, 1] and verdict.launches[0] == 2, verdict
     relaunch = (tmp_path / "prove" / "B" / "launch-2.log").read_text()
     assert "resuming from the memory tier" in relaunch, relaunch[-3000:]  # what the kill left in memory
+
+
+def test_a_node_lost_under_slurm_resumes_from_the_peers_replica_exactly(
+    tmp_path: Path, machines: nodes.Cluster
+) -> None:
+    """The 2 x 1 case launched as ``srun`` does (``tests/helpers/slurm_nodes.py``: one process per rank, SLURM's
+    variables only): Lightning's ``SLURMEnvironment`` gives each rank its node, the ring replicates across them,
+    node 1 is lost, and the relaunched job step resumes from node 0's replica, bit for bit (A: the same job,
+    uninterrupted)."""
+    cfg = _cfg(tmp_path, 2, 1)
+    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
+    slurm_nodes.run(a, machines, tmp_path)
+    for rank in range(2):  # SLURM's, not torchrun's: node rank and node count from SLURM_NODEID / the Trainer
+        cluster = _report(a, rank)["cluster"]
+        assert cluster == {"environment": "SLURMEnvironment", "node_rank": rank, "num_nodes": 2,
+                           "main_address": slurm_nodes.HOST}, cluster  # fmt: skip
+    b = dict(cfg, out=str(tmp_path / "B"), pause_before=KILL_AT)
+    slurm_nodes.run_until_paused(b, machines, tmp_path, nodes.replicated_at(machines, b, 8)).lose(1)
+    assert not list(machines.nodes[1].memory.iterdir()), "node 1 was replaced: its memory is empty"
+    c = dict(cfg, out=str(tmp_path / "C"), resume="last")
+    slurm_nodes.run(c, machines, tmp_path)
+    for rank in range(2):
+        report = _report(c, rank)
+        assert (report["tier"], report["memory_sources"]) == ("replica", [0, 0]), report
+        assert report["cluster"]["environment"] == "SLURMEnvironment", report
+    assert "rank 1's state from rank 0's memory" in nodes.output(c, tail=None)
+    assert not any(slurm_nodes.scontrol_calls(run) for run in (a, b, c))  # a SIGKILL is no preemption: no requeue
+    _assert_exact(Path(a["out"]), c, 8, 2)

@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_resume.collective import gather
 from lightning_resume.errors import ExactResumeWarning, ReplicaTransferError, byte_size
 from lightning_resume.memory import topology, transport
 from lightning_resume.memory.store import Committed, MemoryStore, NotEnoughSharedMemory, replica_name
@@ -285,18 +286,28 @@ class Ring:
     group: Any = None
 
 
-def ring(option: Optional[int], num_nodes: int, rank: int, world_size: int, previous: Ring = Ring()) -> Ring:
+def ring(
+    option: Optional[int],
+    num_nodes: int,
+    rank: int,
+    world_size: int,
+    previous: Ring = Ring(),
+    node_rank: Optional[int] = None,
+) -> Ring:
     """Every rank, at setup: the replication of a run on ``num_nodes`` nodes (``ConfigurationError`` for a replica
     count no ring can place). The transfer group is made here, collectively, when there are replicas; the one
-    of ``previous`` (an earlier fit's) is destroyed first."""
+    of ``previous`` (an earlier fit's) is destroyed first. ``node_rank``: this rank's node as the launcher says
+    (gathered from every rank: the ring follows where ranks run, ``topology.placed``); ``None``: node by node."""
     replicas = topology.resolve_replicas(option, num_nodes)
     if previous.group is not None:  # an earlier fit's, perhaps cut at its end (transport.break_group)
         dist.destroy_process_group(previous.group)
     if replicas == 0:
         return Ring()
     group = transport.transfer_group()
-    holders = topology.replica_holders(rank, world_size, num_nodes, replicas)
-    owners = topology.replicas_held(rank, world_size, num_nodes, replicas)
+    order = list(range(world_size)) if node_rank is None else topology.placed(gather(node_rank), num_nodes)
+    place = order.index(rank)
+    holders = [order[h] for h in topology.replica_holders(place, world_size, num_nodes, replicas)]
+    owners = [order[o] for o in topology.replicas_held(place, world_size, num_nodes, replicas)]
     return Ring(replicas, tuple(holders), tuple(owners), group)
 
 

@@ -119,7 +119,9 @@ class MemoryTier:
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             choose = partial(self.choose, confirm=partial(confirm_last, trainer))  # "last" read headers only
             self._remove_hook = lc.substitute_checkpoint(trainer, choose)
-        self.ring = replication.ring(self.replicas_option, trainer.num_nodes, self.rank, self.world_size, self.ring)
+        self.ring = replication.ring(
+            self.replicas_option, trainer.num_nodes, self.rank, self.world_size, self.ring, trainer.node_rank
+        )
 
     def teardown(self) -> None:
         replication.stop(self.replicator, quiet=True)  # after an exception the peers still train

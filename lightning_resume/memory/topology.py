@@ -1,7 +1,9 @@
 """Where a rank's memory-tier replicas live: nodes, the ring over them, and the resolved replica count.
 
 A node is ``trainer.node_rank`` of ``trainer.num_nodes``, with ``p = world_size // num_nodes`` ranks each;
-rank ``r = node * p + local_rank`` (Lightning's layout under torchrun and SLURM). Replica ``j`` (1..k) of a
+rank ``r = node * p + local_rank`` (torchrun's layout, and SLURM's default block distribution). Where the
+launcher numbered ranks otherwise (``srun --distribution=cyclic``: rank r on node r % num_nodes),
+:func:`placed` maps every rank to its place in that layout from the node each rank reports. Replica ``j`` (1..k) of a
 rank lives on the rank of the same local rank ``j`` nodes further round the ring, so no node holds a
 replica of its own ranks and losing one node loses no rank's every copy while ``k >= 1``. Pure: plain
 integers in, plain integers out; no torch, no Lightning, no files.
@@ -9,7 +11,7 @@ integers in, plain integers out; no torch, no Lightning, no files.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from lightning_resume.errors import ConfigurationError
 
@@ -37,6 +39,18 @@ def ranks_per_node(world_size: int, num_nodes: int) -> int:
     if num_nodes < 1 or world_size < num_nodes or world_size % num_nodes:
         raise ValueError(f"world_size={world_size} is not a whole number of ranks on each of {num_nodes} nodes")
     return world_size // num_nodes
+
+
+def placed(node_ranks: Sequence[int], num_nodes: int) -> List[int]:
+    """``node_ranks[r]`` (the node rank ``r`` runs on, as its launcher says) to the rank order of the node-by-node
+    layout: ``order[i]`` is the rank at place ``i = node * p + i-th rank of the node``. The identity for torchrun
+    and SLURM's block distribution. ``ValueError`` when the nodes do not have ``p`` ranks each."""
+    p = ranks_per_node(len(node_ranks), num_nodes)
+    order = [r for node in range(num_nodes) for r, n in enumerate(node_ranks) if n == node]
+    counts = [list(node_ranks).count(node) for node in range(num_nodes)]
+    if len(order) != len(node_ranks) or set(counts) != {p}:
+        raise ValueError(f"ranks' nodes {list(node_ranks)} are not {p} ranks on each of {num_nodes} nodes")
+    return order
 
 
 def node_of(rank: int, world_size: int, num_nodes: int) -> int:

@@ -29,7 +29,7 @@ import pytest
 from lightning_resume.schedule.options import DEFAULT_MEMORY_DIR
 from lightning_resume.testing import assert_resumes_exactly
 from tests.helpers import kill_resume as h
-from tests.helpers import nodes
+from tests.helpers import nodes, slurm_nodes
 from tests.helpers.paths import JOBS_DIR
 from tests.helpers.s3 import s3_env
 
@@ -41,6 +41,7 @@ EXTENDED = frozenset(
         "test_a_node_lost_without_replicas_resumes_from_disk_exactly",
         "test_a_node_and_the_holder_of_its_replicas_lost_resume_from_disk_in_one_line[3x1]",
         "test_prove_is_unchanged_on_a_two_node_script_with_the_replicated_tier",
+        "test_a_node_lost_under_slurm_resumes_from_the_peers_replica_exactly",
     }
 )
 """In make test-all only: 2 nodes x 2 ranks (the same path with two local ranks per node: each rank's replica
@@ -280,3 +281,59 @@ def test_prove_is_unchanged_on_a_two_node_script_with_the_replicated_tier(tmp_pa
     assert verdict.exact and sorted(verdict.launches) == [0, 1] and verdict.launches[0] == 2, verdict
     relaunch = (tmp_path / "prove" / "B" / "launch-2.log").read_text()
     assert "resuming from the memory tier" in relaunch, relaunch[-3000:]  # what the kill left in memory
+
+
+def _replicated_under_slurm(machines: nodes.Cluster, cfg: dict[str, Any], where: list[int]) -> Callable[[], bool]:
+    """Every rank's step-8 snapshot in its node's memory (``where[r]``) and a replica of it in some node's."""
+    slot = lambda node, name: machines.slot(node, cfg["ckpt_dir"]) / f"{name}-of-{len(where)}.safetensors"
+    own = [slot(where[r], f"rank-{r}") for r in range(len(where))]
+    replicas = [[slot(n, f"replica-{r}") for n in range(2)] for r in range(len(where))]
+    return lambda: (
+        all(nodes.memory_step(f) == 8 for f in own)
+        and all(any(nodes.memory_step(f) == 8 for f in copies) for copies in replicas)
+    )
+
+
+@pytest.mark.parametrize(("devices", "distribution"), [(1, "block"), (2, "cyclic")], ids=["2x1", "2x2-cyclic"])
+def test_a_node_lost_under_slurm_resumes_from_the_peers_replica_exactly(
+    tmp_path: Path, machines: nodes.Cluster, devices: int, distribution: str
+) -> None:
+    """Launched as ``srun`` does (``tests/helpers/slurm_nodes.py``: one process per rank, SLURM's variables only):
+    Lightning's ``SLURMEnvironment`` gives each rank its node, the ring replicates across nodes, node 1 is lost,
+    and the relaunched job step resumes from node 0's replicas, bit for bit (A: the same job, uninterrupted).
+    ``cyclic`` (``srun --distribution=cyclic``: rank r on node r % 2): the ring follows where ranks run, so no
+    replica stays on its owner's node."""
+    world = 2 * devices
+    where = [
+        node for r in range(world) for node in range(2) if r in slurm_nodes.ranks_on(node, 2, devices, distribution)
+    ]
+    survivors = slurm_nodes.ranks_on(0, 2, devices, distribution)  # node 0's ranks, by local rank
+    lost = slurm_nodes.ranks_on(1, 2, devices, distribution)
+    cfg = _cfg(tmp_path, 2, devices)
+    a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
+    slurm_nodes.run(a, machines, tmp_path, distribution)
+    for rank in range(world):  # SLURM's placement, not torchrun's: the node from SLURM_NODEID
+        cluster = _report(a, rank)["cluster"]
+        assert cluster == {"environment": "SLURMEnvironment", "node_rank": where[rank], "num_nodes": 2,
+                           "main_address": slurm_nodes.HOST}, cluster  # fmt: skip
+    b = dict(cfg, out=str(tmp_path / "B"), pause_before=KILL_AT)
+    running = slurm_nodes.run_until_paused(
+        b, machines, tmp_path, _replicated_under_slurm(machines, b, where), distribution
+    )
+    running.lose(1)
+    for r in lost:  # each lost rank's replica is on node 0, with the rank of its local rank there
+        replica = machines.slot(0, b["ckpt_dir"]) / f"replica-{r}-of-{world}.safetensors"
+        assert nodes.memory_step(replica) == 8, f"rank {r} (node 1) has no replica on node 0: {replica}"
+    assert not list(machines.nodes[1].memory.iterdir()), "node 1 was replaced: its memory is empty"
+    c = dict(cfg, out=str(tmp_path / "C"), resume="last")
+    slurm_nodes.run(c, machines, tmp_path, distribution)
+    sources = [r if r in survivors else survivors[lost.index(r)] for r in range(world)]
+    out = nodes.output(c, tail=None)
+    for rank in range(world):
+        report = _report(c, rank)
+        assert (report["tier"], report["memory_sources"]) == ("replica", sources), (report, out)
+        assert report["cluster"]["environment"] == "SLURMEnvironment", report
+    for r in lost:
+        assert f"rank {r}'s state from rank {sources[r]}'s memory" in out, out
+    assert not any(slurm_nodes.scontrol_calls(run) for run in (a, b, c))  # a SIGKILL is no preemption: no requeue
+    _assert_exact(Path(a["out"]), c, 8, world)

@@ -530,6 +530,14 @@ def _final_state(trainer: pl.Trainer, model: Model) -> dict:
     }
 
 
+def _cluster(trainer: pl.Trainer) -> dict:
+    """Which of Lightning's cluster environments placed this rank, and where (``tests/helpers/slurm_nodes.py``)."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    address = getattr(environment, "main_address", None)
+    return {"environment": type(environment).__name__, "node_rank": trainer.node_rank,
+            "num_nodes": trainer.num_nodes, "main_address": address}  # fmt: skip
+
+
 def main(cfg: dict) -> None:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -542,6 +550,7 @@ def main(cfg: dict) -> None:
     exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactResume)), None)
     if exact is not None:  # what the resume said it did, for the tests to read: ``<out>/report-rank<R>.json``
         report = {**exact.resume_report.to_dict(), "accumulate_grad_batches_now": trainer.accumulate_grad_batches}
+        report["cluster"] = _cluster(trainer)
         saver = getattr(trainer.strategy.checkpoint_io, "_saver", None)
         if getattr(saver, "overlapped", False):  # what the overlapped copies did, for the tests to check
             report["overlap_copy"] = {"guarded": saver.stats.guarded, "recopied": saver.stats.recopied}

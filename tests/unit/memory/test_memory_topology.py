@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_resume.errors import ConfigurationError
-from lightning_resume.memory.topology import node_of, replica_holders, replicas_held, resolve_replicas
+from lightning_resume.memory.topology import node_of, placed, replica_holders, replicas_held, resolve_replicas
 
 
 def test_two_nodes_of_two_ranks_hold_each_others_same_local_rank() -> None:
@@ -52,3 +52,31 @@ def test_no_rank_holds_its_own_nodes_replica_and_holding_is_the_inverse_of_sendi
         assert sorted(replicas_held(rank, world, nodes, k)) == sorted(
             o for o in range(world) if rank in replica_holders(o, world, nodes, k)
         )
+
+
+def test_ranks_placed_node_by_node_keep_their_order() -> None:
+    assert placed([0, 0, 1, 1], 2) == [0, 1, 2, 3]  # torchrun, SLURM's block distribution
+
+
+def test_a_cyclic_layout_puts_each_replica_on_another_node() -> None:
+    """``srun --distribution=cyclic``: rank r on node r % 2. Node by node, rank 1 (node 1) would send its replica to
+    rank 3, on node 1 too: the node's loss would take both copies."""
+    order = placed([0, 1, 0, 1], 2)
+    assert order == [0, 2, 1, 3]
+    holders = {r: [order[h] for h in replica_holders(order.index(r), 4, 2, 1)] for r in range(4)}
+    assert holders == {0: [1], 1: [0], 2: [3], 3: [2]}
+
+
+@given(st.integers(2, 5), st.integers(1, 3), st.randoms(use_true_random=False))
+def test_wherever_the_launcher_puts_ranks_no_replica_stays_on_its_node(nodes: int, per_node: int, rnd) -> None:
+    where = [r // per_node for r in range(nodes * per_node)]
+    rnd.shuffle(where)
+    order = placed(where, nodes)
+    for rank in range(nodes * per_node):
+        holders = [order[h] for h in replica_holders(order.index(rank), nodes * per_node, nodes, nodes - 1)]
+        assert sorted(where[h] for h in holders) == sorted(set(range(nodes)) - {where[rank]})
+
+
+def test_nodes_of_unequal_size_are_refused() -> None:
+    with pytest.raises(ValueError, match="not 2 ranks on each of 2 nodes"):
+        placed([0, 0, 0, 1], 2)

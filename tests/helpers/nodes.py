@@ -71,6 +71,7 @@ class Cluster:
 
     def __init__(self, root: Path, n: int = 2) -> None:
         self.nodes: list[Node] = []
+        self.launches: list[Launch] = []  # killed at close when still running (a test that failed before it did)
         mountable = os.geteuid() == 0 and _mount(root / "probe")
         if mountable:
             _umount(root / "probe")
@@ -93,6 +94,9 @@ class Cluster:
         return Path(memory_root(str(self.nodes[node].memory))) / slot_key(ckpt_dir)
 
     def close(self) -> None:
+        for running in self.launches:
+            if any(proc.poll() is None for proc in running.procs):
+                running.kill()
         for node in self.nodes:
             node.close()
         if self._base is not None:
@@ -128,6 +132,9 @@ class Launch:
     tokens: list[str]
     subreaper_before: bool = False
     ended: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cluster.launches.append(self)
 
     def wait(self, timeout: float = 300) -> list[int]:
         """Every node's exit code; on timeout every process is killed and the test fails with the output."""

@@ -70,10 +70,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import lightning.pytorch as pl  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from benchmarks.flat_state import flat_state  # noqa: E402
+from benchmarks.flat_state import Wide, flat_state  # noqa: E402
 from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO, collective  # noqa: E402
 from lightning_resume.memory import peers, transport  # noqa: E402
 from lightning_resume.memory.recover import RecoveryPlan, plan_recovery  # noqa: E402
@@ -294,27 +292,6 @@ def bare_exchange(path: str, out_path: str, peer: int, group) -> None:
 # ------------------------------------------------------------------------------------------------------ step time
 
 
-class Wide(pl.LightningModule):
-    """Square layers of ``width`` until the weights reach ``params_mb``; a step is one small batch."""
-
-    def __init__(self, params_mb: float, steps: int, width: int = 1024) -> None:
-        super().__init__()
-        self.samples = 2 * 8 * (steps + 1)  # one epoch for the whole fit: no epoch boundary among the steps
-        layers = max(1, int(params_mb * 2**20 // (4 * width * width)))
-        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
-        self.width = width
-
-    def training_step(self, batch, _):
-        (x,) = batch
-        return self.net(x).square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(self.samples, self.width)), batch_size=8)
-
-
 class BareExchange(Callback):
     """This machine's limit beside the fit: at the end of the steps halfway between snapshots, a thread sends this
     rank's newest snapshot file to the other node over a gloo group of its own and writes the other's into
@@ -440,7 +417,7 @@ def fit_worker(node: int, work: str, params_mb: float, steps: int, every: int, r
         default_root_dir=work, use_distributed_sampler=True,
     )  # fmt: skip
     torch.manual_seed(0)
-    trainer.fit(Wide(params_mb, steps))
+    trainer.fit(Wide(params_mb, width=1024, samples=2 * 8 * (steps + 1)))  # one epoch: no epoch end among the steps
     replicator = getattr(exact.memory, "replicator", None)
     last = getattr(replicator, "last_transfer", None)
     return {

@@ -69,34 +69,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from benchmarks.flat_state import Wide  # noqa: E402
 from lightning_resume import ExactResume, SafetensorsCheckpointIO  # noqa: E402
 
 FLOOR = "ExactResume + null CheckpointIO (Lightning's checkpoint path, writes nothing: the floor)"
 BARE = "machine limit: the floor + a bare thread copy until the next optimizer step, then a raw O_DIRECT write"
 NONE = "no checkpoints"
 PAIRED = "paired: ExactResume + SafetensorsCheckpointIO(save='overlapped'), the limit between its saves"
-
-
-class Wide(pl.LightningModule):
-    """Square layers of ``width`` until the weights reach ``params_mb``; a step is one small batch."""
-
-    def __init__(self, params_mb: int, width: int = 2048) -> None:
-        super().__init__()
-        layers = max(1, params_mb * 2**20 // (4 * width * width))
-        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
-        self.width = width
-
-    def training_step(self, batch, _):
-        (x,) = batch
-        return self.net(x).square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(64, self.width)), batch_size=8)
 
 
 class StepClock(Callback):

@@ -1,6 +1,7 @@
 """A flat training state of a chosen size, the memcpy floor it is measured against, and the command line
 that sets both sizes: shared by the benchmarks that time one state (``bench_memory_tier``, ``bench_s3``);
-and a small model with AdamW whose state is that size (``bench_memory_tier --model``, ``bench_async``)."""
+a small model with AdamW whose state is that size (``bench_memory_tier --model``, ``bench_async``); and the
+LightningModule of square layers the fits time (``bench_save_in_fit``, ``bench_replica``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import time
 from dataclasses import dataclass
 from typing import List
 
+import lightning.pytorch as pl
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def flat_state(size_mb: int) -> dict:
@@ -77,3 +81,24 @@ def model_state(size_mb: float, width: int = 1024) -> ModelState:
     state.tensors += [t for st in opt.state.values() for t in st.values() if t.numel() > 1]
     state.buffers = [torch.empty_like(t).zero_() for t in state.tensors]
     return state
+
+
+class Wide(pl.LightningModule):
+    """Square layers of ``width`` until the weights reach ``params_mb``; a step is one small batch of 8 out of
+    ``samples`` random rows."""
+
+    def __init__(self, params_mb: float, width: int = 2048, samples: int = 64) -> None:
+        super().__init__()
+        layers = max(1, int(params_mb * 2**20 // (4 * width * width)))
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+        self.width, self.samples = width, samples
+
+    def training_step(self, batch, _):
+        (x,) = batch
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(self.samples, self.width)), batch_size=8)

@@ -92,23 +92,30 @@ def _local_atomic_write(path: str, write: Callable[[BinaryIO], object], mode: in
     directory swapped under the path between these steps cannot redirect them."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    name, final = temp_name(os.path.basename(path)), os.path.basename(path)
     dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        try:
-            with os.fdopen(os.open(name, _CREATE_NEW, mode, dir_fd=dir_fd), "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(name, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dir_fd)
-            raise
-        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory; the rename is atomic
-            os.fsync(dir_fd)
+        atomic_write_in(dir_fd, os.path.basename(path), write, mode)
     finally:
         os.close(dir_fd)
+
+
+def atomic_write_in(dir_fd: int, name: str, write: Callable[[BinaryIO], object], mode: int = 0o666) -> None:
+    """Run ``write(fileobj)`` into a temporary created new (``O_EXCL | O_NOFOLLOW``) in the directory ``dir_fd``
+    and rename it to ``name`` there once written and synced; on any error the temporary is removed and the
+    error raised. Everything is relative to ``dir_fd``: a directory the caller opened and checked."""
+    tmp = temp_name(name)
+    try:
+        with os.fdopen(os.open(tmp, _CREATE_NEW, mode, dir_fd=dir_fd), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory; the rename is atomic
+        os.fsync(dir_fd)
 
 
 def atomic_upload(

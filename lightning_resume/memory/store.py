@@ -37,12 +37,12 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional
 
 from lightning_resume._compat.torch_ops import NBYTES
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning
 from lightning_resume.format import read, write
-from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, owner_token, pid_alive, temp_name
+from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, atomic_write_in, owner_token, pid_alive
 from lightning_resume.format.integrity import DEFAULT_ALGORITHM
 from lightning_resume.io import resolve
 from lightning_resume.staging.async_save import AsyncSaver, commit_staged
@@ -336,21 +336,14 @@ class MemoryStore:
         if nbytes > free:
             raise NotEnoughSharedMemory(self.root, nbytes, free, f"the received file {name}")
         self._claim(slot)
-        shown, tmp = os.path.join(self.directory, name), temp_name(name)
-        fd = os.open(tmp, _CREATE_FLAGS, PRIVATE_FILE_MODE, dir_fd=slot)
-        try:
-            try:
-                written = _write_chunks(fd, chunks, nbytes)
-                os.fsync(fd)  # free on tmpfs; where the memory dir is a disk, the rename must not come first
-            finally:
-                os.close(fd)
-            if written != nbytes:
+        shown = os.path.join(self.directory, name)
+
+        def write(f: BinaryIO) -> None:
+            written = _write_chunks(f, chunks, nbytes)
+            if written != nbytes:  # raised before the rename: the temporary is removed, the old file stays
                 raise CheckpointCorruptError(shown, "the received bytes are not the size announced", nbytes, written)
-            os.rename(tmp, name, src_dir_fd=slot, dst_dir_fd=slot)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=slot)
-            raise
+
+        atomic_write_in(slot, name, write, PRIVATE_FILE_MODE)  # synced: where the memory dir is a disk, too
         return shown
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -468,24 +461,19 @@ class MemoryStore:
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 """A snapshot is read as itself: never through a link, never waiting on a FIFO."""
 
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-"""A received file's temporary is created new: never through a link, never over a name someone planted."""
-
 Committed = Callable[[int, int, int], None]
 """``after_commit(fd, step, seq)`` of :meth:`MemoryStore.save`: the committed snapshot's descriptor (the callee
 closes it), step and save sequence."""
 
 
-def _write_chunks(fd: int, chunks: Iterable[memoryview], limit: int) -> int:
-    """Write ``chunks`` in order (short writes retried), stopping past ``limit`` bytes; the bytes seen."""
+def _write_chunks(f: BinaryIO, chunks: Iterable[memoryview], limit: int) -> int:
+    """Write ``chunks`` in order, stopping past ``limit`` bytes; the bytes seen."""
     seen = 0
     for chunk in chunks:
         seen += len(chunk)
         if seen > limit:
             return seen
-        done = 0
-        while done < len(chunk):
-            done += os.write(fd, chunk[done:])
+        f.write(chunk)
     return seen
 
 

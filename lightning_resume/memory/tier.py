@@ -51,12 +51,9 @@ from lightning_resume.retention.last import confirm_last
 from lightning_resume.schedule.state import Tier
 from lightning_resume.staging.lending import Offer
 
-MEMORY, DURABLE = Tier.MEMORY.value, Tier.DURABLE.value
-"""The tiers a run can resume from (``ExactResume.resume_report.tier``)."""
-
-REPLICA = "replica"
-"""The resume source when the memory tier resumed and some rank's state came from a peer node's replica (its own
-node was lost): a node loss in the failure history."""
+MEMORY, DURABLE, REPLICA = Tier.MEMORY.value, Tier.DURABLE.value, Tier.REPLICA.value
+"""The tiers a run can resume from (``ExactResume.resume_report.tier``): ``REPLICA`` when the memory tier resumed
+and some rank's state came from a peer node's replica (its own node was lost): a node loss in the failure history."""
 
 
 Chosen = Union[tuple[str, dict[str, Any]], str, None]

@@ -9,7 +9,11 @@ new one is complete. tmpfs has no disk behind it, so its ``fsync`` costs nothing
 Layout: ``<memory dir>/lightning-resume-<uid>/<slot>/rank-<r>-of-<w>.safetensors`` plus
 ``rank-<r>-of-<w>.owner`` (owner token and pid, for stale cleanup), and, with replicas on, ``replica-<o>-of-<w>.safetensors``:
 the exact bytes of rank ``o``'s snapshot, received from that peer (``memory.replicate``) and written as a
-snapshot is (:meth:`MemoryStore.write_received`), verified when read (:meth:`MemoryStore.load_replica`). ``/dev/shm`` is shared by every user of
+snapshot is (:meth:`MemoryStore.write_received`), verified when read (:meth:`MemoryStore.load_replica`). A save
+replicated to every holder is also kept under ``<name>.keep-<seq>.safetensors`` (:func:`keep_name`): a hard link
+to the same file, free until the next commit renames a new file over the name, so the newest save that every
+holder stored (the anchor, ``memory.replicate.agree``) outlives a newer one still in transit
+(:meth:`MemoryStore.keep`, :meth:`MemoryStore.prune`). ``/dev/shm`` is shared by every user of
 the node, so each user has a root of their own, mode 0700, opened once as a directory descriptor and checked
 on it (owner, mode, not a link; ``storage.private.open_private_dir``); the slot is opened relative to it and
 every file reached relative to the slot's descriptor, so no rename of a path component (possible where the
@@ -42,7 +46,15 @@ from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional
 from lightning_resume._compat.torch_ops import NBYTES
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning
 from lightning_resume.format import read, write
-from lightning_resume.format.atomic import STALE_AFTER_S, atomic_write, atomic_write_in, owner_token, pid_alive
+from lightning_resume.format.atomic import (
+    STALE_AFTER_S,
+    atomic_write,
+    atomic_write_in,
+    owner_token,
+    pid_alive,
+    temp_name,
+)
+from lightning_resume.format.codec import decode, parse_tree
 from lightning_resume.format.integrity import DEFAULT_ALGORITHM
 from lightning_resume.io import resolve
 from lightning_resume.staging.async_save import AsyncSaver, commit_staged
@@ -74,9 +86,12 @@ HEADER_SLACK = 1 << 20
 _SLOT = re.compile(r"^[0-9a-f]{16}$")
 """A slot directory's name (:func:`slot_key`): cleanup looks at nothing else."""
 
-_OWN_FILE = re.compile(r"^\.?(?:rank|replica)-\d+-of-\d+\.(?:safetensors|owner)(?:\.tmp-[0-9a-f-]+)?$")
-"""What a slot holds: snapshots, replicas of peers' snapshots, owner files, and the temporaries of interrupted
-writes of any of them."""
+_OWN_FILE = re.compile(r"^\.?(?:rank|replica)-\d+-of-\d+(?:\.keep-\d+)?\.(?:safetensors|owner)(?:\.tmp-[0-9a-f-]+)?$")
+"""What a slot holds: snapshots, replicas of peers' snapshots, the saves kept of either, owner files, and the
+temporaries of interrupted writes or links of any of them."""
+
+_KEEP = re.compile(r"^((?:rank|replica)-(\d+)-of-(\d+))\.keep-(\d+)\.safetensors$")
+"""A kept save's name (:func:`keep_name`): the name it was kept from, its owner rank, world size and sequence."""
 
 _REPLICA = re.compile(r"^replica-(\d+)-of-(\d+)\.safetensors$")
 """A replica's name (:func:`replica_name`)."""
@@ -139,6 +154,23 @@ def replica_name(owner: int, world_size: int) -> str:
     """``replica-<owner>-of-<w>.safetensors``: the name, in the holder's slot, of rank ``owner``'s snapshot as its
     replica: the exact bytes of the owner's ``rank-<owner>-of-<w>.safetensors``."""
     return f"replica-{owner}-of-{world_size}.safetensors"
+
+
+def keep_name(name: str, seq: int) -> str:
+    """``<stem>.keep-<seq>.safetensors``: the name under which save ``seq`` of the snapshot or replica ``name``
+    (``<stem>.safetensors``) is kept once every holder stored it, while newer ones replace ``name``."""
+    stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else name
+    return f"{stem}.keep-{int(seq)}.safetensors"
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A kept save in the slot (:func:`keep_name`): its file name, the name it was kept from, whose and which save."""
+
+    name: str
+    of: str
+    owner: int
+    seq: int
 
 
 def slot_key(checkpoint_dir: str) -> str:
@@ -321,6 +353,72 @@ class MemoryStore:
         found = (_REPLICA.match(n) for n in os.listdir(fd_path(slot, self.directory)))
         return sorted(int(m[1]) for m in found if m is not None and int(m[2]) == self.world_size)
 
+    def keep(self, name: str, seq: int) -> str:
+        """Keep the committed file ``name`` of this slot (this rank's snapshot or a replica) as save ``seq``: a hard
+        link (:func:`keep_name`), free while ``name`` is the same file, that outlives the next file renamed over
+        ``name``. Made under a temporary name and renamed into place, so a keep is whole or absent. Its name."""
+        kept = keep_name(name, seq)
+        self._link(name, kept)
+        return kept
+
+    def reinstate(self, kept: str) -> None:
+        """Make the kept save ``kept`` of this rank's snapshot its current snapshot again (a recovery chose it),
+        atomically: linked under a temporary name, renamed over the current one."""
+        match = _KEEP.match(kept)
+        if match is None or f"{match[1]}.safetensors" != self.name:
+            raise ValueError(f"{kept!r} is not a kept save of {self.name}")
+        self._link(kept, self.name)
+
+    def _link(self, src: str, dst: str) -> None:
+        with self._fds:
+            slot = self._slot(create=False)
+            if slot is None:
+                raise FileNotFoundError(errno.ENOENT, "memory tier: no slot", self.directory)
+            tmp = temp_name(dst)
+            os.link(src, tmp, src_dir_fd=slot, dst_dir_fd=slot, follow_symlinks=False)
+            try:
+                os.replace(tmp, dst, src_dir_fd=slot, dst_dir_fd=slot)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=slot)
+                raise
+
+    def kept(self, owners: Iterable[int] = ()) -> List[Kept]:
+        """The kept saves in the slot of this rank's snapshot and of the replicas of ``owners``, by name."""
+        slot = self._slot(create=False)
+        if slot is None:
+            return []
+        mine = {self.name, *(replica_name(o, self.world_size) for o in owners)}
+        found = (_KEEP.match(n) for n in sorted(os.listdir(fd_path(slot, self.directory))))
+        keeps = (Kept(m[0], f"{m[1]}.safetensors", int(m[2]), int(m[4])) for m in found if m is not None)
+        return [k for k in keeps if k.of in mine]
+
+    def prune(self, below: Optional[int], owners: Iterable[int] = ()) -> List[str]:
+        """Remove the kept saves of this rank's snapshot and of the replicas of ``owners`` older than save ``below``
+        (the anchor: a complete newer set exists), or all of them (``None``); the names removed."""
+        slot = self._slot(create=False)
+        gone = [k.name for k in self.kept(owners) if below is None or k.seq < below]
+        for name in gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=slot)
+        return gone
+
+    def check_kept(self, kept: Kept, run: str) -> MemorySnapshot:
+        """The record of the kept save ``kept``, read from its header alone (its digests are checked when it is
+        used: loaded, or received by its owner); ``CheckpointCorruptError`` when the header does not check or the
+        record is not ``kept.owner``'s save ``kept.seq`` of this slot and run ``run``."""
+        slot = self._slot(create=False)
+        shown = os.path.join(self.directory, kept.name)
+        if slot is None:
+            raise FileNotFoundError(errno.ENOENT, "memory tier: no slot", self.directory)
+        summary = read.read_summary(os.path.join(fd_path(slot, self.directory), kept.name))
+        try:
+            record = decode(parse_tree(summary.tree_json)["v"][MEMORY_KEY], {})
+        except (KeyError, TypeError, ValueError, RecursionError) as err:
+            raise CheckpointCorruptError(shown, f"no memory-tier record in its header: {err}") from err
+        expected = {"slot": self.key, "rank": kept.owner, "world_size": self.world_size, "run": run, "seq": kept.seq}
+        return _snapshot(shown, {}, record, expected, "not the kept save its name says")
+
     def write_received(self, name: str, nbytes: int, chunks: Iterable[memoryview]) -> str:
         """Write ``nbytes`` arriving as ``chunks`` as the file ``name`` of this slot (a peer's replica,
         :func:`replica_name`, or this rank's own snapshot received from a holder), atomically: a temporary
@@ -405,14 +503,11 @@ class MemoryStore:
             loaded = read.verify_open(shown, f) if stand_ins else read.load_open(shown, f, verify=True).checkpoint
         record = loaded.pop(MEMORY_KEY, None)
         expected = {"slot": self.key, "rank": rank, "world_size": self.world_size, "run": run}
-        if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):
-            got = {k: record.get(k) for k in expected} if isinstance(record, dict) else record
-            raise CheckpointCorruptError(shown, what, expected, got)
-        return MemorySnapshot(shown, loaded, int(record["step"]), int(record["seq"]), float(record["saved_at"]))
+        return _snapshot(shown, loaded, record, expected, what)
 
     def free(self) -> None:
-        """Remove this rank's snapshot and the replicas it holds (a clean end of training), and the slot once
-        empty."""
+        """Remove this rank's snapshot and the replicas it holds, with their kept saves (a clean end of training),
+        and the slot once empty."""
         if self._saver is not None:
             self._saver.close()  # a write still in flight would otherwise commit after the removal
         try:
@@ -420,8 +515,10 @@ class MemoryStore:
         except OSError:
             slot = None  # not ours: nothing of ours to remove
         if slot is not None:
-            replicas = [replica_name(owner, self.world_size) for owner in self.replica_owners()]
-            for name in (self.name, self.owner_name, *replicas):
+            owners = self.replica_owners()
+            replicas = [replica_name(owner, self.world_size) for owner in owners]
+            keeps = [k.name for k in self.kept(range(self.world_size))]  # also those of replicas replaced meanwhile
+            for name in (self.name, self.owner_name, *replicas, *keeps):
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=slot)
             with contextlib.suppress(OSError):  # another rank's snapshot is still there, or it is already gone
@@ -456,6 +553,14 @@ class MemoryStore:
             except OSError as err:
                 warnings.warn(f"memory tier: left {directory} in place ({err})", ExactResumeWarning, stacklevel=2)
         return removed
+
+
+def _snapshot(shown: str, loaded: Dict[str, Any], record: Any, expected: Dict[str, Any], what: str) -> MemorySnapshot:
+    """The snapshot whose record (``MEMORY_KEY``) says ``expected``; else ``CheckpointCorruptError`` saying ``what``."""
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):
+        got = {k: record.get(k) for k in expected} if isinstance(record, dict) else record
+        raise CheckpointCorruptError(shown, what, expected, got)
+    return MemorySnapshot(shown, loaded, int(record["step"]), int(record["seq"]), float(record["saved_at"]))
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -10,6 +10,12 @@ holds writes each arriving file with ``MemoryStore.write_received``. A holder wh
 replica refuses it (nothing is written): the owner warns once, naming the sizes and the fix, and stops
 replicating for the run; its local snapshots go on.
 
+The saves replicated are agreed at each one (:func:`agree`, ``memory.anchor``): only when no rank's replicator is
+busy, so every rank sends the same saves, and coalescing never drops one on a rank only. Each such save is kept
+(``MemoryStore.keep``: a hard link) by its owner at its commit and by each holder as it arrives, and the kept saves
+older than the anchor (the oldest save every rank's holders acknowledged) go: a node lost while a newer save is
+in transit finds a complete set at the anchor (``memory.recover``).
+
 Shutdown (:meth:`Replicator.stop`): the sender finishes the transfer in flight, drops what is pending and
 sends every holder "nothing", on which each holder's receiver ends; the receivers here end when their
 owners do the same. Every wait is bounded: a peer that is gone breaks its connection (the thread ends
@@ -33,6 +39,7 @@ import torch.distributed as dist
 from lightning_resume.collective import gather
 from lightning_resume.errors import ExactResumeWarning, ReplicaTransferError, byte_size
 from lightning_resume.memory import topology, transport
+from lightning_resume.memory.anchor import Gate, Vote, decide
 from lightning_resume.memory.store import Committed, MemoryStore, NotEnoughSharedMemory, replica_name
 from lightning_resume.threads import lower_thread_priority
 
@@ -82,6 +89,10 @@ class Replicator:
         self.received = 0  # replicas written here
         self.begun = 0  # transfers begun (each snapshot sent to every holder is one)
         self.in_flight = False  # whether a transfer is being sent now
+        self.acked = -1  # the save sequence of the newest snapshot every holder stored
+        self.keeping = False  # whether committed snapshots and arriving replicas are kept (the gate, :func:`agree`)
+        self.anchor: Optional[int] = None  # the newest gate's: kept saves below it are gone (``None``: none kept)
+        self._warned_room = False
         self._pending: Optional[_Pending] = None
         self._changed = threading.Condition()
         self._stopping = False
@@ -110,6 +121,8 @@ class Replicator:
     def offer(self, fd: int, step: int, seq: int) -> None:
         """A snapshot just committed, open as ``fd`` (taken: closed here or once sent): send it next, replacing
         one still waiting (coalesced). Returns at once; on the store's writer thread."""
+        if self.keeping:
+            self._keep(self.store.name, seq)
         with self._changed:
             if not self.enabled or self._stopping:
                 os.close(fd)
@@ -170,6 +183,8 @@ class Replicator:
             if status == FAILED:
                 return True  # said on the holder; the next snapshot tries again
         self.sent += 1
+        with self._changed:
+            self.acked = pending.seq
         self.last_transfer = TransferStats(nbytes, time.monotonic() - started, pending.step, pending.seq)
         return True
 
@@ -200,6 +215,8 @@ class Replicator:
         def write(nbytes: int, chunks: Any) -> tuple[int, int, int]:
             try:
                 self.store.write_received(name, nbytes, chunks)
+                if self.keeping:  # before the acknowledgement: an acknowledged save is kept
+                    self._keep(name, chunks.record[0])
             except NotEnoughSharedMemory as err:
                 return REFUSED, err.needed, err.free  # the owner says it, once
             except OSError as err:
@@ -211,6 +228,40 @@ class Replicator:
             return STORED, nbytes, 0
 
         return write
+
+    def _keep(self, name: str, seq: int) -> None:
+        try:
+            self.store.keep(name, seq)
+        except OSError as err:  # the file is committed; without its keep the anchor stays older
+            log.warning("memory tier: could not keep save %d of %s: %s", seq, name, err)
+
+    def vote(self) -> Vote:
+        """This rank's word at a replicated save (``memory.anchor``); the previous snapshot committed and handed
+        over first (:func:`agree`), so that its transfer counts as busy."""
+        try:
+            pinned, free = self.store.footprint(self.owners)
+        except OSError:  # the slot is not usable: the save says so, after the collective every rank takes part in
+            pinned, free = 0, 0
+        with self._changed:
+            busy = self.in_flight or self._pending is not None
+            return Vote(self.enabled, busy, self.acked, pinned, free)
+
+    def apply(self, gate: Gate) -> None:
+        """Keep this save and the replicas arriving while there is an anchor, and drop the kept saves below it (all of
+        them without one: said once, with the sizes, by rank 0)."""
+        self.keeping, self.anchor = gate.anchor is not None, gate.anchor
+        self.store.prune(gate.anchor, self.owners)
+        if gate.short is not None and not self._warned_room:
+            self._warned_room = True
+            rank, needed, free = gate.short
+            if self.store.rank == 0:
+                _warn(
+                    f"ExactResume: the memory tier of rank {rank} has {byte_size(free)} free, less than the"
+                    f" {byte_size(needed)} that keeping its newest replicated save needs; no save is kept, so a node"
+                    " lost while a replica is in transit resumes from the durable tier. Fix: a larger tmpfs"
+                    " (`mount -o remount,size=XXG /dev/shm`, or `--shm-size` for Docker) or"
+                    " MemoryTierOptions(dir=...) on a larger one"
+                )
 
     def _disable(self, message: str) -> None:
         with self._changed:
@@ -324,6 +375,21 @@ def stop(replicator: Optional[Replicator], quiet: bool = False) -> None:
     """Stop ``replicator`` (:meth:`Replicator.stop`; ``quiet``: after an exception, briefly and without a word)."""
     if replicator is not None:
         replicator.stop(QUIET_STOP_TIMEOUT_S if quiet else STOP_TIMEOUT_S, quiet)
+
+
+def agree(replicator: Replicator) -> bool:
+    """Every rank, before a memory snapshot the schedule replicates (one small collective on the training group):
+    whether it is replicated (no rank's replicator busy, ``memory.anchor``); the anchor's kept saves are settled."""
+    failed: Optional[OSError] = None
+    try:
+        replicator.store.wait()  # the previous snapshot committed and handed over: its transfer is counted
+    except OSError as err:  # its write failed: raised once every rank has voted (no rank waits alone)
+        failed = err
+    gate = decide(gather(replicator.vote()))
+    replicator.apply(gate)
+    if failed is not None:
+        raise failed
+    return gate.replicate
 
 
 def after_commit(replicator: Optional[Replicator]) -> Optional[Committed]:

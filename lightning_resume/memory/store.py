@@ -403,6 +403,18 @@ class MemoryStore:
                 os.unlink(name, dir_fd=slot)
         return gone
 
+    def footprint(self, owners: Iterable[int] = ()) -> tuple[int, int]:
+        """(bytes of this rank's snapshot and of the replicas of ``owners`` in the slot, bytes free there): what
+        keeping each of them once more may pin, against the room (``(0, 0)`` before the slot exists)."""
+        slot = self._slot(create=False)
+        if slot is None:
+            return 0, 0
+        held = 0
+        for name in (self.name, *(replica_name(o, self.world_size) for o in owners)):
+            with contextlib.suppress(FileNotFoundError):
+                held += os.stat(name, dir_fd=slot, follow_symlinks=False).st_size
+        return held, free_bytes(fd_path(slot, self.directory))
+
     def check_kept(self, kept: Kept, run: str) -> MemorySnapshot:
         """The record of the kept save ``kept``, read from its header alone (its digests are checked when it is
         used: loaded, or received by its owner); ``CheckpointCorruptError`` when the header does not check or the

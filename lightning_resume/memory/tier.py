@@ -273,6 +273,7 @@ class MemoryTier:
         try:
             if self.seq == 1:
                 self.store.clean_stale()  # after other runs of this user
+            replicate = replicate and self.replicator is not None and replication.agree(self.replicator)
             after = replication.after_commit(self.replicator) if replicate else None
             return self.store.save(
                 checkpoint, trainer.global_step, self.seq, self.run, borrow=borrow, after_commit=after

@@ -1,0 +1,57 @@
+"""Which memory snapshots are replicated, and which replicated save is the anchor: a pure policy over the ranks' votes.
+
+At each memory save that the schedule replicates, every rank says (:class:`Vote`) whether its replicator is still busy
+with an earlier save, the newest save of its own that every one of its holders stored (acknowledged), and how much
+memory its kept saves could pin against what is free. :func:`decide` answers for every rank alike (:class:`Gate`):
+
+- the save is replicated only when no replicating rank is busy, so every rank replicates the same saves, each one
+  whole (a busy rank would otherwise skip a save the others sent, and no complete set of that save would exist);
+- the anchor is the oldest of those acknowledged saves: every rank's state of it is in the memory of every one of
+  its holders, so a node lost while a newer save is in transit still finds a complete set at the anchor. Saves
+  kept below it (``memory.store``, ``keep-<seq>``) can go;
+- no anchor when some rank's memory cannot hold one more copy of what it keeps: kept saves would make a later
+  snapshot or replica not fit, so none are kept (as before there were any), said once by the caller with the sizes.
+
+Plain records in, a decision out: no collectives, no files (``memory.replicate.agree`` does those).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One rank's word at a replicated save."""
+
+    replicating: bool
+    """Whether this rank replicates at all (replication may have stopped here: a holder refused a replica)."""
+    busy: bool
+    """A transfer of an earlier save is in flight or waiting."""
+    acked: int
+    """The save sequence of the newest own save that every holder stored; ``-1``: none yet."""
+    pinned: int
+    """Bytes a keep of each file this rank keeps (its snapshot, the replicas it holds) may pin beyond today."""
+    free: int
+    """Bytes free in this rank's memory tier."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Every rank's answer: replicate this save or not, and the anchor (keeps below it go); ``anchor`` ``None``: keep
+    nothing (``short`` then names the first rank without room: ``(rank, bytes needed, bytes free)``)."""
+
+    replicate: bool
+    anchor: Optional[int]
+    short: Optional[tuple[int, int, int]] = None
+
+
+def decide(votes: Sequence[Vote]) -> Gate:
+    """The gate of one save from every rank's vote (in rank order)."""
+    replicating = [v for v in votes if v.replicating]
+    replicate = bool(replicating) and not any(v.busy for v in replicating)
+    short = next(((r, v.pinned, v.free) for r, v in enumerate(votes) if v.free < v.pinned), None)
+    if short is not None or not replicating:
+        return Gate(replicate, None, short)
+    return Gate(replicate, min(v.acked for v in replicating))

@@ -2,14 +2,17 @@
 
 :func:`offer` loads this rank's own snapshot and the replicas it holds for other ranks, each verified (every
 digest, and the record's run, rank and world size: ``MemoryStore.load``/``check_replica``), and describes them
-to the policy (``memory.recover``); what does not verify is warned, named in the offer, and never used.
+to the policy (``memory.recover``), with the saves kept of either (``MemoryStore.kept``: checked by header and
+record here, by every digest once used); what does not verify is warned, named in the offer, and never used.
 :func:`carry_out` does this rank's part of a plan: the transfers, in the plan's order, each rank sending the
 replicas it holds to their owners (``memory.transport``: streamed in bounded chunks from the file) and
 receiving its own state, which it installs as its own snapshot (``MemoryStore.write_received``: private,
 ``O_EXCL|O_NOFOLLOW``, atomic rename) and loads verified. A replica holds the owner's bytes exactly, so the
 digests the owner wrote are checked on arrival. Every problem becomes one line naming the ranks, the file and
-the reason; the ranks' agreement on those lines is ``memory.tier``'s. Knows files and the transfer group, not
-Lightning.
+the reason; the ranks' agreement on those lines is ``memory.tier``'s. A rank whose plan is a kept save of its own
+makes it current again (``MemoryStore.reinstate``) and loads it verified. After any plan (:func:`settle`) the kept
+saves and the replicas newer than the plan go: they belong to a line of training the run left, whose save numbers
+the resumed run will use again. Knows files and the transfer group, not Lightning.
 """
 
 from __future__ import annotations
@@ -40,13 +43,32 @@ def offer(
     digest read a chunk at a time, no tensor kept), the ones refused, and ``durable_step``."""
     own, refused = _load(store, store.rank, store.path, lambda: store.load(run))
     replicas = []
+    owners = list(owners)
     for owner in owners:
         replica, refusals = _load(store, owner, store.replica_path(owner), lambda o=owner: store.check_replica(o, run))
         refused += refusals
         if replica is not None:  # verified a chunk at a time: no replica's tensors are held
-            replicas.append(_held(owner, replica))
-    mine = None if own is None else _held(store.rank, own)
-    return own, RankOffer(store.rank, mine, tuple(replicas), tuple(refused), durable_step)
+            replicas.append(_held(owner, replica, replica_name(owner, store.world_size)))
+    mine = None if own is None else _held(store.rank, own, store.name)
+    kept = _kept(store, run, owners, [h for h in [mine, *replicas] if h is not None], refused)
+    return own, RankOffer(store.rank, mine, tuple(replicas), tuple(refused), durable_step, kept)
+
+
+def _kept(
+    store: MemoryStore, run: str, owners: list[int], current: list[Held], refused: list[Refused]
+) -> tuple[Held, ...]:
+    """The kept saves of this rank's snapshot and of the replicas of ``owners``, by header and record (every digest is
+    checked when one is used); a keep of the save its current file holds is that file: not offered twice."""
+    offered = {(h.owner, h.seq) for h in current}
+    kept = []
+    for k in store.kept(owners):
+        if (k.owner, k.seq) in offered:
+            continue
+        snapshot, refusals = _load(store, k.owner, f"{store.directory}/{k.name}", lambda k=k: store.check_kept(k, run))
+        refused += refusals
+        if snapshot is not None:
+            kept.append(_held(k.owner, snapshot, k.name, kept=True))
+    return tuple(kept)
 
 
 def _load(store: MemoryStore, owner: int, path: str, load: Any) -> tuple[Optional[MemorySnapshot], list[Refused]]:
@@ -62,8 +84,8 @@ def _load(store: MemoryStore, owner: int, path: str, load: Any) -> tuple[Optiona
         return None, [Refused(owner, path, str(err))]
 
 
-def _held(owner: int, snapshot: MemorySnapshot) -> Held:
-    return Held(owner, snapshot.step, snapshot.seq, snapshot.saved_at, snapshot.path)
+def _held(owner: int, snapshot: MemorySnapshot, name: str, kept: bool = False) -> Held:
+    return Held(owner, snapshot.step, snapshot.seq, snapshot.saved_at, snapshot.path, name, kept)
 
 
 def carry_out(
@@ -82,6 +104,8 @@ def carry_out(
             problems += _receive(store, holder, group, plan)
     if problems:
         return None, problems
+    if plan.sources[rank] == rank and rank in plan.kept:
+        return _reinstate(store, plan, run)
     if plan.sources[rank] == rank:
         return own, _check(own, plan, rank, store.path, f"rank {rank}'s snapshot")
     where = f"rank {rank}'s replica on rank {plan.sources[rank]} ({plan.paths[rank]})"
@@ -90,6 +114,26 @@ def carry_out(
     except _UNREADABLE as err:
         return None, [f"{where} failed verification after the transfer to {store.path}: {err}"]
     return received, _check(received, plan, rank, store.path, where)
+
+
+def _reinstate(store: MemoryStore, plan: RecoveryPlan, run: str) -> tuple[Optional[MemorySnapshot], list[str]]:
+    """This rank's kept save of the plan made its current snapshot again, then loaded, every digest verified."""
+    rank, where = store.rank, f"rank {store.rank}'s kept snapshot {plan.paths[store.rank]}"
+    try:
+        store.reinstate(plan.names[rank])
+        snapshot = store.load(run)
+    except _UNREADABLE as err:
+        return None, [f"{where} could not be made current or failed verification: {err}"]
+    return snapshot, _check(snapshot, plan, rank, store.path, where)
+
+
+def settle(store: MemoryStore, plan: RecoveryPlan, offered: RankOffer, owners: Iterable[int]) -> None:
+    """After ``plan`` (every rank): drop the kept saves of this rank and of the replicas of ``owners``, and the replicas
+    newer than the plan (a line of training the run left: the resumed run numbers its saves from the plan's again).
+    The run keeps the plan's save in every rank's own file; the next complete replicated save is the next anchor."""
+    store.prune(None, owners)
+    newer = [held.name for held in offered.replicas if held.seq > plan.seq]
+    store.discard(newer)
 
 
 def _check(snapshot: Optional[MemorySnapshot], plan: RecoveryPlan, rank: int, path: str, what: str) -> list[str]:
@@ -104,9 +148,10 @@ def _check(snapshot: Optional[MemorySnapshot], plan: RecoveryPlan, rank: int, pa
 
 
 def _send(store: MemoryStore, owner: int, group: Any, plan: RecoveryPlan) -> list[str]:
-    where = f"rank {owner}'s replica on rank {store.rank} ({store.replica_path(owner)})"
+    where = f"rank {owner}'s replica on rank {store.rank} ({plan.paths[owner] or store.replica_path(owner)})"
     try:
-        fd = store.open_committed(replica_name(owner, store.world_size))  # through the slot's descriptor
+        name = plan.names[owner] if plan.names else replica_name(owner, store.world_size)  # its replica, or a kept one
+        fd = store.open_committed(name)  # through the slot's descriptor
     except OSError as err:
         fd, problem = None, f"{where} could not be opened: {err}"
     else:

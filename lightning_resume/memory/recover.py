@@ -2,10 +2,11 @@
 
 At a relaunch every rank says what it can reach (:class:`RankOffer`): its own verified snapshot, the verified
 replicas of other ranks' snapshots it holds (``memory.replicate`` puts them there), the replicas it refused
-and why, and the step of the durable checkpoint it resolved. :func:`plan_recovery` picks the newest save
+and why, the saves it keeps of either (``RankOffer.kept``: the anchor, kept while a newer save was in transit),
+and the step of the durable checkpoint it resolved. :func:`plan_recovery` picks the newest save
 (step, sequence) that every rank can obtain and that is newer than the durable checkpoint; each rank's
 state comes from its own snapshot when it has that save, else from the lowest rank holding a replica of
-it (:class:`RecoveryPlan`). When no save is complete, :class:`NoRecovery` says which rank's state is
+it (a current file before a kept one, :class:`RecoveryPlan`). When no save is complete, :class:`NoRecovery` says which rank's state is
 missing at which step, and why, in one line: every rank then resumes from the durable tier. A snapshot
 and its replicas are the same bytes (the owner's file), so a save is named by (step, sequence) alone.
 
@@ -31,6 +32,10 @@ class Held:
     saved_at: float
     path: str = ""
     """Where it lies on the rank that holds it (for messages)."""
+    name: str = ""
+    """Its file's name in the holding rank's slot (what a transfer or a reinstatement opens)."""
+    kept: bool = False
+    """A kept save (not the current file of its name): made current again, or sent, when a plan uses it."""
 
     @property
     def save(self) -> Save:
@@ -57,6 +62,8 @@ class RankOffer:
     refused: tuple[Refused, ...] = ()
     durable_step: int = -1
     """The global step of the durable checkpoint this rank resolved; ``-1``: none."""
+    kept: tuple[Held, ...] = ()
+    """The kept saves it holds: of its own state (``owner`` is this rank) and of the replicas it holds."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,15 @@ class RecoveryPlan:
     """Rank 0's save time of that save (the time ranks compare at the restore)."""
     paths: tuple[str, ...] = ()
     """``paths[r]``: where rank ``r``'s state lies on ``sources[r]``."""
+    names: tuple[str, ...] = ()
+    """``names[r]``: the file of rank ``r``'s state in the slot of ``sources[r]``."""
+    kept: tuple[int, ...] = ()
+    """The ranks whose state is a kept save on its source (made current again, or sent, from there)."""
+
+    @property
+    def own_kept(self) -> bool:
+        """Whether some rank resumes from a kept save of its own (it is made its current snapshot first)."""
+        return any(self.sources[r] == r for r in self.kept)
 
     @property
     def transfers(self) -> tuple[tuple[int, int], ...]:
@@ -120,18 +136,29 @@ def _check(offers: Sequence[RankOffer], world_size: int) -> None:
         for held in offer.replicas:
             if held.owner == offer.rank or not 0 <= held.owner < world_size:
                 raise ValueError(f"rank {offer.rank} offered a replica of rank {held.owner}")
+        for held in offer.kept:
+            if not 0 <= held.owner < world_size:
+                raise ValueError(f"rank {offer.rank} offered a kept save of rank {held.owner}")
 
 
 def _where_held(offers: Sequence[RankOffer]) -> list[Holders]:
-    """Per owner rank, where each save of its state is held."""
+    """Per owner rank, where each save of its state is held: the owner first (its current file, then a kept one),
+    then the other ranks by rank (each its current replica, then a kept one); one record per rank and save."""
     where: list[Holders] = [{} for _ in offers]
     for offer in offers:
-        if offer.own is not None:
-            where[offer.rank].setdefault(offer.own.save, []).insert(0, (offer.rank, offer.own))
+        own = [offer.own] if offer.own is not None else []
+        for held in own + [k for k in offer.kept if k.owner == offer.rank]:
+            _add(where[offer.rank], offer.rank, held)
     for offer in offers:
-        for held in offer.replicas:
-            where[held.owner].setdefault(held.save, []).append((offer.rank, held))
+        for held in list(offer.replicas) + [k for k in offer.kept if k.owner != offer.rank]:
+            _add(where[held.owner], offer.rank, held)
     return where
+
+
+def _add(holders: Holders, rank: int, held: Held) -> None:
+    at = holders.setdefault(held.save, [])
+    if all(holder != rank for holder, _ in at):
+        at.append((rank, held))
 
 
 def _plan(save: Save, holders: list[list[tuple[int, Held]]]) -> RecoveryPlan:
@@ -142,6 +169,8 @@ def _plan(save: Save, holders: list[list[tuple[int, Held]]]) -> RecoveryPlan:
         sources=tuple(rank for rank, _ in chosen),
         saved_at=chosen[0][1].saved_at,
         paths=tuple(held.path for _, held in chosen),
+        names=tuple(held.name for _, held in chosen),
+        kept=tuple(owner for owner, (_, held) in enumerate(chosen) if held.kept),
     )
 
 

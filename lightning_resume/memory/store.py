@@ -415,6 +415,15 @@ class MemoryStore:
                 held += os.stat(name, dir_fd=slot, follow_symlinks=False).st_size
         return held, free_bytes(fd_path(slot, self.directory))
 
+    def discard(self, names: Iterable[str]) -> None:
+        """Remove the replicas ``names`` from the slot (a recovery found them newer than the save the run resumed)."""
+        slot = self._slot(create=False)
+        for name in names:
+            if not _REPLICA.match(name):
+                raise ValueError(f"{name!r} is not a replica's name")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=slot)
+
     def check_kept(self, kept: Kept, run: str) -> MemorySnapshot:
         """The record of the kept save ``kept``, read from its header alone (its digests are checked when it is
         used: loaded, or received by its owner); ``CheckpointCorruptError`` when the header does not check or the

@@ -151,6 +151,7 @@ class MemoryTier:
             rank_zero_info(f"ExactResume: not resuming from the memory tier: {reason}; using {restored}")
             self.resumed_tier = DURABLE if restored else None
             return restored
+        peers.settle(self.store, outcome, offered, self._owners())  # kept saves, newer replicas: another line's
         # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
         _exact_state(snapshot.checkpoint)["saved_at"] = outcome.saved_at
         self.seq, self.run, self.sources = snapshot.seq, run, outcome.sources
@@ -176,7 +177,7 @@ class MemoryTier:
         where some rank's state is on a peer; any rank's problem is every rank's (all resume from disk)."""
         if isinstance(outcome, NoRecovery):
             return None, outcome.reason
-        if not outcome.from_peers or self.store is None:
+        if not (outcome.from_peers or outcome.own_kept) or self.store is None:
             return mine, ""
         try:
             snapshot, problems = peers.carry_out(outcome, self.store, self._transfers(), run, mine)

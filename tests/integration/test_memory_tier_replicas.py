@@ -8,6 +8,9 @@ then a node is lost: its processes killed, its memory gone, the job relaunched o
   uninterrupted run A; the resume report says tier "replica" and which rank's memory held each rank's state;
   with the durable checkpoints on the S3 test server, the bytes of every object the relaunch read before its
   first step are counted (a WSGI middleware on moto): none beyond the file's header, no tensor bytes.
+- A node lost while its newest replica is still in transit (held back on its way, test-side) resumes from the
+  newest complete set in memory, the anchor (save of step 8, kept by the survivor while step 10's replica was
+  on its way), bit for bit, reading no durable tensor byte; without room to keep that save, from disk.
 - A replica damaged in the holder's memory is refused by its digest, named, and the run resumes from disk,
   bit for bit; so does a run that lost a node and the holder of its replicas, saying why in one line; and a
   run without replicas (``replicas=0``)."""
@@ -42,12 +45,14 @@ EXTENDED = frozenset(
         "test_a_node_and_the_holder_of_its_replicas_lost_resume_from_disk_in_one_line[3x1]",
         "test_prove_is_unchanged_on_a_two_node_script_with_the_replicated_tier",
         "test_a_node_lost_under_slurm_resumes_from_the_peers_replica_exactly",
+        "test_a_node_lost_mid_transfer_without_room_to_keep_resumes_from_disk",
     }
 )
 """In make test-all only: 2 nodes x 2 ranks (the same path with two local ranks per node: each rank's replica
 on the same local rank of the peer), replicas=0 (the fallback to disk, as losing the holder too does), and three
 nodes (a survivor whose memory is not enough; three fresh launches of three nodes), and ``prove`` on a two-node
-script (test_prove_torchrun.py covers ``prove`` of torchrun in make test)."""
+script (test_prove_torchrun.py covers ``prove`` of torchrun in make test), and the control of the node lost mid-transfer
+(no room to keep a save: the same fallback to disk as without replicas)."""
 
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 """Durable snapshots every 6 steps, memory ones every 2: killed at step 9, disk has step 6, memory step 8."""
@@ -258,6 +263,72 @@ def test_a_node_lost_without_replicas_resumes_from_disk_exactly(
     c = _resume(cfg, machines, tmp_path)
     h.assert_exact_resume(a, Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=2)
     assert "no verified snapshot on rank(s) [1]" in nodes.output(c, tail=None)
+
+
+HELD_AT, PAUSE_MID_TRANSFER = 10, 11
+"""Rank 1's replica of its step-10 snapshot never arrives (its transfer is held on rank 1); paused before step 11."""
+
+
+def _in_transit(cfg: dict[str, Any], machines: nodes.Cluster, tmp_path: Path, **b: Any) -> nodes.Launch:
+    """Run B, paused before step 11: every rank's step-10 snapshot in its node's memory, rank 0's replica of it on
+    node 1, rank 1's still in transit (node 0 holds its replica of step 8). Each memory save waits for the previous
+    transfer (``wait_replicated``), so every rank's gate finds every replicator idle and both replicate each save."""
+    b = dict(cfg, out=str(tmp_path / "B"), pause_before=PAUSE_MID_TRANSFER, wait_replicated=True, **b)
+    b["hold_replica"] = {"rank": 1, "step": HELD_AT}
+    step = lambda rank, file: nodes.memory_step(file(machines, b["ckpt_dir"], rank, 2, 2))
+    there = lambda: (
+        [step(r, nodes.snapshot_file) for r in (0, 1)] == [HELD_AT, HELD_AT]
+        and [step(r, nodes.replica_file) for r in (0, 1)] == [HELD_AT, 8]
+    )
+    return nodes.run_until_paused(b, machines, tmp_path, there)
+
+
+def _kept_steps(machines: nodes.Cluster, ckpt_dir: str, node: int) -> list[Optional[int]]:
+    """The steps of the saves node ``node`` keeps of its rank's own snapshot (``rank-<r>-of-2.keep-<seq>``)."""
+    return sorted(nodes.memory_step(f) or -1 for f in machines.slot(node, ckpt_dir).glob(f"rank-{node}-of-2.keep-*"))
+
+
+def test_a_node_lost_mid_transfer_resumes_from_the_newest_complete_set_exactly(
+    tmp_path: Path, machines: nodes.Cluster, uninterrupted, s3_bucket: str, s3_server, object_reads
+) -> None:
+    """Node 1 is lost while rank 1's step-10 replica is on its way: node 0 has its own step 10 and rank 1's step 8.
+    Step 8 is the anchor: node 0 kept its own step-8 snapshot, so every rank resumes at step 8 from node 0's memory
+    (rank 0 from its kept save, rank 1 from its replica), not from the durable step 6."""
+    a = uninterrupted(2, 1)
+    cfg = dict(_cfg(tmp_path, 2, 1), ckpt_dir=f"{s3_bucket}/run", env=s3_env(s3_server.endpoint))
+    running = _in_transit(cfg, machines, tmp_path)
+    assert 8 in _kept_steps(machines, cfg["ckpt_dir"], 0), "node 0 keeps its step-8 snapshot: the anchor"
+    running.lose(1)
+    ends = _header_ends(s3_bucket[len("s3://") :])
+    c = _resume(cfg, machines, tmp_path, object_reads)
+    reads = list(object_reads.reads)
+    for rank in (0, 1):
+        report = _report(c, rank)
+        assert (report["tier"], report["memory_sources"]) == ("replica", [0, 0]), report
+    out = nodes.output(c, tail=None)
+    assert "resuming from the memory tier at step 8 (durable: step 6); rank 1's state from rank 0's memory" in out, out
+    assert not _beyond_headers(reads, ends), f"durable bytes beyond a header were read: {reads} (headers: {ends})"
+    _assert_exact(a, c, 8, 2)
+
+
+def test_a_node_lost_mid_transfer_without_room_to_keep_resumes_from_disk(
+    tmp_path: Path, machines: nodes.Cluster, uninterrupted
+) -> None:
+    """The control: the memory tiers look too small to keep a save (``no_room_to_keep``), so none is kept, said once
+    with the sizes; the same loss finds rank 1's state only at step 8 and rank 0's only at 10: from disk, exact."""
+    a = uninterrupted(2, 1)
+    cfg = _cfg(tmp_path, 2, 1)
+    running = _in_transit(cfg, machines, tmp_path, no_room_to_keep=True)
+    assert _kept_steps(machines, cfg["ckpt_dir"], 0) == []
+    said = nodes.output(running.cfg, tail=None)
+    assert said.count("no save is kept") == 1 and "free, less than the" in said, said
+    running.lose(1)
+    c = _resume(cfg, machines, tmp_path)
+    assert [_report(c, r)["tier"] for r in (0, 1)] == ["durable"] * 2
+    assert "rank 1's state is missing: only step 8" in nodes.output(c, tail=None) and "on rank(s) [0]" in nodes.output(
+        c, tail=None
+    )
+    _assert_exact(a, c, DURABLE_EVERY, 2)
 
 
 def test_prove_is_unchanged_on_a_two_node_script_with_the_replicated_tier(tmp_path: Path) -> None:

@@ -351,6 +351,51 @@ def _slow_copies(seconds: float) -> None:
     overlap._copy_batch = slow
 
 
+def _hold_replica(rank: int, step: int) -> None:
+    """On global rank ``rank``, the replica transfer of the snapshot of ``step`` never ends (its ``send_file`` blocks):
+    a replica still in transit when its node is lost. Test-side only: the product has no such hook."""
+    from lightning_resume.memory import replicate
+
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    send = replicate.transport.send_file
+
+    def held(*args, **kwargs):
+        record = tuple(kwargs.get("record", ()))
+        if len(record) > 1 and record[1] == step:  # (save sequence, step)
+            while True:
+                time.sleep(1)
+        return send(*args, **kwargs)
+
+    replicate.transport.send_file = held
+
+
+def _wait_replicated() -> None:
+    """Each replicated memory snapshot first waits until this rank's replicator is idle (the previous transfer
+    acknowledged), so every rank votes idle at the gate (``memory.replicate.agree``) and every save is replicated,
+    whatever this machine's speed. A held transfer (``_hold_replica``) is waited for only once it has begun."""
+    from lightning_resume.memory import replicate
+
+    agree = replicate.agree
+
+    def patient(replicator):
+        replicator.store.wait()  # the previous snapshot handed over
+        deadline = time.monotonic() + 120
+        while replicator.vote().busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return agree(replicator)
+
+    replicate.agree = patient
+
+
+def _no_room_to_keep() -> None:
+    """Every rank's memory tier looks too small to keep a save beyond its current files (``footprint``): no anchors."""
+    from lightning_resume.memory.store import MemoryStore
+
+    footprint = MemoryStore.footprint
+    MemoryStore.footprint = lambda self, owners=(): (footprint(self, owners)[0], 0)
+
+
 class FlushMemoryTier(Callback):
     """Waits at each batch start until ExactResume's memory-tier write is committed, so that a kill at a
     known point finds the memory snapshot taken before it (its write is otherwise on a worker thread)."""
@@ -492,6 +537,12 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
         _slow_writes(cfg["slow_write"])
     if cfg.get("slow_copy"):
         _slow_copies(cfg["slow_copy"])
+    if cfg.get("hold_replica"):
+        _hold_replica(cfg["hold_replica"]["rank"], cfg["hold_replica"]["step"])
+    if cfg.get("wait_replicated"):
+        _wait_replicated()
+    if cfg.get("no_room_to_keep"):
+        _no_room_to_keep()
     io_args = {"save": ("overlapped" if cfg.get("overlap_copy") else "async") if cfg.get("async") else "sync"}
     plugins: list = [SafetensorsCheckpointIO(**io_args)] if cfg.get("safetensors") else []
     if cfg.get("slurm_auto_requeue") is not None:

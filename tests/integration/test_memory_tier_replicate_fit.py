@@ -53,7 +53,7 @@ def test_an_exception_on_one_node_ends_both_nodes_without_an_abort(tmp_path: Pat
     # waited in gloo when the interpreter finalized, and woke there as rank 1 went
     assert _two_nodes(tmp_path, 1, 5, interpreter=True) == [1, 1], _log(tmp_path)
     assert "crash" in (tmp_path / "0.log").read_text() and "terminate called" not in _log(tmp_path)
-    for node in (0, 1):  # the memory tier keeps what the relaunch resumes from
-        assert [p.name for p in (tmp_path / f"node{node}").rglob("rank-*.safetensors")] == [
+    for node in (0, 1):  # the memory tier keeps what the relaunch resumes from (and the saves it keeps)
+        assert [p.name for p in (tmp_path / f"node{node}").rglob("rank-*-of-2.safetensors")] == [
             f"rank-{node}-of-2.safetensors"
         ]

@@ -27,6 +27,7 @@ from lightning_resume import ExactResume, MemoryTierOptions, ScheduleOptions
 from lightning_resume.memory.store import memory_root
 from tests.helpers.callbacks import CrashAt
 from tests.helpers.models import QUIET, TinyData, TinyModel
+from tests.helpers.replication import wait_replicated
 
 CHECK_AT, STEPS = 4, 6
 
@@ -65,6 +66,7 @@ def main(out: Path, per_node: int, crash: int) -> None:
     torch.set_num_threads(1)
     node = int(os.environ["NODE_RANK"])
     pl.seed_everything(0, verbose=False)
+    wait_replicated()  # every snapshot replicated (the gate skips one taken while a transfer is busy)
     memory = MemoryTierOptions(dir=str(out / f"node{node}"), every_n_train_steps_max=1)
     exact = ExactResume(schedule=ScheduleOptions(every_n_train_steps_max=100), memory_tier=memory)
     checkpoints = ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=100)

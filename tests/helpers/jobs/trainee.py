@@ -370,24 +370,6 @@ def _hold_replica(rank: int, step: int) -> None:
     replicate.transport.send_file = held
 
 
-def _wait_replicated() -> None:
-    """Each replicated memory snapshot first waits until this rank's replicator is idle (the previous transfer
-    acknowledged), so every rank votes idle at the gate (``memory.replicate.agree``) and every save is replicated,
-    whatever this machine's speed. A held transfer (``_hold_replica``) is waited for only once it has begun."""
-    from lightning_resume.memory import replicate
-
-    agree = replicate.agree
-
-    def patient(replicator):
-        replicator.store.wait()  # the previous snapshot handed over
-        deadline = time.monotonic() + 120
-        while replicator.vote().busy and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return agree(replicator)
-
-    replicate.agree = patient
-
-
 def _no_room_to_keep() -> None:
     """Every rank's memory tier looks too small to keep a save beyond its current files (``footprint``): no anchors."""
     from lightning_resume.memory.store import MemoryStore
@@ -540,7 +522,9 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
     if cfg.get("hold_replica"):
         _hold_replica(cfg["hold_replica"]["rank"], cfg["hold_replica"]["step"])
     if cfg.get("wait_replicated"):
-        _wait_replicated()
+        from tests.helpers.replication import wait_replicated
+
+        wait_replicated()
     if cfg.get("no_room_to_keep"):
         _no_room_to_keep()
     io_args = {"save": ("overlapped" if cfg.get("overlap_copy") else "async") if cfg.get("async") else "sync"}

@@ -64,7 +64,9 @@ def _kept(
     for k in store.kept(owners):
         if (k.owner, k.seq) in offered:
             continue
-        snapshot, refusals = _load(store, k.owner, f"{store.directory}/{k.name}", lambda k=k: store.check_kept(k, run))
+        snapshot, refusals = _load(
+            store, k.owner, os.path.join(store.directory, k.name), lambda k=k: store.check_kept(k, run)
+        )
         refused += refusals
         if snapshot is not None:
             kept.append(_held(k.owner, snapshot, k.name, kept=True))
@@ -131,9 +133,12 @@ def settle(store: MemoryStore, plan: RecoveryPlan, offered: RankOffer, owners: I
     """After ``plan`` (every rank): drop the kept saves of this rank and of the replicas of ``owners``, and the replicas
     newer than the plan (a line of training the run left: the resumed run numbers its saves from the plan's again).
     The run keeps the plan's save in every rank's own file; the next complete replicated save is the next anchor."""
-    store.prune(None, owners)
-    newer = [held.name for held in offered.replicas if held.seq > plan.seq]
-    store.discard(newer)
+    try:
+        store.prune(None, owners)
+        store.discard([held.name for held in offered.replicas if held.seq > plan.seq])
+    except OSError as err:  # the resume goes on: said, as a file the next recovery must not offer
+        message = f"ExactResume: the memory tier could not drop the kept saves in {store.directory}: {err}"
+        warnings.warn(message, ExactResumeWarning, stacklevel=2)
 
 
 def _check(snapshot: Optional[MemorySnapshot], plan: RecoveryPlan, rank: int, path: str, what: str) -> list[str]:

@@ -177,7 +177,7 @@ class MemoryTier:
             return ""
         more = f" (and {len(everyone) - 3} more)" if len(everyone) > 3 else ""
         shown = "; ".join(everyone[:3])
-        return f"its local shards do not fit this run's sharding (another mesh or model?): {shown}{more}"
+        return f"the snapshots' local shards do not fit this run's sharding (another mesh or model?): {shown}{more}"
 
     def _owners(self) -> list[int]:
         """The ranks whose replicas this rank holds: the ring's owners of this rank whose replica is in the slot. The

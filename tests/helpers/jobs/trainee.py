@@ -568,9 +568,24 @@ def _cluster(trainer: pl.Trainer) -> dict:
             "num_nodes": trainer.num_nodes, "main_address": address}  # fmt: skip
 
 
+def _log_opened(under: str, out: Path) -> None:
+    """``log_opened``: each file this rank opens under ``under`` before its first training step is recorded, one
+    path a line, in ``<out>/opened-rank<R>.txt`` (an audit hook: ``open`` and ``os.open`` both report)."""
+    rank = os.environ.get("RANK", "0")
+    log, first_step = open(out / f"opened-rank{rank}.txt", "a", buffering=1), out / f"steps-rank{rank}.jsonl"
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(under) and not first_step.exists():
+            log.write(args[0] + "\n")
+
+    sys.addaudithook(hook)
+
+
 def main(cfg: dict) -> None:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("log_opened"):
+        _log_opened(cfg["log_opened"], out)
     _seed(cfg)
     trainer = _trainer(cfg, _callbacks(cfg, out))
     model = _model(cfg)

@@ -9,7 +9,7 @@ Run B is SIGKILLed between durable saves (disk: the sharded directory of step 6;
   line naming a path, and the run resumes from the durable directory, which reshards.
 - ``save="async"`` and tensor parallel (dp=1, tp=2) resume from memory too.
 
-Only the first is in make test; the others share its runs A and B (make test-all)."""
+The first three share runs A and B (one module fixture)."""
 
 from __future__ import annotations
 
@@ -28,14 +28,15 @@ from tests.helpers import kill_resume as h
 
 EXTENDED = frozenset(
     {
+        "test_a_sharded_run_resumes_from_memory_exactly_at_the_newest_snapshot",
         "test_a_rank_without_its_snapshot_resumes_every_rank_from_disk_exactly",
         "test_another_mesh_is_refused_in_one_line_and_resumes_from_disk",
         "test_a_sharded_run_resumes_from_memory_exactly[async]",
         "test_a_sharded_run_resumes_from_memory_exactly[tp2]",
     }
 )
-"""In make test-all only: the fallbacks to disk (runs A and B are shared with the memory resume of make test), and
-the memory resume with the sharded strategy's background saves and with tensor parallel."""
+"""In make test-all only: make test covers a sharded memory resume in test_memory_tier_replicas_sharded.py (rank 0
+from its own memory, rank 1 from the peer's replica: the same snapshot, check and restore in place)."""
 
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 """Durable snapshots every 6 steps, memory ones every 2: killed at step 9, disk has step 6, memory step 8."""

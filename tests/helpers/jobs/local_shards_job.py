@@ -140,4 +140,4 @@ def run(rank: int, out: Path, port: int) -> None:
 if __name__ == "__main__":
     target = Path(sys.argv[1])
     target.mkdir(parents=True, exist_ok=True)
-    mp.spawn(run, (target, free_port()), nprocs=2)
+    mp.start_processes(run, (target, free_port()), nprocs=2, start_method="fork")  # torch is imported once

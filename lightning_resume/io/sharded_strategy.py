@@ -30,7 +30,7 @@ from lightning_resume.sharded import local
 from lightning_resume.sharded.api import checkpoint_path as sharded_path  # load_checkpoint's argument has the name
 from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded
 from lightning_resume.sharded.background import AsyncShardedSaver
-from lightning_resume.sharded.marker import MARKER
+from lightning_resume.sharded.marker import MARKER, named_for_lightning
 from lightning_resume.sharded.verify import verify_directory
 from lightning_resume.storage import files as storage
 
@@ -43,13 +43,9 @@ SHARDED_SAVE_MODES = ("sync", "async")
 
 
 def lightning_path(directory: str) -> str:
-    """What ``ckpt_path="last"`` hands Lightning for a checkpoint directory: the directory itself, or on an
-    object store its commit marker.
-
-    Lightning takes the newest of its "last" candidates by ``fs.modified(path)``, which an object store has
-    only for an object, never for a prefix (s3fs raises ``IsADirectoryError``); the marker is the object
-    that makes the prefix a checkpoint, and its time is the commit's. :func:`directory_of` maps it back."""
-    return storage.join(directory, MARKER) if storage.is_remote(directory) and storage.is_dir(directory) else directory
+    """What ``ckpt_path="last"`` hands Lightning for a checkpoint directory (``sharded.marker.named_for_lightning``):
+    the directory itself, or on an object store its commit marker; :func:`directory_of` maps it back."""
+    return named_for_lightning(directory)
 
 
 def directory_of(path: str) -> str:

@@ -208,9 +208,18 @@ def is_sharded_checkpoint(path: str) -> bool:
     return bool(names & {MARKER, DCP_METADATA}) or any(n.endswith(".distcp") for n in names)
 
 
+def named_for_lightning(directory: str) -> str:
+    """What Lightning is handed for a checkpoint directory: the directory itself, or on an object store its commit
+    marker. Lightning takes the newest of its "last" candidates by ``fs.modified(path)``, which an object store has
+    only for an object, never for a prefix (s3fs raises ``IsADirectoryError``); the marker is the object that makes
+    the prefix a checkpoint, and its time is the commit's. :func:`marked_directory` maps it back."""
+    directory = str(directory)
+    return storage.join(directory, MARKER) if storage.is_remote(directory) and storage.is_dir(directory) else directory
+
+
 def marked_directory(path: str) -> Optional[str]:
     """The sharded checkpoint directory ``path`` names: the directory itself, or, on an object store, the
-    directory of its commit marker (what Lightning is handed there: ``io.sharded_strategy.lightning_path``);
+    directory of its commit marker (what Lightning is handed there: :func:`named_for_lightning`);
     ``None`` for any other path. A listing at most; no object is read."""
     path = str(path)
     parent, name = storage.split(path)

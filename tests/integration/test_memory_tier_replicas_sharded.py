@@ -20,8 +20,14 @@ import pytest
 
 from tests.helpers import kill_resume as h
 from tests.helpers import nodes
+from tests.helpers.s3 import s3_env
 
-EXTENDED = frozenset({"test_a_replica_damaged_on_the_peer_is_refused_and_the_sharded_run_resumes_from_disk"})
+EXTENDED = frozenset(
+    {
+        "test_a_replica_damaged_on_the_peer_is_refused_and_the_sharded_run_resumes_from_disk",
+        "test_a_node_lost_resumes_its_shards_from_the_peers_replica_with_durable_checkpoints_on_s3",
+    }
+)
 """In make test-all only: the fallback to disk of a damaged replica (the DDP module covers it in make test)."""
 
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
@@ -77,6 +83,34 @@ def _resume(cfg: dict[str, Any], machines: nodes.Cluster, tmp_path: Path) -> dic
     return c
 
 
+class ObjectGets:
+    """The names of the objects the S3 server sent (GETs with a key) while ``counting()``."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.counting: Callable[[], bool] = lambda: False
+
+    def wrap(self, app):
+        def middleware(environ, start_response):
+            _, _, key = environ.get("PATH_INFO", "").lstrip("/").partition("/")
+            if environ.get("REQUEST_METHOD") == "GET" and key and self.counting():
+                self.names.add(key.rsplit("/", 1)[-1])
+            return app(environ, start_response)
+
+        return middleware
+
+
+@pytest.fixture
+def object_gets(s3_server) -> Iterator[ObjectGets]:
+    wsgi = s3_server._server._server  # the werkzeug server under moto's ThreadedMotoServer (as tests/helpers/s3.py)
+    app, gets = wsgi.app, ObjectGets()
+    wsgi.app = gets.wrap(app)
+    try:
+        yield gets
+    finally:
+        wsgi.app = app
+
+
 def _report(c: dict[str, Any], rank: int) -> dict[str, Any]:
     return json.loads((Path(c["out"]) / f"report-rank{rank}.json").read_text())
 
@@ -120,3 +154,22 @@ def test_a_replica_damaged_on_the_peer_is_refused_and_the_sharded_run_resumes_fr
     out = nodes.output(c, tail=None)
     assert str(replica) in out and "checksum mismatch" in out, out
     h.assert_exact_resume(a, Path(c["out"]), resumed_after=DURABLE_EVERY, ranks=2)
+
+
+def test_a_node_lost_resumes_its_shards_from_the_peers_replica_with_durable_checkpoints_on_s3(
+    tmp_path: Path, machines: nodes.Cluster, uninterrupted, s3_bucket: str, s3_server, object_gets: ObjectGets
+) -> None:
+    """The durable directories on the S3 test server: the relaunch reads its ``COMMITTED`` marker and the header
+    of its ``meta.safetensors``, no shard and no DCP metadata (every object GET counted until the first step)."""
+    a = uninterrupted()
+    cfg = dict(_cfg(tmp_path), ckpt_dir=f"{s3_bucket}/run", env={**_cfg(tmp_path)["env"], **s3_env(s3_server.endpoint)})
+    b = dict(cfg, out=str(tmp_path / "B"), pause_before=KILL_AT)
+    nodes.run_until_paused(b, machines, tmp_path, nodes.replicated_at(machines, b, 8)).lose(1)
+    c = dict(cfg, out=str(tmp_path / "C"), resume="last")
+    object_gets.counting = lambda: not (tmp_path / "C" / "steps-rank0.jsonl").exists()
+    nodes.run(c, machines, tmp_path)
+    for rank in range(2):
+        report = _report(c, rank)
+        assert (report["tier"], report["step"], report["memory_sources"]) == ("replica", 8, [0, 0]), report
+    assert object_gets.names == {"COMMITTED", "meta.safetensors"}, object_gets.names
+    h.assert_exact_resume(a, Path(c["out"]), resumed_after=8, ranks=2)

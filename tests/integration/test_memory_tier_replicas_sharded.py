@@ -8,7 +8,11 @@ moves it as it moves a DDP rank's. Run B is SIGKILLed between durable saves (dis
   uninterrupted run A (every step's loss bits, the gathered final state, ``prove``'s verdict); the resume report
   says tier "replica" and which rank's memory held each rank's state; no shard of the durable checkpoint is read
   (every file the relaunch opens under the durable directory is logged by an audit hook in the trainee).
-- (extended) A replica damaged on node 0 is refused by its digest, named, and the run resumes from disk."""
+- The same on 2 nodes x 2 ranks (dp=4), and with the durable directories on the S3 test server, where every object
+  GET of the relaunch before its first step is counted: ``COMMITTED`` and ``meta.safetensors`` only.
+- A replica damaged on node 0 is refused by its digest, named, and the run resumes from disk.
+
+make test runs the 2x1 case (the path of every other case); make test-all all of them."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from tests.helpers.s3 import s3_env
 EXTENDED = frozenset(
     {
         "test_a_replica_damaged_on_the_peer_is_refused_and_the_sharded_run_resumes_from_disk",
+        "test_a_node_lost_resumes_its_shards_from_the_peers_replica_exactly[2x2]",
         "test_a_node_lost_resumes_its_shards_from_the_peers_replica_with_durable_checkpoints_on_s3",
     }
 )
@@ -36,12 +41,12 @@ DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
-def _cfg(tmp_path: Path) -> dict[str, Any]:
+def _cfg(tmp_path: Path, devices: int = 1) -> dict[str, Any]:
     memory = {"every_n_train_steps_max": MEMORY_EVERY}
     exact = {"schedule": {"every_n_train_steps_max": DURABLE_EVERY}, "memory_tier": memory}
     return {
         "n": 80, "batch_size": 4, "max_epochs": 2, "dropout": 0.2, "augment": True, "shuffle": True,
-        "num_nodes": 2, "devices": 1, "sharded": {"dp": 2, "tp": 1}, "ckpt": {"save_top_k": 0},
+        "num_nodes": 2, "devices": devices, "sharded": {"dp": 2 * devices, "tp": 1}, "ckpt": {"save_top_k": 0},
         "exact_args": exact, "ckpt_dir": str(tmp_path / "ckpt"), "flush_memory_tier": True,
         "env": {"PYTHONWARNINGS": "ignore"},
     }  # fmt: skip
@@ -54,17 +59,18 @@ def machines(tmp_path: Path) -> Iterator[nodes.Cluster]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
-    """Run A: the whole fit, replicated, on its own machines, once per module; its output directory."""
-    done: list[Path] = []
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Run A of 2 nodes x ``devices`` ranks: the whole fit, replicated, on its own machines, once per module; its
+    output directory."""
+    done: dict[int, Path] = {}
 
-    def reference() -> Path:
-        if not done:
-            root = tmp_path_factory.mktemp("A")
+    def reference(devices: int = 1) -> Path:
+        if devices not in done:
+            root = tmp_path_factory.mktemp(f"A2x{devices}")
             with nodes.cluster(root / "machines", 2) as cluster:
-                nodes.run(dict(_cfg(root), out=str(root / "A")), cluster, root)
-            done.append(root / "A")
-        return done[0]
+                nodes.run(dict(_cfg(root, devices), out=str(root / "A")), cluster, root)
+            done[devices] = root / "A"
+        return done[devices]
 
     return reference
 
@@ -123,20 +129,26 @@ def _opened_before_training(c: dict[str, Any]) -> set[str]:
     return names
 
 
+@pytest.mark.parametrize("devices", [1, 2], ids=["2x1", "2x2"])
 def test_a_node_lost_resumes_its_shards_from_the_peers_replica_exactly(
-    tmp_path: Path, machines: nodes.Cluster, uninterrupted
+    tmp_path: Path, machines: nodes.Cluster, uninterrupted, devices: int
 ) -> None:
-    a = uninterrupted()
-    cfg = _cfg(tmp_path)
+    """2x2: dp=4, each of node 1's ranks from the same local rank of node 0 (the ring)."""
+    a = uninterrupted(devices)
+    cfg = _cfg(tmp_path, devices)
     _killed_then_node_lost(cfg, machines, tmp_path)
     c = _resume(cfg, machines, tmp_path)
-    for rank in range(2):
+    world = 2 * devices
+    sources = list(range(devices)) * 2
+    for rank in range(world):
         report = _report(c, rank)
-        assert (report["tier"], report["step"], report["memory_sources"]) == ("replica", 8, [0, 0]), report
-    assert "rank 1's state from rank 0's memory" in nodes.output(c, tail=None)
+        assert (report["tier"], report["step"], report["memory_sources"]) == ("replica", 8, sources), report
+    out = nodes.output(c, tail=None)
+    for rank in range(devices, world):
+        assert f"rank {rank}'s state from rank {sources[rank]}'s memory" in out, out
     opened = _opened_before_training(c)
     assert opened == {"COMMITTED", "meta.safetensors"}, f"durable files read beyond the headers: {opened}"
-    h.assert_exact_resume(a, Path(c["out"]), resumed_after=8, ranks=2)
+    h.assert_exact_resume(a, Path(c["out"]), resumed_after=8, ranks=world)
 
 
 def test_a_replica_damaged_on_the_peer_is_refused_and_the_sharded_run_resumes_from_disk(

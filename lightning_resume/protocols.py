@@ -162,6 +162,23 @@ class InPlaceLoading(Protocol):
         """The weights the latest load read in place: state-dict name -> the file's ``(algorithm, digest)``."""
 
 
+@runtime_checkable
+class LocalShardSnapshots(Protocol):
+    """A strategy whose ranks hold shards (``io.sharded_strategy.ShardedModelParallelStrategy``) that the memory
+    tier can snapshot one file per rank, as its local shards (``sharded.local``), and restore on the same mesh."""
+
+    def memory_snapshot(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """``checkpoint`` (Lightning's, built on this rank) with its sharded tensors as this rank's local shards."""
+
+    def check_local(self, checkpoint: Dict[str, Any]) -> list[str]:
+        """What keeps ``checkpoint`` (a :meth:`memory_snapshot`, loaded) from restoring this rank's state now, one
+        line per problem (another mesh, dtype or model); empty when it fits."""
+
+    def restore_local(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """Restore the model and optimizers from ``checkpoint``'s local shards (after :meth:`check_local` found
+        nothing); the rest of the checkpoint, for Lightning to restore as it restores a durable one's."""
+
+
 def checkpoint_io_as(trainer: Any, protocol: type) -> Any:
     """The trainer's ``CheckpointIO`` if it has ``protocol``, also inside a wrapping IO (Lightning's
     ``AsyncCheckpointIO`` keeps the IO it wraps as ``checkpoint_io``); ``None`` otherwise."""

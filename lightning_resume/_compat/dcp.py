@@ -38,7 +38,9 @@ __all__ = [
     "FsspecReader",
     "FsspecWriter",
     "StorageInfo",
+    "dtensor_layout",
     "host_dtensor",
+    "local_tensor",
     "load_without_template",
     "metadata_path",
     "set_nested",
@@ -73,3 +75,27 @@ def host_dtensor(source: DTensor, local: torch.Tensor) -> DTensor:
     does in effect (``_create_cpu_state_dict``, _state_dict_utils.py:447-455).
     """
     return DTensor(local, source._spec, requires_grad=False)
+
+
+def local_tensor(value: Any) -> Any:
+    """This rank's shard of ``value`` as a plain tensor sharing its storage (``DTensor.to_local``, _api.py:490),
+    or ``None`` when ``value`` is no DTensor."""
+    return value.to_local() if isinstance(value, DTensor) else None
+
+
+def dtensor_layout(value: DTensor) -> dict[str, Any]:
+    """How ``value`` is laid out over its mesh, in plain values: equal records mean this rank's local shard of one
+    is in place for the other (global shape and stride, local shape, dtype, placements, the mesh's shape and
+    dimension names, and this rank's coordinate in it). Public DTensor and DeviceMesh attributes only."""
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    return {
+        "shape": list(value.shape),
+        "stride": list(value.stride()),
+        "local_shape": list(value.to_local().shape),
+        "dtype": str(value.dtype).replace("torch.", ""),
+        "placements": [str(p) for p in value.placements],
+        "mesh_shape": list(mesh.shape),
+        "mesh_dims": list(mesh.mesh_dim_names or ()),
+        "coordinate": list(coordinate) if coordinate is not None else [],
+    }

@@ -24,7 +24,7 @@ from lightning_resume.format.legacy import is_zip, load_legacy
 from lightning_resume.format.read import is_safetensors, read_summary
 from lightning_resume.io.verify import problem
 from lightning_resume.io.verify import verify as verify_checkpoint
-from lightning_resume.sharded.marker import commit_order, is_sharded_checkpoint
+from lightning_resume.sharded.marker import commit_order, is_sharded_checkpoint, marked_directory, meta_path
 from lightning_resume.sharded.verify import verify_directory
 from lightning_resume.storage import files as storage
 
@@ -93,8 +93,13 @@ def _header_step(path: str, weights_only: bool = True) -> int:
 def header_value(path: str, keys: Sequence[str], weights_only: bool = True) -> Any:
     """A plain value (number, string) at ``keys`` in the checkpoint dict at ``path``, read without its tensors:
     from a safetensors header's tree, or (local) the pickle of a ``torch.save`` zip with its tensors
-    memory-mapped, not read (loaded as ``weights_only`` says: ``format.legacy``). ``None`` when it is absent or the file is neither; errors of a damaged file
-    propagate."""
+    memory-mapped, not read (loaded as ``weights_only`` says: ``format.legacy``); for a sharded checkpoint
+    directory (or, on an object store, its commit marker), from the header of its ``meta.safetensors``, found
+    through the marker: nothing else of the directory is read. ``None`` when it is absent or the file is
+    neither; errors of a damaged file (an uncommitted directory among them) propagate."""
+    directory = marked_directory(path)
+    if directory is not None:
+        path = meta_path(directory)
     if is_safetensors(path):
         node = parse_tree(read_summary(path).tree_json)
         for key in keys:  # each dict level of the tree is {"@": "dict", "v": {...}} (format.codec)

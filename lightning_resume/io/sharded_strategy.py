@@ -26,10 +26,11 @@ from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
 from lightning_resume.io.resolve import newest_verified
 from lightning_resume.io.verify import verify
 from lightning_resume.sharded import commit as commits
+from lightning_resume.sharded import local
 from lightning_resume.sharded.api import checkpoint_path as sharded_path  # load_checkpoint's argument has the name
 from lightning_resume.sharded.api import clean_uncommitted, load_meta, load_sharded, save_sharded
 from lightning_resume.sharded.background import AsyncShardedSaver
-from lightning_resume.sharded.marker import MARKER
+from lightning_resume.sharded.marker import MARKER, named_for_lightning
 from lightning_resume.sharded.verify import verify_directory
 from lightning_resume.storage import files as storage
 
@@ -42,13 +43,9 @@ SHARDED_SAVE_MODES = ("sync", "async")
 
 
 def lightning_path(directory: str) -> str:
-    """What ``ckpt_path="last"`` hands Lightning for a checkpoint directory: the directory itself, or on an
-    object store its commit marker.
-
-    Lightning takes the newest of its "last" candidates by ``fs.modified(path)``, which an object store has
-    only for an object, never for a prefix (s3fs raises ``IsADirectoryError``); the marker is the object
-    that makes the prefix a checkpoint, and its time is the commit's. :func:`directory_of` maps it back."""
-    return storage.join(directory, MARKER) if storage.is_remote(directory) and storage.is_dir(directory) else directory
+    """What ``ckpt_path="last"`` hands Lightning for a checkpoint directory (``sharded.marker.named_for_lightning``):
+    the directory itself, or on an object store its commit marker; :func:`directory_of` maps it back."""
+    return named_for_lightning(directory)
 
 
 def directory_of(path: str) -> str:
@@ -210,27 +207,9 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         path = sharded_path(directory_of(str(self.broadcast(str(checkpoint_path)))))
         self.wait_for_checkpoint()  # a directory still being written is not loadable yet
-        module = self.model
-        # Lightning restores a checkpoint into this strategy only after setup (restore_checkpoint_after_setup)
-        assert module is not None and self.lightning_module is not None
-        state: Dict[str, Any] = {"state_dict": get_model_state_dict(module)}  # model and optimizer states
-        for idx, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, optimizer)
-        record = load_sharded(state, path, self.verify_digests)
-        strict = self.lightning_module.strict_loading
-        set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
-        for idx, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{idx}"])
+        record = self._restore(lambda state: load_sharded(_dcp_keys(state), path, self.verify_digests))
         meta = load_meta(path, record)  # the same save as the shards, even if "last" was re-saved meanwhile
         if meta is None:
             raise CheckpointCorruptError(
@@ -239,10 +218,60 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
             )
         return meta
 
+    def memory_snapshot(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """The memory tier's snapshot of this rank (``protocols.LocalShardSnapshots``): its local shards."""
+        return local.to_local(checkpoint)
+
+    def check_local(self, checkpoint: Dict[str, Any]) -> List[str]:
+        """What keeps a memory snapshot from restoring this rank now (``sharded.local.check``)."""
+        return local.check(self._template(), checkpoint)
+
+    def restore_local(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """Restore the model and optimizers from a memory snapshot's local shards, in place; the rest of the
+        checkpoint, as :meth:`load_checkpoint` returns a durable one's meta."""
+        self._restore(lambda state: local.fill(state, checkpoint))
+        return local.without_shards(checkpoint)
+
+    def _template(self) -> Dict[str, Any]:
+        """The model's and optimizers' state now, as Lightning's checkpoint holds them (``state_dict``,
+        ``optimizer_states``): the layout a restore fills in place."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        module = self.model
+        # Lightning restores a checkpoint into this strategy only after setup (restore_checkpoint_after_setup)
+        assert module is not None and self.lightning_module is not None
+        optimizers = [get_optimizer_state_dict(module, optimizer) for optimizer in self.optimizers]
+        return {"state_dict": get_model_state_dict(module), "optimizer_states": optimizers}
+
+    def _restore(self, fill: Callable[[Dict[str, Any]], Any]) -> Any:
+        """Fill the state template (:meth:`_template`) with ``fill``, then apply it to the model and optimizers;
+        what ``fill`` returned."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = self._template()
+        out = fill(state)
+        assert self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))  # type: ignore[arg-type]
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"], strict=True):
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state)  # type: ignore[arg-type]
+        return out
+
     def _clean_once(self, root: str) -> None:
         if self.clean_stale and not self._cleaned and self.is_global_zero:
             clean_uncommitted(root)
         self._cleaned = True
+
+
+def _dcp_keys(state: Dict[str, Any]) -> Dict[str, Any]:
+    """:meth:`ShardedModelParallelStrategy._template` as the sharded checkpoint names its parts (``optimizer_<i>``):
+    the same dicts, so that a load into this fills that."""
+    optimizers = {f"optimizer_{idx}": o for idx, o in enumerate(state["optimizer_states"])}
+    return {"state_dict": state["state_dict"], **optimizers}
 
 
 def _save_problems(save: Any) -> List[str]:

@@ -28,6 +28,7 @@ from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.format.legacy import is_zip, load_legacy, unsafe_globals
 from lightning_resume.format.read import check_regular_file, is_safetensors, load_file, read_summary, verify_local
 from lightning_resume.protocols import VerifyingCheckpointIO
+from lightning_resume.sharded.marker import marked_directory, meta_path
 from lightning_resume.sharded.verify import verify_directory
 from lightning_resume.storage import files as storage
 from lightning_resume.storage.files import is_local, local_path
@@ -73,13 +74,17 @@ def header_only(path: str, weights_only: bool = True) -> None:
     """What "last" resolution checks of a candidate while a memory tier may supply the resume: the part the
     memory tier reads (the run id and step), nothing more. A file of our format: its header, integrity record
     and tree digest (``read.read_summary``); a local ``torch.save`` file: its pickle, with the tensors mapped,
-    not read; anything else is verified in full. The full check follows, before any load, when the memory tier
-    does not supply the resume (``retention.last.confirm_last``)."""
+    not read; a sharded checkpoint directory (or, on an object store, its commit marker): the marker and the
+    header of the ``meta.safetensors`` it lists, no shard; anything else is verified in full. The full check
+    follows, before any load, when the memory tier does not supply the resume (``retention.last.confirm_last``)."""
     path = str(path)
     check_regular_file(path)
-    if not storage.is_dir(path) and is_safetensors(path):
+    directory = marked_directory(path)
+    if directory is not None:
+        read_summary(meta_path(directory))
+    elif is_safetensors(path):
         read_summary(path)
-    elif not storage.is_dir(path) and is_local(path) and is_zip(path, local_path(path)):
+    elif is_local(path) and is_zip(path, local_path(path)):
         load_legacy(path, local_path(path), mmap=True, weights_only=weights_only)
     else:
         verify(path, weights_only=weights_only)

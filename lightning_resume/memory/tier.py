@@ -46,7 +46,7 @@ from lightning_resume.memory.store import (
     slot_key,
     squatted,
 )
-from lightning_resume.protocols import Loan, StagingLender, checkpoint_io_as
+from lightning_resume.protocols import Loan, LocalShardSnapshots, StagingLender, checkpoint_io_as
 from lightning_resume.retention.last import confirm_last
 from lightning_resume.schedule.state import Tier
 from lightning_resume.staging.lending import Offer
@@ -94,6 +94,7 @@ class MemoryTier:
         self._lending: Optional[Loan] = None  # the durable IO's staging, when it lends it
         self._overlap = False
         self.weights_only = True
+        self._shards: Optional[LocalShardSnapshots] = None  # a sharded strategy's: snapshots of local shards
 
     def setup(self, trainer: pl.Trainer, directory: Optional[str]) -> None:
         """Find this rank's slot in ``directory`` (the durable checkpoints', which names the run) and, for
@@ -113,6 +114,7 @@ class MemoryTier:
         self.store = MemoryStore(self.root, slot_key(directory), self.rank, self.world_size, overlap_copy=overlap)
         self.resumed_tier, self.run, self.sources = None, None, None
         self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
+        self._shards = trainer.strategy if isinstance(trainer.strategy, LocalShardSnapshots) else None
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             choose = partial(self.choose, confirm=partial(confirm_last, trainer))  # "last" read headers only
             self._remove_hook = lc.substitute_checkpoint(trainer, choose)
@@ -146,6 +148,9 @@ class MemoryTier:
         newest_durable = max(o.durable_step for o in offers)
         outcome = plan_recovery(offers, self.world_size, newest_durable)
         snapshot, reason = self._recover(outcome, mine, run)
+        if snapshot is not None and self._shards is not None:
+            reason = self._shard_problems(self._shards, snapshot)
+            snapshot = None if reason else snapshot
         if snapshot is None or not isinstance(outcome, RecoveryPlan):
             restored = durable if confirm is None else confirm()
             rank_zero_info(f"ExactResume: not resuming from the memory tier: {reason}; using {restored}")
@@ -160,7 +165,20 @@ class MemoryTier:
         rank_zero_info(
             f"ExactResume: resuming from the memory tier at step {snapshot.step} (durable: step {newest_durable}){moved}"
         )
+        if self._shards is not None:  # the strategy loads no state itself: its shards go in place here
+            return snapshot.path, self._shards.restore_local(snapshot.checkpoint)
         return snapshot.path, snapshot.checkpoint
+
+    def _shard_problems(self, shards: LocalShardSnapshots, snapshot: MemorySnapshot) -> str:
+        """Every rank: why the planned snapshots of local shards cannot restore this run (another mesh at this world
+        size, another model), in one line naming the ranks and paths; ``""`` when every rank's fits."""
+        mine = [f"rank {self.rank}: {line}" for line in shards.check_local(snapshot.checkpoint)]
+        everyone = [line for lines in collective.gather(mine) for line in lines]
+        if not everyone:
+            return ""
+        more = f" (and {len(everyone) - 3} more)" if len(everyone) > 3 else ""
+        shown = "; ".join(everyone[:3])
+        return f"the snapshots' local shards do not fit this run's sharding (another mesh or model?): {shown}{more}"
 
     def _owners(self) -> list[int]:
         """The ranks whose replicas this rank holds: the ring's owners of this rank whose replica is in the slot. The
@@ -268,6 +286,8 @@ class MemoryTier:
             checkpoint = lc.dump_checkpoint(trainer)  # every rank: the callbacks' state_dict gathers across ranks
         finally:
             self.dumping = False
+        if self._shards is not None:  # one file per rank still: this rank's shards, as plain tensors
+            checkpoint = self._shards.memory_snapshot(checkpoint)
         if self.store is None or self.run is None:
             return None
         self.seq += 1
@@ -331,15 +351,21 @@ def _failure(what: str) -> collective.Failure:
 
 
 def unsupported(trainer: pl.Trainer) -> bool:
-    """The memory tier keeps one full checkpoint per rank: not for strategies whose ranks hold shards."""
-    return trainer.world_size > 1 and not type(trainer.strategy).__name__.startswith("DDP")
+    """The memory tier keeps one checkpoint per rank: the full one (DDP), or its local shards under a strategy that
+    can snapshot and restore them (``protocols.LocalShardSnapshots``); not for the other strategies whose ranks
+    hold shards (``FSDPStrategy``, DeepSpeed)."""
+    strategy = trainer.strategy
+    if trainer.world_size <= 1 or isinstance(strategy, LocalShardSnapshots):
+        return False
+    return not type(strategy).__name__.startswith("DDP")
 
 
 def warn_sharded(trainer: pl.Trainer) -> bool:
     """:func:`unsupported`, said once."""
     if unsupported(trainer):
         rank_zero_warn(
-            f"ExactResume(memory_tier=...) supports single-device and DDP runs, not {type(trainer.strategy).__name__};"
+            f"ExactResume(memory_tier=...) supports single-device, DDP and ShardedModelParallelStrategy runs, not"
+            f" {type(trainer.strategy).__name__};"
             " the memory tier is off for this run",
             category=ExactResumeWarning,
         )

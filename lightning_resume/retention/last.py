@@ -48,6 +48,7 @@ from lightning_resume.errors import NoLoadableCheckpointError, SkippedCheckpoint
 from lightning_resume.io.resolve import candidates, newest_verified, progress, step_in_name
 from lightning_resume.io.verify import header_only, pickled_globals, verify
 from lightning_resume.protocols import MemoryFirst, ResolvingCheckpointIO
+from lightning_resume.sharded.marker import named_for_lightning
 from lightning_resume.storage import files as storage
 
 
@@ -124,9 +125,10 @@ def confirm_last(trainer: pl.Trainer) -> Optional[str]:
 def _newest(io: object, paths: list[str], skipped: list[str], weights_only: bool, headers: bool) -> Optional[str]:
     """The newest of ``paths`` that passes the IO's check, or (``headers``: a memory tier is asked first) whose
     header reads (``io.verify.header_only``)."""
-    if headers:
+    if headers:  # a sharded directory named as Lightning can time it (on an object store: its marker)
         check = lambda p: header_only(p, weights_only)
-        return newest_verified(paths, check, key=lambda p: progress(p, weights_only), skipped=skipped.append)
+        path = newest_verified(paths, check, key=lambda p: progress(p, weights_only), skipped=skipped.append)
+        return None if path is None else named_for_lightning(path)
     if isinstance(io, ResolvingCheckpointIO):
         return io.resolve_newest(paths, skipped=skipped.append, weights_only=weights_only)
     return newest_verified(

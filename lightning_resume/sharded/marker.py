@@ -208,6 +208,35 @@ def is_sharded_checkpoint(path: str) -> bool:
     return bool(names & {MARKER, DCP_METADATA}) or any(n.endswith(".distcp") for n in names)
 
 
+def named_for_lightning(directory: str) -> str:
+    """What Lightning is handed for a checkpoint directory: the directory itself, or on an object store its commit
+    marker. Lightning takes the newest of its "last" candidates by ``fs.modified(path)``, which an object store has
+    only for an object, never for a prefix (s3fs raises ``IsADirectoryError``); the marker is the object that makes
+    the prefix a checkpoint, and its time is the commit's. :func:`marked_directory` maps it back."""
+    directory = str(directory)
+    return storage.join(directory, MARKER) if storage.is_remote(directory) and storage.is_dir(directory) else directory
+
+
+def marked_directory(path: str) -> Optional[str]:
+    """The sharded checkpoint directory ``path`` names: the directory itself, or, on an object store, the
+    directory of its commit marker (what Lightning is handed there: :func:`named_for_lightning`);
+    ``None`` for any other path. A listing at most; no object is read."""
+    path = str(path)
+    parent, name = storage.split(path)
+    if name == MARKER and storage.is_remote(path):
+        return parent
+    return path if storage.is_dir(path) else None
+
+
+def meta_path(directory: str) -> str:
+    """The non-sharded part of a committed sharded checkpoint (``META_FILE``, where its marker says), read from the
+    marker alone; ``CheckpointCorruptError`` when it is not committed or its marker lists no such file."""
+    record = read_marker(directory)
+    if META_FILE not in record.files:
+        raise CheckpointCorruptError(storage.join(str(directory), MARKER), f"commit marker does not list {META_FILE}")
+    return storage.join(record.location, META_FILE)
+
+
 def commit_order(directory: str) -> Optional[Tuple[int, float]]:
     """How far training was when ``directory`` was committed: ``(step, commit time)``, for ordering
     candidates newest first. ``None`` when it is not a committed checkpoint of ours (no marker, a hidden

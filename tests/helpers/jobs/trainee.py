@@ -192,6 +192,14 @@ class Model(pl.LightningModule):
             rec["lr"] = [g["lr"] for opt in self.trainer.optimizers for g in opt.param_groups]
         self._record(**rec)
 
+    def configure_model(self) -> None:
+        """``sharded``: the Linears (and the root) sharded over the mesh Lightning's ``ModelParallelStrategy`` made,
+        as its docs write it (tests/helpers/sharded_model.py)."""
+        if self.cfg.get("sharded"):
+            from tests.helpers.sharded_model import shard
+
+            shard(self.net, self, self.device_mesh)
+
     def _loss(self, batch):
         if not self.cfg.get("combined"):
             return nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]), batch["y"])
@@ -263,8 +271,11 @@ class Model(pl.LightningModule):
             return StatefulDataLoader(dataset, **kwargs)
         if cfg.get("num_workers", 0) > 0:
             dataset = ResumableDataset(dataset)
-        if cfg.get("devices", 1) > 1 or cfg.get("distributed_sampler"):
+        if cfg.get("devices", 1) > 1 or cfg.get("distributed_sampler") or cfg.get("sharded"):
             world, rank = self.trainer.world_size, self.trainer.global_rank
+            if cfg.get("sharded"):  # one stream per data-parallel rank: tensor-parallel ranks share theirs
+                kwargs_dp = self.trainer.strategy.distributed_sampler_kwargs
+                world, rank = kwargs_dp["num_replicas"], kwargs_dp["rank"]
             sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=7)
             return StatefulDataLoader(dataset, sampler=sampler, **kwargs)
         return StatefulDataLoader(dataset, shuffle=shuffle, **kwargs)
@@ -538,8 +549,7 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
         accelerator="cpu",
         devices=devices,
         num_nodes=cfg.get("num_nodes", 1),  # torchrun's --nnodes (tests/helpers/nodes.py)
-        # ``ddp`` (DDPStrategy's kwargs) also on one device: a one-process DDP run, as torchrun launches it
-        strategy=(DDPStrategy(**cfg.get("ddp") or {}) if devices > 1 or cfg.get("ddp") is not None else "auto"),
+        strategy=_strategy(cfg, devices),
         use_distributed_sampler=cfg.get("use_distributed_sampler", False),
         max_epochs=cfg.get("max_epochs", 2),
         max_steps=cfg.get("max_steps", -1),
@@ -553,11 +563,31 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
     )
 
 
+def _strategy(cfg: dict, devices: int):
+    """``sharded`` ({"dp": N, "tp": M}): ``ShardedModelParallelStrategy``; ``ddp`` (DDPStrategy's kwargs) also on
+    one device: a one-process DDP run, as torchrun launches it."""
+    if cfg.get("sharded"):
+        from lightning_resume.io.sharded_strategy import ShardedModelParallelStrategy
+
+        dp, tp = cfg["sharded"].get("dp", 1), cfg["sharded"].get("tp", 1)
+        return ShardedModelParallelStrategy(
+            data_parallel_size=dp, tensor_parallel_size=tp, save=cfg.get("save", "sync")
+        )
+    return DDPStrategy(**cfg.get("ddp") or {}) if devices > 1 or cfg.get("ddp") is not None else "auto"
+
+
 def _final_state(trainer: pl.Trainer, model: Model) -> dict:
-    """What ``<out>/final.pt`` holds: every piece of training state a resume must restore."""
+    """What ``<out>/final.pt`` holds: every piece of training state a resume must restore (``sharded``: gathered
+    whole on every rank, a collective)."""
+    if trainer.world_size > 1 and type(trainer.strategy).__name__ == "ShardedModelParallelStrategy":
+        from tests.helpers.sharded_model import full_state
+
+        model_state, optimizer_state = full_state(model, trainer.optimizers[0])
+    else:
+        model_state, optimizer_state = model.state_dict(), trainer.optimizers[0].state_dict()
     return {
-        "model": model.state_dict(),
-        "optimizer": trainer.optimizers[0].state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         "global_step": trainer.global_step,
         "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
@@ -573,9 +603,24 @@ def _cluster(trainer: pl.Trainer) -> dict:
             "num_nodes": trainer.num_nodes, "main_address": address}  # fmt: skip
 
 
+def _log_opened(under: str, out: Path) -> None:
+    """``log_opened``: each file this rank opens under ``under`` before its first training step is recorded, one
+    path a line, in ``<out>/opened-rank<R>.txt`` (an audit hook: ``open`` and ``os.open`` both report)."""
+    rank = os.environ.get("RANK", "0")
+    log, first_step = open(out / f"opened-rank{rank}.txt", "a", buffering=1), out / f"steps-rank{rank}.jsonl"
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(under) and not first_step.exists():
+            log.write(args[0] + "\n")
+
+    sys.addaudithook(hook)
+
+
 def main(cfg: dict) -> None:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("log_opened"):
+        _log_opened(cfg["log_opened"], out)
     _seed(cfg)
     trainer = _trainer(cfg, _callbacks(cfg, out))
     model = _model(cfg)

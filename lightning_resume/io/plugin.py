@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_resume._compat import check_versions
-from lightning_resume._compat.lightning import resolve_last_through_callbacks
+from lightning_resume._compat.lightning import resolve_last_through_callbacks, saves_directories
 from lightning_resume.cas.layout import BLOCKS
 from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
@@ -448,7 +448,9 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
     """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise ``UnencodableValueError`` now for the
     hyper-parameters (of ``module`` and the datamodule) every save would refuse (``format.hparams``), naming them
     all with ``save_hyperparameters(ignore=[...])``, instead of at the first save. A module that overrides
-    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides."""
+    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides. Also refuses
+    ``dedupe=True`` under a strategy that saves directories (``refuse_dedupe_with_directory_saves``)."""
+    refuse_dedupe_with_directory_saves(trainer)
     if _safetensors_io(trainer) is None or is_overridden("on_save_checkpoint", module):
         return
     tree = {}
@@ -457,6 +459,22 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
         if isinstance(values, dict) and values:  # an OmegaConf container: its first save decides
             tree[key] = dict(values)
     hparams.refuse_unencodable(tree)
+
+
+def refuse_dedupe_with_directory_saves(trainer: Any) -> None:
+    """``ConfigurationError`` at the start of ``fit`` for ``SafetensorsCheckpointIO(dedupe=True)`` under a strategy
+    that writes each checkpoint as a directory itself (FSDP's sharded state dicts, ``ModelParallelStrategy``'s
+    distributed checkpoints, DeepSpeed): those saves never reach the plugin, so nothing would be deduped."""
+    io = _safetensors_io(trainer)
+    if io is not None and io.dedupe and saves_directories(trainer.strategy):
+        raise ConfigurationError(
+            "SafetensorsCheckpointIO",
+            [
+                f"dedupe=True is not supported under {type(trainer.strategy).__name__}, which saves each checkpoint"
+                " as a directory of shards itself (the plugin never sees those saves); use dedupe=False, or a"
+                " strategy that saves one file (e.g. FSDPStrategy(state_dict_type='full'))"
+            ],
+        )
 
 
 def _safetensors_io(trainer: Any) -> Optional[SafetensorsCheckpointIO]:

@@ -226,8 +226,16 @@ def _load_remote(path: str, opts: ReadOptions) -> Loaded:
     refused = remote_budget.refusal(path, size, fmt, overhead, opts.max_remote_load_bytes, host_memory.available())
     if refused is not None:
         raise refused
+
+    def fits(referenced: int) -> None:  # the blocks of a content-addressed checkpoint come on top of its file
+        again = remote_budget.refusal(
+            path, size + referenced, fmt, overhead, opts.max_remote_load_bytes, host_memory.available()
+        )
+        if again is not None:
+            raise again
+
     with storage.RangedReader(path, size, deadline) as f:
-        return _load_copy(path, f, size, opts)
+        return _load_copy(path, f, size, opts, budget=fits)
 
 
 def _checked_metadata(path: str, header: framing.Header) -> Tuple[Dict[str, Any], str, packs.Refs]:
@@ -260,9 +268,12 @@ def _load_local_copy(path: str, opts: ReadOptions) -> Loaded:
         return _load_copy(path, f, os.fstat(f.fileno()).st_size, opts, local_path(path))
 
 
-def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: Any = None) -> Loaded:
+def _load_copy(
+    path: str, f: Any, size: int, opts: ReadOptions, legacy_source: Any = None, budget: Any = None
+) -> Loaded:
     """From the start of the open file ``f`` of ``size`` bytes: each tensor read into its own fresh memory,
-    hashed as it lands; a ``torch.save`` file is handed to ``torch.load`` (as ``legacy_source``, default ``f``)."""
+    hashed as it lands; a ``torch.save`` file is handed to ``torch.load`` (as ``legacy_source``, default ``f``).
+    ``budget(nbytes)``, when given, raises if the referenced tensors' ``nbytes`` do not fit (a remote load)."""
     head = bytes(_read_exact(path, f, 9))
     if not _is_safetensors_head(path, head):
         f.seek(0)
@@ -271,6 +282,8 @@ def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: A
     n = framing.header_length(path, head, size)
     header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
     record, tree_json, refs = _checked_metadata(path, header)
+    if budget is not None and refs.tensors:
+        budget(sum(r.nbytes for r in refs.tensors.values()))
     tree, device = _parse_tree(path, tree_json), _device(opts.map_location)
     offered = opts.into if opts.into and (device is None or device.type == "cpu") else {}
     targets = in_place.plan(tree, _indexed(header, refs), offered) if offered else {}

@@ -15,10 +15,11 @@ import torch
 from lightning_resume.cas import layout, live
 from lightning_resume.cas.refs import read_pack_header, read_refs
 from lightning_resume.cas.save import Lineage, commit_deduped
-from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
+from lightning_resume.errors import CheckpointCorruptError, ConfigurationError, RemoteLoadMemoryError
 from lightning_resume.format import atomic, write
 from lightning_resume.format.read import load_file
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.storage import files as storage
 from tests.helpers.compare import assert_bitwise
 
 FROZEN = "state_dict.frozen"
@@ -270,3 +271,13 @@ def test_a_second_save_at_the_same_step_writes_no_pack(tmp_path, save):
     assert read_refs(str(tmp_path / "last.ckpt")).wrote is None
     assert len(os.listdir(tmp_path / "blocks")) == 2
     assert_bitwise(_state(2), load_file(str(tmp_path / "last.ckpt")).checkpoint, "last")
+
+
+def test_a_remote_load_counts_the_referenced_blocks_against_its_memory_cap():
+    url = "memory://cas-budget/run/step=1.ckpt"
+    SafetensorsCheckpointIO(dedupe=True).save_checkpoint(_state(1), url)
+    small = storage.size(url)
+    cap = small + storage.reader_overhead(small) + (64 << 10)  # the file fits; with its 384 KiB of blocks it does not
+    with pytest.raises(RemoteLoadMemoryError, match="remote.max_load_bytes"):
+        load_file(url, max_remote_load_bytes=cap)
+    assert_bitwise(_state(1), load_file(url, max_remote_load_bytes=64 << 20).checkpoint, "within the cap")

@@ -15,7 +15,12 @@ import torch
 from lightning_resume.cas import layout, live
 from lightning_resume.cas.refs import read_pack_header, read_refs
 from lightning_resume.cas.save import Lineage, commit_deduped
-from lightning_resume.errors import CheckpointCorruptError, ConfigurationError, RemoteLoadMemoryError
+from lightning_resume.errors import (
+    CheckpointCorruptError,
+    ConfigurationError,
+    RemoteLoadMemoryError,
+    SkippedCheckpointWarning,
+)
 from lightning_resume.format import atomic, write
 from lightning_resume.format.read import load_file
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
@@ -281,3 +286,14 @@ def test_a_remote_load_counts_the_referenced_blocks_against_its_memory_cap():
     with pytest.raises(RemoteLoadMemoryError, match="remote.max_load_bytes"):
         load_file(url, max_remote_load_bytes=cap)
     assert_bitwise(_state(1), load_file(url, max_remote_load_bytes=64 << 20).checkpoint, "within the cap")
+
+
+def test_a_last_checkpoint_whose_block_is_missing_falls_back_to_the_newest_that_loads(tmp_path):
+    io = SafetensorsCheckpointIO(dedupe=True)
+    io.save_checkpoint(_state(1), str(tmp_path / "step=1.ckpt"))
+    last = str(tmp_path / "last.ckpt")
+    io.save_checkpoint(_state(2), last)
+    os.remove(layout.pack_path(last, read_refs(last).wrote))  # the head and moments of step 2 are gone
+    with pytest.warns(SkippedCheckpointWarning, match=r"tensor '.*' \(pack .*, key [0-9a-f]+\): the pack is missing"):
+        loaded = SafetensorsCheckpointIO(dedupe=True).load_checkpoint(last)
+    assert_bitwise(_state(1), loaded, "fallback")

@@ -422,23 +422,11 @@ def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Load
             mapped, e = opened.mapped(refs.tensors[name])
             pairs += [(e, memoryview(mapped)[e.begin : e.end]), (e, None)]
             tensors[name] = _tensor(mapped, 0, e, views, opts)
-        verify = Background(_verify_mapped, path, record, pairs, refs) if opts.verify else None
+        named = {name: referenced.where(path, r) for name, r in refs.tensors.items()}
+        verify = Background(integrity.verify_data, path, record, pairs, named) if opts.verify else None
         if verify is not None:
             verify.result()  # raises CheckpointCorruptError before anything built from the bytes is returned
     return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size, refs=refs)
-
-
-def _verify_mapped(path: str, record: Dict[str, Any], pairs: List[Tuple[framing.Entry, Any]], refs: packs.Refs) -> None:
-    """``integrity.verify_data`` over mapped bytes, a referenced tensor's mismatch named by its pack and key."""
-    check = integrity.DataCheck(path, record)
-    for entry, data in pairs:
-        if data is not None:
-            check.update(data)
-        elif entry.name in refs.tensors:
-            check.end_tensor(entry, referenced.where(path, refs.tensors[entry.name]))
-        else:
-            check.end_tensor(entry)
-    check.finish()
 
 
 def _tensor(buf: Any, data_start: int, e: framing.Entry, views: bool, opts: ReadOptions) -> torch.Tensor:

@@ -297,3 +297,23 @@ def test_a_last_checkpoint_whose_block_is_missing_falls_back_to_the_newest_that_
     with pytest.warns(SkippedCheckpointWarning, match=r"tensor '.*' \(pack .*, key [0-9a-f]+\): the pack is missing"):
         loaded = SafetensorsCheckpointIO(dedupe=True).load_checkpoint(last)
     assert_bitwise(_state(1), loaded, "fallback")
+
+
+def test_equal_tensors_hashed_first_are_written_once_in_one_pass(tmp_path, monkeypatch):
+    from lightning_resume.cas import write_pack
+
+    same, head = torch.ones(64, 1024), torch.zeros(64, 1024)
+    state = Lineage()
+    for step in (1, 2):  # head changes at save 2: written while hashed at save 3
+        tree, tensors = write.encode_tree({"a": same, "b": same.clone(), "head": head + step})
+        commit_deduped(str(tmp_path / f"{step}.ckpt"), tree, tensors, "xxh3-128", state, step=step)
+    tree, tensors = write.encode_tree({"a": same, "b": same.clone(), "head": head + 3})
+    state.held = {}  # nothing to reference: a and b (hashed first, equal) and head (unknown key) go into one pack
+    rewrites = []
+    monkeypatch.setattr(
+        write_pack, "_EqualBlocks", type("Counted", (Exception,), {"__init__": lambda e: rewrites.append(1)})
+    )
+    refs = commit_deduped(str(tmp_path / "3.ckpt"), tree, tensors, "xxh3-128", state, step=3)
+    assert rewrites == [] and refs.tensors["a"].key == refs.tensors["b"].key
+    assert len(read_pack_header(layout.pack_path(str(tmp_path / "3.ckpt"), refs.wrote)).keys) == 2
+    assert_bitwise({"a": same, "b": same, "head": head + 3}, load_file(str(tmp_path / "3.ckpt")).checkpoint, "once")

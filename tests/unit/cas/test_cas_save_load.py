@@ -317,3 +317,13 @@ def test_equal_tensors_hashed_first_are_written_once_in_one_pass(tmp_path, monke
     assert rewrites == [] and refs.tensors["a"].key == refs.tensors["b"].key
     assert len(read_pack_header(layout.pack_path(str(tmp_path / "3.ckpt"), refs.wrote)).keys) == 2
     assert_bitwise({"a": same, "b": same, "head": head + 3}, load_file(str(tmp_path / "3.ckpt")).checkpoint, "once")
+
+
+def test_io_verify_reads_every_referenced_block(tmp_path):
+    from lightning_resume.io.verify import verify
+
+    _, (_, second) = _saved(tmp_path)
+    verify(second)
+    pack, key = _damage(second, "flipped byte")
+    with pytest.raises(CheckpointCorruptError, match=re.escape(f"(pack {pack}, key {key}): checksum mismatch")):
+        verify(second)

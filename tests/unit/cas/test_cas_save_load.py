@@ -327,3 +327,11 @@ def test_io_verify_reads_every_referenced_block(tmp_path):
     pack, key = _damage(second, "flipped byte")
     with pytest.raises(CheckpointCorruptError, match=re.escape(f"(pack {pack}, key {key}): checksum mismatch")):
         verify(second)
+
+
+def test_a_pack_that_is_not_a_regular_file_is_refused_without_opening_it(tmp_path):
+    _, (_, second) = _saved(tmp_path)
+    pack, _ = _damage(second, "missing pack")
+    os.mkfifo(pack)  # opening it for reading would wait for a writer forever
+    with pytest.raises(CheckpointCorruptError, match="the pack is not a regular file"):
+        load_file(second)

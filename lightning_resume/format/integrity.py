@@ -186,12 +186,13 @@ class DataCheck:
         """The next bytes of the current tensor."""
         self._current.update(data)
 
-    def end_tensor(self, entry: Entry) -> None:
-        """All of ``entry``'s bytes were fed: compare its digest with the recorded one."""
+    def end_tensor(self, entry: Entry, where: str = "") -> None:
+        """All of ``entry``'s bytes were fed: compare its digest with the recorded one. ``where`` names the tensor
+        in an error (default: its byte range in the data section)."""
         actual, expected = self._current.hexdigest(), self._record["tensors"][entry.name][2]
         self._current = hasher(self._algorithm)
         if actual != expected:
-            where = f"tensor '{entry.name}' (data bytes {entry.begin}-{entry.end}, after the header)"
+            where = where or f"tensor '{entry.name}' (data bytes {entry.begin}-{entry.end}, after the header)"
             raise CheckpointCorruptError(self.path, f"{where}: checksum mismatch", expected, actual)
         self._parts.append(actual)
 
@@ -207,13 +208,16 @@ class DataCheck:
             raise CheckpointCorruptError(self.path, "whole data-section digest mismatch", self._record["data"], whole)
 
 
-def verify_data(path: str, record: Mapping[str, Any], pieces: Iterable[Tuple[Entry, Any]]) -> None:
+def verify_data(
+    path: str, record: Mapping[str, Any], pieces: Iterable[Tuple[Entry, Any]], where: Mapping[str, str] = {}
+) -> None:
     """Check the data section from ``pieces``: ``(entry, bytes)`` for consecutive chunks of each tensor in
-    file order, and ``(entry, None)`` after a tensor's last chunk (a tensor may come in one piece)."""
+    file order, and ``(entry, None)`` after a tensor's last chunk (a tensor may come in one piece). ``where``:
+    how an error names a tensor, by name, where not by its byte range (``DataCheck.end_tensor``)."""
     check = DataCheck(path, record)
     for entry, data in pieces:
         if data is None:
-            check.end_tensor(entry)
+            check.end_tensor(entry, where.get(entry.name, ""))
         else:
             check.update(data)
     check.finish()

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tupl
 
 import torch
 
-from lightning_resume.format import framing, integrity
+from lightning_resume.format import framing, integrity, packs
 from lightning_resume.format.atomic import atomic_upload, atomic_write
 from lightning_resume.format.framing import BLOCK, FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY, TREE_KEY
 from lightning_resume.storage import files as storage
@@ -62,6 +62,7 @@ def commit(
     image: Optional[memoryview] = None,
     mode: int = 0o666,
     upload: multipart.UploadOptions = multipart.DEFAULT_UPLOAD,
+    refs: packs.Refs = packs.NO_REFS,
 ) -> None:
     """Write an encoded checkpoint (from :func:`encode_tree`) atomically at ``path``, hashing while writing.
 
@@ -72,14 +73,22 @@ def commit(
     with direct I/O, no page-cache copy, where the filesystem allows. The file is the same either way.
     ``mode``: a local file's permissions (``atomic_write``). ``upload``: part size and concurrency of an upload
     to a store with a multi-part API (``storage.multipart``); a remote file is uploaded while it is hashed.
+    ``refs``: tensors kept out of the data section, referenced in committed packs (``format.packs``; a dedupe
+    save): listed in the integrity record after the inline ones, by name, and in the refs record.
     """
     wait = ready if ready is not None else _always_ready
     entries = framing.layout(tensors)
     views = [framing.host_bytes(tensors[e.name]) for e in entries]  # staged tensors: views, no copy
 
+    referenced = sorted(refs.tensors.values(), key=lambda r: r.name)
+
     def header(digests: Dict[str, str], align: int = 8) -> bytes:
-        record = integrity.make_record(algorithm, tree_json, entries, digests)
+        listed, known = entries + [r.entry() for r in referenced], digests.copy()  # a placeholder's defaultdict too
+        known.update({r.name: r.key for r in referenced})
+        record = integrity.make_record(algorithm, tree_json, listed, known)
         meta = {FORMAT_KEY: FORMAT_VALUE, TREE_KEY: tree_json, INTEGRITY_KEY: record}
+        if refs.lineage:
+            meta[packs.REFS_KEY] = packs.refs_metadata(refs.lineage, referenced, refs.wrote)
         return framing.header_bytes(entries, meta, align)
 
     def write(f: BinaryIO) -> None:  # a local temporary file (``atomic_write``)
@@ -162,18 +171,18 @@ def _write_hashing_during_flush(
     placeholder = header(defaultdict(lambda: blank))
     fd = f.fileno()
     try:
-        writeback = _Writeback(fd, len(placeholder))
+        writeback = Writeback(fd, len(placeholder))
         offset = len(placeholder)
         for e, view in zip(data.entries, data.views, strict=True):
             data.wait(e.name)
-            offset = _pwrite_all(fd, view, offset)
+            offset = pwrite_all(fd, view, offset)
             writeback.written(offset)
     finally:
         hasher.join()  # on a write error too: the hasher reads memory the caller may reuse once we return
     final = header(hasher.result())
     if len(final) != len(placeholder):
         raise RuntimeError("internal error: header length changed between placeholder and final header")
-    _pwrite_all(fd, memoryview(final), 0)
+    pwrite_all(fd, memoryview(final), 0)
 
 
 DIRECT_CHUNK = 32 << 20
@@ -233,7 +242,7 @@ def _write_image(fd: int, start: int, data: _Data, image: memoryview) -> int:
     for a in range(0, size, DIRECT_CHUNK):
         b = min(a + DIRECT_CHUNK, size)
         data.wait(ends[bisect.bisect_left(ends, (b, ""))][1])  # the tensor holding byte b-1, and all before it
-        _pwrite_all(fd, image[a : -(-b // BLOCK) * BLOCK], start + a)
+        pwrite_all(fd, image[a : -(-b // BLOCK) * BLOCK], start + a)
     return size
 
 
@@ -242,7 +251,7 @@ def _pwrite_direct(fd: int, payload: bytes, offset: int, probe: bool = False) ->
     buf = mmap_module.mmap(-1, len(payload))  # freed with its last view (closing it here could fail on one)
     buf[:] = payload
     try:
-        _pwrite_all(fd, memoryview(buf), offset)
+        pwrite_all(fd, memoryview(buf), offset)
     except OSError as err:
         if probe and err.errno == errno.EINVAL:
             return False
@@ -250,7 +259,7 @@ def _pwrite_direct(fd: int, payload: bytes, offset: int, probe: bool = False) ->
     return True
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
+def pwrite_all(fd: int, view: memoryview, offset: int) -> int:
     """Write all of ``view`` at ``offset`` in chunks (short writes retried); the offset after it."""
     done, n = 0, len(view)
     while done < n:
@@ -265,7 +274,7 @@ WRITEBACK_EVERY = 32 << 20
 """Bytes written between two requests to start writeback (``sync_file_range``)."""
 
 
-class _Writeback:
+class Writeback:
     """Pace a page-cache write: start writeback of each ``WRITEBACK_EVERY`` stretch as soon as it is
     written, and wait for the stretch before it to reach the disk before writing on.
 

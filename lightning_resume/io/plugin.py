@@ -31,7 +31,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_resume._compat import check_versions
-from lightning_resume._compat.lightning import resolve_last_through_callbacks
+from lightning_resume._compat.lightning import resolve_last_through_callbacks, saves_directories
+from lightning_resume.cas.layout import BLOCKS
+from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
     HPARAMS_KEYS,
@@ -117,6 +119,11 @@ class SafetensorsCheckpointIO(CheckpointIO):
             otherwise a later fit on that module in this process is refused until a load into it succeeds or
             ``format.partial.accept_partial(module)`` is called. Default ``True``; no effect on a local load
             with ``mmap``.
+        dedupe: content-addressed saves (docs/safetensors-io.md, "Content-addressed saves (dedupe)"): each tensor
+            of at least 64 KiB is stored once per distinct content in packs under ``<dir>/blocks/`` and referenced
+            by the checkpoint file, so a save writes only what changed since the run's previous save (a frozen
+            backbone, LoRA's base weights, an unchanged retention set). Needs a 128-bit or stronger ``checksum``;
+            not with ``writer="process"`` or ``save="overlapped"`` in this release. Off by default.
     """
 
     records_digests = True
@@ -134,10 +141,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
         flush_timeout: Duration = "10min",
         remote: RemoteOptions = DEFAULT_REMOTE,
         load_in_place: bool = True,
+        dedupe: bool = False,
     ) -> None:
         check_versions()
         resolve_last_through_callbacks()
         problems = _problems(checksum, verify, load_in_place, save, writer, on_error, remote)
+        problems += dedupe_problems(dedupe, checksum, save, writer)
         try:
             self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
         except ValueError as err:
@@ -146,7 +155,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
             raise ConfigurationError("SafetensorsCheckpointIO", problems)
         self.verify, self.checksum, self.fallback_to_verified, self.mmap = verify, checksum, fallback_to_verified, mmap
         self.save, self.writer, self.on_error, self.remote = save, writer, on_error, remote
-        self.load_in_place = load_in_place
+        self.load_in_place, self.dedupe = load_in_place, dedupe
+        self._lineage = Lineage()  # what this run's dedupe saves carry between them (``cas.save``)
+        self._steps: Dict[str, Optional[int]] = {}  # a dedupe save in flight -> the step it saved
         self._upload = remote.upload
         self._into: Optional[weakref.ReferenceType[torch.nn.Module]] = None  # the module the next load fills
         self._in_place: Dict[str, Tuple[str, str]] = {}  # of the latest load: weights read in place
@@ -174,9 +185,16 @@ class SafetensorsCheckpointIO(CheckpointIO):
             )
         path = str(path)
         self._clean_before_save(path)
+        if self._saver is None and self.dedupe:
+            tree_json, tensors = write.encode_tree(checkpoint)  # fails on an unencodable value before any file exists
+            step = _step(checkpoint)
+            commit_deduped(path, tree_json, tensors, self.checksum, self._lineage, upload=self._upload, step=step)
+            return
         if self._saver is None:
             write.save_file(checkpoint, path, algorithm=self.checksum, upload=self._upload)
             return
+        if self.dedupe:
+            self._steps[path] = _step(checkpoint)  # for the plan of its commit on the worker
         self._saver.save(checkpoint, path)
         if self.save == "sync":  # the writer process writes it; the save returns once it is durable
             self._saver.wait(path, on_error="raise")
@@ -185,6 +203,11 @@ class SafetensorsCheckpointIO(CheckpointIO):
         """The write of a staged save (on the worker thread): atomic, checksummed, at ``path``; with
         ``writer="process"`` the writer process writes and this returns once it has committed. A subclass
         extends it to act around each commit."""
+        if self.dedupe:
+            step = self._steps.pop(path, None)
+            commit_deduped(path, tree_json, staged, self.checksum, self._lineage, staged.wait, upload=self._upload,
+                           step=step)  # fmt: skip
+            return
         commit_staged(path, tree_json, staged, self.checksum, upload=self._upload)
 
     @override
@@ -234,6 +257,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if module is not None:
             partial.forget(module)  # a load into it succeeded: an earlier failed one no longer matters
         self._in_place = {where[1]: digest for where, digest in loaded.in_place.items()}
+        if self.dedupe:
+            self._lineage.adopt(path, loaded.refs)  # a resumed run continues the lineage it resumed from
         return loaded.checkpoint
 
     def load_into(self, module: Optional[torch.nn.Module]) -> None:
@@ -370,17 +395,20 @@ class SafetensorsCheckpointIO(CheckpointIO):
         return done
 
     def _clean_before_save(self, path: str) -> None:
-        """Remove the temporaries interrupted saves left next to ``path``: at the first save into its directory
-        all that ``clean_stale_temporaries`` judges stale; at every later local one, this host's of dead pids (a
-        save killed since, e.g. another trainer's on the same directory: one directory listing)."""
+        """Remove the temporaries interrupted saves left next to ``path`` (with ``dedupe``, in its ``blocks/`` too):
+        at the first save into its directory all that ``clean_stale_temporaries`` judges stale; at every later
+        local one, this host's of dead pids (a save killed since, e.g. another trainer's on the same directory:
+        one directory listing)."""
         directory = self._directories.get(storage.split(path)[0]) or self._directory_of(path)
-        if directory not in self._cleaned:
-            self._cleaned.add(directory)
-            removed = clean_stale_temporaries(directory)
-        elif is_local(directory):
-            removed = clean_stale_temporaries(directory, owned_only=True)
-        else:
-            removed = []  # a remote listing per save costs a request; the first save's cleanup covers a restart
+        first = directory not in self._cleaned
+        self._cleaned.add(directory)
+        removed = []
+        for where in [directory, storage.join(directory, BLOCKS)] if self.dedupe else [directory]:
+            if first:
+                removed += clean_stale_temporaries(where)
+            elif is_local(where):
+                removed += clean_stale_temporaries(where, owned_only=True)
+            # else: a remote listing per save costs a request; the first save's cleanup covers a restart
         for name in removed:
             log.info("removed stale temporary %s left by an interrupted save", name)
 
@@ -392,6 +420,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if "://" in parent or os.path.isabs(parent):
             self._directories[parent] = directory
         return directory
+
+
+def _step(checkpoint: Dict[str, Any]) -> Optional[int]:
+    """The training step a checkpoint holds (Lightning's ``global_step``), ``None`` if it has none."""
+    step = checkpoint.get("global_step")
+    return step if type(step) is int else None
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:
@@ -424,7 +458,9 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
     """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise ``UnencodableValueError`` now for the
     hyper-parameters (of ``module`` and the datamodule) every save would refuse (``format.hparams``), naming them
     all with ``save_hyperparameters(ignore=[...])``, instead of at the first save. A module that overrides
-    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides."""
+    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides. Also refuses
+    ``dedupe=True`` under a strategy that saves directories (``refuse_dedupe_with_directory_saves``)."""
+    refuse_dedupe_with_directory_saves(trainer)
     if _safetensors_io(trainer) is None or is_overridden("on_save_checkpoint", module):
         return
     tree = {}
@@ -433,6 +469,22 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
         if isinstance(values, dict) and values:  # an OmegaConf container: its first save decides
             tree[key] = dict(values)
     hparams.refuse_unencodable(tree)
+
+
+def refuse_dedupe_with_directory_saves(trainer: Any) -> None:
+    """``ConfigurationError`` at the start of ``fit`` for ``SafetensorsCheckpointIO(dedupe=True)`` under a strategy
+    that writes each checkpoint as a directory itself (FSDP's sharded state dicts, ``ModelParallelStrategy``'s
+    distributed checkpoints, DeepSpeed): those saves never reach the plugin, so nothing would be deduped."""
+    io = _safetensors_io(trainer)
+    if io is not None and io.dedupe and saves_directories(trainer.strategy):
+        raise ConfigurationError(
+            "SafetensorsCheckpointIO",
+            [
+                f"dedupe=True is not supported under {type(trainer.strategy).__name__}, which saves each checkpoint"
+                " as a directory of shards itself (the plugin never sees those saves); use dedupe=False, or a"
+                " strategy that saves one file (e.g. FSDPStrategy(state_dict_type='full'))"
+            ],
+        )
 
 
 def _safetensors_io(trainer: Any) -> Optional[SafetensorsCheckpointIO]:
@@ -458,4 +510,28 @@ def _problems(
             found.append(f"{name}={value!r} is not supported; use one of {list(allowed)}")
     if not isinstance(remote, RemoteOptions):
         found.append(f"remote={remote!r} must be a RemoteOptions(max_load_bytes=..., upload_part_size=..., ...)")
+    return found
+
+
+def dedupe_problems(dedupe: Any, checksum: str, save: str, writer: str) -> List[str]:
+    """What ``dedupe=True`` cannot go with in this release, each named with the fix (never a silent full save)."""
+    if not isinstance(dedupe, bool):
+        return [f"dedupe={dedupe!r} must be True or False"]
+    if not dedupe:
+        return []
+    found = []
+    if checksum == "crc32":
+        found.append(
+            "dedupe=True needs a 128-bit or stronger checksum; use checksum='xxh3-128' (default), 'sha256' or 'blake2b'"
+        )
+    if writer == "process":
+        found.append(
+            "dedupe=True is not supported with writer='process' in this release (the writer process commits whole"
+            " files); use writer='thread' or dedupe=False"
+        )
+    if save == "overlapped":
+        found.append(
+            "dedupe=True is not supported with save='overlapped' in this release; use save='async' or 'sync', or"
+            " dedupe=False"
+        )
     return found

@@ -1,0 +1,1 @@
+"""Content-addressed storage of checkpoint tensors (issue 43)."""

@@ -1,1 +1,1 @@
-"""Content-addressed storage of checkpoint tensors (issue 43)."""
+"""Content-addressed saves (``SafetensorsCheckpointIO(dedupe=True)``): layout, refs, the save plan, live packs."""

@@ -18,14 +18,15 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple
 import torch
 
 from lightning_resume.cas.layout import pack_path
-from lightning_resume.cas.refs import Ref, read_header, read_refs
+from lightning_resume.cas.refs import Ref, read_refs
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.format import framing, integrity
 from lightning_resume.format.codec import decode, parse_tree
 from lightning_resume.format.framing import INTEGRITY_KEY, TREE_KEY
+from lightning_resume.format.packs import REFS_KEY
+from lightning_resume.format.read import read_header
 from lightning_resume.storage import files as storage
 
-REFS_KEY = "lightning_resume.refs"
 CHUNK = 4 << 20
 """Bytes read and hashed at a time: one tensor or block is never held whole."""
 
@@ -55,7 +56,7 @@ class Source:
 
 def read_dedupe(path: str) -> Optional[Dedupe]:
     """The header of ``path`` if it is a dedupe checkpoint (``None``: no references, read as today)."""
-    header = read_header(str(path))
+    header, _ = read_header(str(path))
     if REFS_KEY not in header.metadata:
         return None
     for key in (TREE_KEY, INTEGRITY_KEY):
@@ -115,7 +116,7 @@ def _block(d: Dedupe, ref: Ref, packs: Dict[str, framing.Header]) -> Source:
     where = f"tensor '{ref.name}': block {ref.key} in pack {path}"
     if ref.pack not in packs:
         try:
-            packs[ref.pack] = read_header(path)
+            packs[ref.pack] = read_header(path)[0]
         except FileNotFoundError as err:
             raise CheckpointCorruptError(d.path, f"{where}: the pack does not exist") from err
         except LightningResumeError as err:

@@ -33,24 +33,20 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Union
 
 from lightning_resume.cas import live
-from lightning_resume.cas.layout import BLOCKS, pack_name
+from lightning_resume.cas.layout import BLOCKS, is_pack_name, pack_name
 from lightning_resume.cas.refs import read_pack_header, read_refs
 from lightning_resume.errors import LightningResumeError, RetentionWarning
 from lightning_resume.format.atomic import clean_stale_temporaries
-from lightning_resume.format.integrity import ALGORITHMS
+from lightning_resume.format.packs import PACK_SUFFIX
 from lightning_resume.format.read import is_safetensors
 from lightning_resume.storage import files as storage
 
 log = logging.getLogger(__name__)
-
-PACK_SUFFIX = ".safetensors"
-_PACK_NAME = re.compile(r"^(?P<algorithm>[a-z0-9-]+)-(?P<digest>[0-9a-f]+)\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -97,11 +93,10 @@ def owned_packs(blocks: str, lineage: str) -> Dict[str, str]:
     """The packs in ``blocks`` proved to be packs of ``lineage`` (module docstring), by name -> path."""
     owned = {}
     for entry in storage.list_dir(blocks):
-        match = _PACK_NAME.match(entry.name)
-        if entry.is_dir or match is None or match["algorithm"] not in ALGORITHMS:
-            continue
         name = entry.name[: -len(PACK_SUFFIX)]
-        if _is_pack_of(entry.path, name, match["algorithm"], lineage):
+        if entry.is_dir or not entry.name.endswith(PACK_SUFFIX) or not is_pack_name(name):
+            continue
+        if _is_pack_of(entry.path, name, name.rpartition("-")[0], lineage):
             owned[name] = entry.path
     return owned
 

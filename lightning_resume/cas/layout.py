@@ -1,23 +1,10 @@
-"""PROVISIONAL (casgc): where packs live, written from contract43 until branch ``cas`` lands; ``cas``'s wins."""
+"""Where content-addressed checkpoints keep their blocks: ``<D>/blocks/<pack>.safetensors`` beside ``<D>/<name>.ckpt``.
 
-from __future__ import annotations
+The names are defined once, in ``format.packs`` (the file format's reader and writer need them, and ``format`` sits
+below ``cas``); this module is where the rest of the package (gc, verify, the CLI, the benchmark) takes them from.
+Every path is built through ``storage``: any fsspec URL keeps its scheme.
+"""
 
-from typing import Iterable
+from lightning_resume.format.packs import BLOCKS, MIN_BLOCK_BYTES, blocks_dir, is_pack_name, pack_name, pack_path
 
-from lightning_resume.format.integrity import digest
-from lightning_resume.storage import files as storage
-
-BLOCKS = "blocks"
-MIN_BLOCK_BYTES = 64 << 10
-
-
-def blocks_dir(checkpoint_path: str) -> str:
-    return storage.join(storage.split(str(checkpoint_path))[0], BLOCKS)
-
-
-def pack_path(checkpoint_path: str, pack: str) -> str:
-    return storage.join(blocks_dir(checkpoint_path), f"{pack}.safetensors")
-
-
-def pack_name(algorithm: str, keys: Iterable[str]) -> str:
-    return f"{algorithm}-{digest(algorithm, ','.join(sorted(keys)).encode('ascii'))}"
+__all__ = ["BLOCKS", "MIN_BLOCK_BYTES", "blocks_dir", "is_pack_name", "pack_name", "pack_path"]

@@ -167,17 +167,24 @@ def read_summary(path: str) -> Summary:
     are left to the load that reads them (``load_file`` hashes every byte as it arrives) or to
     ``io.verify``. ``CheckpointCorruptError`` for any problem, also for a ``torch.save`` file."""
     path = str(path)
+    header, size = read_header(path)
+    record, tree_json = _checked_metadata(path, header)
+    return Summary(header, record, tree_json, size)
+
+
+def read_header(path: str, deadline: Optional[Deadline] = None) -> Tuple[framing.Header, int]:
+    """The checked safetensors header of ``path`` (a checkpoint or a pack) and the file's size, from two ranged
+    reads; ``CheckpointCorruptError`` for a malformed one or a ``torch.save`` file, ``FileNotFoundError``."""
+    path = str(path)
     check_regular_file(path)
-    size = storage.size(path)
+    size = storage.size(path, deadline)
     if size is None:
         raise FileNotFoundError(f"{path}: no such file")
-    head = storage.read_range(path, 0, 9)
+    head = storage.read_range(path, 0, 9, deadline)
     if not _is_safetensors_head(path, head):
         raise CheckpointCorruptError(path, "not a safetensors checkpoint", "safetensors", "torch.save")
     n = framing.header_length(path, head, size)
-    header = framing.parse_header(path, head + storage.read_range(path, 9, 8 + n), size)
-    record, tree_json = _checked_metadata(path, header)
-    return Summary(header, record, tree_json, size)
+    return framing.parse_header(path, head + storage.read_range(path, 9, 8 + n, deadline), size), size
 
 
 def global_step(summary: Summary) -> Optional[int]:

@@ -5,7 +5,6 @@ writer would never make (a pack of another lineage, a missing or corrupt block) 
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
@@ -14,11 +13,10 @@ from lightning_resume.cas.layout import BLOCKS, MIN_BLOCK_BYTES, pack_name
 from lightning_resume.format import framing, integrity
 from lightning_resume.format.atomic import atomic_write
 from lightning_resume.format.framing import FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY, TREE_KEY
+from lightning_resume.format.packs import PACK_KEY, REFS_KEY, Ref, pack_metadata, refs_metadata
 from lightning_resume.format.write import encode_tree
 from lightning_resume.storage import files as storage
 
-REFS_KEY = "lightning_resume.refs"
-PACK_KEY = "lightning_resume.pack"
 ALGORITHM = "xxh3-128"
 
 
@@ -37,8 +35,7 @@ def write_pack(directory: str, lineage: str, blocks: Mapping[str, bytes], algori
     tensors = {k: torch.frombuffer(bytearray(blocks[k]), dtype=torch.uint8) for k in keys}
     entries = framing.layout(tensors)
     record = integrity.make_record(algorithm, "", entries, {k: k for k in keys})
-    pack = json.dumps({"version": 1, "algorithm": algorithm, "lineage": lineage})
-    meta = {FORMAT_KEY: FORMAT_VALUE, INTEGRITY_KEY: record, PACK_KEY: pack}
+    meta = {FORMAT_KEY: FORMAT_VALUE, INTEGRITY_KEY: record, PACK_KEY: pack_metadata(algorithm, lineage)}
     name = pack_name(algorithm, keys)
     path = storage.join(storage.join(directory, BLOCKS), f"{name}.safetensors")
     _write(path, framing.header_bytes(entries, meta), [blocks[e.name] for e in entries])
@@ -66,8 +63,9 @@ def write_checkpoint(
         framing.Entry(n, framing.CODES[tensors[n].dtype], tuple(tensors[n].shape), 0, len(data[n])) for n in referenced
     ]
     record = integrity.make_record(algorithm, tree_json, entries + stand_ins, digests)
-    refs = {"version": 1, "lineage": lineage, "tensors": {n: [pack, digests[n]] for n in referenced}}
-    meta = {FORMAT_KEY: FORMAT_VALUE, TREE_KEY: tree_json, INTEGRITY_KEY: record, REFS_KEY: json.dumps(refs)}
+    refs = [Ref(n, e.dtype, e.shape, digests[n], str(pack)) for n, e in zip(referenced, stand_ins)]
+    meta = {FORMAT_KEY: FORMAT_VALUE, TREE_KEY: tree_json, INTEGRITY_KEY: record}
+    meta[REFS_KEY] = refs_metadata(lineage, refs, pack)
     _write(str(path), framing.header_bytes(entries, meta), [data[e.name] for e in entries])
     return pack, {n: digests[n] for n in referenced}
 

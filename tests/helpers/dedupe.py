@@ -48,9 +48,12 @@ def write_checkpoint(
     lineage: str,
     min_bytes: int = MIN_BLOCK_BYTES,
     algorithm: str = ALGORITHM,
+    held: Optional[Dict[str, str]] = None,
 ) -> Tuple[Optional[str], Dict[str, str]]:
-    """Write ``checkpoint`` at ``path`` with every tensor of at least ``min_bytes`` in one pack of ``lineage``;
-    returns the pack's name (``None``: nothing referenced) and the key of each referenced tensor by name."""
+    """Write ``checkpoint`` at ``path`` with every tensor of at least ``min_bytes`` referenced: those whose key
+    ``held`` (key -> pack name, updated) maps to a pack reference it, the others go into one new pack of
+    ``lineage``, as a save does. Returns the new pack's name (``None``: none written) and the key of each
+    referenced tensor by name."""
     tree_json, tensors = encode_tree(checkpoint)
     data = {n: bytes(framing.host_bytes(t)) for n, t in tensors.items()}
     digests = {n: integrity.digest(algorithm, b) for n, b in data.items()}
@@ -58,12 +61,15 @@ def write_checkpoint(
     inline = {n: t for n, t in tensors.items() if n not in referenced}
     entries = framing.layout(inline)
     directory = storage.split(str(path))[0]
-    pack = write_pack(directory, lineage, {digests[n]: data[n] for n in referenced}, algorithm) if referenced else None
+    held = {} if held is None else held
+    new = {digests[n]: data[n] for n in referenced if digests[n] not in held}
+    pack = write_pack(directory, lineage, new, algorithm) if new else None
+    held.update((key, str(pack)) for key in new)
     stand_ins = [
         framing.Entry(n, framing.CODES[tensors[n].dtype], tuple(tensors[n].shape), 0, len(data[n])) for n in referenced
     ]
     record = integrity.make_record(algorithm, tree_json, entries + stand_ins, digests)
-    refs = [Ref(n, e.dtype, e.shape, digests[n], str(pack)) for n, e in zip(referenced, stand_ins)]
+    refs = [Ref(n, e.dtype, e.shape, digests[n], held[digests[n]]) for n, e in zip(referenced, stand_ins)]
     meta = {FORMAT_KEY: FORMAT_VALUE, TREE_KEY: tree_json, INTEGRITY_KEY: record}
     meta[REFS_KEY] = refs_metadata(lineage, refs, pack)
     _write(str(path), framing.header_bytes(entries, meta), [data[e.name] for e in entries])

@@ -1,0 +1,47 @@
+"""The mirror with dedupe checkpoints: it uploads the packs it lacks before the checkpoint file, never twice, and
+collects its packs when it deletes a checkpoint. To a local directory and to S3 (moto on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_resume.cas.layout import BLOCKS
+from lightning_resume.io.verify import verify
+from lightning_resume.retention import mirror as mirror_module
+from lightning_resume.retention.mirror import MirrorUploader
+from lightning_resume.storage import files as storage
+from tests.helpers.dedupe import state, write_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+A = "a" * 32
+
+
+@pytest.fixture(params=["local", "s3"])
+def target(request, tmp_path) -> str:
+    return str(tmp_path / "mirror") if request.param == "local" else f"{request.getfixturevalue('s3_bucket')}/run"
+
+
+def _mirror_packs(target: str) -> set:
+    return {e.name for e in storage.list_dir(storage.join(target, BLOCKS))}
+
+
+def test_the_mirror_gets_the_packs_first_then_the_file_and_collects_its_packs(tmp_path, target, monkeypatch) -> None:
+    local, held = tmp_path / "local", {}
+    packs = {s: write_checkpoint(str(local / f"step={s}.ckpt"), state(s), A, held=held)[0] for s in (1, 2, 3)}
+    copied: list = []
+    copy = mirror_module.copy_file
+    monkeypatch.setattr(mirror_module, "copy_file", lambda s, t: (copied.append(storage.basename(t)), copy(s, t)))
+    mirror = MirrorUploader(target)
+    for step in (1, 2, 3):
+        mirror.upload(str(local / f"step={step}.ckpt"))
+    assert mirror.wait(timeout=120) and all(o.error is None for o in mirror.settle())
+    pack_files = [f"{packs[s]}.safetensors" for s in (1, 2, 3)]
+    assert copied == [pack_files[0], "step=1.ckpt", pack_files[1], "step=2.ckpt", pack_files[2], "step=3.ckpt"]
+    for step in (1, 2, 3):
+        verify(storage.join(target, f"step={step}.ckpt"))
+    mirror.remove(storage.join(target, "step=1.ckpt"))
+    mirror.remove(storage.join(target, "step=2.ckpt"))
+    assert mirror.wait(timeout=120)
+    assert _mirror_packs(target) == {pack_files[0], pack_files[2]}  # the first holds the backbone step 3 references
+    verify(storage.join(target, "step=3.ckpt"))

@@ -74,11 +74,11 @@ def test_collect_keeps_pending_and_kept_packs(tmp_path) -> None:
     directory = str(tmp_path)
     pending = write_pack(directory, A, {"00" * 16: b"x" * 16})
     kept = write_pack(directory, A, {"01" * 16: b"w" * 16})
-    live.add(_pack_path(directory, pending))  # a save in flight will reference it
+    live.hold([_pack_path(directory, pending)])  # a save in flight will reference it
     try:
         assert gc.collect(directory, A, keep={kept}) == []
     finally:
-        live.discard(_pack_path(directory, pending))
+        live.release([_pack_path(directory, pending)])
     assert sorted(gc.collect(directory, A)) == sorted(_pack_path(directory, p) for p in (pending, kept))
 
 

@@ -8,8 +8,8 @@
   each a regular file, and every storage reference of DCP's ``.metadata`` inside those files;
 - a safetensors file: every tensor's checksum, the data-section and tree digests, and the whole tree decodes,
   all from plain reads (never a memory map, so a file truncated meanwhile is an error, not a SIGBUS); a dedupe
-  file (one with references, docs/safetensors-io.md) also has each pack it references checked: it exists, lists
-  the block, and the block's bytes hash to its key (``cas.check``; errors name the checkpoint, tensor, pack and key);
+  file (one with references, docs/safetensors-io.md) has each referenced block read from its pack and hashed
+  the same way (``format.referenced``; errors name the checkpoint, tensor, pack and key);
 - a ``torch.save`` zip: the CRC-32 of every record, then a weights-only load (no code runs; an intact file
   that needs pickled objects raises ``PickledCheckpointError`` naming them), or with ``weights_only=False``
   (the user's ``fit(..., weights_only=False)``, the CLI's ``--no-weights-only``) a full unpickle, as the load
@@ -26,7 +26,7 @@ from __future__ import annotations
 import zipfile
 from typing import Any, Callable, Optional
 
-from lightning_resume.cas.check import check_packs, read_dedupe, verify_dedupe
+from lightning_resume.cas.check import check_packs
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.format.legacy import is_zip, load_legacy, unsafe_globals
 from lightning_resume.format.read import check_regular_file, is_safetensors, load_file, read_summary, verify_local
@@ -47,10 +47,7 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True, weights_o
     if storage.is_dir(path):
         verify_directory(path, digests)
     elif is_safetensors(path):
-        dedupe = read_dedupe(path)
-        if dedupe is not None:
-            verify_dedupe(dedupe)
-        elif is_local(path):
+        if is_local(path):
             verify_local(path)  # plain reads: a concurrent truncate is an error, never a SIGBUS
         else:
             load_file(path, verify=True, lenient=True)

@@ -1,26 +1,40 @@
-"""Verifying a dedupe checkpoint (``io.verify``): a missing pack, a missing block and a corrupt block are each
-named by checkpoint, tensor, pack and key; an intact one verifies. Local and S3."""
+"""A dedupe checkpoint whose pack is missing or whose block is corrupt: "last" passes it over, naming the
+checkpoint, the pack and the key, and resumes from the newest checkpoint that verifies. Real dedupe saves
+(``SafetensorsCheckpointIO(dedupe=True)``), locally and on S3; the header-level checks alone, locally."""
 
 from __future__ import annotations
 
+import warnings
+
 import fsspec
 import pytest
+import torch
 
-from lightning_resume.cas.layout import BLOCKS
-from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.io.verify import verify
+from lightning_resume.cas.layout import pack_path
+from lightning_resume.cas.refs import read_refs
+from lightning_resume.errors import CheckpointCorruptError, SkippedCheckpointWarning
+from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.io.verify import header_only, precheck, verify
 from lightning_resume.storage import files as storage
-from tests.helpers.dedupe import state, write_checkpoint, write_pack
+from tests.helpers.dedupe import state, write_pack
 
 pytestmark = pytest.mark.timeout(120)
 
-A = "a" * 32
+
+@pytest.fixture(params=["local", "s3"])
+def directory(request, tmp_path) -> str:
+    return str(tmp_path) if request.param == "local" else f"{request.getfixturevalue('s3_bucket')}/run"
 
 
-def _saved(directory: str) -> tuple:
-    path = storage.join(directory, "step=1.ckpt")
-    pack, keys = write_checkpoint(path, state(1), A)
-    return path, storage.join(storage.join(directory, BLOCKS), f"{pack}.safetensors"), keys
+def _saves(directory: str) -> tuple:
+    """Two dedupe saves of one run (the frozen weight written once); the newest's own pack and its head's key."""
+    io = SafetensorsCheckpointIO(dedupe=True)
+    paths = [storage.join(directory, f"step={s:09d}.ckpt") for s in (1, 2)]
+    for step, path in zip((1, 2), paths):
+        io.save_checkpoint(state(step), path)
+    refs = read_refs(paths[1])
+    assert refs.wrote is not None and refs.tensors["state_dict.head.weight"].pack == refs.wrote
+    return paths, pack_path(paths[1], refs.wrote), refs.tensors["state_dict.head.weight"].key
 
 
 def _flip_last_byte(url: str) -> None:
@@ -30,40 +44,45 @@ def _flip_last_byte(url: str) -> None:
     fs.pipe_file(key, bytes(data))
 
 
-@pytest.fixture(params=["local", "s3"])
-def directory(request, tmp_path) -> str:
-    return str(tmp_path) if request.param == "local" else f"{request.getfixturevalue('s3_bucket')}/run"
-
-
-def test_an_intact_dedupe_checkpoint_verifies(directory: str) -> None:
-    path, _, keys = _saved(directory)
-    assert len(keys) == 2  # the two weights are referenced, the bias is inline
-    verify(path)
-
-
-def test_a_missing_pack_names_checkpoint_pack_and_key(directory: str) -> None:
-    path, pack, keys = _saved(directory)
+def test_last_passes_over_a_checkpoint_whose_pack_is_missing_naming_it(directory: str) -> None:
+    (older, newest), pack, key = _saves(directory)
     storage.remove(pack)
-    with pytest.raises(CheckpointCorruptError, match="the pack does not exist") as caught:
-        verify(path)
-    message = str(caught.value)
-    assert path in message and pack in message and any(key in message for key in keys.values())
+    skipped: list = []
+    io = SafetensorsCheckpointIO(dedupe=True)
+    assert io.resolve_newest([older, newest], skipped=skipped.append) == older  # before any load
+    assert len(skipped) == 1 and all(name in skipped[0] for name in (newest, pack, key)), skipped
+    assert torch.equal(io.load_checkpoint(older)["state_dict"]["head.weight"], state(1)["state_dict"]["head.weight"])
 
 
-def test_a_corrupt_block_names_checkpoint_pack_and_key(directory: str) -> None:
-    path, pack, keys = _saved(directory)
-    _flip_last_byte(pack)  # the last block of the pack
-    with pytest.raises(CheckpointCorruptError, match="checksum mismatch") as caught:
-        verify(path)
-    message = str(caught.value)
-    assert path in message and pack in message and any(key in message for key in keys.values())
+def test_last_falls_back_from_a_corrupt_block_naming_it(directory: str) -> None:
+    (older, newest), pack, key = _saves(directory)
+    _flip_last_byte(pack)  # the newest's own pack: its headers still check, its bytes do not
+    io = SafetensorsCheckpointIO(dedupe=True)
+    assert io.resolve_newest([older, newest], skipped=lambda line: None) == newest
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = io.load_checkpoint(newest)
+    assert torch.equal(loaded["state_dict"]["head.weight"], state(1)["state_dict"]["head.weight"])
+    assert io.loaded_path(newest) == older
+    (warning,) = [w for w in caught if issubclass(w.category, SkippedCheckpointWarning)]
+    assert all(name in str(warning.message) for name in (newest, pack, key, older)), warning.message
+    with pytest.raises(CheckpointCorruptError, match=key):
+        verify(newest)
 
 
-def test_a_pack_without_the_block_names_it(tmp_path) -> None:
-    path, pack, keys = _saved(str(tmp_path))
-    other = write_pack(str(tmp_path), A, {"00" * 16: b"x" * 16})
+def test_the_header_checks_name_a_missing_pack_and_a_missing_block(tmp_path) -> None:
+    (older, newest), pack, key = _saves(str(tmp_path))
+    precheck(newest)
+    header_only(newest)
     storage.remove(pack)
-    (tmp_path / BLOCKS / f"{other}.safetensors").rename(pack)  # a pack under that name lacking the blocks
+    for check in (precheck, header_only):
+        with pytest.raises(CheckpointCorruptError, match="the pack is missing") as caught:
+            check(newest)
+        assert pack in str(caught.value) and key in str(caught.value)
+    other = write_pack(str(tmp_path), read_refs(newest).lineage, {"00" * 16: b"x" * 16})
+    (tmp_path / "blocks" / f"{other}.safetensors").rename(pack)  # a pack under that name, without the block
+    header_only(newest)  # what the memory tier reads: the pack exists
     with pytest.raises(CheckpointCorruptError, match="the pack has no such block") as caught:
-        verify(path)
-    assert pack in str(caught.value)
+        precheck(newest)
+    assert pack in str(caught.value) and key in str(caught.value)
+    precheck(older)

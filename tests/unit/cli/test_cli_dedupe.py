@@ -84,7 +84,6 @@ def test_usage_splits_own_and_shared_bytes(tmp_path) -> None:
     assert usage(str(tmp_path / _name(1)))["shared_bytes"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="ownership is read by a load that resolves refs: branch cas's reader")
 def test_prune_collects_the_packs_it_frees(tmp_path, capsys) -> None:
     saved = _saves(tmp_path, steps=(1, 2, 3))
     assert main(["prune", str(tmp_path), "--keep-last", "1"]) == 0

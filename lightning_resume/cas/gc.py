@@ -144,14 +144,41 @@ def lineage_of(path: str) -> Optional[str]:
 
 
 def remove_and_collect(path: str, keep: Iterable[str] = frozenset()) -> List[str]:
-    """Delete the checkpoint ``path``, then collect the packs of its lineage in its directory (the plugin's and
-    the mirror's removal); the packs removed."""
+    """Delete the checkpoint ``path`` (an error raises, as any deletion), then collect the packs of its lineage in
+    its directory (the plugin's and the mirror's removal: retention proved the file is the run's, so its lineage
+    is the run's); the packs removed. A failed collection is a warning: the next one tries again."""
     path = str(path)
     lineage = lineage_of(path)  # read before the file goes
     storage.remove(path)
     if lineage is None:
         return []
-    return collect(storage.split(path)[0], lineage, keep, temporaries=False)
+    return collect_quietly(storage.split(path)[0], lineage, keep, temporaries=False)
+
+
+def collect_quietly(
+    directory: str, lineage: str, keep: Iterable[str] = frozenset(), temporaries: bool = True
+) -> List[str]:
+    """:func:`collect`, a failure (a store that refuses a listing or a delete) warned about, never raised: a pack
+    left is only space, collected the next time; the packs removed."""
+    try:
+        return collect(directory, lineage, keep, temporaries)
+    except (LightningResumeError, OSError) as err:
+        warnings.warn(
+            f"lightning-resume: collecting the packs of {storage.join(directory, BLOCKS)} failed ({err}); training goes"
+            " on, and the next collection tries again",
+            RetentionWarning,
+            stacklevel=2,
+        )
+        return []
+
+
+def collect_after_fit(directories: Iterable[str], lineage: str) -> List[str]:
+    """At the end of a fit that saved with ``dedupe``: collect the packs of ``lineage`` (the run's) in each
+    directory it saved into, the temporaries of pack writes killed there included; the packs removed. Only a
+    process that saved calls this: a reader (an eval job beside training) never judges another process's packs."""
+    if not lineage:
+        return []
+    return [p for d in sorted(set(directories)) for p in collect_quietly(d, lineage)]
 
 
 def _names(packs: Iterable[str]) -> FrozenSet[str]:

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import resolve_last_through_callbacks
+from lightning_resume.cas.gc import collect_after_fit, remove_and_collect
 from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
@@ -321,11 +322,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete ``path``; with a background save, queued after every write submitted before it."""
+        """Delete ``path``; with a background save, queued after every write submitted before it. With ``dedupe``,
+        then the packs of its lineage that no checkpoint references any more (``cas.gc``)."""
+        path = str(path)
+        remove = (lambda: remove_and_collect(path)) if self.dedupe else (lambda: storage.remove(path))
         if self._saver is not None and self.save != "sync":
-            self._saver.remove(str(path), lambda: storage.remove(str(path)))
+            self._saver.remove(path, remove)
         else:
-            storage.remove(str(path))
+            remove()
 
     def verify_checkpoint(self, path: str) -> None:
         """Return if ``path`` verifies; raise ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) if not."""
@@ -366,13 +370,17 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
         Inside an exception handler (Lightning tears down on exceptions and ``KeyboardInterrupt``) the
         wait is bounded by ``flush_timeout`` and failures are warned, never raised over the original error.
+        With ``dedupe``, a teardown that ends normally then collects the run's unreferenced packs (``cas.gc``) in the
+        directories it saved to: those of saves killed before their checkpoint file, left by an earlier process.
         """
-        if self._saver is None:
-            return
-        if sys.exc_info()[1] is not None:
+        failing = sys.exc_info()[1] is not None
+        if self._saver is not None and failing:
             self._flush(self.flush_timeout)
             return
-        self._saver.close()
+        if self._saver is not None:
+            self._saver.close()
+        if self.dedupe and not failing:  # packs of saves killed before their checkpoint, in the directories saved to
+            collect_after_fit(self._cleaned, self._lineage.lineage)
 
     def _flush(self, timeout: Optional[float] = None) -> bool:
         """Wait at most ``timeout`` for pending writes and warn (never raise) about failures or a timeout."""

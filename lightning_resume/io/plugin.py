@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import resolve_last_through_callbacks
-from lightning_resume.cas.gc import collect_after_fit, remove_and_collect
+from lightning_resume.cas.gc import cleanup, remove_and_collect
 from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
@@ -380,7 +380,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if self._saver is not None:
             self._saver.close()
         if self.dedupe and not failing:  # packs of saves killed before their checkpoint, in the directories saved to
-            collect_after_fit(self._cleaned, self._lineage.lineage)
+            cleanup(self._cleaned, self._lineage.lineage)
 
     def _flush(self, timeout: Optional[float] = None) -> bool:
         """Wait at most ``timeout`` for pending writes and warn (never raise) about failures or a timeout."""
@@ -399,12 +399,15 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     def _clean_before_save(self, path: str) -> None:
         """Remove the temporaries interrupted saves left next to ``path``: at the first save into its directory
-        all that ``clean_stale_temporaries`` judges stale; at every later local one, this host's of dead pids (a
+        all that ``clean_stale_temporaries`` judges stale (with ``dedupe``, and the run's unreferenced packs:
+        ``cas.gc.cleanup``); at every later local one, this host's of dead pids (a
         save killed since, e.g. another trainer's on the same directory: one directory listing)."""
         directory = self._directories.get(storage.split(path)[0]) or self._directory_of(path)
         if directory not in self._cleaned:
             self._cleaned.add(directory)
             removed = clean_stale_temporaries(directory)
+            if self.dedupe:  # a resumed run: the packs a killed run of its lineage left unreferenced there
+                cleanup([directory], self._lineage.lineage)
         elif is_local(directory):
             removed = clean_stale_temporaries(directory, owned_only=True)
         else:

@@ -11,10 +11,10 @@ pack and the key (``format.referenced.where``). Knows the format and storage, no
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from lightning_resume.cas.layout import pack_path
-from lightning_resume.cas.refs import read_refs
+from lightning_resume.cas.refs import Refs, read_refs
 from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.format import integrity
 from lightning_resume.format.read import Summary, read_summary
@@ -25,10 +25,11 @@ CHUNK = 4 << 20
 """Bytes read and hashed at a time."""
 
 
-def check_packs(path: str, entries: bool = False) -> None:
-    """The references of ``path`` parse and each pack exists (``entries``: and its header lists each block with
-    the tensor's size). A file without references passes."""
-    refs = read_refs(path)
+def check_packs(path: str, refs: Optional[Refs] = None, entries: bool = False) -> None:
+    """The references of ``path`` (``refs``, if its header was read already) parse and each pack exists
+    (``entries``: and its header lists each block with the tensor's size). A file without references passes, with
+    no read when ``refs`` is given."""
+    refs = read_refs(path) if refs is None else refs
     if entries:
         with Packs(str(path)) as opened:
             for ref in refs.tensors.values():

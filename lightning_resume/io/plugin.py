@@ -325,7 +325,13 @@ class SafetensorsCheckpointIO(CheckpointIO):
         """Delete ``path``; with a background save, queued after every write submitted before it. With ``dedupe``,
         then the packs of its lineage that no checkpoint references any more (``cas.gc``)."""
         path = str(path)
-        remove = (lambda: remove_and_collect(path)) if self.dedupe else (lambda: storage.remove(path))
+
+        def remove() -> None:
+            if self.dedupe:
+                remove_and_collect(path)
+            else:
+                storage.remove(path)
+
         if self._saver is not None and self.save != "sync":
             self._saver.remove(path, remove)
         else:

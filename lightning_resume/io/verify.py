@@ -69,8 +69,7 @@ def precheck(path: str, weights_only: bool = True) -> None:
     path = str(path)
     check_regular_file(path)
     if not storage.is_dir(path) and is_safetensors(path):
-        read_summary(path)
-        check_packs(path, entries=True)  # a dedupe file: each block is listed in its pack (headers only)
+        check_packs(path, read_summary(path).refs, entries=True)  # a dedupe file: each block listed in its pack
     else:
         verify(path, weights_only=weights_only)
 
@@ -85,8 +84,7 @@ def header_only(path: str, weights_only: bool = True) -> None:
     path = str(path)
     check_regular_file(path)
     if not storage.is_dir(path) and is_safetensors(path):
-        read_summary(path)
-        check_packs(path)  # a dedupe file: its references parse and each pack exists
+        check_packs(path, read_summary(path).refs)  # a dedupe file: each pack it references exists
     elif not storage.is_dir(path) and is_local(path) and is_zip(path, local_path(path)):
         load_legacy(path, local_path(path), mmap=True, weights_only=weights_only)
     else:

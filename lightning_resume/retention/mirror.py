@@ -141,7 +141,11 @@ class MirrorUploader:
     def remove(self, target: str) -> None:
         """Queue the deletion of the mirror's ``target``, after every upload queued before it; then the mirror's
         packs of its lineage that no checkpoint there references any more are collected."""
-        self._writer.submit(Job("remove", str(target), lambda: remove_and_collect(str(target))))
+
+        def remove() -> None:
+            remove_and_collect(str(target))
+
+        self._writer.submit(Job("remove", str(target), remove))
 
     def retry_due(self) -> list[str]:
         """Queue again each failed upload whose wait (``retry``) is over; the sources queued."""

@@ -16,6 +16,7 @@ from lightning_resume.format.framing import FORMAT_KEY, FORMAT_VALUE, INTEGRITY_
 from lightning_resume.format.packs import PACK_KEY, REFS_KEY, Ref, pack_metadata, refs_metadata
 from lightning_resume.format.write import encode_tree
 from lightning_resume.storage import files as storage
+from tests.helpers.models import TinyMLP
 
 ALGORITHM = "xxh3-128"
 
@@ -90,3 +91,12 @@ def state(step: int, frozen: int = 0, width: int = 256) -> Dict[str, Any]:
         "global_step": step,
         "epoch": 0,
     }
+
+
+class FrozenFirst(TinyMLP):
+    """``TinyMLP`` with a frozen first layer (256 KiB: referenced, never written again) and a trained 64 KiB-plus
+    second one (and its AdamW moments: written into each save's pack)."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=16640)
+        self.net[0].requires_grad_(False)

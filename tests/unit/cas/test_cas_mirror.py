@@ -3,14 +3,18 @@ collects its packs when it deletes a checkpoint. To a local directory and to S3 
 
 from __future__ import annotations
 
+import lightning.pytorch as lightning
 import pytest
 
+from lightning_resume import Mirror, RetentionCheckpoint, RetentionPolicy, SafetensorsCheckpointIO
 from lightning_resume.cas.layout import BLOCKS
+from lightning_resume.cas.refs import packs_of
 from lightning_resume.io.verify import verify
 from lightning_resume.retention import mirror as mirror_module
 from lightning_resume.retention.mirror import MirrorUploader
 from lightning_resume.storage import files as storage
-from tests.helpers.dedupe import state, write_checkpoint
+from tests.helpers.dedupe import FrozenFirst, state, write_checkpoint
+from tests.helpers.models import tiny_trainer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,3 +49,24 @@ def test_the_mirror_gets_the_packs_first_then_the_file_and_collects_its_packs(tm
     assert mirror.wait(timeout=120)
     assert _mirror_packs(target) == {pack_files[0], pack_files[2]}  # the first holds the backbone step 3 references
     verify(storage.join(target, "step=3.ckpt"))
+
+
+def test_a_fit_mirrors_dedupe_checkpoints_with_their_packs_and_collects_both_tiers(tmp_path, s3_bucket) -> None:
+
+    lightning.seed_everything(0, verbose=False)
+    url, local = f"{s3_bucket}/run", tmp_path / "local"
+    keep = RetentionCheckpoint(
+        dirpath=local,
+        every_n_train_steps=2,
+        retention=RetentionPolicy(keep_last=2),
+        mirror=Mirror(url, local_keep_last=1),
+    )
+    trainer = tiny_trainer([keep], plugins=[SafetensorsCheckpointIO(dedupe=True)], max_steps=10, limit_train_batches=16)
+    trainer.fit(FrozenFirst())
+    for directory, count in ((url, 2), (str(local), 1)):
+        kept = [e.path for e in storage.list_dir(directory) if e.name.endswith(".ckpt")]
+        assert len(kept) == count, kept
+        for path in kept:
+            verify(path)
+        referenced = {f"{name}.safetensors" for path in kept for name in packs_of(path)}
+        assert _mirror_packs(directory) == referenced, directory

@@ -11,19 +11,10 @@ import pytest
 from lightning_resume import RetentionCheckpoint, RetentionPolicy, SafetensorsCheckpointIO
 from lightning_resume.cas.refs import packs_of, read_refs
 from lightning_resume.io.verify import verify
-from tests.helpers.dedupe import write_pack
-from tests.helpers.models import TinyMLP, tiny_trainer
+from tests.helpers.dedupe import FrozenFirst, write_pack
+from tests.helpers.models import tiny_trainer
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class FrozenFirst(TinyMLP):
-    """``TinyMLP`` with a frozen first layer (256 KiB: referenced, never written again) and a trained 64 KiB-plus
-    second one (and its AdamW moments: written into each save's pack)."""
-
-    def __init__(self) -> None:
-        super().__init__(hidden=16640)
-        self.net[0].requires_grad_(False)
 
 
 def _fit(directory: Path, save: str) -> SafetensorsCheckpointIO:

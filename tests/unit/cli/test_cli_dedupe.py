@@ -3,7 +3,9 @@ file; ``inspect`` shows own vs shared bytes; ``prune`` collects the packs it fre
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from lightning_resume.cas.usage import usage
 from lightning_resume.cli.main import main
 from lightning_resume.format.read import load_file
 from lightning_resume.io.verify import verify
+from tests.helpers.compare import assert_bitwise
 from tests.helpers.dedupe import state, write_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,20 +60,34 @@ def test_consolidate_writes_a_self_contained_file_with_the_same_tensors(tmp_path
     out = tmp_path / "alone" / "one.ckpt"
     assert main(["consolidate", str(tmp_path / _name(1)), str(out)]) == 0
     assert read_refs(str(out)).tensors == {}
+    original = load_file(str(tmp_path / _name(1))).checkpoint
     shutil.rmtree(tmp_path / BLOCKS)  # it needs no pack
     verify(str(out))
-    loaded = load_file(str(out)).checkpoint
+    assert_bitwise(load_file(str(out)).checkpoint, original, "consolidated")
     for name, tensor in _owned(1)["state_dict"].items():
-        assert torch.equal(loaded["state_dict"][name], tensor), name
+        assert torch.equal(original["state_dict"][name], tensor), name
     assert main(["consolidate", str(out), str(tmp_path / "again.ckpt")]) == 2  # nothing to consolidate
 
 
 def test_a_copied_directory_stays_valid_on_its_own(tmp_path) -> None:
     _saves(tmp_path / "run")
-    shutil.copytree(tmp_path / "run", tmp_path / "copy")  # cp -r
+    originals = {step: load_file(str(tmp_path / "run" / _name(step))).checkpoint for step in (1, 2)}
+    subprocess.run(["cp", "-r", str(tmp_path / "run"), str(tmp_path / "copy")], check=True)
     shutil.rmtree(tmp_path / "run")
     for step in (1, 2):
         verify(str(tmp_path / "copy" / _name(step)))
+        assert_bitwise(load_file(str(tmp_path / "copy" / _name(step))).checkpoint, originals[step], "copied")
+
+
+def test_inspect_shows_own_and_shared_bytes(tmp_path, capsys) -> None:
+    _saves(tmp_path)
+    assert main(["inspect", str(tmp_path / _name(2))]) == 0
+    out = capsys.readouterr().out
+    block = 256 * 256 * 4
+    assert f"shared  {block:>16,} bytes" in out and "own " in out and f"lineage {A}" in out
+    assert main(["inspect", str(tmp_path / _name(2)), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["dedupe"]
+    assert info["shared_bytes"] == block and info["own_bytes"] == info["file_bytes"] + block
 
 
 def test_usage_splits_own_and_shared_bytes(tmp_path) -> None:

@@ -172,16 +172,16 @@ def collect_quietly(
         return []
 
 
-def cleanup(directories: Iterable[str], lineage: str) -> List[str]:
+def cleanup(directories: Iterable[str], lineage: str, temporaries: bool = True) -> List[str]:
     """The plugin's cleanup with ``dedupe``, at its first save into a directory and at the end of a fit: collect
-    the packs of ``lineage`` (the run's) in each of ``directories`` (those it saves into), the temporaries of
-    pack writes killed there included; the packs removed. What a killed predecessor of the run left (a pack
+    the packs of ``lineage`` (the run's) in each of ``directories`` (those it saves into), with ``temporaries``
+    those of pack writes killed there too; the packs removed. What a killed predecessor of the run left (a pack
     whose checkpoint was never committed, or whose checkpoint was removed before its collection) goes here.
     Only a process that saves calls this: a reader (an eval job beside training) never judges another
     process's packs."""
     if not lineage:
         return []
-    return [p for d in sorted(set(directories)) for p in collect_quietly(d, lineage)]
+    return [p for d in sorted(set(directories)) for p in collect_quietly(d, lineage, temporaries=temporaries)]
 
 
 def _names(packs: Iterable[str]) -> FrozenSet[str]:

@@ -31,8 +31,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_resume._compat import check_versions
-from lightning_resume._compat.lightning import resolve_last_through_callbacks
+from lightning_resume._compat.lightning import resolve_last_through_callbacks, saves_directories
 from lightning_resume.cas.gc import cleanup, remove_and_collect
+from lightning_resume.cas.layout import BLOCKS
 from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
@@ -404,20 +405,22 @@ class SafetensorsCheckpointIO(CheckpointIO):
         return done
 
     def _clean_before_save(self, path: str) -> None:
-        """Remove the temporaries interrupted saves left next to ``path``: at the first save into its directory
-        all that ``clean_stale_temporaries`` judges stale (with ``dedupe``, and the run's unreferenced packs:
-        ``cas.gc.cleanup``); at every later local one, this host's of dead pids (a
-        save killed since, e.g. another trainer's on the same directory: one directory listing)."""
+        """Remove the temporaries interrupted saves left next to ``path`` (with ``dedupe``, in its ``blocks/`` too):
+        at the first save into its directory all that ``clean_stale_temporaries`` judges stale (with ``dedupe``,
+        and the run's unreferenced packs: ``cas.gc.cleanup``); at every later local one, this host's of dead pids
+        (a save killed since, e.g. another trainer's on the same directory: one directory listing)."""
         directory = self._directories.get(storage.split(path)[0]) or self._directory_of(path)
-        if directory not in self._cleaned:
-            self._cleaned.add(directory)
-            removed = clean_stale_temporaries(directory)
-            if self.dedupe:  # a resumed run: the packs a killed run of its lineage left unreferenced there
-                cleanup([directory], self._lineage.lineage)
-        elif is_local(directory):
-            removed = clean_stale_temporaries(directory, owned_only=True)
-        else:
-            removed = []  # a remote listing per save costs a request; the first save's cleanup covers a restart
+        first = directory not in self._cleaned
+        self._cleaned.add(directory)
+        removed = []
+        for where in [directory, storage.join(directory, BLOCKS)] if self.dedupe else [directory]:
+            if first:
+                removed += clean_stale_temporaries(where)
+            elif is_local(where):
+                removed += clean_stale_temporaries(where, owned_only=True)
+            # else: a remote listing per save costs a request; the first save's cleanup covers a restart
+        if first and self.dedupe:  # a resumed run: the packs a killed run of its lineage left unreferenced there
+            cleanup([directory], self._lineage.lineage, temporaries=False)
         for name in removed:
             log.info("removed stale temporary %s left by an interrupted save", name)
 
@@ -461,7 +464,9 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
     """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise ``UnencodableValueError`` now for the
     hyper-parameters (of ``module`` and the datamodule) every save would refuse (``format.hparams``), naming them
     all with ``save_hyperparameters(ignore=[...])``, instead of at the first save. A module that overrides
-    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides."""
+    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides. Also refuses
+    ``dedupe=True`` under a strategy that saves directories (``refuse_dedupe_with_directory_saves``)."""
+    refuse_dedupe_with_directory_saves(trainer)
     if _safetensors_io(trainer) is None or is_overridden("on_save_checkpoint", module):
         return
     tree = {}
@@ -470,6 +475,22 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
         if isinstance(values, dict) and values:  # an OmegaConf container: its first save decides
             tree[key] = dict(values)
     hparams.refuse_unencodable(tree)
+
+
+def refuse_dedupe_with_directory_saves(trainer: Any) -> None:
+    """``ConfigurationError`` at the start of ``fit`` for ``SafetensorsCheckpointIO(dedupe=True)`` under a strategy
+    that writes each checkpoint as a directory itself (FSDP's sharded state dicts, ``ModelParallelStrategy``'s
+    distributed checkpoints, DeepSpeed): those saves never reach the plugin, so nothing would be deduped."""
+    io = _safetensors_io(trainer)
+    if io is not None and io.dedupe and saves_directories(trainer.strategy):
+        raise ConfigurationError(
+            "SafetensorsCheckpointIO",
+            [
+                f"dedupe=True is not supported under {type(trainer.strategy).__name__}, which saves each checkpoint"
+                " as a directory of shards itself (the plugin never sees those saves); use dedupe=False, or a"
+                " strategy that saves one file (e.g. FSDPStrategy(state_dict_type='full'))"
+            ],
+        )
 
 
 def _safetensors_io(trainer: Any) -> Optional[SafetensorsCheckpointIO]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import warnings
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Union
@@ -119,7 +120,7 @@ def referenced_packs(directory: str) -> Union[Set[str], Unreadable]:
     temporaries, bookkeeping, or a save of this process in flight (``live.pending`` covers those)."""
     names: Set[str] = set()
     for entry in storage.list_dir(directory):
-        if entry.is_dir or entry.name.startswith("."):
+        if entry.is_dir or entry.name.startswith(".") or not regular_file(entry.path):
             continue
         try:
             if not is_safetensors(entry.path):
@@ -130,6 +131,17 @@ def referenced_packs(directory: str) -> Union[Set[str], Unreadable]:
         except (LightningResumeError, OSError, ValueError) as err:
             return Unreadable(entry.path, str(err))
     return names
+
+
+def regular_file(path: str) -> bool:
+    """Whether a listed entry can hold a checkpoint: a URL's object, or a local regular file (a FIFO named
+    ``*.ckpt`` would block a read forever; a link to one is followed by the reader and judged the same)."""
+    if not storage.is_local(path):
+        return True
+    try:
+        return stat.S_ISREG(os.stat(storage.local_path(path)).st_mode)
+    except OSError:
+        return False
 
 
 def lineage_of(path: str) -> Optional[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Set, Tuple
 
+from lightning_resume.cas.gc import regular_file
 from lightning_resume.cas.layout import pack_path
 from lightning_resume.cas.refs import read_refs
 from lightning_resume.errors import LightningResumeError
@@ -43,7 +44,7 @@ def _keys_elsewhere(path: str) -> Set[Tuple[str, str]]:
     directory, name = storage.split(str(path))
     keys: Set[Tuple[str, str]] = set()
     for entry in storage.list_dir(directory):
-        if entry.is_dir or entry.name.startswith(".") or entry.name == name:
+        if entry.is_dir or entry.name.startswith(".") or entry.name == name or not regular_file(entry.path):
             continue
         try:
             if is_safetensors(entry.path):

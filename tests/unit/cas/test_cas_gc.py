@@ -110,3 +110,9 @@ def test_collect_removes_the_temporary_of_a_pack_write_killed_here(tmp_path) -> 
     stale.write_bytes(b"partial")
     gc.collect(str(tmp_path), A)
     assert not stale.exists()
+
+
+def test_a_fifo_named_like_a_checkpoint_does_not_hang_the_collection(tmp_path) -> None:
+    orphan = write_pack(str(tmp_path), A, {"00" * 16: b"x" * 16})
+    os.mkfifo(tmp_path / "step=9.ckpt")
+    assert gc.collect(str(tmp_path), A) == [_pack_path(str(tmp_path), orphan)]

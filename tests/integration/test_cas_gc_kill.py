@@ -46,15 +46,15 @@ def _all_verify(directory: str) -> list:
     return checkpoints
 
 
-def _kill_prune_then_cleanup_then_resume(workdir: Path, directory: str, env: dict) -> None:
-    a = h.uninterrupted(CFG, workdir)
-    b = dict(CFG, out=str(workdir / "B"), ckpt_dir=directory, env=env)
+def _kill_prune_then_cleanup_then_resume(workdir: Path, directory: str, env: dict, cfg: dict = CFG) -> None:
+    a = h.uninterrupted(cfg, workdir)
+    b = dict(cfg, out=str(workdir / "B"), ckpt_dir=directory, env=env)
     _killed_in(b, workdir, "prune")
     _all_verify(directory)
-    c = dict(CFG, out=str(workdir / "C-killed"), ckpt_dir=directory, resume="last", env=env)
+    c = dict(cfg, out=str(workdir / "C-killed"), ckpt_dir=directory, resume="last", env=env)
     _killed_in(c, workdir, "cleanup")
     _all_verify(directory)
-    d = h.resumed(CFG, workdir, directory, env=env)
+    d = h.resumed(cfg, workdir, directory, env=env)
     h.assert_exact_resume(a["out"], d["out"], resumed_after=None)
     kept = _all_verify(directory)
     referenced = {f"{name}.safetensors" for path in kept for name in packs_of(path)}
@@ -68,3 +68,9 @@ def test_killed_in_a_prune_and_in_a_cleanup_locally(tmp_path: Path) -> None:
 @pytest.mark.extended
 def test_killed_in_a_prune_and_in_a_cleanup_on_s3(tmp_path: Path, s3_bucket: str, s3_server) -> None:
     _kill_prune_then_cleanup_then_resume(tmp_path, f"{s3_bucket}/run", s3_env(s3_server.endpoint))
+
+
+@pytest.mark.extended
+def test_killed_in_a_prune_and_in_a_cleanup_with_async_saves(tmp_path: Path) -> None:
+    cfg = dict(CFG, **{"async": True})  # collections run on the writer thread, after the writes before them
+    _kill_prune_then_cleanup_then_resume(tmp_path, str(tmp_path / "ckpt"), {}, cfg)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional
 
 from lightning_resume._compat.botocore import isolate_retry_jitter
-from lightning_resume.cas.gc import remove_and_collect
+from lightning_resume.cas.gc import collect_quietly, remove_and_collect
 from lightning_resume.cas.layout import pack_path
 from lightning_resume.cas.refs import packs_of
 from lightning_resume.format.atomic import atomic_write
@@ -146,6 +146,15 @@ class MirrorUploader:
             remove_and_collect(str(target))
 
         self._writer.submit(Job("remove", str(target), remove))
+
+    def collect(self, lineage: str) -> None:
+        """Queue a collection of the mirror's packs of ``lineage`` that no checkpoint there references (those of an
+        upload killed between its packs and its file), after every job queued before it (``cas.gc``)."""
+
+        def run() -> None:
+            collect_quietly(self.directory, lineage, temporaries=False)
+
+        self._writer.submit(Job("collect", self.directory, run))
 
     def retry_due(self) -> list[str]:
         """Queue again each failed upload whose wait (``retry``) is over; the sources queued."""

@@ -70,3 +70,19 @@ def test_a_fit_mirrors_dedupe_checkpoints_with_their_packs_and_collects_both_tie
             verify(path)
         referenced = {f"{name}.safetensors" for path in kept for name in packs_of(path)}
         assert _mirror_packs(directory) == referenced, directory
+
+
+def test_the_mirror_collects_the_packs_of_an_upload_killed_before_its_file(tmp_path, target) -> None:
+    local, held = tmp_path / "local", {}
+    write_checkpoint(str(local / "step=1.ckpt"), state(1), A, held=held)
+    orphan, _ = write_checkpoint(str(local / "step=2.ckpt"), state(2), A, held=held)
+    mirror = MirrorUploader(target)
+    mirror.upload(str(local / "step=1.ckpt"))
+    assert mirror.wait(timeout=120)
+    pack = f"{BLOCKS}/{orphan}.safetensors"
+    mirror_module.copy_file(str(local / pack), storage.join(target, pack))  # uploaded, then killed before the file
+    assert f"{orphan}.safetensors" in _mirror_packs(target)
+    mirror.collect(A)
+    assert mirror.wait(timeout=120)
+    assert f"{orphan}.safetensors" not in _mirror_packs(target)
+    verify(storage.join(target, "step=1.ckpt"))

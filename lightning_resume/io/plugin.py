@@ -158,6 +158,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self.save, self.writer, self.on_error, self.remote = save, writer, on_error, remote
         self.load_in_place, self.dedupe = load_in_place, dedupe
         self._lineage = Lineage()  # what this run's dedupe saves carry between them (``cas.save``)
+        self._steps: Dict[str, Optional[int]] = {}  # a dedupe save in flight -> the step it saved
         self._upload = remote.upload
         self._into: Optional[weakref.ReferenceType[torch.nn.Module]] = None  # the module the next load fills
         self._in_place: Dict[str, Tuple[str, str]] = {}  # of the latest load: weights read in place
@@ -187,11 +188,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._clean_before_save(path)
         if self._saver is None and self.dedupe:
             tree_json, tensors = write.encode_tree(checkpoint)  # fails on an unencodable value before any file exists
-            commit_deduped(path, tree_json, tensors, self.checksum, self._lineage, upload=self._upload)
+            step = _step(checkpoint)
+            commit_deduped(path, tree_json, tensors, self.checksum, self._lineage, upload=self._upload, step=step)
             return
         if self._saver is None:
             write.save_file(checkpoint, path, algorithm=self.checksum, upload=self._upload)
             return
+        if self.dedupe:
+            self._steps[path] = _step(checkpoint)  # for the plan of its commit on the worker
         self._saver.save(checkpoint, path)
         if self.save == "sync":  # the writer process writes it; the save returns once it is durable
             self._saver.wait(path, on_error="raise")
@@ -201,9 +205,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
         ``writer="process"`` the writer process writes and this returns once it has committed. A subclass
         extends it to act around each commit."""
         if self.dedupe:
-            commit_deduped(
-                path, tree_json, staged, self.checksum, self._lineage, ready=staged.wait, upload=self._upload
-            )
+            step = self._steps.pop(path, None)
+            commit_deduped(path, tree_json, staged, self.checksum, self._lineage, staged.wait, upload=self._upload,
+                           step=step)  # fmt: skip
             return
         commit_staged(path, tree_json, staged, self.checksum, upload=self._upload)
 
@@ -432,6 +436,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if "://" in parent or os.path.isabs(parent):
             self._directories[parent] = directory
         return directory
+
+
+def _step(checkpoint: Dict[str, Any]) -> Optional[int]:
+    """The training step a checkpoint holds (Lightning's ``global_step``), ``None`` if it has none."""
+    step = checkpoint.get("global_step")
+    return step if type(step) is int else None
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import resolve_last_through_callbacks, saves_directories
+from lightning_resume.cas.gc import cleanup, remove_and_collect
 from lightning_resume.cas.layout import BLOCKS
 from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
@@ -326,11 +327,20 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete ``path``; with a background save, queued after every write submitted before it."""
+        """Delete ``path``; with a background save, queued after every write submitted before it. With ``dedupe``,
+        then the packs of its lineage that no checkpoint references any more (``cas.gc``)."""
+        path = str(path)
+
+        def remove() -> None:
+            if self.dedupe:
+                remove_and_collect(path)
+            else:
+                storage.remove(path)
+
         if self._saver is not None and self.save != "sync":
-            self._saver.remove(str(path), lambda: storage.remove(str(path)))
+            self._saver.remove(path, remove)
         else:
-            storage.remove(str(path))
+            remove()
 
     def verify_checkpoint(self, path: str) -> None:
         """Return if ``path`` verifies; raise ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) if not."""
@@ -371,13 +381,17 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
         Inside an exception handler (Lightning tears down on exceptions and ``KeyboardInterrupt``) the
         wait is bounded by ``flush_timeout`` and failures are warned, never raised over the original error.
+        With ``dedupe``, a teardown that ends normally then collects the run's unreferenced packs (``cas.gc``) in the
+        directories it saved to: those of saves killed before their checkpoint file, left by an earlier process.
         """
-        if self._saver is None:
-            return
-        if sys.exc_info()[1] is not None:
+        failing = sys.exc_info()[1] is not None
+        if self._saver is not None and failing:
             self._flush(self.flush_timeout)
             return
-        self._saver.close()
+        if self._saver is not None:
+            self._saver.close()
+        if self.dedupe and not failing:  # packs of saves killed before their checkpoint, in the directories saved to
+            cleanup(self._cleaned, self._lineage.lineage)
 
     def _flush(self, timeout: Optional[float] = None) -> bool:
         """Wait at most ``timeout`` for pending writes and warn (never raise) about failures or a timeout."""
@@ -396,9 +410,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     def _clean_before_save(self, path: str) -> None:
         """Remove the temporaries interrupted saves left next to ``path`` (with ``dedupe``, in its ``blocks/`` too):
-        at the first save into its directory all that ``clean_stale_temporaries`` judges stale; at every later
-        local one, this host's of dead pids (a save killed since, e.g. another trainer's on the same directory:
-        one directory listing)."""
+        at the first save into its directory all that ``clean_stale_temporaries`` judges stale (with ``dedupe``,
+        and the run's unreferenced packs: ``cas.gc.cleanup``); at every later local one, this host's of dead pids
+        (a save killed since, e.g. another trainer's on the same directory: one directory listing)."""
         directory = self._directories.get(storage.split(path)[0]) or self._directory_of(path)
         first = directory not in self._cleaned
         self._cleaned.add(directory)
@@ -409,6 +423,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
             elif is_local(where):
                 removed += clean_stale_temporaries(where, owned_only=True)
             # else: a remote listing per save costs a request; the first save's cleanup covers a restart
+        if first and self.dedupe:  # a resumed run: the packs a killed run of its lineage left unreferenced there
+            cleanup([directory], self._lineage.lineage, temporaries=False)
         for name in removed:
             log.info("removed stale temporary %s left by an interrupted save", name)
 

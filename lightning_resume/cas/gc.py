@@ -113,7 +113,7 @@ def _is_pack_of(path: str, name: str, algorithm: str, lineage: str) -> bool:
         info = read_pack_header(path)
     except (LightningResumeError, OSError, ValueError):
         return False
-    return info.lineage == lineage and info.algorithm == algorithm and pack_name(algorithm, info.keys) == name
+    return info.lineage == lineage and info.algorithm == algorithm and pack_name(algorithm, lineage, info.keys) == name
 
 
 def referenced_packs(directory: str) -> Union[Set[str], Unreadable]:

@@ -4,7 +4,7 @@ A pack is our safetensors framing with one ``U8`` entry per block, named by its 
 whose key is known (hashed first) and blocks hashed while they are written go into one file: locally a new
 temporary in ``blocks/``, the data written after a placeholder header (keys are fixed-length hex, so the real header
 has its size) while a thread hashes what is not hashed yet, the header last, fsync, then the rename to
-``<alg>-<digest of the sorted keys>.safetensors`` (``atomic.atomic_write_named``). Two tensors of equal bytes are
+``<alg>-<digest of the lineage and the sorted keys>.safetensors`` (``atomic.atomic_write_named``). Two tensors of equal bytes are
 one block: where the hashing finds such a pair among blocks already written, the pack is written again with each
 block once (a rare second pass). Remotely every block is hashed first, then the pack uploaded under its name
 (``atomic_upload``). A pack whose name is known before writing and that exists already is not written again (a
@@ -47,7 +47,7 @@ def commit_pack(
     name. ``ready(name)`` blocks until a tensor's bytes are there (an async snapshot still being copied)."""
     if storage.is_remote(directory) or all(b.key is not None for b in blocks):
         blocks = _hashed(algorithm, blocks, ready)
-        name = packs.pack_name(algorithm, [str(b.key) for b in blocks])
+        name = packs.pack_name(algorithm, lineage, [str(b.key) for b in blocks])
         keys = {b.name: str(b.key) for b in blocks}
         if not storage.exists(storage.join(directory, name + packs.PACK_SUFFIX)):
             _write_known(directory, name, algorithm, lineage, _distinct(blocks), upload)
@@ -130,7 +130,7 @@ def _write_local(
     if len(final) != len(placeholder):
         raise RuntimeError("internal error: pack header length changed between placeholder and final header")
     pwrite_all(fd, memoryview(final), 0)
-    return packs.pack_name(algorithm, names) + packs.PACK_SUFFIX
+    return packs.pack_name(algorithm, lineage, names) + packs.PACK_SUFFIX
 
 
 def _constant(view: memoryview) -> Callable[[], memoryview]:

@@ -49,10 +49,12 @@ def pack_path(checkpoint_path: str, pack: str) -> str:
     return storage.join(blocks_dir(checkpoint_path), pack + PACK_SUFFIX)
 
 
-def pack_name(algorithm: str, keys: Iterable[str]) -> str:
-    """``<alg>-<digest of the sorted keys joined by ",">``: the same blocks always give the same name, so a save
-    redone after a kill writes the same pack."""
-    return f"{algorithm}-{integrity.digest(algorithm, ','.join(sorted(set(keys))).encode('ascii'))}"
+def pack_name(algorithm: str, lineage: str, keys: Iterable[str]) -> str:
+    """``<alg>-<digest of the lineage and the sorted keys, joined by ",">``: the same blocks of one lineage always
+    give the same name, so a save redone after a kill writes the same pack; two lineages never share a name, so a
+    run never reuses (or removes) a pack another run in the same directory wrote and may be about to reference."""
+    text = ",".join([lineage, *sorted(set(keys))])
+    return f"{algorithm}-{integrity.digest(algorithm, text.encode('ascii'))}"
 
 
 def is_pack_name(name: str) -> bool:

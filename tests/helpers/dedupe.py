@@ -37,7 +37,7 @@ def write_pack(directory: str, lineage: str, blocks: Mapping[str, bytes], algori
     entries = framing.layout(tensors)
     record = integrity.make_record(algorithm, "", entries, {k: k for k in keys})
     meta = {FORMAT_KEY: FORMAT_VALUE, INTEGRITY_KEY: record, PACK_KEY: pack_metadata(algorithm, lineage)}
-    name = pack_name(algorithm, keys)
+    name = pack_name(algorithm, lineage, keys)
     path = storage.join(storage.join(directory, BLOCKS), f"{name}.safetensors")
     _write(path, framing.header_bytes(entries, meta), [blocks[e.name] for e in entries])
     return name

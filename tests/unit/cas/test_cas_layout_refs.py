@@ -28,12 +28,16 @@ def test_layout_names_paths_local_and_remote():
     assert layout.pack_path("s3://bucket/run/a.ckpt", "p") == "s3://bucket/run/blocks/p.safetensors"
 
 
-def test_pack_name_is_the_digest_of_the_sorted_keys_under_the_algorithm():
+def test_pack_name_is_the_digest_of_the_lineage_and_the_sorted_keys_under_the_algorithm():
     keys = ["cc" * 16, "aa" * 16, "bb" * 16]
-    name = layout.pack_name(ALG, keys)
-    assert name == f"{ALG}-" + integrity.digest(ALG, ",".join(sorted(keys)).encode())
-    assert layout.pack_name(ALG, reversed(keys)) == name  # order does not matter: a redone save names it the same
-    assert layout.pack_name("sha256", keys).startswith("sha256-") and layout.pack_name("sha256", keys) != name
+    name = layout.pack_name(ALG, LINEAGE, keys)
+    assert name == f"{ALG}-" + integrity.digest(ALG, ",".join([LINEAGE, *sorted(keys)]).encode())
+    assert (
+        layout.pack_name(ALG, LINEAGE, reversed(keys)) == name
+    )  # order does not matter: a redone save names it the same
+    assert layout.pack_name(ALG, "0f" * 16, keys) != name  # another lineage never shares (or removes) this pack
+    assert layout.pack_name("sha256", LINEAGE, keys).startswith("sha256-")
+    assert layout.pack_name("sha256", LINEAGE, keys) != name
     assert layout.is_pack_name(name) and not layout.is_pack_name("../x") and not layout.is_pack_name("md5-00ff00ff")
 
 
@@ -59,7 +63,7 @@ def _checkpoint_with_refs(path: str, refs_doc: object, referenced: dict, inline:
 def test_read_refs_gives_each_referenced_tensor_with_its_dtype_shape_key_and_pack(tmp_path):
     frozen = torch.arange(20000, dtype=torch.float32).reshape(100, 200)
     key = integrity.digest(ALG, framing.host_bytes(frozen))
-    pack = layout.pack_name(ALG, [key])
+    pack = layout.pack_name(ALG, LINEAGE, [key])
     path = str(tmp_path / "a.ckpt")
     doc = {"version": 1, "lineage": LINEAGE, "tensors": {"frozen": [pack, key]}}
     _checkpoint_with_refs(path, doc, {"frozen": frozen}, {"small": torch.ones(3)})
@@ -91,7 +95,7 @@ def test_a_file_without_refs_reads_as_no_refs(tmp_path):
 def test_a_malformed_refs_record_is_refused_naming_the_file(tmp_path, doc, what):
     frozen = torch.zeros(100, 200)
     key = integrity.digest(ALG, framing.host_bytes(frozen))
-    pack = layout.pack_name(ALG, [key])
+    pack = layout.pack_name(ALG, LINEAGE, [key])
     if isinstance(doc, dict):
         doc = json.loads(json.dumps(doc).replace("PACK", pack).replace("KEY", key))
     path = str(tmp_path / "bad.ckpt")

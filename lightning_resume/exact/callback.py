@@ -62,7 +62,7 @@ from lightning_resume.exact.state.user import (
 )
 from lightning_resume.exact.state.user import capture as capture_user_state
 from lightning_resume.format.partial import refuse_partly_loaded
-from lightning_resume.io.plugin import refuse_unencodable_hparams
+from lightning_resume.io.plugin import refuse_at_fit_start
 from lightning_resume.memory.store import ROOT_KEY, RUN_KEY
 from lightning_resume.memory.tier import DURABLE, MemoryTier, unsupported, warn_sharded
 from lightning_resume.protocols import loaded_in_place, offer_module
@@ -217,7 +217,7 @@ class ExactResume(Callback):
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if stage == "fit":
             offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
-            refuse_unencodable_hparams(trainer, pl_module)  # not at the first save, hours in
+            refuse_at_fit_start(trainer, pl_module)  # not at the first save, hours in
         if stage == "fit":
             self._trace = self._trace_from_environment(trainer)
             self._own.setup(trainer)

@@ -470,13 +470,19 @@ def _default_on_load_checkpoint() -> Any:
     return CheckpointHooks.on_load_checkpoint
 
 
+def refuse_at_fit_start(trainer: Any, module: Any) -> None:
+    """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise now what the first save would refuse,
+    hours in: ``dedupe=True`` under a strategy that saves directories (``refuse_dedupe_with_directory_saves``),
+    and the unencodable hyper-parameters (``refuse_unencodable_hparams``)."""
+    refuse_dedupe_with_directory_saves(trainer)
+    refuse_unencodable_hparams(trainer, module)
+
+
 def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
     """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise ``UnencodableValueError`` now for the
     hyper-parameters (of ``module`` and the datamodule) every save would refuse (``format.hparams``), naming them
     all with ``save_hyperparameters(ignore=[...])``, instead of at the first save. A module that overrides
-    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides. Also refuses
-    ``dedupe=True`` under a strategy that saves directories (``refuse_dedupe_with_directory_saves``)."""
-    refuse_dedupe_with_directory_saves(trainer)
+    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides."""
     if _safetensors_io(trainer) is None or is_overridden("on_save_checkpoint", module):
         return
     tree = {}

@@ -35,7 +35,7 @@ from lightning_resume.errors import (
 )
 from lightning_resume.format.atomic import fsync_file_and_dir
 from lightning_resume.format.partial import refuse_partly_loaded
-from lightning_resume.io.plugin import refuse_unencodable_hparams
+from lightning_resume.io.plugin import refuse_at_fit_start
 from lightning_resume.io.resolve import candidates
 from lightning_resume.io.verify import precheck, problem
 from lightning_resume.protocols import AsyncCheckpointWriter, offer_module
@@ -377,7 +377,7 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         self._last.clear()  # Lightning's "last" search is over: the next fit resolves afresh
         if stage == "fit":
             offer_module(trainer, pl_module)  # the restore that follows reads the weights into it
-            refuse_unencodable_hparams(trainer, pl_module)  # not at the first save, hours in
+            refuse_at_fit_start(trainer, pl_module)  # not at the first save, hours in
         if self.policy.active and isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             # It returns before the file exists and says nothing when it does: a prune could then
             # delete the newest durable checkpoint while its successor is still being written.

@@ -61,7 +61,11 @@ def _kept(
     checked when one is used); a keep of the save its current file holds is that file: not offered twice."""
     offered = {(h.owner, h.seq) for h in current}
     kept = []
-    for k in store.kept(owners):
+    try:
+        found = store.kept(owners)
+    except _UNREADABLE:  # a slot that cannot be trusted or read: the own snapshot's refusal already said so
+        return ()
+    for k in found:
         if (k.owner, k.seq) in offered:
             continue
         snapshot, refusals = _load(

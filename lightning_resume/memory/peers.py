@@ -1,13 +1,15 @@
 """Recovery from peers at a relaunch, the mechanism: what a rank's memory holds, and moving a replica to its owner.
 
-:func:`offer` loads this rank's own snapshot and the replicas it holds for other ranks, each verified (every
-digest, and the record's run, rank and world size: ``MemoryStore.load``/``check_replica``), and describes them
-to the policy (``memory.recover``); what does not verify is warned, named in the offer, and never used.
-:func:`carry_out` does this rank's part of a plan: the transfers, in the plan's order, each rank sending the
+:func:`offer` checks this rank's own snapshot and the replicas it holds for other ranks, each verified (every
+digest, and the record's run, rank and world size: ``MemoryStore.check``/``check_replica``, no tensor kept), and
+describes them to the policy (``memory.recover``); what does not verify is warned, named in the offer, and never
+used. :func:`carry_out` does this rank's part of a plan: the transfers, in the plan's order, each rank sending the
 replicas it holds to their owners (``memory.transport``: streamed in bounded chunks from the file) and
 receiving its own state, which it installs as its own snapshot (``MemoryStore.write_received``: private,
-``O_EXCL|O_NOFOLLOW``, atomic rename) and loads verified. A replica holds the owner's bytes exactly, so the
-digests the owner wrote are checked on arrival. Every problem becomes one line naming the ranks, the file and
+``O_EXCL|O_NOFOLLOW``, atomic rename), every digest checked as the bytes arrive, before the rename. A replica
+holds the owner's bytes exactly, so the digests the owner wrote are the ones checked. Either way the state is
+checked once; its tensors are read afterwards (``MemoryStore.load``, by ``memory.tier``) from the descriptor
+they were checked through. Every problem becomes one line naming the ranks, the file and
 the reason; the ranks' agreement on those lines is ``memory.tier``'s. Knows files and the transfer group, not
 Lightning.
 """
@@ -35,10 +37,11 @@ _UNREADABLE = (CheckpointCorruptError, OSError, ValueError)
 def offer(
     store: MemoryStore, run: str, owners: Iterable[int], durable_step: int
 ) -> tuple[Optional[MemorySnapshot], RankOffer]:
-    """This rank's own verified snapshot of ``run`` (kept: it is likely the state this rank resumes) and its offer:
-    that snapshot's record, the records of the verified replicas it holds of ``owners`` (``check_replica``: every
-    digest read a chunk at a time, no tensor kept), the ones refused, and ``durable_step``."""
-    own, refused = _load(store, store.rank, store.path, lambda: store.load(run))
+    """This rank's own verified snapshot of ``run`` (``MemoryStore.check``: every digest read a chunk at a time, no
+    tensor kept, the file kept open for the load that follows the plan) and its offer: that snapshot's record, the
+    records of the verified replicas it holds of ``owners`` (``check_replica``, likewise), the ones refused, and
+    ``durable_step``."""
+    own, refused = _load(store, store.rank, store.path, lambda: store.check(run))  # checked once: not again
     replicas = []
     for owner in owners:
         replica, refusals = _load(store, owner, store.replica_path(owner), lambda o=owner: store.check_replica(o, run))
@@ -86,7 +89,7 @@ def carry_out(
         return own, _check(own, plan, rank, store.path, f"rank {rank}'s snapshot")
     where = f"rank {rank}'s replica on rank {plan.sources[rank]} ({plan.paths[rank]})"
     try:
-        received = store.load(run)
+        received = store.check(run)  # checked as it arrived (``_receive``): its record, no second digest pass
     except _UNREADABLE as err:
         return None, [f"{where} failed verification after the transfer to {store.path}: {err}"]
     return received, _check(received, plan, rank, store.path, where)
@@ -131,10 +134,12 @@ def _receive(store: MemoryStore, holder: int, group: Any, plan: RecoveryPlan) ->
     where = f"rank {rank}'s replica on rank {holder} ({plan.paths[rank]})"
 
     def install(nbytes: int, chunks: Iterator[memoryview]) -> str:
-        return store.write_received(store.name, nbytes, chunks)
+        return store.write_received(store.name, nbytes, chunks, verify=True)  # every digest, before the rename
 
     try:
         written = transport.recv_file(holder, group, install, tag=RECOVERY_TAG)
+    except CheckpointCorruptError as err:  # a digest or the size: refused before the rename, nothing installed
+        return [f"{where} failed verification on arrival in {store.path}: {err}"]
     except _UNREADABLE as err:
         return [f"{where} did not arrive whole in {store.path}: {err}"]
     return [] if written is not None else [f"{where} was not sent"]

@@ -187,7 +187,8 @@ class MemoryTier:
         where some rank's state is on a peer; any rank's problem is every rank's (all resume from disk)."""
         if isinstance(outcome, NoRecovery):
             return None, outcome.reason
-        snapshot, problems = mine, []
+        problems: list[str] = []
+        snapshot = mine
         if outcome.from_peers and self.store is not None:
             try:
                 snapshot, problems = peers.carry_out(outcome, self.store, self._transfers(), run, mine)

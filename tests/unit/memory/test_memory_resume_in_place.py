@@ -14,11 +14,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO, ScheduleOptions
+from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO, ScheduleOptions, collective
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.format import framing, integrity, read
+from lightning_resume.format import framing, integrity, partial, read
+from lightning_resume.io.plugin import destinations
 from lightning_resume.memory import peers
+from lightning_resume.memory.recover import plan_recovery
 from lightning_resume.memory.store import MemoryStore, memory_root, replica_name
+from lightning_resume.memory.tier import MemoryTier
 from tests.helpers.callbacks import CrashAt
 from tests.helpers.models import TinyData, TinyModel, tiny_trainer
 
@@ -228,3 +231,58 @@ def test_a_memory_resume_reads_the_weights_into_the_modules_own_storage(tmp_path
     assert set(resumed.memory.loaded_in_place(aliases.trainer)) == set(saved)  # checked against the file's digests
     for name, value in saved.items():
         assert torch.equal(aliases.weights[name], value), name  # bitwise the snapshot's
+
+
+# ------------------------------------------------------------------------------------- the tier's part, one process
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+
+def _tier_with_snapshot(tmp_path: Path) -> tuple[MemoryTier, _Net, dict]:
+    """A one-rank tier whose slot holds a snapshot of run "r" at step 5, and a module offered as a durable IO
+    would offer it (``protocols.in_place_target``)."""
+    tier = MemoryTier(str(tmp_path / "m"))
+    tier.store = MemoryStore(tier.root, K, rank=0, world_size=1, asynchronous=False)
+    saved = {name: t.clone() for name, t in _Net().state_dict().items()}
+    tier.store.save({"global_step": 5, "state_dict": saved}, step=5, seq=5, run="r")
+    module = _Net()
+    tier._target = lambda: (module, destinations(module))
+    return tier, module, saved
+
+
+def _plan(tier: MemoryTier) -> tuple[Any, Any]:
+    assert tier.store is not None
+    mine, offered = peers.offer(tier.store, "r", [], durable_step=1)
+    return plan_recovery([offered], 1, 1), mine
+
+
+def test_the_tier_reads_the_agreed_state_into_the_offered_module(tmp_path: Path) -> None:
+    tier, module, saved = _tier_with_snapshot(tmp_path)
+    pointers = {n: p.data_ptr() for n, p in module.named_parameters()}
+    outcome, mine = _plan(tier)
+    snapshot, reason = tier._recover(outcome, mine, "r")
+    assert snapshot is not None and reason == "" and snapshot.step == 5
+    assert {n: p.data_ptr() for n, p in module.named_parameters()} == pointers
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, saved[name]) and snapshot.checkpoint["state_dict"][name] is not None
+    assert set(tier._in_place) == {"net.weight", "net.bias"}
+    assert partial.refusal(module, resumed=False) is None
+
+
+def test_weights_read_in_place_for_a_resume_another_rank_abandoned_are_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another rank's problem sends every rank to disk after this one read its state into the module: the module
+    is marked as after a failed in-place load (the durable load replaces it; a fit restoring nothing refuses)."""
+    tier, module, _ = _tier_with_snapshot(tmp_path)
+    outcome, mine = _plan(tier)
+    monkeypatch.setattr(collective, "gather", lambda problems: [problems, ["rank 1: its state is gone"]])
+    snapshot, reason = tier._recover(outcome, mine, "r")
+    assert snapshot is None and "rank 1: its state is gone" in reason
+    refused = partial.refusal(module, resumed=False)
+    assert refused is not None and "memory-tier resume was abandoned" in str(refused)
+    assert partial.refusal(module, resumed=True) is None  # a durable restore into it lifts it

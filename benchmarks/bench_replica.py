@@ -7,13 +7,17 @@ a 2-process gloo job on 127.0.0.1 (rank 0: the replaced node, its memory dir emp
 rank 0's replica in its memory dir), ``--repeats`` times, the sources interleaved (order rotated per repeat):
 
 - *peer replica*: the recovery as ``MemoryTier.choose`` runs it: both ranks offer what their memory holds, verified
-  (``memory.peers.offer``; rank 1 also holds its own snapshot of the same save), the offers are gathered and
-  planned (``memory.recover.plan_recovery``), and the plan is carried out (``memory.peers.carry_out``: the holder
-  streams the replica over the transfer group with ``memory.transport``, the owner installs it as its own
-  snapshot with ``MemoryStore.write_received`` and loads it verified); timed on rank 0 from the barrier before
-  the offers to its verified state in hand, and split into offers + plan and the carrying out;
-- *local durable*: ``SafetensorsCheckpointIO().load_checkpoint`` of the same state on local disk, verified, by
-  rank 0 alone (a lower bound for a durable recovery, where every rank reads at once):
+  (``memory.peers.offer``, each file checked a chunk at a time; rank 1 also holds its own snapshot of the same
+  save), the offers are gathered and planned (``memory.recover.plan_recovery``), and the plan is carried out
+  (``memory.peers.carry_out``: the holder streams the replica over the transfer group with ``memory.transport``,
+  the owner installs it as its own snapshot with ``MemoryStore.write_received``, every digest checked as it
+  arrives); then the owner reads it once, unhashed, from the descriptor it was checked through, its weights
+  straight into the module a relaunched process built (``MemoryStore.load(into=...)``); timed on rank 0 from the
+  barrier before the offers until the module holds the state, and split into offers + plan, transfer + install,
+  and the load;
+- *local durable*: ``SafetensorsCheckpointIO().load_checkpoint`` of the same state on local disk, verified, its
+  weights read into the same module (``load_into``, as a durable resume reads them), by rank 0 alone (a lower
+  bound for a durable recovery, where every rank reads at once):
   *cold* (the file's pages dropped from the page cache first with ``posix_fadvise(DONTNEED)``, as a relaunched
   process on another node finds it) and *warm* (read again at once, from the page cache: the hardest bar);
 - *S3*: the same load from the moto S3 server on 127.0.0.1 (``s3://``, through s3fs, as the product reads remote
@@ -37,7 +41,8 @@ own copy, C1, not the replica's), the steps with a replica in flight, the steps 
 (no replica yet), the steps with the bare transfer in flight (the limit). Goal: replica in flight <= 1.03x, or
 at the limit measured beside it.
 
-The last line is the verdict. ``--quick`` is a small run that checks that the benchmark still works (a test
+``--copy`` reads every source into new memory and then copies the weights into the module, as the recovery did
+before it read in place. The last line is the verdict. ``--quick`` is a small run that checks that the benchmark still works (a test
 runs it); its figures mean nothing.
 
 Usage: ``python benchmarks/bench_replica.py`` (~1 GB state, 3 repeats; 7-11 minutes on a 2-core VM, most of it
@@ -73,6 +78,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from benchmarks.flat_state import Wide, flat_state  # noqa: E402
 from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO, collective  # noqa: E402
+from lightning_resume.io.plugin import destinations  # noqa: E402
 from lightning_resume.memory import peers, transport  # noqa: E402
 from lightning_resume.memory.recover import RecoveryPlan, plan_recovery  # noqa: E402
 from lightning_resume.memory.store import MemoryStore, memory_root, replica_name, slot_key  # noqa: E402
@@ -84,7 +90,11 @@ CHUNK = 16 << 20
 RUN = "bench-replica"
 STEP, SEQ, DURABLE_STEP = 100, 7, 90
 """The memory snapshot's save, and the older durable checkpoint's step: the node was lost between durable saves."""
-OFFERS, CARRY_OUT = "of which: offers verified + plan", "of which: transfer + install + verified load"
+OFFERS, CARRY_OUT, LOAD = (
+    "of which: offers verified + plan",
+    "of which: transfer + install (checked as it arrives)",
+    "of which: the load into the module",
+)
 REPLICA, COLD, WARM, S3, BARE, RAW_S3 = (
     "peer replica (recovery)",
     "local durable, cold",
@@ -118,7 +128,8 @@ def prepare_recovery(size_mb: int, work: str, disk: str, s3_url: Optional[str]) 
     io.save_checkpoint(state, durable)
     if s3_url is not None:
         io.save_checkpoint(state, s3_url)
-    return {"nodes": nodes, "key": key, "replica": replica, "durable": durable, "s3": s3_url, "nbytes": nbytes}
+    return {"nodes": nodes, "key": key, "replica": replica, "durable": durable, "s3": s3_url, "nbytes": nbytes,
+            "size_mb": size_mb}  # fmt: skip
 
 
 def install_replica(holder: MemoryStore, source: str, owner: int) -> str:
@@ -139,7 +150,8 @@ def recovery_worker(
     store = MemoryStore(memory_root(spec["nodes"][rank]), spec["key"], rank=rank, world_size=2, asynchronous=False)
     remote = [S3, RAW_S3] if spec["s3"] else []
     times: Dict[str, List[float]] = {name: [] for name in [REPLICA, BARE, COLD, WARM, *remote]}
-    times.update({OFFERS: [], CARRY_OUT: []})
+    times.update({OFFERS: [], CARRY_OUT: [], LOAD: []})
+    module = FlatModule(spec["size_mb"])  # the module the restore reads into, as a relaunched process builds it
     for r in range(repeats):
         sources = [REPLICA, BARE, COLD, WARM] + (remote if r < s3_repeats else [])
         order = sources[r % len(sources) :] + sources[: r % len(sources)]
@@ -148,7 +160,7 @@ def recovery_worker(
             order.insert(order.index(COLD) + 1, WARM)  # warm right after cold: the pages it read
         for source in order:
             dist.barrier()
-            measured = recover_once(source, rank, store, spec, group, bare)
+            measured = recover_once(source, rank, store, spec, group, bare, module)
             for name, seconds in measured.items():
                 times[name].append(seconds)
     dist.barrier()
@@ -157,10 +169,12 @@ def recovery_worker(
     return times if rank == 0 else None
 
 
-def recover_once(source: str, rank: int, store: MemoryStore, spec: Dict[str, Any], group, bare) -> Dict[str, float]:
+def recover_once(
+    source: str, rank: int, store: MemoryStore, spec: Dict[str, Any], group, bare, module: torch.nn.Module
+) -> Dict[str, float]:
     """One recovery from ``source``: on rank 0 the seconds (and phases), on rank 1 its part of the transfer."""
     if source == REPLICA:
-        measured = recover_from_peers(store, group)
+        measured = recover_from_peers(store, group, module, spec["copy"])
         return measured if rank == 0 else {}
     if source == BARE:
         if rank == 1:
@@ -171,19 +185,48 @@ def recover_once(source: str, rank: int, store: MemoryStore, spec: Dict[str, Any
         return {}
     if source == COLD:
         drop_cached(spec["durable"])
-        return {COLD: timed_load(spec["durable"])}
+        return {COLD: timed_load(spec["durable"], module, spec["copy"])}
     if source == WARM:
-        return {WARM: timed_load(spec["durable"])}
+        return {WARM: timed_load(spec["durable"], module, spec["copy"])}
     if source == S3:
-        return {S3: timed_load(spec["s3"])}
+        return {S3: timed_load(spec["s3"], module, spec["copy"])}
     return {RAW_S3: raw_get(spec["s3"])}
 
 
-def recover_from_peers(store: MemoryStore, group) -> Dict[str, float]:
+class FlatModule(torch.nn.Module):
+    """A module whose state dict is ``flat_state(size_mb)``'s: ``layer<i>.weight``, initialised (its pages touched,
+    as a built model's are)."""
+
+    def __init__(self, size_mb: int) -> None:
+        super().__init__()
+        for name, t in flat_state_shapes(size_mb).items():
+            layer = torch.nn.Module()
+            layer.weight = torch.nn.Parameter(torch.full(t, 0.5), requires_grad=False)
+            setattr(self, name.split(".")[0], layer)
+
+
+def flat_state_shapes(size_mb: int) -> Dict[str, Tuple[int, ...]]:
+    n = size_mb * (1 << 20) // 4 // 8  # as flat_state
+    return {f"layer{i}.weight": (n,) for i in range(8)}
+
+
+def into_module(module: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
+    """What Lightning's restore does with tensors a load did not read in place: copy each into the module's
+    (``load_state_dict``; a tensor that is the module's own memory is not copied)."""
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            if t.data_ptr() != state_dict[name].data_ptr():
+                t.copy_(state_dict[name])
+
+
+def recover_from_peers(store: MemoryStore, group, module: torch.nn.Module, copy: bool) -> Dict[str, float]:
     """Both ranks, as ``MemoryTier.choose`` recovers: each offers what its memory holds, verified
-    (``memory.peers.offer``: the holder loads its own snapshot and the replica); the offers are gathered and
+    (``memory.peers.offer``: each file checked a chunk at a time, no tensor kept); the offers are gathered and
     planned (``memory.recover.plan_recovery``); the plan is carried out (``memory.peers.carry_out``: the holder
-    streams the replica, the owner installs it as its own snapshot and loads it verified). Times on rank 0."""
+    streams the replica, the owner installs it as its own snapshot, every digest checked as it arrives); then
+    each rank reads its state once, unhashed, from the descriptor it was checked through, its weights straight
+    into ``module`` (``MemoryStore.load(into=...)``; with ``copy``, into new memory and then copied, as before
+    in-place loads). Times on rank 0, until the module holds the state."""
     started = time.perf_counter()
     owners = [o for o in store.replica_owners() if o != store.rank]
     mine, offered = peers.offer(store, RUN, owners, DURABLE_STEP)
@@ -192,17 +235,26 @@ def recover_from_peers(store: MemoryStore, group) -> Dict[str, float]:
     planned = time.perf_counter()
     assert isinstance(plan, RecoveryPlan) and plan.transfers == ((1, 0),), plan
     snapshot, problems = peers.carry_out(plan, store, group, RUN, mine)
-    done = time.perf_counter()
+    carried = time.perf_counter()
     assert not problems and snapshot is not None and (snapshot.step, snapshot.seq) == (STEP, SEQ), problems
-    del snapshot, mine
+    loaded = store.load(RUN, into=None if copy else destinations(module))
+    assert loaded is not None and (loaded.step, loaded.seq) == (STEP, SEQ)
+    into_module(module, loaded.checkpoint["state_dict"])
+    done = time.perf_counter()
+    del snapshot, mine, loaded
     if store.rank == 0:
         store.free()  # the next repeat receives it again
-    return {REPLICA: done - started, OFFERS: planned - started, CARRY_OUT: done - planned}
+    return {REPLICA: done - started, OFFERS: planned - started, CARRY_OUT: carried - planned, LOAD: done - carried}
 
 
-def timed_load(path: str) -> float:
+def timed_load(path: str, module: torch.nn.Module, copy: bool) -> float:
+    """A durable restore's load: ``SafetensorsCheckpointIO`` reading the weights into ``module`` as a resume offers
+    it (``load_into``; with ``copy``, into new memory and then copied)."""
     started = time.perf_counter()
-    checkpoint = SafetensorsCheckpointIO().load_checkpoint(path)
+    io = SafetensorsCheckpointIO()
+    io.load_into(None if copy else module)
+    checkpoint = io.load_checkpoint(path)
+    into_module(module, checkpoint["state_dict"])
     seconds = time.perf_counter() - started
     assert checkpoint["global_step"] == 1
     return seconds
@@ -503,7 +555,7 @@ def run_recovery(args: argparse.Namespace) -> Tuple[Dict[str, List[float]], floa
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             fsspec.filesystem("s3").mkdir(bucket)
             s3_url = f"s3://{bucket}/step={DURABLE_STEP}.ckpt"
-        spec = prepare_recovery(args.size_mb, work, disk, s3_url)
+        spec = {**prepare_recovery(args.size_mb, work, disk, s3_url), "copy": args.copy}
         said = f"{args.repeats} repeats ({min(args.repeats, args.s3_repeats)} with S3)"
         print(f"recovery: a {spec['nbytes'] / 2**20:.0f} MiB snapshot, {said}, load {_load()}")
         results = spawn_pair(
@@ -658,6 +710,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--only", choices=("recovery", "steps"), default=None)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that the benchmark runs")
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument(
+        "--copy", action="store_true", help="recover into new memory, then copy into the module (before in-place)"
+    )
     parser.add_argument(
         "--s3-repeats", type=int, default=1, help="repeats that also load from S3 (moto serves ~1 GB in minutes)"
     )

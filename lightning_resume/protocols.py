@@ -151,6 +151,10 @@ class StagingLender(Protocol):
         one; ``None`` when this IO stages nothing (its saves write from the tensors themselves)."""
 
 
+InPlaceTarget = Tuple["torch.nn.Module", Dict[Tuple[str, ...], "torch.Tensor"]]
+"""A module offered to a load, and its tensors by their place in the checkpoint's tree (``format.in_place``)."""
+
+
 @runtime_checkable
 class InPlaceLoading(Protocol):
     """A ``CheckpointIO`` that can read a checkpoint's weights straight into the module the run already built."""
@@ -160,6 +164,10 @@ class InPlaceLoading(Protocol):
 
     def loaded_in_place(self) -> Dict[str, Tuple[str, str]]:
         """The weights the latest load read in place: state-dict name -> the file's ``(algorithm, digest)``."""
+
+    def in_place_target(self) -> Optional[InPlaceTarget]:
+        """The module offered to the next load and its tensors by their place in a checkpoint's tree, when this IO
+        would read that load in place; ``None`` otherwise (nothing offered, or this IO reads into new memory)."""
 
 
 @runtime_checkable
@@ -196,6 +204,14 @@ def offer_module(trainer: Any, module: Optional[torch.nn.Module]) -> None:
     if io is not None:
         later = getattr(getattr(trainer, "strategy", None), "restore_checkpoint_after_setup", False)
         io.load_into(None if later else module)
+
+
+def in_place_target(trainer: Any) -> Optional[InPlaceTarget]:
+    """What the trainer's :class:`InPlaceLoading` IO would read the restore's checkpoint into (the module
+    :func:`offer_module` handed it, and that module's tensors by tree path), for a restore that reads its
+    checkpoint elsewhere (the memory tier's snapshot); ``None`` for another IO or when nothing is offered."""
+    io: Optional[InPlaceLoading] = checkpoint_io_as(trainer, InPlaceLoading)
+    return None if io is None else io.in_place_target()
 
 
 def loaded_in_place(trainer: Any) -> Dict[str, Tuple[str, str]]:

@@ -476,7 +476,8 @@ class ExactResume(Callback):
         self._loaded = None
         if self.fingerprint and ours and _weights_left_to_the_file(ours):
             # once per resume, while Lightning still holds the dict
-            self._loaded = loaded_digests(checkpoint, loaded_in_place(trainer))
+            in_place = loaded_in_place(trainer) if self.memory is None else self.memory.loaded_in_place(trainer)
+            self._loaded = loaded_digests(checkpoint, in_place)
         if not ours:
             rank_zero_warn(
                 "ExactResume: this checkpoint was written without ExactResume; training resumes but these are not"

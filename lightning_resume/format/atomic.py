@@ -99,23 +99,32 @@ def _local_atomic_write(path: str, write: Callable[[BinaryIO], object], mode: in
         os.close(dir_fd)
 
 
-def atomic_write_in(dir_fd: int, name: str, write: Callable[[BinaryIO], object], mode: int = 0o666) -> None:
+def atomic_write_in(
+    dir_fd: int, name: str, write: Callable[[BinaryIO], object], mode: int = 0o666, keep_open: bool = False
+) -> Optional[int]:
     """Run ``write(fileobj)`` into a temporary created new (``O_EXCL | O_NOFOLLOW``) in the directory ``dir_fd``
     and rename it to ``name`` there once written and synced; on any error the temporary is removed and the
-    error raised. Everything is relative to ``dir_fd``: a directory the caller opened and checked."""
-    tmp = temp_name(name)
+    error raised. Everything is relative to ``dir_fd``: a directory the caller opened and checked.
+    ``keep_open``: return a descriptor of the file just written, open for reading and writing (the caller closes
+    it): the very file ``write`` wrote, whatever is renamed over ``name`` later; else ``None``."""
+    tmp, kept = temp_name(name), None
+    flags = (_CREATE_NEW & ~os.O_WRONLY) | os.O_RDWR if keep_open else _CREATE_NEW
     try:
-        with os.fdopen(os.open(tmp, _CREATE_NEW, mode, dir_fd=dir_fd), "wb") as f:
+        with os.fdopen(os.open(tmp, flags, mode, dir_fd=dir_fd), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+            kept = os.dup(f.fileno()) if keep_open else None
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
+        if kept is not None:
+            os.close(kept)
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
     with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory; the rename is atomic
         os.fsync(dir_fd)
+    return kept
 
 
 def atomic_write_named(directory: str, write: Callable[[BinaryIO], str], mode: int = 0o666) -> str:

@@ -19,7 +19,7 @@ import mmap as mmap_module
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -116,13 +116,20 @@ def load_file(
     return Loaded(load_legacy(path, local_path(path), map_location, weights_only=weights_only), None, size)
 
 
-def load_open(path: str, f: Any, verify: bool = True) -> Loaded:
+def load_open(
+    path: str,
+    f: Any,
+    verify: bool = True,
+    into: Optional[Mapping[in_place.TreePath, torch.Tensor]] = None,
+    into_owner: str = "its caller",
+) -> Loaded:
     """:func:`load_file` of a local file the caller already opened (e.g. relative to a checked directory
-    descriptor, so no rename of a path component can change what is read); ``path`` names it in errors."""
+    descriptor, so no rename of a path component can change what is read), from its current position (its
+    start); ``path`` names it in errors. ``into``, ``into_owner``: see ``ReadOptions``."""
     st = os.fstat(f.fileno())
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointCorruptError(path, "not a regular file (a FIFO, socket or device?); refused")
-    return _load_copy(path, f, st.st_size, ReadOptions(verify))
+    return _load_copy(path, f, st.st_size, ReadOptions(verify, into=into, into_owner=into_owner))
 
 
 def check_regular_file(path: str) -> None:
@@ -337,9 +344,88 @@ def verify_open(path: str, f: Any) -> Dict[str, Any]:
         _read_tensor(path, f, e, scratch, check, reuse=True)
     referenced.verify_referenced(path, refs, _ref_order(record, refs), check)
     check.finish()
-    every = list(_indexed(header, refs).values())
-    stand_ins = {e.name: torch.zeros((), dtype=framing.DTYPES[e.dtype]).expand(e.shape) for e in every}
+    return _stand_in_tree(path, tree_json, _indexed(header, refs).values())  # referenced tensors too
+
+
+def _stand_in_tree(path: str, tree_json: str, entries: Iterable[framing.Entry]) -> Dict[str, Any]:
+    """The checkpoint's tree, each tensor a 1-element stand-in of its dtype and shape, decoded leniently."""
+    stand_ins = {e.name: torch.zeros((), dtype=framing.DTYPES[e.dtype]).expand(e.shape) for e in entries}
     return _decode_tree(path, tree_json, stand_ins, lenient=True)
+
+
+class StreamCheck:
+    """Checks a safetensors checkpoint of ``size`` bytes as its bytes pass by in order (received from a peer and
+    written to a file, say), as a load checks it: the header once whole (well formed, every tensor inside
+    ``size``, the index matching the integrity record, the tree's digest), each tensor's digest as its last byte
+    passes (``integrity.DataCheck``), and the hash list at :meth:`finish`. The first mismatch raises
+    ``CheckpointCorruptError`` naming the tensor. :meth:`pieces` hands a chunk on in slices of at most
+    :data:`CHUNK`, each hashed just before it is handed on: the bytes checked are the very bytes the consumer
+    gets, and it writes them while they are still in cache."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size, self.seen = path, size, 0
+        self._head, self._need, self._sized = bytearray(), 8, False
+        self._entries: List[framing.Entry] = []
+        self._next, self._pos = 0, 0  # the tensor being fed, and the data bytes seen
+        self._check: Optional[integrity.DataCheck] = None
+        self._tree_json = ""
+
+    def pieces(self, chunk: Any) -> Iterator[memoryview]:
+        """``chunk``'s bytes in slices of at most :data:`CHUNK`, each checked before it is yielded."""
+        view = memoryview(chunk).cast("B")
+        for start in range(0, len(view), CHUNK):
+            piece = view[start : start + CHUNK]
+            self._feed(piece)
+            yield piece
+
+    def finish(self) -> Dict[str, Any]:
+        """After the last byte: every tensor came and the hash list matches. Returns the checkpoint's tree with
+        stand-ins for its tensors (as :func:`verify_open`)."""
+        if self._check is None:
+            raise CheckpointCorruptError(
+                self.path, "the bytes ended before the header was whole", self._need, self.seen
+            )
+        self._check.finish()
+        return _stand_in_tree(self.path, self._tree_json, self._entries)
+
+    def _feed(self, piece: memoryview) -> None:
+        while len(piece):
+            piece = self._feed_header(piece) if self._check is None else self._feed_data(piece)
+
+    def _feed_header(self, piece: memoryview) -> memoryview:
+        take = piece[: self._need - len(self._head)]
+        self._head += take
+        self.seen += len(take)
+        if not self._sized and len(self._head) == 8:
+            self._need, self._sized = 8 + framing.header_length(self.path, self._head, self.size), True
+        if self._sized and len(self._head) == self._need:
+            header = framing.parse_header(self.path, bytes(self._head), self.size)
+            record, self._tree_json, refs = _checked_metadata(self.path, header)
+            if refs.tensors:  # a stream carries its bytes whole: a memory snapshot is never a dedupe file
+                raise CheckpointCorruptError(self.path, "it references blocks in packs, which a stream cannot carry")
+            self._entries = sorted(header.entries.values(), key=lambda e: e.begin)  # they tile the data in order
+            self._check = integrity.DataCheck(self.path, record)
+            self._end_tensors()
+        return piece[len(take) :]
+
+    def _feed_data(self, piece: memoryview) -> memoryview:
+        if self._next == len(self._entries):  # past the data the header announced: the caller's size check says so
+            self.seen += len(piece)
+            return piece[len(piece) :]
+        assert self._check is not None
+        take = piece[: self._entries[self._next].end - self._pos]
+        self._check.update(take)
+        self._pos += len(take)
+        self.seen += len(take)
+        self._end_tensors()
+        return piece[len(take) :]
+
+    def _end_tensors(self) -> None:
+        """Check each tensor whose last byte has passed (an empty one as soon as it is reached)."""
+        assert self._check is not None
+        while self._next < len(self._entries) and self._entries[self._next].end == self._pos:
+            self._check.end_tensor(self._entries[self._next])
+            self._next += 1
 
 
 CHUNK = 1 << 18

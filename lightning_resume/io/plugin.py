@@ -243,7 +243,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     def _load(self, path: str, map_location: Any, weights_only: bool = True) -> Dict[str, Any]:
         module = self._into() if self._into is not None else None
-        into = destinations(module) if self.load_in_place and not self.mmap and module is not None else None
+        into = self._destinations(module)
         owner = "its caller" if module is None else f"the module {type(module).__name__}"
         try:
             loaded = read.load_file(
@@ -273,6 +273,17 @@ class SafetensorsCheckpointIO(CheckpointIO):
         """The weights the latest load read in place: state-dict name -> the file's recorded ``(algorithm,
         digest)`` of their bytes (``format.integrity``), to check the restored module against."""
         return dict(self._in_place)
+
+    def in_place_target(self) -> Optional[Tuple[torch.nn.Module, Dict[Tuple[str, ...], torch.Tensor]]]:
+        """The module offered to the next load (:meth:`load_into`) and the tensors of it that load would read in
+        place (:func:`destinations`), for the memory tier, whose snapshot replaces that load; ``None`` when
+        nothing is offered or this IO reads into new memory (``load_in_place=False``, ``mmap``)."""
+        module = self._into() if self._into is not None else None
+        into = self._destinations(module)
+        return None if module is None or into is None else (module, into)
+
+    def _destinations(self, module: Optional[torch.nn.Module]) -> Optional[Dict[Tuple[str, ...], torch.Tensor]]:
+        return destinations(module) if self.load_in_place and not self.mmap and module is not None else None
 
     def _load_fallback(
         self, path: str, err: CheckpointCorruptError, map_location: Any, weights_only: bool = True

@@ -1,18 +1,20 @@
 """Recovery from peers at a relaunch, the mechanism: what a rank's memory holds, and moving a replica to its owner.
 
-:func:`offer` loads this rank's own snapshot and the replicas it holds for other ranks, each verified (every
-digest, and the record's run, rank and world size: ``MemoryStore.load``/``check_replica``), and describes them
-to the policy (``memory.recover``), with the saves kept of either (``MemoryStore.kept``: checked by header and
-record here, by every digest once used); what does not verify is warned, named in the offer, and never used.
-:func:`carry_out` does this rank's part of a plan: the transfers, in the plan's order, each rank sending the
-replicas it holds to their owners (``memory.transport``: streamed in bounded chunks from the file) and
-receiving its own state, which it installs as its own snapshot (``MemoryStore.write_received``: private,
-``O_EXCL|O_NOFOLLOW``, atomic rename) and loads verified. A replica holds the owner's bytes exactly, so the
-digests the owner wrote are checked on arrival. Every problem becomes one line naming the ranks, the file and
-the reason; the ranks' agreement on those lines is ``memory.tier``'s. A rank whose plan is a kept save of its own
-makes it current again (``MemoryStore.reinstate``) and loads it verified. After any plan (:func:`settle`) the kept
-saves and the replicas newer than the plan go: they belong to a line of training the run left, whose save numbers
-the resumed run will use again. Knows files and the transfer group, not Lightning.
+:func:`offer` checks this rank's own snapshot and the replicas it holds for other ranks, each verified (every
+digest, and the record's run, rank and world size: ``MemoryStore.check``/``check_replica``, no tensor kept), and
+describes them to the policy (``memory.recover``), with the saves kept of either (``MemoryStore.kept``: checked by
+header and record here, by every digest once used); what does not verify is warned, named in the offer, and never
+used. :func:`carry_out` does this rank's part of a plan: the transfers, in the plan's order, each rank sending the
+replicas it holds to their owners (``memory.transport``: streamed in bounded chunks from the file) and receiving
+its own state, which it installs as its own snapshot (``MemoryStore.write_received``: private,
+``O_EXCL|O_NOFOLLOW``, atomic rename), every digest checked as the bytes arrive, before the rename. A replica holds
+the owner's bytes exactly, so the digests the owner wrote are the ones checked. A rank whose plan is a kept save of
+its own makes it current again (``MemoryStore.reinstate``) and checks it. Either way the state is checked once; its
+tensors are read afterwards (``MemoryStore.load``, by ``memory.tier``) from the descriptor they were checked
+through. Every problem becomes one line naming the ranks, the file and the reason; the ranks' agreement on those
+lines is ``memory.tier``'s. After any plan (:func:`settle`) the kept saves and the replicas newer than the plan go:
+they belong to a line of training the run left, whose save numbers the resumed run will use again. Knows files and
+the transfer group, not Lightning.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ _UNREADABLE = (CheckpointCorruptError, OSError, ValueError)
 def offer(
     store: MemoryStore, run: str, owners: Iterable[int], durable_step: int
 ) -> tuple[Optional[MemorySnapshot], RankOffer]:
-    """This rank's own verified snapshot of ``run`` (kept: it is likely the state this rank resumes) and its offer:
-    that snapshot's record, the records of the verified replicas it holds of ``owners`` (``check_replica``: every
-    digest read a chunk at a time, no tensor kept), the ones refused, and ``durable_step``."""
-    own, refused = _load(store, store.rank, store.path, lambda: store.load(run))
+    """This rank's own verified snapshot of ``run`` (``MemoryStore.check``: every digest read a chunk at a time, no
+    tensor kept, the file kept open for the load that follows the plan) and its offer: that snapshot's record, the
+    records of the verified replicas it holds of ``owners`` (``check_replica``, likewise), the ones refused, and
+    ``durable_step``."""
+    own, refused = _load(store, store.rank, store.path, lambda: store.check(run))  # checked once: not again
     replicas = []
     owners = list(owners)
     for owner in owners:
@@ -116,18 +119,19 @@ def carry_out(
         return own, _check(own, plan, rank, store.path, f"rank {rank}'s snapshot")
     where = f"rank {rank}'s replica on rank {plan.sources[rank]} ({plan.paths[rank]})"
     try:
-        received = store.load(run)
+        received = store.check(run)  # checked as it arrived (``_receive``): its record, no second digest pass
     except _UNREADABLE as err:
         return None, [f"{where} failed verification after the transfer to {store.path}: {err}"]
     return received, _check(received, plan, rank, store.path, where)
 
 
 def _reinstate(store: MemoryStore, plan: RecoveryPlan, run: str) -> tuple[Optional[MemorySnapshot], list[str]]:
-    """This rank's kept save of the plan made its current snapshot again, then loaded, every digest verified."""
+    """This rank's kept save of the plan made its current snapshot again, then checked, every digest (the offer read
+    only its header); ``memory.tier`` then reads it from the descriptor it was checked through."""
     rank, where = store.rank, f"rank {store.rank}'s kept snapshot {plan.paths[store.rank]}"
     try:
         store.reinstate(plan.names[rank])
-        snapshot = store.load(run)
+        snapshot = store.check(run)
     except _UNREADABLE as err:
         return None, [f"{where} could not be made current or failed verification: {err}"]
     return snapshot, _check(snapshot, plan, rank, store.path, where)
@@ -185,10 +189,12 @@ def _receive(store: MemoryStore, holder: int, group: Any, plan: RecoveryPlan) ->
     where = f"rank {rank}'s replica on rank {holder} ({plan.paths[rank]})"
 
     def install(nbytes: int, chunks: Iterator[memoryview]) -> str:
-        return store.write_received(store.name, nbytes, chunks)
+        return store.write_received(store.name, nbytes, chunks, verify=True)  # every digest, before the rename
 
     try:
         written = transport.recv_file(holder, group, install, tag=RECOVERY_TAG)
+    except CheckpointCorruptError as err:  # a digest or the size: refused before the rename, nothing installed
+        return [f"{where} failed verification on arrival in {store.path}: {err}"]
     except _UNREADABLE as err:
         return [f"{where} did not arrive whole in {store.path}: {err}"]
     return [] if written is not None else [f"{where} was not sent"]

@@ -9,7 +9,7 @@ new one is complete. tmpfs has no disk behind it, so its ``fsync`` costs nothing
 Layout: ``<memory dir>/lightning-resume-<uid>/<slot>/rank-<r>-of-<w>.safetensors`` plus
 ``rank-<r>-of-<w>.owner`` (owner token and pid, for stale cleanup), and, with replicas on, ``replica-<o>-of-<w>.safetensors``:
 the exact bytes of rank ``o``'s snapshot, received from that peer (``memory.replicate``) and written as a
-snapshot is (:meth:`MemoryStore.write_received`), verified when read (:meth:`MemoryStore.load_replica`). A save
+snapshot is (:meth:`MemoryStore.write_received`), verified when read (:meth:`MemoryStore.check_replica`). A save
 replicated to every holder is also kept under ``<name>.keep-<seq>.safetensors`` (:func:`keep_name`): a hard link
 to the same file, free until the next commit renames a new file over the name, so the newest save that every
 holder stored (the anchor, ``memory.replicate.agree``) outlives a newer one still in transit
@@ -40,8 +40,10 @@ import stat
 import threading
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
 
 from lightning_resume._compat.torch_ops import NBYTES
 from lightning_resume.errors import CheckpointCorruptError, ExactResumeWarning
@@ -55,6 +57,7 @@ from lightning_resume.format.atomic import (
     temp_name,
 )
 from lightning_resume.format.codec import decode, parse_tree
+from lightning_resume.format.in_place import TreePath
 from lightning_resume.format.integrity import DEFAULT_ALGORITHM
 from lightning_resume.io import resolve
 from lightning_resume.staging.async_save import AsyncSaver, commit_staged
@@ -141,13 +144,26 @@ class NotEnoughSharedMemory(OSError):
 
 @dataclass(frozen=True)
 class MemorySnapshot:
-    """A verified snapshot: the checkpoint dict (``MEMORY_KEY`` removed) and its record."""
+    """A verified snapshot: the checkpoint dict (``MEMORY_KEY`` removed) and its record. ``in_place``: the tensors
+    read straight into the caller's (``MemoryStore.load(into=...)``), by tree path, with the file's recorded
+    ``(algorithm, digest)`` of their bytes (``read.Loaded.in_place``)."""
 
     path: str
     checkpoint: Dict[str, Any]
     step: int
     seq: int
     saved_at: float
+    in_place: Dict[TreePath, Tuple[str, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A file of the slot whose every byte was checked against its digests through ``fd`` (``check``) or as it was
+    written through it (``write_received(verify=True)``): the next load of it reads that descriptor, not the
+    name, without a second digest pass. ``tree``: its checkpoint with tensor stand-ins (the record inside)."""
+
+    fd: int
+    tree: Dict[str, Any]
 
 
 def replica_name(owner: int, world_size: int) -> str:
@@ -219,6 +235,7 @@ class MemoryStore:
         self._slot_fd: Optional[int] = None
         self._after: Optional[tuple[Committed, int, int]] = None  # the asynchronous snapshot's after_commit
         self._fds = threading.RLock()  # a replica is written on the replicator's thread, snapshots on the saver's
+        self._checked: Dict[str, _Checked] = {}  # by name: the one file of that name checked and still open
         self._saver = AsyncSaver(self._commit, on_error="raise", overlapped=overlap_copy) if asynchronous else None
 
     def save(
@@ -239,6 +256,7 @@ class MemoryStore:
         errors are logged, never the snapshot's. Raises ``NotEnoughSharedMemory`` before writing anything when
         it would not fit, ``UntrustedDirectory`` when the root or slot is not this user's alone, and
         (asynchronous) ``AsyncWriteError`` for a previous snapshot whose write failed."""
+        self._forget(self.name)  # what a later load reads is this save's file, checked as it is read
         record: Dict[str, Any] = {"step": int(step), "seq": int(seq), "saved_at": time.time() if now is None else now}
         record.update(slot=self.key, run=str(run), rank=self.rank, world_size=self.world_size)
         tree = {**checkpoint, MEMORY_KEY: record}
@@ -306,6 +324,7 @@ class MemoryStore:
             return self._slot_fd
 
     def _close(self) -> None:
+        self._forget()
         with self._fds:
             for fd in (self._slot_fd, self._root_fd):
                 if fd is not None:
@@ -382,6 +401,7 @@ class MemoryStore:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=slot)
                 raise
+            self._forget(dst)  # a descriptor checked before reads the file the name held, not this one
 
     def kept(self, owners: Iterable[int] = ()) -> List[Kept]:
         """The kept saves in the slot of this rank's snapshot and of the replicas of ``owners``, by name."""
@@ -421,6 +441,7 @@ class MemoryStore:
         for name in names:
             if not _REPLICA.match(name):
                 raise ValueError(f"{name!r} is not a replica's name")
+            self._forget(name)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=slot)
 
@@ -440,12 +461,16 @@ class MemoryStore:
         expected = {"slot": self.key, "rank": kept.owner, "world_size": self.world_size, "run": run, "seq": kept.seq}
         return _snapshot(shown, {}, record, expected, "not the kept save its name says")
 
-    def write_received(self, name: str, nbytes: int, chunks: Iterable[memoryview]) -> str:
+    def write_received(self, name: str, nbytes: int, chunks: Iterable[memoryview], verify: bool = False) -> str:
         """Write ``nbytes`` arriving as ``chunks`` as the file ``name`` of this slot (a peer's replica,
         :func:`replica_name`, or this rank's own snapshot received from a holder), atomically: a temporary
         created new (``O_EXCL | O_NOFOLLOW``, 0600) relative to the slot's descriptor, renamed over the old file
         once whole. Returns its path. Raises ``NotEnoughSharedMemory`` before writing anything when it would
-        not fit, ``CheckpointCorruptError`` when the chunks hold another number of bytes (nothing is renamed)."""
+        not fit, ``CheckpointCorruptError`` when the chunks hold another number of bytes (nothing is renamed).
+        ``verify``: also check the header and each tensor's digest as its bytes arrive (``read.StreamCheck``): a
+        mismatch is a ``CheckpointCorruptError`` naming the tensor, raised before the rename, so the old file
+        stays; a file checked so is kept open, and the next :meth:`check` or :meth:`load` of it reads it from
+        there without a second digest pass."""
         if name != self.name and not ((m := _REPLICA.match(name)) and int(m[2]) == self.world_size):
             raise ValueError(f"{name!r} is neither {self.name} nor a replica of world size {self.world_size}")
         slot = self._slot(create=True)
@@ -455,14 +480,22 @@ class MemoryStore:
         if nbytes > free:
             raise NotEnoughSharedMemory(self.root, nbytes, free, f"the received file {name}")
         self._claim(slot)
+        self._forget(name)
         shown = os.path.join(self.directory, name)
+        check = read.StreamCheck(shown, nbytes) if verify else None
+        tree: Dict[str, Any] = {}
 
         def write(f: BinaryIO) -> None:
-            written = _write_chunks(f, chunks, nbytes)
+            stream = chunks if check is None else (piece for chunk in chunks for piece in check.pieces(chunk))
+            written = _write_chunks(f, stream, nbytes)
             if written != nbytes:  # raised before the rename: the temporary is removed, the old file stays
                 raise CheckpointCorruptError(shown, "the received bytes are not the size announced", nbytes, written)
+            if check is not None:
+                tree.update(check.finish())  # a digest that does not match: raised before the rename too
 
-        atomic_write_in(slot, name, write, PRIVATE_FILE_MODE)  # synced: where the memory dir is a disk, too
+        kept = atomic_write_in(slot, name, write, PRIVATE_FILE_MODE, keep_open=verify)  # synced: a disk, too
+        if kept is not None:
+            self._remember(name, _Checked(kept, tree))
         return shown
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -490,28 +523,56 @@ class MemoryStore:
             return stat.S_ISREG(os.stat(self.name, dir_fd=slot, follow_symlinks=False).st_mode)
         return False
 
-    def load(self, run: str) -> Optional[MemorySnapshot]:
+    def load(
+        self, run: str, into: Optional[Mapping[TreePath, torch.Tensor]] = None, into_owner: str = "its caller"
+    ) -> Optional[MemorySnapshot]:
         """This rank's snapshot of run ``run``, every checksum verified; ``None`` when there is none. Raises
         ``UntrustedDirectory`` when the root or slot is not this user's alone, and ``CheckpointCorruptError``
-        naming the file when it does not verify or is not this slot's or this run's."""
+        naming the file when it does not verify or is not this slot's or this run's. ``into``, ``into_owner``:
+        tensors to read the snapshot's straight into, and whose they are (``read.ReadOptions``; the snapshot's
+        ``in_place`` says which were). A snapshot this store already checked (:meth:`check`,
+        ``write_received(verify=True)``) is read from the descriptor it was checked through, once, not checked
+        again (see :meth:`_load_checked`)."""
         self.wait()
-        return self._load(self.name, self.rank, run, "not this slot's or this run's memory-tier snapshot")
+        what = "not this slot's or this run's memory-tier snapshot"
+        checked = self._take(self.name)
+        if checked is not None:
+            return self._load_checked(checked, run, what, into, into_owner)
+        return self._load(self.name, self.rank, run, what, into=into, into_owner=into_owner)
 
-    def load_replica(self, owner: int, run: str) -> Optional[MemorySnapshot]:
-        """Rank ``owner``'s replica in this rank's slot, verified as :meth:`load` verifies a snapshot (every
-        checksum; the record inside says rank ``owner``, this world size, this slot and run ``run``); ``None``
-        when there is none. ``CheckpointCorruptError`` naming the file when it does not verify."""
-        what = f"not rank {owner}'s memory-tier snapshot of this slot and run"
-        return self._load(replica_name(owner, self.world_size), owner, run, what)
+    def check(self, run: str) -> Optional[MemorySnapshot]:
+        """:meth:`load` without keeping the tensors (the snapshot's ``checkpoint`` holds 1-element stand-ins): every
+        checksum verified from plain reads a chunk at a time, and the record checked. The file stays open, so the
+        :meth:`load` that follows reads it, and only it, without a second digest pass. A file written here and
+        checked as it arrived (``write_received(verify=True)``) is not read again at all: its record is at hand."""
+        self.wait()
+        what = "not this slot's or this run's memory-tier snapshot"
+        with self._fds:
+            checked = self._checked.get(self.name)
+        if checked is not None:
+            return self._snapshot(self.path, dict(checked.tree), self.rank, run, what)
+        return self._load(self.name, self.rank, run, what, stand_ins=True, keep=True)
 
     def check_replica(self, owner: int, run: str) -> Optional[MemorySnapshot]:
-        """:meth:`load_replica` without keeping the tensors: every checksum verified from plain reads, one chunk at
-        a time, and the record checked; the snapshot's ``checkpoint`` holds 1-element stand-ins for its tensors.
+        """Rank ``owner``'s replica in this rank's slot, verified as :meth:`load` verifies a snapshot (every checksum,
+        from plain reads, one chunk at a time; the record inside says rank ``owner``, this world size, this slot and
+        run ``run``) without keeping the tensors: the snapshot's ``checkpoint`` holds 1-element stand-ins for them;
+        ``None`` when there is none, ``CheckpointCorruptError`` naming the file when it does not verify.
         What a holder offers at a relaunch, in the memory of a chunk, whatever the replica's size."""
         what = f"not rank {owner}'s memory-tier snapshot of this slot and run"
         return self._load(replica_name(owner, self.world_size), owner, run, what, stand_ins=True)
 
-    def _load(self, name: str, rank: int, run: str, what: str, stand_ins: bool = False) -> Optional[MemorySnapshot]:
+    def _load(
+        self,
+        name: str,
+        rank: int,
+        run: str,
+        what: str,
+        stand_ins: bool = False,
+        keep: bool = False,
+        into: Optional[Mapping[TreePath, torch.Tensor]] = None,
+        into_owner: str = "its caller",
+    ) -> Optional[MemorySnapshot]:
         slot = self._slot(create=False)
         if slot is None:
             return None
@@ -520,11 +581,82 @@ class MemoryStore:
             fd = os.open(name, _READ_FLAGS, dir_fd=slot)  # this slot's file, whatever its path names now
         except FileNotFoundError:
             return None
+        kept: Optional[int] = None
         with os.fdopen(fd, "rb", buffering=0) as f:
-            loaded = read.verify_open(shown, f) if stand_ins else read.load_open(shown, f, verify=True).checkpoint
+            if stand_ins:
+                loaded, placed = read.verify_open(shown, f), {}
+                kept = os.dup(f.fileno()) if keep else None
+            else:
+                done = read.load_open(shown, f, verify=True, into=into, into_owner=into_owner)
+                loaded, placed = done.checkpoint, done.in_place
+        tree = dict(loaded)  # the record still in it, for the check that reads no file again
+        try:
+            snapshot = self._snapshot(shown, loaded, rank, run, what, placed)
+        except BaseException:
+            if kept is not None:  # a foreign record: nothing is kept
+                os.close(kept)
+            raise
+        if kept is not None:
+            self._remember(name, _Checked(kept, tree))
+        return snapshot
+
+    def _load_checked(
+        self,
+        checked: _Checked,
+        run: str,
+        what: str,
+        into: Optional[Mapping[TreePath, torch.Tensor]],
+        into_owner: str,
+    ) -> Optional[MemorySnapshot]:
+        """This rank's snapshot read from ``checked.fd``, without a digest pass.
+
+        Why the bytes read here are the bytes already checked, with nothing reopened by name: ``checked.fd`` is
+        the open file description the check went through: :meth:`check` hashed every byte read through it, or
+        ``write_received(verify=True)`` hashed every chunk in memory right before writing that same memory
+        through it, into a file it created new (``O_EXCL | O_NOFOLLOW``, 0600). A rename over the name, a removal
+        or a cleared tmpfs cannot change what this descriptor reads: it is that inode, not the name. The inode
+        itself lies in a slot of this user's private root (0700, its owner and mode checked on the descriptor),
+        and is mode 0600, so no other user can open it to write; this package never writes a committed file in
+        place (every save is a new file renamed over the old one); and the descriptor is dropped by any save or
+        receipt of the same name and at close, and used once. So only this user's own processes, or root,
+        writing the file in place by hand, could make these bytes differ from the ones checked; digests guard
+        against damage, not against the owner (``format.integrity``). The header and tree are parsed and the
+        record checked again, as any load does."""
+        with os.fdopen(checked.fd, "rb", buffering=0) as f:
+            f.seek(0)
+            done = read.load_open(self.path, f, verify=False, into=into, into_owner=into_owner)
+        return self._snapshot(self.path, done.checkpoint, self.rank, run, what, done.in_place)
+
+    def _snapshot(
+        self,
+        shown: str,
+        loaded: Dict[str, Any],
+        rank: int,
+        run: str,
+        what: str,
+        placed: Optional[Dict[TreePath, Tuple[str, str]]] = None,
+    ) -> MemorySnapshot:
+        """``loaded`` as the snapshot of ``rank`` in run ``run``, once its record says so (``what`` when not)."""
         record = loaded.pop(MEMORY_KEY, None)
         expected = {"slot": self.key, "rank": rank, "world_size": self.world_size, "run": run}
-        return _snapshot(shown, loaded, record, expected, what)
+        return _snapshot(shown, loaded, record, expected, what, placed)
+
+    def _remember(self, name: str, checked: _Checked) -> None:
+        with self._fds:
+            self._forget(name)
+            self._checked[name] = checked
+
+    def _take(self, name: str) -> Optional[_Checked]:
+        with self._fds:
+            return self._checked.pop(name, None)
+
+    def _forget(self, name: Optional[str] = None) -> None:
+        """Close the checked descriptor of ``name`` (``None``: of every file)."""
+        with self._fds:
+            names = list(self._checked) if name is None else [name]
+            for dropped in (self._checked.pop(n, None) for n in names):
+                if dropped is not None:
+                    os.close(dropped.fd)
 
     def free(self) -> None:
         """Remove this rank's snapshot and the replicas it holds, with their kept saves (a clean end of training),
@@ -576,12 +708,21 @@ class MemoryStore:
         return removed
 
 
-def _snapshot(shown: str, loaded: Dict[str, Any], record: Any, expected: Dict[str, Any], what: str) -> MemorySnapshot:
-    """The snapshot whose record (``MEMORY_KEY``) says ``expected``; else ``CheckpointCorruptError`` saying ``what``."""
+def _snapshot(
+    shown: str,
+    loaded: Dict[str, Any],
+    record: Any,
+    expected: Dict[str, Any],
+    what: str,
+    placed: Optional[Dict[TreePath, Tuple[str, str]]] = None,
+) -> MemorySnapshot:
+    """The snapshot whose record (``MEMORY_KEY``) says ``expected``; else ``CheckpointCorruptError`` saying ``what``.
+    ``placed``: the tensors read into the caller's (``MemorySnapshot.in_place``)."""
     if not isinstance(record, dict) or any(record.get(k) != v for k, v in expected.items()):
         got = {k: record.get(k) for k in expected} if isinstance(record, dict) else record
         raise CheckpointCorruptError(shown, what, expected, got)
-    return MemorySnapshot(shown, loaded, int(record["step"]), int(record["seq"]), float(record["saved_at"]))
+    step, seq, saved_at = int(record["step"]), int(record["seq"]), float(record["saved_at"])
+    return MemorySnapshot(shown, loaded, step, seq, saved_at, dict(placed or {}))
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -28,7 +28,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_resume import collective
 from lightning_resume._compat import lightning as lc
-from lightning_resume.errors import AsyncWriteError, ConfigurationError, ExactResumeWarning
+from lightning_resume.errors import (
+    AsyncWriteError,
+    CheckpointCorruptError,
+    ConfigurationError,
+    ExactResumeWarning,
+    PartialLoadError,
+)
+from lightning_resume.format import partial as partly
 from lightning_resume.memory import peers, transport
 from lightning_resume.memory import replicate as replication
 from lightning_resume.memory.recover import NoRecovery, Outcome, RecoveryPlan, plan_recovery
@@ -46,7 +53,15 @@ from lightning_resume.memory.store import (
     slot_key,
     squatted,
 )
-from lightning_resume.protocols import Loan, LocalShardSnapshots, StagingLender, checkpoint_io_as
+from lightning_resume.protocols import (
+    InPlaceTarget,
+    Loan,
+    LocalShardSnapshots,
+    StagingLender,
+    checkpoint_io_as,
+    in_place_target,
+)
+from lightning_resume.protocols import loaded_in_place as io_loaded_in_place
 from lightning_resume.retention.last import confirm_last
 from lightning_resume.schedule.state import Tier
 from lightning_resume.staging.lending import Offer
@@ -95,6 +110,8 @@ class MemoryTier:
         self._overlap = False
         self.weights_only = True
         self._shards: Optional[LocalShardSnapshots] = None  # a sharded strategy's: snapshots of local shards
+        self._target: Callable[[], Optional[InPlaceTarget]] = lambda: None  # what the durable load would read into
+        self._in_place: dict[str, tuple[str, str]] = {}  # the weights the memory resume read into the module
 
     def setup(self, trainer: pl.Trainer, directory: Optional[str]) -> None:
         """Find this rank's slot in ``directory`` (the durable checkpoints', which names the run) and, for
@@ -115,6 +132,7 @@ class MemoryTier:
         self.resumed_tier, self.run, self.sources = None, None, None
         self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
         self._shards = trainer.strategy if isinstance(trainer.strategy, LocalShardSnapshots) else None
+        self._target, self._in_place = partial(in_place_target, trainer), {}  # the module the durable IO is offered
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             choose = partial(self.choose, confirm=partial(confirm_last, trainer))  # "last" read headers only
             self._remove_hook = lc.substitute_checkpoint(trainer, choose)
@@ -195,14 +213,57 @@ class MemoryTier:
         where some rank's state is on a peer; any rank's problem is every rank's (all resume from disk)."""
         if isinstance(outcome, NoRecovery):
             return None, outcome.reason
-        if not (outcome.from_peers or outcome.own_kept) or self.store is None:
-            return mine, ""
-        try:
-            snapshot, problems = peers.carry_out(outcome, self.store, self._transfers(), run, mine)
-        except Exception as err:  # noqa: BLE001 - any rank's failure sends every rank to disk, named
-            snapshot, problems = None, [f"rank {self.rank}: the recovery from peers failed: {collective.describe(err)}"]
+        problems: list[str] = []
+        snapshot = mine
+        if (outcome.from_peers or outcome.own_kept) and self.store is not None:
+            try:
+                snapshot, problems = peers.carry_out(outcome, self.store, self._transfers(), run, mine)
+            except Exception as err:  # noqa: BLE001 - any rank's failure sends every rank to disk, named
+                snapshot, problems = (
+                    None,
+                    [f"rank {self.rank}: the recovery from peers failed: {collective.describe(err)}"],
+                )
+        target = self._target()
+        loaded, problems = self._load_checked(snapshot, run, target, problems)
         everyone = [line for lines in collective.gather(problems) for line in lines]
-        return (snapshot, "") if not everyone else (None, "; ".join(everyone))
+        if everyone:
+            _left_part_loaded(target, loaded, "; ".join(everyone))
+            return None, "; ".join(everyone)
+        if target is not None and loaded is not None:
+            partly.forget(target[0])  # a load into it succeeded (as the durable IO's does)
+            self._in_place = {where[1]: digest for where, digest in loaded.in_place.items()}
+        return loaded, ""
+
+    def _load_checked(
+        self, checked: Optional[MemorySnapshot], run: str, target: Optional[InPlaceTarget], problems: list[str]
+    ) -> tuple[Optional[MemorySnapshot], list[str]]:
+        """This rank's state of the plan, already checked (``peers``: its own snapshot in the offer, a received one
+        as it arrived), its tensors read from the descriptor they were checked through without a second digest
+        pass (``MemoryStore.load``); the module's weights straight into the module the durable IO was offered
+        (``target``: ``protocols.in_place_target``), as the durable load would read them."""
+        if problems or checked is None or self.store is None:
+            return None, problems or [f"rank {self.rank}: no memory-tier state of the plan"]
+        module, into = target if target is not None else (None, None)
+        owner = "its caller" if module is None else f"the module {type(module).__name__}"
+        try:
+            loaded = self.store.load(run, into=into, into_owner=owner)
+        except (CheckpointCorruptError, PartialLoadError, OSError, ValueError) as err:
+            overwritten = getattr(err, "overwritten_in_place", 0)
+            if module is not None and overwritten:
+                partly.mark(module, self.store.path, str(err), overwritten)
+            return None, [f"rank {self.rank}: its memory-tier state {self.store.path} did not load: {err}"]
+        if loaded is None or (loaded.step, loaded.seq) != (checked.step, checked.seq):
+            got = "nothing" if loaded is None else f"step {loaded.step} (save {loaded.seq})"
+            return loaded, [f"rank {self.rank}: {self.store.path} changed after its check: {got}"]
+        return loaded, []
+
+    def loaded_in_place(self, trainer: pl.Trainer) -> dict[str, tuple[str, str]]:
+        """The weights the resume read straight into the module, by state-dict name, with the file's recorded
+        ``(algorithm, digest)`` (``protocols.loaded_in_place``): the memory tier's load when it supplied the
+        resume, else the durable IO's."""
+        if self.resumed_tier in (MEMORY, REPLICA):
+            return dict(self._in_place)
+        return io_loaded_in_place(trainer)
 
     def _transfers(self) -> Any:
         """The transfer group: the ring's (made at setup), else (replicas now off, replicas of an earlier launch
@@ -336,6 +397,14 @@ class MemoryTier:
         replication.stop(self.replicator)  # first: no replica arrives after the slot is freed
         if self.store is not None:
             self.store.free()
+
+
+def _left_part_loaded(target: Optional[InPlaceTarget], loaded: Optional[MemorySnapshot], reason: str) -> None:
+    """A state read into the module that the ranks then did not resume (another rank's problem): the module holds
+    the snapshot's weights until the durable load replaces them; a fit on it, if nothing is restored, refuses
+    (``format.partial``) rather than train from them as if fresh."""
+    if target is not None and loaded is not None and loaded.in_place:
+        partly.mark(target[0], loaded.path, f"the memory-tier resume was abandoned: {reason}", len(loaded.in_place))
 
 
 def _exact_state(checkpoint: Mapping[str, Any]) -> dict[str, Any]:

@@ -53,11 +53,6 @@ def placed(node_ranks: Sequence[int], num_nodes: int) -> List[int]:
     return order
 
 
-def node_of(rank: int, world_size: int, num_nodes: int) -> int:
-    """The node that ``rank`` runs on."""
-    return rank // ranks_per_node(world_size, num_nodes)
-
-
 def replica_holders(rank: int, world_size: int, num_nodes: int, k: int) -> List[int]:
     """The ranks that hold ``rank``'s replicas, replica 1 first: the same local rank on the next ``k`` nodes."""
     p = ranks_per_node(world_size, num_nodes)

@@ -107,10 +107,10 @@ def scenario(name: str, base: Path) -> Callable[[MemoryTier, int], None]:
         if me == 1:
             write = tier.store.write_received
 
-            def flipped(name: str, nbytes: int, chunks: Iterator[memoryview]) -> str:
+            def flipped(name: str, nbytes: int, chunks: Iterator[memoryview], **options: Any) -> str:
                 data = bytearray(b"".join(bytes(c) for c in chunks))
                 data[-3] ^= 0xFF
-                return write(name, nbytes, [memoryview(bytes(data))])
+                return write(name, nbytes, [memoryview(bytes(data))], **options)
 
             tier.store.write_received = flipped  # type: ignore[method-assign]
 

@@ -96,8 +96,9 @@ def test_a_replica_gone_before_it_is_sent_sends_every_rank_to_disk(chosen) -> No
 
 @pytest.mark.multiprocess
 def test_a_replica_damaged_on_the_way_fails_the_owners_check(chosen) -> None:
+    """Refused as it arrives (``write_received(verify=True)``), before the rename: not installed, then loaded."""
     line = _durable_line(chosen["damaged_in_transit"])
-    assert "rank 1's replica on rank 0 (" in line and "failed verification after the transfer" in line
+    assert "rank 1's replica on rank 0 (" in line and "failed verification on arrival in" in line
     assert "checksum mismatch" in line
 
 

@@ -154,6 +154,9 @@ class LendingIO(TorchCheckpointIO):
     def loaded_in_place(self) -> dict:
         return {"net.weight": ("xxh3-128", "00")}
 
+    def in_place_target(self) -> None:
+        return None
+
 
 def test_the_memory_tier_reuses_the_staging_of_any_io_that_lends_it(tmp_path: Path) -> None:
     offer = object()

@@ -18,6 +18,7 @@ from lightning_resume.errors import CheckpointCorruptError
 from lightning_resume.format.atomic import owner_token
 from lightning_resume.memory import store as memory_store
 from lightning_resume.memory.store import MemoryStore, NotEnoughSharedMemory, memory_root, replica_name
+from tests.helpers.memory_oracles import load_replica
 
 K = "0123456789abcdef"
 
@@ -49,10 +50,10 @@ def test_a_received_replica_is_the_owners_file_and_loads_verified(tmp_path: Path
     path = holder.write_received(replica_name(0, 2), len(data), _chunks(data))
     assert path == holder.replica_path(0) == os.path.join(holder.directory, "replica-0-of-2.safetensors")
     assert Path(path).read_bytes() == data and (os.stat(path).st_mode & 0o777) == 0o600
-    snap = holder.load_replica(0, "r")
+    snap = load_replica(holder, 0, "r")
     assert snap is not None and (snap.step, snap.seq) == (5, 3) and torch.equal(snap.checkpoint["w"], _state(5)["w"])
     assert holder.replica_owners() == [0] and holder.load("r") is None  # a replica is not the holder's own
-    assert holder.load_replica(1, "r") is None
+    assert load_replica(holder, 1, "r") is None
 
 
 def test_a_replica_corrupted_on_the_holder_is_refused_by_digest(tmp_path: Path) -> None:
@@ -61,7 +62,7 @@ def test_a_replica_corrupted_on_the_holder_is_refused_by_digest(tmp_path: Path) 
     holder = _node(tmp_path, "holder", 1)
     holder.write_received(replica_name(0, 2), len(data), _chunks(bytes(data)))
     with pytest.raises(CheckpointCorruptError, match="replica-0-of-2.safetensors"):
-        holder.load_replica(0, "r")
+        load_replica(holder, 0, "r")
 
 
 def test_a_replica_that_claims_another_rank_or_run_is_refused(tmp_path: Path) -> None:
@@ -69,11 +70,11 @@ def test_a_replica_that_claims_another_rank_or_run_is_refused(tmp_path: Path) ->
     holder = _node(tmp_path, "holder", 1)
     holder.write_received(replica_name(0, 2), len(rank1), _chunks(rank1))
     with pytest.raises(CheckpointCorruptError, match="not rank 0's memory-tier snapshot") as err:
-        holder.load_replica(0, "r")
+        load_replica(holder, 0, "r")
     assert err.value.actual["rank"] == 1  # type: ignore[index]
     holder.write_received(replica_name(0, 2), len(data := _owner_file(tmp_path)), _chunks(data))
     with pytest.raises(CheckpointCorruptError, match="not rank 0's"):
-        holder.load_replica(0, "another run")
+        load_replica(holder, 0, "another run")
 
 
 def test_a_short_stream_leaves_the_previous_replica_and_no_temporary(tmp_path: Path) -> None:

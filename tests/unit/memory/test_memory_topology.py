@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_resume.errors import ConfigurationError
-from lightning_resume.memory.topology import node_of, placed, replica_holders, replicas_held, resolve_replicas
+from lightning_resume.memory.topology import placed, replica_holders, replicas_held, resolve_replicas
+from tests.helpers.memory_oracles import node_of
 
 
 def test_two_nodes_of_two_ranks_hold_each_others_same_local_rank() -> None:

@@ -118,6 +118,31 @@ def atomic_write_in(dir_fd: int, name: str, write: Callable[[BinaryIO], object],
         os.fsync(dir_fd)
 
 
+def atomic_write_named(directory: str, write: Callable[[BinaryIO], str], mode: int = 0o666) -> str:
+    """Run ``write(fileobj)`` into a new temporary in the local ``directory`` and commit it under the name
+    ``write`` returns (a content-addressed file is named by what was written); that name. Synced, renamed
+    (over an existing file of that name: the same content) and the directory synced, as :func:`atomic_write_in`."""
+    os.makedirs(directory, exist_ok=True)
+    dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    tmp = temp_name("pack")
+    try:
+        try:
+            with os.fdopen(os.open(tmp, _CREATE_NEW, mode, dir_fd=dir_fd), "wb") as f:
+                name = write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        with contextlib.suppress(OSError):
+            os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return name
+
+
 def atomic_upload(
     path: str, segments: Sequence[multipart.Segment], options: multipart.UploadOptions = multipart.DEFAULT_UPLOAD
 ) -> None:

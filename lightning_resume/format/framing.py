@@ -166,23 +166,29 @@ def _entry(path: str, name: str, spec: Any) -> Entry:
             path, f"{where}: header entry malformed", "{dtype, shape, data_offsets}", short_repr(spec)
         )
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    expected = check_spec(path, name, dtype, shape).end
+    if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+        raise CheckpointCorruptError(path, f"{where}: data_offsets malformed", "[begin, end]", short_repr(offsets))
+    if offsets[1] - offsets[0] != expected:
+        raise CheckpointCorruptError(
+            path, f"{where}: byte range does not match dtype {dtype} x shape {shape}", expected, offsets[1] - offsets[0]
+        )
+    return Entry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def check_spec(path: str, name: str, dtype: Any, shape: Any) -> Entry:
+    """A tensor's dtype code and shape list, checked; its entry at offsets ``0..nbytes``."""
+    where = f"tensor '{name}'"
     if type(dtype) is not str or dtype not in DTYPES:
         raise CheckpointCorruptError(path, f"{where}: unknown dtype", sorted(DTYPES), dtype)
     if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
         raise CheckpointCorruptError(
             path, f"{where}: shape is not a list of at most {MAX_DIMS} ints in [0, 2**62)", None, short_repr(shape)
         )
-    if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
-        raise CheckpointCorruptError(path, f"{where}: data_offsets malformed", "[begin, end]", short_repr(offsets))
     numel = 1
     for d in shape:
         numel *= d
-    expected = numel * DTYPES[dtype].itemsize
-    if offsets[1] - offsets[0] != expected:
-        raise CheckpointCorruptError(
-            path, f"{where}: byte range does not match dtype {dtype} x shape {shape}", expected, offsets[1] - offsets[0]
-        )
-    return Entry(name, dtype, tuple(shape), offsets[0], offsets[1])
+    return Entry(name, dtype, tuple(shape), 0, numel * DTYPES[dtype].itemsize)
 
 
 def _check_coverage(path: str, entries: Mapping[str, Entry], data_size: int) -> None:

@@ -186,12 +186,13 @@ class DataCheck:
         """The next bytes of the current tensor."""
         self._current.update(data)
 
-    def end_tensor(self, entry: Entry) -> None:
-        """All of ``entry``'s bytes were fed: compare its digest with the recorded one."""
+    def end_tensor(self, entry: Entry, where: str = "") -> None:
+        """All of ``entry``'s bytes were fed: compare its digest with the recorded one. ``where`` names the tensor
+        in an error (default: its byte range in the data section)."""
         actual, expected = self._current.hexdigest(), self._record["tensors"][entry.name][2]
         self._current = hasher(self._algorithm)
         if actual != expected:
-            where = f"tensor '{entry.name}' (data bytes {entry.begin}-{entry.end}, after the header)"
+            where = where or f"tensor '{entry.name}' (data bytes {entry.begin}-{entry.end}, after the header)"
             raise CheckpointCorruptError(self.path, f"{where}: checksum mismatch", expected, actual)
         self._parts.append(actual)
 

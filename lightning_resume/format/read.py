@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from lightning_resume.errors import CheckpointCorruptError
-from lightning_resume.format import framing, in_place, integrity
+from lightning_resume.format import framing, in_place, integrity, packs, referenced
 from lightning_resume.format.codec import decode, parse_tree
 from lightning_resume.format.framing import INTEGRITY_KEY, TREE_KEY
 from lightning_resume.format.legacy import load_legacy
@@ -45,6 +45,8 @@ class Loaded:
     header: Optional[framing.Header]
     size: int
     in_place: Dict[in_place.TreePath, Tuple[str, str]] = field(default_factory=dict)
+    refs: packs.Refs = packs.NO_REFS
+    """The tensors read from packs (a content-addressed checkpoint: ``format.packs``); none otherwise."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ class Summary:
     record: Dict[str, Any]
     tree_json: str
     size: int
+    refs: packs.Refs = packs.NO_REFS
 
 
 def read_summary(path: str) -> Summary:
@@ -167,17 +170,24 @@ def read_summary(path: str) -> Summary:
     are left to the load that reads them (``load_file`` hashes every byte as it arrives) or to
     ``io.verify``. ``CheckpointCorruptError`` for any problem, also for a ``torch.save`` file."""
     path = str(path)
+    header, size = read_header(path)
+    record, tree_json, refs = _checked_metadata(path, header)
+    return Summary(header, record, tree_json, size, refs)
+
+
+def read_header(path: str, deadline: Optional[Deadline] = None) -> Tuple[framing.Header, int]:
+    """The checked safetensors header of ``path`` (a checkpoint or a pack) and the file's size, from two ranged
+    reads; ``CheckpointCorruptError`` for a malformed one or a ``torch.save`` file, ``FileNotFoundError``."""
+    path = str(path)
     check_regular_file(path)
-    size = storage.size(path)
+    size = storage.size(path, deadline)
     if size is None:
         raise FileNotFoundError(f"{path}: no such file")
-    head = storage.read_range(path, 0, 9)
+    head = storage.read_range(path, 0, 9, deadline)
     if not _is_safetensors_head(path, head):
         raise CheckpointCorruptError(path, "not a safetensors checkpoint", "safetensors", "torch.save")
     n = framing.header_length(path, head, size)
-    header = framing.parse_header(path, head + storage.read_range(path, 9, 8 + n), size)
-    record, tree_json = _checked_metadata(path, header)
-    return Summary(header, record, tree_json, size)
+    return framing.parse_header(path, head + storage.read_range(path, 9, 8 + n, deadline), size), size
 
 
 def global_step(summary: Summary) -> Optional[int]:
@@ -220,16 +230,28 @@ def _load_remote(path: str, opts: ReadOptions) -> Loaded:
         return _load_copy(path, f, size, opts)
 
 
-def _checked_metadata(path: str, header: framing.Header) -> Tuple[Dict[str, Any], str]:
-    """The integrity record and tree JSON, after the cheap checks (index matches record, tree digest)."""
+def _checked_metadata(path: str, header: framing.Header) -> Tuple[Dict[str, Any], str, packs.Refs]:
+    """The integrity record, tree JSON and refs, after the cheap checks (index and refs match the record, tree
+    digest)."""
     for key in (TREE_KEY, INTEGRITY_KEY):
         if key not in header.metadata:
             raise CheckpointCorruptError(path, f"not a lightning-resume checkpoint: header metadata lacks '{key}'")
     record = integrity.parse_record(path, header.metadata[INTEGRITY_KEY])
-    integrity.check_index(path, record, header.entries)
+    refs = packs.parse_refs(path, header, record)
+    integrity.check_index(path, record, _indexed(header, refs))
     tree_json = header.metadata[TREE_KEY]
     integrity.verify_tree(path, record, tree_json)
-    return record, tree_json
+    return record, tree_json, refs
+
+
+def _indexed(header: framing.Header, refs: packs.Refs) -> Dict[str, framing.Entry]:
+    """Every tensor of the checkpoint: those in its data section and the referenced ones."""
+    return {**header.entries, **{name: r.entry() for name, r in refs.tensors.items()}}
+
+
+def _ref_order(record: Mapping[str, Any], refs: packs.Refs) -> List[str]:
+    """The referenced tensors in the integrity record's order (they follow the inline ones there)."""
+    return [name for name in record["tensors"] if name in refs.tensors]
 
 
 def _load_local_copy(path: str, opts: ReadOptions) -> Loaded:
@@ -248,13 +270,13 @@ def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: A
         return Loaded(load_legacy(path, source, opts.map_location, weights_only=opts.weights_only), None, size)
     n = framing.header_length(path, head, size)
     header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
-    record, tree_json = _checked_metadata(path, header)
+    record, tree_json, refs = _checked_metadata(path, header)
     tree, device = _parse_tree(path, tree_json), _device(opts.map_location)
     offered = opts.into if opts.into and (device is None or device.type == "cpu") else {}
-    targets = in_place.plan(tree, header.entries, offered) if offered else {}
+    targets = in_place.plan(tree, _indexed(header, refs), offered) if offered else {}
     written: List[str] = []
     try:
-        tensors = _read_tensors(path, f, header, record, opts.verify, targets, written)
+        tensors = _read_tensors(path, f, header, record, opts.verify, targets, written, refs, _deadline(opts))
         tensors = tensors if device is None else {k: t.to(device) for k, t in tensors.items()}
         checkpoint = _decode_parsed(path, tree, tensors, opts.lenient)
     except Exception as err:  # any failure, once a destination was written, says so (``in_place.overwritten_error``)
@@ -266,7 +288,11 @@ def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: A
         for where in offered
         if (key := in_place.tensor_key(tree, where)) in targets
     }
-    return Loaded(checkpoint, header, size, filled)
+    return Loaded(checkpoint, header, size, filled, refs)
+
+
+def _deadline(opts: ReadOptions) -> Deadline:
+    return Deadline.after(DEFAULT_READ_DEADLINE_S if opts.read_deadline is None else opts.read_deadline)
 
 
 def verify_local(path: str) -> None:
@@ -291,13 +317,15 @@ def verify_open(path: str, f: Any) -> Dict[str, Any]:
         raise CheckpointCorruptError(path, "not a safetensors checkpoint", "safetensors", "torch.save")
     n = framing.header_length(path, head, size)
     header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
-    record, tree_json = _checked_metadata(path, header)
+    record, tree_json, refs = _checked_metadata(path, header)
     ordered = sorted(header.entries.values(), key=lambda e: e.begin)  # entries tile the data in order
     check, scratch = integrity.DataCheck(path, record), memoryview(bytearray(CHUNK))
     for e in ordered:
         _read_tensor(path, f, e, scratch, check, reuse=True)
+    referenced.verify_referenced(path, refs, _ref_order(record, refs), check)
     check.finish()
-    stand_ins = {e.name: torch.zeros((), dtype=framing.DTYPES[e.dtype]).expand(e.shape) for e in ordered}
+    every = list(_indexed(header, refs).values())
+    stand_ins = {e.name: torch.zeros((), dtype=framing.DTYPES[e.dtype]).expand(e.shape) for e in every}
     return _decode_tree(path, tree_json, stand_ins, lenient=True)
 
 
@@ -316,10 +344,12 @@ def _read_tensors(
     verify: bool,
     targets: Optional[Mapping[str, torch.Tensor]] = None,
     written: Optional[List[str]] = None,
+    refs: packs.Refs = packs.NO_REFS,
+    deadline: Optional[Deadline] = None,
 ) -> Dict[str, torch.Tensor]:
     """Read each tensor into its own fresh memory, or into its destination in ``targets`` (``in_place.plan``),
-    hashing each chunk as it lands (with ``verify``). Each destination is appended to ``written`` as its read
-    begins."""
+    hashing each chunk as it lands (with ``verify``), then each referenced one from its pack. Each destination is
+    appended to ``written`` as its read begins."""
     check = integrity.DataCheck(path, record) if verify else None
     targets = targets or {}
     tensors: Dict[str, torch.Tensor] = {}
@@ -331,6 +361,9 @@ def _read_tensors(
             written.append(e.name)  # overwritten from its first byte on, whatever happens next
         _read_tensor(path, f, e, framing.host_bytes(t), check)
         tensors[e.name] = t
+    if refs.tensors:
+        order = _ref_order(record, refs)
+        tensors.update(referenced.read_referenced(path, refs, order, check, dict(targets or {}), written, deadline))
     if check is not None:
         check.finish()  # raises CheckpointCorruptError before any tensor is handed out
     return tensors
@@ -365,16 +398,34 @@ def _read_exact(path: str, f: Any, n: int, into: Any = None) -> Any:
 
 def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Loaded:
     header = framing.parse_header(path, memoryview(buf)[: 8 + framing.header_length(path, buf[:8], size)], size)
-    record, tree_json = _checked_metadata(path, header)
+    record, tree_json, refs = _checked_metadata(path, header)
     ordered = sorted(header.entries.values(), key=lambda e: e.begin)
     data = memoryview(buf)[header.data_start :]
-    pairs = [piece for e in ordered for piece in ((e, data[e.begin : e.end]), (e, None))]
-    verify = Background(integrity.verify_data, path, record, pairs) if opts.verify else None
+    pairs: List[Tuple[framing.Entry, Any]] = [p for e in ordered for p in ((e, data[e.begin : e.end]), (e, None))]
     views = opts.mmap
     tensors = {name: _tensor(buf, header.data_start, e, views, opts) for name, e in header.entries.items()}
-    if verify is not None:
-        verify.result()  # raises CheckpointCorruptError before anything built from the bytes is returned
-    return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size)
+    with referenced.Packs(path) as opened:
+        for name in _ref_order(record, refs):
+            mapped, e = opened.mapped(refs.tensors[name])
+            pairs += [(e, memoryview(mapped)[e.begin : e.end]), (e, None)]
+            tensors[name] = _tensor(mapped, 0, e, views, opts)
+        verify = Background(_verify_mapped, path, record, pairs, refs) if opts.verify else None
+        if verify is not None:
+            verify.result()  # raises CheckpointCorruptError before anything built from the bytes is returned
+    return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size, refs=refs)
+
+
+def _verify_mapped(path: str, record: Dict[str, Any], pairs: List[Tuple[framing.Entry, Any]], refs: packs.Refs) -> None:
+    """``integrity.verify_data`` over mapped bytes, a referenced tensor's mismatch named by its pack and key."""
+    check = integrity.DataCheck(path, record)
+    for entry, data in pairs:
+        if data is not None:
+            check.update(data)
+        elif entry.name in refs.tensors:
+            check.end_tensor(entry, referenced.where(path, refs.tensors[entry.name]))
+        else:
+            check.end_tensor(entry)
+    check.finish()
 
 
 def _tensor(buf: Any, data_start: int, e: framing.Entry, views: bool, opts: ReadOptions) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tupl
 
 import torch
 
-from lightning_resume.format import framing, integrity
+from lightning_resume.format import framing, integrity, packs
 from lightning_resume.format.atomic import atomic_upload, atomic_write
 from lightning_resume.format.framing import BLOCK, FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY, TREE_KEY
 from lightning_resume.storage import files as storage
@@ -62,6 +62,7 @@ def commit(
     image: Optional[memoryview] = None,
     mode: int = 0o666,
     upload: multipart.UploadOptions = multipart.DEFAULT_UPLOAD,
+    refs: packs.Refs = packs.NO_REFS,
 ) -> None:
     """Write an encoded checkpoint (from :func:`encode_tree`) atomically at ``path``, hashing while writing.
 
@@ -72,14 +73,22 @@ def commit(
     with direct I/O, no page-cache copy, where the filesystem allows. The file is the same either way.
     ``mode``: a local file's permissions (``atomic_write``). ``upload``: part size and concurrency of an upload
     to a store with a multi-part API (``storage.multipart``); a remote file is uploaded while it is hashed.
+    ``refs``: tensors kept out of the data section, referenced in committed packs (``format.packs``; a dedupe
+    save): listed in the integrity record after the inline ones, by name, and in the refs record.
     """
     wait = ready if ready is not None else _always_ready
     entries = framing.layout(tensors)
     views = [framing.host_bytes(tensors[e.name]) for e in entries]  # staged tensors: views, no copy
 
+    referenced = sorted(refs.tensors.values(), key=lambda r: r.name)
+
     def header(digests: Dict[str, str], align: int = 8) -> bytes:
-        record = integrity.make_record(algorithm, tree_json, entries, digests)
+        listed, known = entries + [r.entry() for r in referenced], digests.copy()  # a placeholder's defaultdict too
+        known.update({r.name: r.key for r in referenced})
+        record = integrity.make_record(algorithm, tree_json, listed, known)
         meta = {FORMAT_KEY: FORMAT_VALUE, TREE_KEY: tree_json, INTEGRITY_KEY: record}
+        if refs.lineage:
+            meta[packs.REFS_KEY] = packs.refs_metadata(refs.lineage, referenced, refs.wrote)
         return framing.header_bytes(entries, meta, align)
 
     def write(f: BinaryIO) -> None:  # a local temporary file (``atomic_write``)

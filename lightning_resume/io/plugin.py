@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import resolve_last_through_callbacks
+from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
     HPARAMS_KEYS,
@@ -117,6 +118,11 @@ class SafetensorsCheckpointIO(CheckpointIO):
             otherwise a later fit on that module in this process is refused until a load into it succeeds or
             ``format.partial.accept_partial(module)`` is called. Default ``True``; no effect on a local load
             with ``mmap``.
+        dedupe: content-addressed saves (docs/safetensors-io.md, "Content-addressed saves (dedupe)"): each tensor
+            of at least 64 KiB is stored once per distinct content in packs under ``<dir>/blocks/`` and referenced
+            by the checkpoint file, so a save writes only what changed since the run's previous save (a frozen
+            backbone, LoRA's base weights, an unchanged retention set). Needs a 128-bit or stronger ``checksum``;
+            not with ``writer="process"`` or ``save="overlapped"`` in this release. Off by default.
     """
 
     records_digests = True
@@ -134,10 +140,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
         flush_timeout: Duration = "10min",
         remote: RemoteOptions = DEFAULT_REMOTE,
         load_in_place: bool = True,
+        dedupe: bool = False,
     ) -> None:
         check_versions()
         resolve_last_through_callbacks()
         problems = _problems(checksum, verify, load_in_place, save, writer, on_error, remote)
+        problems += dedupe_problems(dedupe, checksum, save, writer)
         try:
             self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
         except ValueError as err:
@@ -146,7 +154,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
             raise ConfigurationError("SafetensorsCheckpointIO", problems)
         self.verify, self.checksum, self.fallback_to_verified, self.mmap = verify, checksum, fallback_to_verified, mmap
         self.save, self.writer, self.on_error, self.remote = save, writer, on_error, remote
-        self.load_in_place = load_in_place
+        self.load_in_place, self.dedupe = load_in_place, dedupe
+        self._lineage = Lineage()  # what this run's dedupe saves carry between them (``cas.save``)
         self._upload = remote.upload
         self._into: Optional[weakref.ReferenceType[torch.nn.Module]] = None  # the module the next load fills
         self._in_place: Dict[str, Tuple[str, str]] = {}  # of the latest load: weights read in place
@@ -174,6 +183,10 @@ class SafetensorsCheckpointIO(CheckpointIO):
             )
         path = str(path)
         self._clean_before_save(path)
+        if self._saver is None and self.dedupe:
+            tree_json, tensors = write.encode_tree(checkpoint)  # fails on an unencodable value before any file exists
+            commit_deduped(path, tree_json, tensors, self.checksum, self._lineage, upload=self._upload)
+            return
         if self._saver is None:
             write.save_file(checkpoint, path, algorithm=self.checksum, upload=self._upload)
             return
@@ -185,6 +198,11 @@ class SafetensorsCheckpointIO(CheckpointIO):
         """The write of a staged save (on the worker thread): atomic, checksummed, at ``path``; with
         ``writer="process"`` the writer process writes and this returns once it has committed. A subclass
         extends it to act around each commit."""
+        if self.dedupe:
+            commit_deduped(
+                path, tree_json, staged, self.checksum, self._lineage, ready=staged.wait, upload=self._upload
+            )
+            return
         commit_staged(path, tree_json, staged, self.checksum, upload=self._upload)
 
     @override
@@ -234,6 +252,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if module is not None:
             partial.forget(module)  # a load into it succeeded: an earlier failed one no longer matters
         self._in_place = {where[1]: digest for where, digest in loaded.in_place.items()}
+        if self.dedupe:
+            self._lineage.adopt(path, loaded.refs)  # a resumed run continues the lineage it resumed from
         return loaded.checkpoint
 
     def load_into(self, module: Optional[torch.nn.Module]) -> None:
@@ -458,4 +478,28 @@ def _problems(
             found.append(f"{name}={value!r} is not supported; use one of {list(allowed)}")
     if not isinstance(remote, RemoteOptions):
         found.append(f"remote={remote!r} must be a RemoteOptions(max_load_bytes=..., upload_part_size=..., ...)")
+    return found
+
+
+def dedupe_problems(dedupe: Any, checksum: str, save: str, writer: str) -> List[str]:
+    """What ``dedupe=True`` cannot go with in this release, each named with the fix (never a silent full save)."""
+    if not isinstance(dedupe, bool):
+        return [f"dedupe={dedupe!r} must be True or False"]
+    if not dedupe:
+        return []
+    found = []
+    if checksum == "crc32":
+        found.append(
+            "dedupe=True needs a 128-bit or stronger checksum; use checksum='xxh3-128' (default), 'sha256' or 'blake2b'"
+        )
+    if writer == "process":
+        found.append(
+            "dedupe=True is not supported with writer='process' in this release (the writer process commits whole"
+            " files); use writer='thread' or dedupe=False"
+        )
+    if save == "overlapped":
+        found.append(
+            "dedupe=True is not supported with save='overlapped' in this release; use save='async' or 'sync', or"
+            " dedupe=False"
+        )
     return found

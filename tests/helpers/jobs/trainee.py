@@ -493,6 +493,7 @@ def _trainer(cfg: dict, callbacks: list[Callback]) -> pl.Trainer:
     if cfg.get("slow_copy"):
         _slow_copies(cfg["slow_copy"])
     io_args = {"save": ("overlapped" if cfg.get("overlap_copy") else "async") if cfg.get("async") else "sync"}
+    io_args.update(cfg.get("io_args") or {})  # further SafetensorsCheckpointIO options (``dedupe``...)
     plugins: list = [SafetensorsCheckpointIO(**io_args)] if cfg.get("safetensors") else []
     if cfg.get("slurm_auto_requeue") is not None:
         plugins.append(SLURMEnvironment(auto_requeue=cfg["slurm_auto_requeue"]))

@@ -1,0 +1,1 @@
+"""Content-addressed saves (``SafetensorsCheckpointIO(dedupe=True)``): layout, refs, the save plan, live packs."""

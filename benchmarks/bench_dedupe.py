@@ -315,6 +315,79 @@ def fit(scenario: str, dedupe: bool, root: str, size: Size) -> Dict[str, Any]:
     }
 
 
+# ---- where a full fine-tune's save goes (``--breakdown``) --------------------------------------------
+
+
+def breakdown(root: str, size: Size, repeats: int) -> Dict[str, List[float]]:
+    """Seconds of one save of the full fine-tune's state (every tensor changed since the save before), outside
+    a fit, interleaved ``repeats`` times: today's save, a dedupe save predicted changed (written while hashed,
+    the steady state), and its parts on the same bytes: the hash pass alone (``integrity.digest`` per tensor,
+    one thread), a raw write through the page cache (``os.pwrite``) and the ``fsync`` after it."""
+    from lightning_resume.format import integrity
+
+    module = Llama(size, lora=False)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    module.training_step(next(iter(module.train_dataloader())), 0).backward()
+    optimizer.step()
+    checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()], "global_step": 1}
+    tensors = [t for t in [*checkpoint["state_dict"].values(), *_moments(optimizer)] if t.numel() > 1]
+    today, deduped = SafetensorsCheckpointIO(), SafetensorsCheckpointIO(dedupe=True)
+    for k in range(2):  # the third dedupe save on predicts "changed": written while hashed
+        _change(tensors)
+        deduped.save_checkpoint(checkpoint, os.path.join(root, f"warm{k}.ckpt"))
+    out: Dict[str, List[float]] = {}
+    parts = {
+        "today's save (dedupe=False)": lambda i: today.save_checkpoint(checkpoint, os.path.join(root, f"t{i}.ckpt")),
+        "dedupe=True save, every tensor changed": lambda i: deduped.save_checkpoint(checkpoint, os.path.join(root, f"d{i}.ckpt")),
+        "hash pass alone (xxh3-128, one thread)": lambda i: [integrity.digest("xxh3-128", _bytes(t)) for t in tensors],
+        "raw pwrite + fsync": lambda i: _raw_write(os.path.join(root, f"raw{i}"), tensors, out),
+    }  # fmt: skip
+    for i in range(repeats):
+        for name, run in list(parts.items())[i % len(parts) :] + list(parts.items())[: i % len(parts)]:
+            _change(tensors)
+            os.sync()
+            t0 = time.perf_counter()
+            run(i)
+            out.setdefault(name, []).append(time.perf_counter() - t0)
+        for name in os.listdir(root):
+            if name.endswith(".ckpt") or name.startswith("raw"):
+                os.remove(os.path.join(root, name))
+    return {name: out[name] for name in [*parts, FSYNC]}
+
+
+FSYNC = "  of which fsync"
+
+
+def _moments(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def _change(tensors: List[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t in tensors:
+            t.add_(1e-3)
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().flatten().view(torch.uint8).numpy())
+
+
+def _raw_write(path: str, tensors: List[torch.Tensor], out: Dict[str, List[float]]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        offset = 0
+        for t in tensors:
+            view = _bytes(t)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        t0 = time.perf_counter()
+        os.fsync(fd)
+        out.setdefault(FSYNC, []).append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
 # ---- the run -----------------------------------------------------------------------------------------
 
 
@@ -410,12 +483,25 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--only", default=None, choices=SCENARIOS)
     p.add_argument("--quick", action="store_true", help="a tiny run of every scenario (its figures mean nothing)")
+    p.add_argument("--breakdown", action="store_true", help="where a full fine-tune's save goes, outside a fit")
     p.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     size = QUICK if a.quick else Size()
     if a.child is not None:
         scenario, plugin, root = a.child
         print("RESULT " + json.dumps(fit(scenario, PLUGINS[plugin], root, size)))
+        return
+    if a.breakdown:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+            loads = [os.getloadavg()]
+            got = breakdown(tmp, size, max(a.repeats, 3))
+            loads.append(os.getloadavg())
+        print(
+            f"load average (1 min) {loads[0][0]:.2f}-{loads[1][0]:.2f}; seconds per save of the full fine-tune's state"
+        )
+        print("| part | seconds (median, range) | repeats |\n|---|---:|---:|")
+        for name, v in got.items():
+            print(f"| {name} | {_med(v)} | {len(v)} |")
         return
     scenarios = [a.only] if a.only else list(SCENARIOS)
     got: Dict[str, Dict[str, List[Dict[str, Any]]]] = {s: {p: [] for p in PLUGINS} for s in scenarios}

@@ -4,7 +4,7 @@
 back from the checkpoint it resumed from), what each tensor's previous save found (``cas.plan.Seen``), and which
 keys the packs referenced by the newest checkpoint it wrote or loaded hold. :func:`commit_deduped` applies the plan
 of ``cas.plan``: a tensor hashed first whose key is held (in a pack that still exists) is referenced; every other
-large tensor goes into the new pack (``format.write_pack``), committed before the checkpoint file that references it
+large tensor goes into the new pack (``cas.write_pack``), committed before the checkpoint file that references it
 (``format.write.commit`` with ``refs``). While the save runs, the packs it wrote or will reference are held in
 ``cas.live`` so a collection never removes them. A kill at any moment leaves the previous checkpoint and every pack
 it references as they were: a pack is only ever added (or replaced by one of the same name, hence the same blocks).
@@ -19,9 +19,9 @@ from typing import Callable, Dict, Optional
 import torch
 
 from lightning_resume.cas import live, plan
+from lightning_resume.cas.write_pack import Block, commit_pack
 from lightning_resume.format import framing, integrity, write
 from lightning_resume.format.packs import Ref, Refs, blocks_dir, pack_path
-from lightning_resume.format.write_pack import Block, commit_pack
 from lightning_resume.storage import files as storage
 from lightning_resume.storage import multipart
 

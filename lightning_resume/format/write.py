@@ -171,18 +171,18 @@ def _write_hashing_during_flush(
     placeholder = header(defaultdict(lambda: blank))
     fd = f.fileno()
     try:
-        writeback = _Writeback(fd, len(placeholder))
+        writeback = Writeback(fd, len(placeholder))
         offset = len(placeholder)
         for e, view in zip(data.entries, data.views, strict=True):
             data.wait(e.name)
-            offset = _pwrite_all(fd, view, offset)
+            offset = pwrite_all(fd, view, offset)
             writeback.written(offset)
     finally:
         hasher.join()  # on a write error too: the hasher reads memory the caller may reuse once we return
     final = header(hasher.result())
     if len(final) != len(placeholder):
         raise RuntimeError("internal error: header length changed between placeholder and final header")
-    _pwrite_all(fd, memoryview(final), 0)
+    pwrite_all(fd, memoryview(final), 0)
 
 
 DIRECT_CHUNK = 32 << 20
@@ -242,7 +242,7 @@ def _write_image(fd: int, start: int, data: _Data, image: memoryview) -> int:
     for a in range(0, size, DIRECT_CHUNK):
         b = min(a + DIRECT_CHUNK, size)
         data.wait(ends[bisect.bisect_left(ends, (b, ""))][1])  # the tensor holding byte b-1, and all before it
-        _pwrite_all(fd, image[a : -(-b // BLOCK) * BLOCK], start + a)
+        pwrite_all(fd, image[a : -(-b // BLOCK) * BLOCK], start + a)
     return size
 
 
@@ -251,7 +251,7 @@ def _pwrite_direct(fd: int, payload: bytes, offset: int, probe: bool = False) ->
     buf = mmap_module.mmap(-1, len(payload))  # freed with its last view (closing it here could fail on one)
     buf[:] = payload
     try:
-        _pwrite_all(fd, memoryview(buf), offset)
+        pwrite_all(fd, memoryview(buf), offset)
     except OSError as err:
         if probe and err.errno == errno.EINVAL:
             return False
@@ -259,7 +259,7 @@ def _pwrite_direct(fd: int, payload: bytes, offset: int, probe: bool = False) ->
     return True
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
+def pwrite_all(fd: int, view: memoryview, offset: int) -> int:
     """Write all of ``view`` at ``offset`` in chunks (short writes retried); the offset after it."""
     done, n = 0, len(view)
     while done < n:
@@ -274,7 +274,7 @@ WRITEBACK_EVERY = 32 << 20
 """Bytes written between two requests to start writeback (``sync_file_range``)."""
 
 
-class _Writeback:
+class Writeback:
     """Pace a page-cache write: start writeback of each ``WRITEBACK_EVERY`` stretch as soon as it is
     written, and wait for the stretch before it to reach the disk before writing on.
 

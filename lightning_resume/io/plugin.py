@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import resolve_last_through_callbacks
+from lightning_resume.cas.layout import BLOCKS
 from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
@@ -390,17 +391,20 @@ class SafetensorsCheckpointIO(CheckpointIO):
         return done
 
     def _clean_before_save(self, path: str) -> None:
-        """Remove the temporaries interrupted saves left next to ``path``: at the first save into its directory
-        all that ``clean_stale_temporaries`` judges stale; at every later local one, this host's of dead pids (a
-        save killed since, e.g. another trainer's on the same directory: one directory listing)."""
+        """Remove the temporaries interrupted saves left next to ``path`` (with ``dedupe``, in its ``blocks/`` too):
+        at the first save into its directory all that ``clean_stale_temporaries`` judges stale; at every later
+        local one, this host's of dead pids (a save killed since, e.g. another trainer's on the same directory:
+        one directory listing)."""
         directory = self._directories.get(storage.split(path)[0]) or self._directory_of(path)
-        if directory not in self._cleaned:
-            self._cleaned.add(directory)
-            removed = clean_stale_temporaries(directory)
-        elif is_local(directory):
-            removed = clean_stale_temporaries(directory, owned_only=True)
-        else:
-            removed = []  # a remote listing per save costs a request; the first save's cleanup covers a restart
+        first = directory not in self._cleaned
+        self._cleaned.add(directory)
+        removed = []
+        for where in [directory, storage.join(directory, BLOCKS)] if self.dedupe else [directory]:
+            if first:
+                removed += clean_stale_temporaries(where)
+            elif is_local(where):
+                removed += clean_stale_temporaries(where, owned_only=True)
+            # else: a remote listing per save costs a request; the first save's cleanup covers a restart
         for name in removed:
             log.info("removed stale temporary %s left by an interrupted save", name)
 

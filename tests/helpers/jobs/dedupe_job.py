@@ -2,6 +2,7 @@
 backbone is written in Lightning (``requires_grad_(False)`` on the backbone, the optimizer over the rest): the
 frozen weight (1 MiB) never changes, the head and its AdamW moments change at every step. With
 ``io_args: {"dedupe": true}`` each save after the first writes only the head and its moments.
+``pause_in_save: N``: the N-th save blocks between its pack and its checkpoint file (``<out>/paused`` then exists).
 Usage: python dedupe_job.py CONFIG.json (the trainee's config).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from torch import nn
@@ -30,8 +32,28 @@ class FrozenBackbone(Model):
         self.net[0].requires_grad_(False)
 
 
+def _pause_in_save(out: Path, nth: int) -> None:
+    """At the ``nth`` save, block once its pack is committed and before its checkpoint file is written (the
+    checkpoint file's commit, ``format.write.commit``, as ``cas.save`` calls it), so the test kills it there."""
+    from lightning_resume.format import write
+
+    commit, seen = write.commit, [0]
+
+    def pausing(path, *args, **kwargs):
+        seen[0] += 1
+        if seen[0] == nth:
+            (out / "paused").write_text(str(path))
+            while True:
+                time.sleep(1)
+        return commit(path, *args, **kwargs)
+
+    write.commit = pausing
+
+
 def main(cfg: dict) -> None:
     trainee.Model = FrozenBackbone  # the trainee's run, with this model
+    if cfg.get("pause_in_save"):
+        _pause_in_save(Path(cfg["out"]), cfg["pause_in_save"])
     trainee.main(cfg)
 
 

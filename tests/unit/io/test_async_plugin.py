@@ -50,14 +50,14 @@ class SlowIO(SafetensorsCheckpointIO):
 
 def _disk_full(monkeypatch, after_bytes=100):
     """The next commits write some bytes, then fail as a full disk does (direct and page-cache writes alike)."""
-    real = write._pwrite_all
+    real = write.pwrite_all
 
     def full(fd, view, offset):
         os.pwrite(fd, b"x" * after_bytes, offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(write, "_pwrite_all", full)
-    return lambda: monkeypatch.setattr(write, "_pwrite_all", real)
+    monkeypatch.setattr(write, "pwrite_all", full)
+    return lambda: monkeypatch.setattr(write, "pwrite_all", real)
 
 
 def _model_and_optimizer():
@@ -391,7 +391,7 @@ def test_async_files_are_standard_safetensors_with_or_without_direct_io(tmp_path
 def test_a_filesystem_that_refuses_the_first_direct_write_gets_a_page_cache_write(tmp_path, monkeypatch):
     import errno
 
-    real, calls = write._pwrite_all, []
+    real, calls = write.pwrite_all, []
 
     def refuse_first(fd, view, offset):
         calls.append(offset)
@@ -399,7 +399,7 @@ def test_a_filesystem_that_refuses_the_first_direct_write_gets_a_page_cache_writ
             raise OSError(errno.EINVAL, "Invalid argument")  # what O_DIRECT gets where it is not supported
         return real(fd, view, offset)
 
-    monkeypatch.setattr(write, "_pwrite_all", refuse_first)
+    monkeypatch.setattr(write, "pwrite_all", refuse_first)
     model, opt = _model_and_optimizer()
     checkpoint = _checkpoint(model, opt, 1)
     io = SafetensorsCheckpointIO(save="async")

@@ -19,7 +19,7 @@ from typing import BinaryIO, Callable, Dict, List, Optional
 from lightning_resume.format import framing, integrity, packs
 from lightning_resume.format.atomic import atomic_upload, atomic_write_named
 from lightning_resume.format.framing import FORMAT_KEY, FORMAT_VALUE, INTEGRITY_KEY
-from lightning_resume.format.write import _pwrite_all, _Writeback
+from lightning_resume.format.write import Writeback, pwrite_all
 from lightning_resume.storage import files as storage
 from lightning_resume.storage import multipart
 from lightning_resume.threads import Background
@@ -111,11 +111,11 @@ def _write_local(
     hasher = Background(lambda: _hashed(algorithm, unknown, ready))
     fd = f.fileno()
     try:
-        writeback = _Writeback(fd, len(placeholder))
+        writeback = Writeback(fd, len(placeholder))
         offset = len(placeholder)
         for b in blocks:
             ready(b.name)
-            offset = _pwrite_all(fd, b.view, offset)
+            offset = pwrite_all(fd, b.view, offset)
             writeback.written(offset)
     finally:
         hasher.join()
@@ -128,7 +128,7 @@ def _write_local(
     final = _header(algorithm, lineage, names, blocks)
     if len(final) != len(placeholder):
         raise RuntimeError("internal error: pack header length changed between placeholder and final header")
-    _pwrite_all(fd, memoryview(final), 0)
+    pwrite_all(fd, memoryview(final), 0)
     return packs.pack_name(algorithm, names) + packs.PACK_SUFFIX
 
 
@@ -149,9 +149,9 @@ def _write_known(
         return
 
     def write(f: BinaryIO) -> str:
-        offset = _pwrite_all(f.fileno(), memoryview(header), 0)
+        offset = pwrite_all(f.fileno(), memoryview(header), 0)
         for b in blocks:
-            offset = _pwrite_all(f.fileno(), b.view, offset)
+            offset = pwrite_all(f.fileno(), b.view, offset)
         return name + packs.PACK_SUFFIX
 
     atomic_write_named(storage.local_path(directory), write)

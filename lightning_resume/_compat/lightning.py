@@ -627,6 +627,20 @@ def hpc_save_path(trainer: pl.Trainer) -> str:
     return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
 
 
+def saves_directories(strategy: Strategy) -> bool:
+    """Whether ``strategy`` writes each checkpoint itself as a directory of shards, not through its
+    ``CheckpointIO``: ``FSDPStrategy(state_dict_type="sharded")`` (fsdp.py:194, :563-566),
+    ``ModelParallelStrategy(save_distributed_checkpoint=True)`` (model_parallel.py:94, :312-316), and
+    ``DeepSpeedStrategy`` (deepspeed.py:669, its engine's own directory)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy):
+        return True
+    if isinstance(strategy, FSDPStrategy):
+        return bool(strategy._state_dict_type == "sharded")
+    return isinstance(strategy, ModelParallelStrategy) and bool(strategy._save_distributed_checkpoint)
+
+
 def combined_mode(trainer: pl.Trainer) -> Optional[str]:
     """The ``CombinedLoader`` mode of the train loaders (``"max_size_cycle"``, ``"max_size"``, ``"min_size"``,
     ``"sequential"``), or ``None`` before they are set up (fit_loop.py:239-251, combined_loader.py:289)."""

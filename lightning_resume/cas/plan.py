@@ -6,7 +6,8 @@ is hashed**, as a save without dedupe writes it, so a full fine-tune (every tens
 pass over its bytes. The prediction is what this process saw: unchanged at its previous save (its key was the key
 before), or, before any comparison was possible (the first saves of a process), unchanged when it was carried over
 by the checkpoint the run resumed from (referenced from a pack that save did not write) or, at the second save of a
-fresh run, not yet known to change. No filesystem, no clock, no tensors here: ``cas.save`` applies the plan.
+fresh run, not yet known to change; and every tensor when the previous save was at the same training step (a
+``last.ckpt`` saved beside another file of that step). No filesystem, no clock, no tensors here: ``cas.save`` applies the plan.
 """
 
 from __future__ import annotations
@@ -40,25 +41,32 @@ class Plan:
     write: List[str]
 
 
-def predict(nbytes: int, seen: Optional[Seen]) -> Action:
-    """The action for one tensor of ``nbytes`` with the history ``seen`` (``None``: never saved by this lineage)."""
+def predict(nbytes: int, seen: Optional[Seen], same_step: bool = False) -> Action:
+    """The action for one tensor of ``nbytes`` with the history ``seen`` (``None``: never saved by this lineage).
+    ``same_step``: the previous save was at this training step (``ModelCheckpoint``'s ``last.ckpt`` beside its
+    other file, a snapshot beside a save), so nothing is predicted to have changed since."""
     if nbytes < MIN_BLOCK_BYTES:
         return Action.INLINE
-    if seen is None or seen.unchanged is False:
+    if seen is None or (seen.unchanged is False and not same_step):
         return Action.WRITE
     return Action.HASH_FIRST
 
 
-def plan(sizes: Mapping[str, int], seen: Mapping[str, Seen]) -> Plan:
-    """The plan of a save of tensors with ``sizes`` (name -> bytes, in file order), given what was ``seen``."""
+def plan(sizes: Mapping[str, int], seen: Mapping[str, Seen], same_step: bool = False) -> Plan:
+    """The plan of a save of tensors with ``sizes`` (name -> bytes, in file order), given what was ``seen``
+    (``same_step``: see :func:`predict`)."""
     out: Dict[Action, List[str]] = {a: [] for a in Action}
     for name, nbytes in sizes.items():
-        out[predict(nbytes, seen.get(name))].append(name)
+        out[predict(nbytes, seen.get(name), same_step)].append(name)
     return Plan(out[Action.INLINE], out[Action.HASH_FIRST], out[Action.WRITE])
 
 
-def after_save(seen: Mapping[str, Seen], keys: Mapping[str, str]) -> Dict[str, Seen]:
-    """What the next save predicts from, once a save found ``keys`` (name -> key of each referenced tensor)."""
+def after_save(seen: Mapping[str, Seen], keys: Mapping[str, str], same_step: bool = False) -> Dict[str, Seen]:
+    """What the next save predicts from, once a save found ``keys`` (name -> key of each referenced tensor). A save
+    at the step of the one before it (``same_step``) learns nothing about change: the history it had stays."""
+    if same_step:
+        return {name: seen[name] if name in seen and seen[name].key == key else Seen(key, None)
+                for name, key in keys.items()}  # fmt: skip
     return {name: Seen(key, None if name not in seen else seen[name].key == key) for name, key in keys.items()}
 
 

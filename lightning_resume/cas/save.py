@@ -35,6 +35,8 @@ class Lineage:
     held: Dict[str, str] = field(default_factory=dict)
     """key -> pack name, in ``directory``: the refs of the newest checkpoint written or loaded there."""
     directory: str = ""
+    step: Optional[int] = None
+    """The training step of the previous save (``None``: unknown)."""
 
     def adopt(self, path: str, refs: Refs) -> None:
         """Continue the lineage of the checkpoint ``path`` just loaded (a resume), if it has refs."""
@@ -52,13 +54,16 @@ def commit_deduped(
     ready: Optional[Callable[[str], None]] = None,
     mode: int = 0o666,
     upload: multipart.UploadOptions = multipart.DEFAULT_UPLOAD,
+    step: Optional[int] = None,
 ) -> Refs:
     """Commit the encoded checkpoint (``write.encode_tree``) at ``path`` as a dedupe save; the refs it wrote.
-    ``ready(name)`` blocks until ``tensors[name]`` holds its bytes (an async snapshot)."""
+    ``ready(name)`` blocks until ``tensors[name]`` holds its bytes (an async snapshot). ``step``: the training step
+    saved (its ``global_step``), for the plan (``cas.plan.predict``'s ``same_step``)."""
     wait = ready if ready is not None else (lambda name: None)
     state.lineage = state.lineage or uuid.uuid4().hex
     views = {name: framing.host_bytes(t) for name, t in tensors.items()}
-    chosen = plan.plan({name: len(v) for name, v in views.items()}, state.seen)
+    same_step = step is not None and step == state.step
+    chosen = plan.plan({name: len(v) for name, v in views.items()}, state.seen, same_step)
     first = {}
     for name in chosen.hash_first:
         wait(name)
@@ -78,7 +83,8 @@ def commit_deduped(
         refs = Refs(state.lineage, referenced, wrote)
         inline = {name: tensors[name] for name in chosen.inline}
         write.commit(path, tree_json, inline, algorithm, ready=ready, mode=mode, upload=upload, refs=refs)
-    state.seen = plan.after_save(state.seen, {name: r.key for name, r in referenced.items()})
+    state.seen = plan.after_save(state.seen, {name: r.key for name, r in referenced.items()}, same_step)
+    state.step = step
     state.held, state.directory = {r.key: r.pack for r in referenced.values()}, blocks_dir(path)
     return refs
 

@@ -31,7 +31,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_resume._compat import check_versions
-from lightning_resume._compat.lightning import resolve_last_through_callbacks
+from lightning_resume._compat.lightning import resolve_last_through_callbacks, saves_directories
+from lightning_resume.cas.gc import cleanup, remove_and_collect
 from lightning_resume.cas.layout import BLOCKS
 from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
@@ -157,6 +158,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self.save, self.writer, self.on_error, self.remote = save, writer, on_error, remote
         self.load_in_place, self.dedupe = load_in_place, dedupe
         self._lineage = Lineage()  # what this run's dedupe saves carry between them (``cas.save``)
+        self._steps: Dict[str, Optional[int]] = {}  # a dedupe save in flight -> the step it saved
         self._upload = remote.upload
         self._into: Optional[weakref.ReferenceType[torch.nn.Module]] = None  # the module the next load fills
         self._in_place: Dict[str, Tuple[str, str]] = {}  # of the latest load: weights read in place
@@ -186,11 +188,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
         self._clean_before_save(path)
         if self._saver is None and self.dedupe:
             tree_json, tensors = write.encode_tree(checkpoint)  # fails on an unencodable value before any file exists
-            commit_deduped(path, tree_json, tensors, self.checksum, self._lineage, upload=self._upload)
+            step = _step(checkpoint)
+            commit_deduped(path, tree_json, tensors, self.checksum, self._lineage, upload=self._upload, step=step)
             return
         if self._saver is None:
             write.save_file(checkpoint, path, algorithm=self.checksum, upload=self._upload)
             return
+        if self.dedupe:
+            self._steps[path] = _step(checkpoint)  # for the plan of its commit on the worker
         self._saver.save(checkpoint, path)
         if self.save == "sync":  # the writer process writes it; the save returns once it is durable
             self._saver.wait(path, on_error="raise")
@@ -200,9 +205,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
         ``writer="process"`` the writer process writes and this returns once it has committed. A subclass
         extends it to act around each commit."""
         if self.dedupe:
-            commit_deduped(
-                path, tree_json, staged, self.checksum, self._lineage, ready=staged.wait, upload=self._upload
-            )
+            step = self._steps.pop(path, None)
+            commit_deduped(path, tree_json, staged, self.checksum, self._lineage, staged.wait, upload=self._upload,
+                           step=step)  # fmt: skip
             return
         commit_staged(path, tree_json, staged, self.checksum, upload=self._upload)
 
@@ -322,11 +327,20 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete ``path``; with a background save, queued after every write submitted before it."""
+        """Delete ``path``; with a background save, queued after every write submitted before it. With ``dedupe``,
+        then the packs of its lineage that no checkpoint references any more (``cas.gc``)."""
+        path = str(path)
+
+        def remove() -> None:
+            if self.dedupe:
+                remove_and_collect(path)
+            else:
+                storage.remove(path)
+
         if self._saver is not None and self.save != "sync":
-            self._saver.remove(str(path), lambda: storage.remove(str(path)))
+            self._saver.remove(path, remove)
         else:
-            storage.remove(str(path))
+            remove()
 
     def verify_checkpoint(self, path: str) -> None:
         """Return if ``path`` verifies; raise ``CheckpointCorruptError`` (or ``UnsafeCheckpointError``) if not."""
@@ -367,13 +381,17 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
         Inside an exception handler (Lightning tears down on exceptions and ``KeyboardInterrupt``) the
         wait is bounded by ``flush_timeout`` and failures are warned, never raised over the original error.
+        With ``dedupe``, a teardown that ends normally then collects the run's unreferenced packs (``cas.gc``) in the
+        directories it saved to: those of saves killed before their checkpoint file, left by an earlier process.
         """
-        if self._saver is None:
-            return
-        if sys.exc_info()[1] is not None:
+        failing = sys.exc_info()[1] is not None
+        if self._saver is not None and failing:
             self._flush(self.flush_timeout)
             return
-        self._saver.close()
+        if self._saver is not None:
+            self._saver.close()
+        if self.dedupe and not failing:  # packs of saves killed before their checkpoint, in the directories saved to
+            cleanup(self._cleaned, self._lineage.lineage)
 
     def _flush(self, timeout: Optional[float] = None) -> bool:
         """Wait at most ``timeout`` for pending writes and warn (never raise) about failures or a timeout."""
@@ -392,9 +410,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     def _clean_before_save(self, path: str) -> None:
         """Remove the temporaries interrupted saves left next to ``path`` (with ``dedupe``, in its ``blocks/`` too):
-        at the first save into its directory all that ``clean_stale_temporaries`` judges stale; at every later
-        local one, this host's of dead pids (a save killed since, e.g. another trainer's on the same directory:
-        one directory listing)."""
+        at the first save into its directory all that ``clean_stale_temporaries`` judges stale (with ``dedupe``,
+        and the run's unreferenced packs: ``cas.gc.cleanup``); at every later local one, this host's of dead pids
+        (a save killed since, e.g. another trainer's on the same directory: one directory listing)."""
         directory = self._directories.get(storage.split(path)[0]) or self._directory_of(path)
         first = directory not in self._cleaned
         self._cleaned.add(directory)
@@ -405,6 +423,8 @@ class SafetensorsCheckpointIO(CheckpointIO):
             elif is_local(where):
                 removed += clean_stale_temporaries(where, owned_only=True)
             # else: a remote listing per save costs a request; the first save's cleanup covers a restart
+        if first and self.dedupe:  # a resumed run: the packs a killed run of its lineage left unreferenced there
+            cleanup([directory], self._lineage.lineage, temporaries=False)
         for name in removed:
             log.info("removed stale temporary %s left by an interrupted save", name)
 
@@ -416,6 +436,12 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if "://" in parent or os.path.isabs(parent):
             self._directories[parent] = directory
         return directory
+
+
+def _step(checkpoint: Dict[str, Any]) -> Optional[int]:
+    """The training step a checkpoint holds (Lightning's ``global_step``), ``None`` if it has none."""
+    step = checkpoint.get("global_step")
+    return step if type(step) is int else None
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[SafetensorsCheckpointIO]) -> None:
@@ -448,7 +474,9 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
     """At the start of ``fit``, with a ``SafetensorsCheckpointIO``: raise ``UnencodableValueError`` now for the
     hyper-parameters (of ``module`` and the datamodule) every save would refuse (``format.hparams``), naming them
     all with ``save_hyperparameters(ignore=[...])``, instead of at the first save. A module that overrides
-    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides."""
+    ``on_save_checkpoint`` may take them out of the checkpoint itself: its first save decides. Also refuses
+    ``dedupe=True`` under a strategy that saves directories (``refuse_dedupe_with_directory_saves``)."""
+    refuse_dedupe_with_directory_saves(trainer)
     if _safetensors_io(trainer) is None or is_overridden("on_save_checkpoint", module):
         return
     tree = {}
@@ -457,6 +485,22 @@ def refuse_unencodable_hparams(trainer: Any, module: Any) -> None:
         if isinstance(values, dict) and values:  # an OmegaConf container: its first save decides
             tree[key] = dict(values)
     hparams.refuse_unencodable(tree)
+
+
+def refuse_dedupe_with_directory_saves(trainer: Any) -> None:
+    """``ConfigurationError`` at the start of ``fit`` for ``SafetensorsCheckpointIO(dedupe=True)`` under a strategy
+    that writes each checkpoint as a directory itself (FSDP's sharded state dicts, ``ModelParallelStrategy``'s
+    distributed checkpoints, DeepSpeed): those saves never reach the plugin, so nothing would be deduped."""
+    io = _safetensors_io(trainer)
+    if io is not None and io.dedupe and saves_directories(trainer.strategy):
+        raise ConfigurationError(
+            "SafetensorsCheckpointIO",
+            [
+                f"dedupe=True is not supported under {type(trainer.strategy).__name__}, which saves each checkpoint"
+                " as a directory of shards itself (the plugin never sees those saves); use dedupe=False, or a"
+                " strategy that saves one file (e.g. FSDPStrategy(state_dict_type='full'))"
+            ],
+        )
 
 
 def _safetensors_io(trainer: Any) -> Optional[SafetensorsCheckpointIO]:

@@ -7,7 +7,9 @@
   the marker lists (each ``.distcp`` shard, DCP's ``.metadata``, the non-sharded ``meta.safetensors``),
   each a regular file, and every storage reference of DCP's ``.metadata`` inside those files;
 - a safetensors file: every tensor's checksum, the data-section and tree digests, and the whole tree decodes,
-  all from plain reads (never a memory map, so a file truncated meanwhile is an error, not a SIGBUS);
+  all from plain reads (never a memory map, so a file truncated meanwhile is an error, not a SIGBUS); a dedupe
+  file (one with references, docs/safetensors-io.md) has each referenced block read from its pack and hashed
+  the same way (``format.referenced``; errors name the checkpoint, tensor, pack and key);
 - a ``torch.save`` zip: the CRC-32 of every record, then a weights-only load (no code runs; an intact file
   that needs pickled objects raises ``PickledCheckpointError`` naming them), or with ``weights_only=False``
   (the user's ``fit(..., weights_only=False)``, the CLI's ``--no-weights-only``) a full unpickle, as the load
@@ -24,6 +26,7 @@ from __future__ import annotations
 import zipfile
 from typing import Any, Callable, Optional
 
+from lightning_resume.cas.check import check_packs
 from lightning_resume.errors import CheckpointCorruptError, LightningResumeError
 from lightning_resume.format.legacy import is_zip, load_legacy, unsafe_globals
 from lightning_resume.format.read import check_regular_file, is_safetensors, load_file, read_summary, verify_local
@@ -59,12 +62,14 @@ def verify(path: str, checkpoint_io: Any = None, digests: bool = True, weights_o
 def precheck(path: str, weights_only: bool = True) -> None:
     """The part of :func:`verify` a load that hashes every byte does not repeat: for a file of our format, its
     header, integrity record and tree digest, from the header alone (``read.read_summary``); anything else
-    (a ``torch.save`` file, a sharded directory) is verified in full. "Last" resolution checks candidates
+    (a ``torch.save`` file, a sharded directory) is verified in full. A dedupe file's packs are checked from their
+    headers too: each exists and lists each referenced block, so a missing pack passes a candidate over before
+    any load (``cas.check.check_packs``). "Last" resolution checks candidates
     this way when the plugin loading the winner verifies as it reads, so a resume reads each byte once."""
     path = str(path)
     check_regular_file(path)
     if not storage.is_dir(path) and is_safetensors(path):
-        read_summary(path)
+        check_packs(path, read_summary(path).refs, entries=True)  # a dedupe file: each block listed in its pack
     else:
         verify(path, weights_only=weights_only)
 
@@ -72,13 +77,14 @@ def precheck(path: str, weights_only: bool = True) -> None:
 def header_only(path: str, weights_only: bool = True) -> None:
     """What "last" resolution checks of a candidate while a memory tier may supply the resume: the part the
     memory tier reads (the run id and step), nothing more. A file of our format: its header, integrity record
-    and tree digest (``read.read_summary``); a local ``torch.save`` file: its pickle, with the tensors mapped,
+    and tree digest (``read.read_summary``), and for a dedupe file that its references parse and each pack
+    exists; a local ``torch.save`` file: its pickle, with the tensors mapped,
     not read; anything else is verified in full. The full check follows, before any load, when the memory tier
     does not supply the resume (``retention.last.confirm_last``)."""
     path = str(path)
     check_regular_file(path)
     if not storage.is_dir(path) and is_safetensors(path):
-        read_summary(path)
+        check_packs(path, read_summary(path).refs)  # a dedupe file: each pack it references exists
     elif not storage.is_dir(path) and is_local(path) and is_zip(path, local_path(path)):
         load_legacy(path, local_path(path), mmap=True, weights_only=weights_only)
     else:

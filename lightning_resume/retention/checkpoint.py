@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_resume import collective
 from lightning_resume._compat import check_versions
 from lightning_resume._compat import lightning as lc
+from lightning_resume.cas.gc import lineage_of
 from lightning_resume.errors import (
     ConfigurationError,
     RetentionWarning,
@@ -328,7 +329,8 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
 
     def _flush_mirror(self, trainer: pl.Trainer) -> None:
         """At the end of training: wait (at most ``MIRROR_FLUSH_S``) for the uploads, count them and prune both
-        tiers, then wait for the mirror's deletions. A local copy the mirror lacks stays, named in a warning;
+        tiers, collect the mirror's unreferenced packs of a dedupe run's lineage, then wait for the mirror's
+        deletions. A local copy the mirror lacks stays, named in a warning;
         the next start with this ``dirpath`` uploads it."""
         mirror = cast(MirrorUploader, self._mirror)
         if trainer.is_global_zero:
@@ -336,6 +338,10 @@ class RetentionCheckpoint(lc.ModelCheckpointExtension):
         self._apply_retention(trainer)
         if not trainer.is_global_zero:
             return
+        newest = max((r for r in self._records.values() if r.verified), key=lambda r: r.recency, default=None)
+        lineage = None if newest is None else lineage_of(newest.path)  # a dedupe run's, from its own newest file
+        if lineage:
+            mirror.collect(lineage)
         mirror.wait(timeout=MIRROR_FLUSH_S)
         on_mirror = self._on_mirror()
         missing = sorted(

@@ -11,6 +11,12 @@ warns, naming it) and tried again when :class:`tiers.UploadRetry` says so, never
 mid-upload leaves no object under the final name (at worst an incomplete multi-part upload, which
 ``format.atomic.clean_stale_temporaries`` aborts later); its next start uploads again what the mirror lacks.
 
+A dedupe checkpoint (one with references, docs/safetensors-io.md) is uploaded as :func:`copy_checkpoint` does:
+first each pack it references that the mirror lacks (under ``blocks/``, the same name), then the checkpoint file,
+so the mirror never holds a checkpoint whose packs it lacks. A deletion in the mirror then collects the mirror's
+packs no checkpoint there references any more (``cas.gc.remove_and_collect``), on the same queue: an upload
+queued after it checks for its packs when it runs, and uploads again one the collection removed.
+
 Knows files (through ``storage`` and ``format.atomic``) and threads; decides nothing about what to keep
 (``tiers``) and knows nothing of Lightning.
 """
@@ -24,7 +30,11 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional
 
 from lightning_resume._compat.botocore import isolate_retry_jitter
+from lightning_resume.cas.gc import collect_quietly, remove_and_collect
+from lightning_resume.cas.layout import pack_path
+from lightning_resume.cas.refs import packs_of
 from lightning_resume.format.atomic import atomic_write
+from lightning_resume.format.read import is_safetensors
 from lightning_resume.retention.tiers import UploadRetry
 from lightning_resume.storage import files as storage
 from lightning_resume.threads import Job, OrderedWriter
@@ -81,17 +91,28 @@ def copy_file(source: str, target: str) -> None:
         raise OSError(f"the copy at {target} has {landed} bytes where {source} has {expected}")
 
 
+def copy_checkpoint(source: str, target: str) -> None:
+    """Copy the checkpoint ``source`` to ``target`` (:func:`copy_file`), after the packs it references that the
+    target's directory lacks (or holds with another size: never a half object, but a pack of that name from
+    elsewhere). A file without references is copied alone."""
+    for name in sorted(packs_of(source) if is_safetensors(source) else ()):
+        here, there = pack_path(source, name), pack_path(target, name)
+        if storage.size(there) != storage.size(here):
+            copy_file(here, there)
+    copy_file(source, target)
+
+
 class MirrorUploader:
     """Uploads local checkpoints to ``directory`` on one background thread, in submission order.
 
-    ``transfer`` copies one file (``copy_file``; tests pass a slower or failing one); ``retry`` spaces the
+    ``transfer`` copies one checkpoint (``copy_checkpoint``; tests pass a slower or failing one); ``retry`` spaces the
     attempts of a failing upload; ``clock`` (``time.monotonic``) is what those spaces are measured on.
     """
 
     def __init__(
         self,
         directory: str,
-        transfer: Callable[[str, str], None] = copy_file,
+        transfer: Callable[[str, str], None] = copy_checkpoint,
         retry: Optional[UploadRetry] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -118,8 +139,22 @@ class MirrorUploader:
         return target
 
     def remove(self, target: str) -> None:
-        """Queue the deletion of the mirror's ``target``, after every upload queued before it."""
-        self._writer.submit(Job("remove", str(target), lambda: storage.remove(str(target))))
+        """Queue the deletion of the mirror's ``target``, after every upload queued before it; then the mirror's
+        packs of its lineage that no checkpoint there references any more are collected."""
+
+        def remove() -> None:
+            remove_and_collect(str(target))
+
+        self._writer.submit(Job("remove", str(target), remove))
+
+    def collect(self, lineage: str) -> None:
+        """Queue a collection of the mirror's packs of ``lineage`` that no checkpoint there references (those of an
+        upload killed between its packs and its file), after every job queued before it (``cas.gc``)."""
+
+        def run() -> None:
+            collect_quietly(self.directory, lineage, temporaries=False)
+
+        self._writer.submit(Job("collect", self.directory, run))
 
     def retry_due(self) -> list[str]:
         """Queue again each failed upload whose wait (``retry``) is over; the sources queued."""

@@ -1,4 +1,9 @@
-"""``lightning-resume consolidate``: a sharded (DCP) checkpoint directory -> one full checkpoint file.
+"""``lightning-resume consolidate``: a sharded (DCP) checkpoint directory, or a dedupe checkpoint (one that
+references blocks in ``blocks/``), -> one self-contained checkpoint file.
+
+A dedupe checkpoint: every tensor read from the file or its pack and checked against its digest, then written
+with the checkpoint's own tree text and no references (``cas.consolidate``): it loads bit for bit as the
+original, and can be copied anywhere alone. A sharded directory:
 
 Loads every shard in this one process (DCP reshards to full tensors; pickle-restricted reader, the
 directory's commit marker and digests verified first), adds the non-sharded part (loop counters,
@@ -15,8 +20,10 @@ from typing import Any, Dict
 
 import torch
 
+from lightning_resume.cas.consolidate import consolidate_file
 from lightning_resume.cli.render import iter_leaves
 from lightning_resume.format.write import save_file
+from lightning_resume.storage import files as storage
 
 
 def consolidate(directory: str, out: str) -> Dict[str, Any]:
@@ -31,17 +38,20 @@ def consolidate(directory: str, out: str) -> Dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = consolidate(args.sharded_dir, args.out)
-    print(f"{args.out}: {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB from {args.sharded_dir}")
+    if storage.is_dir(args.source):
+        summary = consolidate(args.source, args.out)
+    else:
+        summary = consolidate_file(args.source, args.out)
+    print(f"{args.out}: {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB from {args.source}")
     return 0
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "consolidate",
-        help="sharded (DCP) checkpoint directory -> one safetensors checkpoint",
+        help="sharded (DCP) checkpoint directory, or dedupe checkpoint -> one self-contained safetensors checkpoint",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("sharded_dir", help="a committed sharded checkpoint directory")
+    p.add_argument("source", help="a committed sharded checkpoint directory, or a dedupe checkpoint file")
     p.add_argument("out", help="output .safetensors file (readable by SafetensorsCheckpointIO)")
     p.set_defaults(func=run)

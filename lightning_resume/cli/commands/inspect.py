@@ -1,4 +1,5 @@
-"""``lightning-resume inspect FILE``: what a checkpoint holds, without the model that wrote it."""
+"""``lightning-resume inspect FILE``: what a checkpoint holds, without the model that wrote it; for a dedupe
+checkpoint also its own bytes and those it shares with the other checkpoints of its directory (``cas.usage``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 from typing import Any, Dict
 
+from lightning_resume.cas.usage import usage
 from lightning_resume.cli.commands.diff import require
 from lightning_resume.cli.render import describe
 from lightning_resume.exact.state.describe import describe_exact_state
@@ -25,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_file(require(args.file), verify=False, lenient=True, mmap=True)
     info = describe(args.file, loaded)
     callbacks = loaded.checkpoint.get("callbacks")
+    info["dedupe"] = usage(args.file) if loaded.header is not None else {}
     info["exact_resume"] = describe_exact_state(callbacks.get("ExactResume")) if isinstance(callbacks, dict) else None
     print(json.dumps(info, indent=2, default=str) if args.json else render(info))
     return 0
@@ -39,11 +42,25 @@ def render(info: Dict[str, Any]) -> str:
     ]
     for name, keys in info["callbacks"].items():
         lines.append(f"callback  {name}: {', '.join(keys) or '(empty)'}")
+    lines += _render_dedupe(info.get("dedupe") or {})
     lines += _render_exact(info.get("exact_resume"))
     lines.append("tensors by group:")
     for group, g in sorted(info["tensor_groups"].items()):
         lines.append(f"  {group:<24} {g['tensors']:>6} tensors {g['bytes']:>16,} bytes")
     return "\n".join(lines)
+
+
+def _render_dedupe(dedupe: Dict[str, Any]) -> list:
+    """Own vs shared bytes of a dedupe checkpoint (``cas.usage``); nothing for a self-contained file."""
+    if not dedupe:
+        return []
+    return [
+        f"dedupe:   lineage {dedupe['lineage']}: {dedupe['referenced_tensors']} tensors"
+        f" ({dedupe['referenced_bytes']:,} bytes) referenced in {len(dedupe['packs'])} pack(s)",
+        f"  own     {dedupe['own_bytes']:>16,} bytes (this file {dedupe['file_bytes']:,} + blocks no other"
+        " checkpoint here references: freed when it goes)",
+        f"  shared  {dedupe['shared_bytes']:>16,} bytes (blocks other checkpoints here reference too)",
+    ]
 
 
 def _render_exact(exact: Any) -> list:

@@ -2,7 +2,9 @@
 
 This module turns files into ``CheckpointRecord``s (step from the name, metric and anchor tags from the
 checkpoint's own ``ModelCheckpoint`` state when it loads with ``weights_only=True``) and prints the
-decisions of ``RetentionPolicy``, the same code ``RetentionCheckpoint`` runs. It holds no keep rule.
+decisions of ``RetentionPolicy``, the same code ``RetentionCheckpoint`` runs. It holds no keep rule. Then, as a run
+does after each removal, it collects the packs of dedupe checkpoints (``cas.gc.collect``) of each lineage the
+directory's checkpoints name: packs no checkpoint file references any more.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
+from lightning_resume.cas.gc import collect, lineage_of
 from lightning_resume.durations import parse_duration
 from lightning_resume.retention.policy import KeepDecision, RetentionPolicy
 from lightning_resume.retention.records import records_in
@@ -40,9 +44,13 @@ def run(args: argparse.Namespace) -> int:
     decisions = policy.decide(records_in(args.dir, args.monitor))
     _print(decisions, args.json)
     if not args.dry_run:
+        lineages = {lineage_of(d.record.path) for d in decisions}  # read before any file goes
         for decision in decisions:
             if not decision.keep:
                 _remove(decision.record.path)
+        for lineage in sorted(lin for lin in lineages if lin is not None):
+            for pack in collect(args.dir, lineage):
+                print(f"removed pack {pack}: no checkpoint references it", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

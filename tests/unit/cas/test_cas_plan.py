@@ -73,3 +73,11 @@ def test_after_resume_a_tensor_carried_over_is_unchanged_and_one_the_save_wrote_
     refs = Refs("ab" * 16, {"frozen": Ref("frozen", "F32", (1,), "k1", "old"), "head": Ref("head", "F32", (1,), "k2", "new")},
                 "new")  # fmt: skip
     assert plan.after_resume(refs) == {"frozen": Seen("k1", True), "head": Seen("k2", None)}
+
+
+def test_a_save_at_the_step_of_the_previous_one_hashes_everything_first_and_keeps_the_history():
+    seen = {"head": Seen("k2", False)}
+    assert plan.predict(BIG, seen["head"], same_step=True) is Action.HASH_FIRST
+    assert plan.predict(BIG, None, same_step=True) is Action.WRITE  # never saved: nothing can hold it
+    assert plan.after_save(seen, {"head": "k2"}, same_step=True) == seen  # the next step still predicts a change
+    assert plan.after_save(seen, {"head": "k3"}, same_step=True) == {"head": Seen("k3", None)}

@@ -234,3 +234,39 @@ def test_a_pack_temporary_of_a_killed_save_is_removed_by_the_next_save(tmp_path)
     stale.write_bytes(b"half a pack")
     _saved(tmp_path, steps=(1,))
     assert not stale.exists()
+
+
+def test_dedupe_under_a_strategy_that_saves_directories_is_refused_at_fit_start_naming_it():
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_resume.io.plugin import refuse_dedupe_with_directory_saves
+
+    sharded = pl.Trainer(strategy=ModelParallelStrategy(), plugins=[SafetensorsCheckpointIO(dedupe=True)],
+                         accelerator="cpu", devices=1, logger=False)  # fmt: skip
+    with pytest.raises(
+        ConfigurationError, match="dedupe=True is not supported under ModelParallelStrategy.*dedupe=False"
+    ):
+        refuse_dedupe_with_directory_saves(sharded)
+    plain = pl.Trainer(plugins=[SafetensorsCheckpointIO(dedupe=True)], accelerator="cpu", devices=1, logger=False)
+    refuse_dedupe_with_directory_saves(plain)  # one file per save: supported
+    full = pl.Trainer(strategy=ModelParallelStrategy(save_distributed_checkpoint=False),
+                      plugins=[SafetensorsCheckpointIO(dedupe=True)], accelerator="cpu", devices=1, logger=False)  # fmt: skip
+    refuse_dedupe_with_directory_saves(full)
+
+
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_a_second_save_at_the_same_step_writes_no_pack(tmp_path, save):
+    io = SafetensorsCheckpointIO(dedupe=True, save=save)
+    for name in (
+        "step=1.ckpt",
+        "step=2.ckpt",
+        "epoch=0-step=2.ckpt",
+        "last.ckpt",
+    ):  # as ModelCheckpoint(save_last=True)
+        io.save_checkpoint(_state(int(name[-6])) if name != "last.ckpt" else _state(2), str(tmp_path / name))
+    io.teardown()
+    assert read_refs(str(tmp_path / "epoch=0-step=2.ckpt")).wrote is None
+    assert read_refs(str(tmp_path / "last.ckpt")).wrote is None
+    assert len(os.listdir(tmp_path / "blocks")) == 2
+    assert_bitwise(_state(2), load_file(str(tmp_path / "last.ckpt")).checkpoint, "last")

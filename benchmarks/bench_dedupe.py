@@ -30,8 +30,9 @@ first save writes everything). Medians and ranges over the saves of ``--repeats`
 
 Usage: ``python benchmarks/bench_dedupe.py --repeats 2`` (a Llama of ~470 MB of weights: hidden 1024,
 intermediate 2816, 4 layers, the default 32 heads and 32000-token vocabulary); ``--only lora`` runs one
-scenario (``--only full,embedding`` two); ``--quick`` a tiny run of every scenario in seconds, every fit in this process (its times mean
-nothing; its bytes are what a tiny model's are).
+scenario (``--only full,embedding`` two); ``--quick`` a tiny run of every scenario in seconds, every fit in
+this process (its times mean nothing; its bytes are what a tiny model's are); ``--breakdown`` where a full
+fine-tune's save goes, outside a fit (``BENCH_DIR=/dev/shm`` takes the disk out).
 """
 
 from __future__ import annotations

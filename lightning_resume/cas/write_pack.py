@@ -52,10 +52,11 @@ def commit_pack(
         if not storage.exists(storage.join(directory, name + packs.PACK_SUFFIX)):
             _write_known(directory, name, algorithm, lineage, _distinct(blocks), upload)
         return name, keys
-    found: Dict[str, str] = {}
+    found = {b.name: str(b.key) for b in blocks if b.key is not None}  # equal known blocks are written once
+    once = _distinct([b for b in blocks if b.key is not None]) + [b for b in blocks if b.key is None]
     try:
         name = atomic_write_named(
-            storage.local_path(directory), lambda f: _write_local(f, algorithm, lineage, blocks, ready, found)
+            storage.local_path(directory), lambda f: _write_local(f, algorithm, lineage, once, ready, found)
         )
     except _EqualBlocks:  # two blocks had equal bytes: write it again with each block once (keys all known now)
         again = [Block(b.name, b.view, found[b.name], b.itemsize) for b in blocks]

@@ -208,13 +208,16 @@ class DataCheck:
             raise CheckpointCorruptError(self.path, "whole data-section digest mismatch", self._record["data"], whole)
 
 
-def verify_data(path: str, record: Mapping[str, Any], pieces: Iterable[Tuple[Entry, Any]]) -> None:
+def verify_data(
+    path: str, record: Mapping[str, Any], pieces: Iterable[Tuple[Entry, Any]], where: Mapping[str, str] = {}
+) -> None:
     """Check the data section from ``pieces``: ``(entry, bytes)`` for consecutive chunks of each tensor in
-    file order, and ``(entry, None)`` after a tensor's last chunk (a tensor may come in one piece)."""
+    file order, and ``(entry, None)`` after a tensor's last chunk (a tensor may come in one piece). ``where``:
+    how an error names a tensor, by name, where not by its byte range (``DataCheck.end_tensor``)."""
     check = DataCheck(path, record)
     for entry, data in pieces:
         if data is None:
-            check.end_tensor(entry)
+            check.end_tensor(entry, where.get(entry.name, ""))
         else:
             check.update(data)
     check.finish()

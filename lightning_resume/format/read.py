@@ -226,8 +226,16 @@ def _load_remote(path: str, opts: ReadOptions) -> Loaded:
     refused = remote_budget.refusal(path, size, fmt, overhead, opts.max_remote_load_bytes, host_memory.available())
     if refused is not None:
         raise refused
+
+    def fits(referenced: int) -> None:  # the blocks of a content-addressed checkpoint come on top of its file
+        again = remote_budget.refusal(
+            path, size + referenced, fmt, overhead, opts.max_remote_load_bytes, host_memory.available()
+        )
+        if again is not None:
+            raise again
+
     with storage.RangedReader(path, size, deadline) as f:
-        return _load_copy(path, f, size, opts)
+        return _load_copy(path, f, size, opts, budget=fits)
 
 
 def _checked_metadata(path: str, header: framing.Header) -> Tuple[Dict[str, Any], str, packs.Refs]:
@@ -260,9 +268,12 @@ def _load_local_copy(path: str, opts: ReadOptions) -> Loaded:
         return _load_copy(path, f, os.fstat(f.fileno()).st_size, opts, local_path(path))
 
 
-def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: Any = None) -> Loaded:
+def _load_copy(
+    path: str, f: Any, size: int, opts: ReadOptions, legacy_source: Any = None, budget: Any = None
+) -> Loaded:
     """From the start of the open file ``f`` of ``size`` bytes: each tensor read into its own fresh memory,
-    hashed as it lands; a ``torch.save`` file is handed to ``torch.load`` (as ``legacy_source``, default ``f``)."""
+    hashed as it lands; a ``torch.save`` file is handed to ``torch.load`` (as ``legacy_source``, default ``f``).
+    ``budget(nbytes)``, when given, raises if the referenced tensors' ``nbytes`` do not fit (a remote load)."""
     head = bytes(_read_exact(path, f, 9))
     if not _is_safetensors_head(path, head):
         f.seek(0)
@@ -271,6 +282,8 @@ def _load_copy(path: str, f: Any, size: int, opts: ReadOptions, legacy_source: A
     n = framing.header_length(path, head, size)
     header = framing.parse_header(path, head + _read_exact(path, f, max(n - 1, 0)), size)
     record, tree_json, refs = _checked_metadata(path, header)
+    if budget is not None and refs.tensors:
+        budget(sum(r.nbytes for r in refs.tensors.values()))
     tree, device = _parse_tree(path, tree_json), _device(opts.map_location)
     offered = opts.into if opts.into and (device is None or device.type == "cpu") else {}
     targets = in_place.plan(tree, _indexed(header, refs), offered) if offered else {}
@@ -409,23 +422,11 @@ def _load_safetensors(path: str, buf: Any, size: int, opts: ReadOptions) -> Load
             mapped, e = opened.mapped(refs.tensors[name])
             pairs += [(e, memoryview(mapped)[e.begin : e.end]), (e, None)]
             tensors[name] = _tensor(mapped, 0, e, views, opts)
-        verify = Background(_verify_mapped, path, record, pairs, refs) if opts.verify else None
+        named = {name: referenced.where(path, r) for name, r in refs.tensors.items()}
+        verify = Background(integrity.verify_data, path, record, pairs, named) if opts.verify else None
         if verify is not None:
             verify.result()  # raises CheckpointCorruptError before anything built from the bytes is returned
     return Loaded(_decode_tree(path, tree_json, tensors, opts.lenient), header, size, refs=refs)
-
-
-def _verify_mapped(path: str, record: Dict[str, Any], pairs: List[Tuple[framing.Entry, Any]], refs: packs.Refs) -> None:
-    """``integrity.verify_data`` over mapped bytes, a referenced tensor's mismatch named by its pack and key."""
-    check = integrity.DataCheck(path, record)
-    for entry, data in pairs:
-        if data is not None:
-            check.update(data)
-        elif entry.name in refs.tensors:
-            check.end_tensor(entry, referenced.where(path, refs.tensors[entry.name]))
-        else:
-            check.end_tensor(entry)
-    check.finish()
 
 
 def _tensor(buf: Any, data_start: int, e: framing.Entry, views: bool, opts: ReadOptions) -> torch.Tensor:

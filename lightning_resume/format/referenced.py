@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap as mmap_module
 import os
+import stat
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -95,6 +96,8 @@ class Packs:
         p = packs.pack_path(self.path, ref.pack)
         try:
             if is_local(p):
+                if not stat.S_ISREG(os.stat(local_path(p)).st_mode):  # a FIFO would block the open forever
+                    raise CheckpointCorruptError(self.path, f"{where(self.path, ref)}: the pack is not a regular file")
                 f: Any = open(local_path(p), "rb", buffering=0)  # noqa: SIM115 - kept open for the load, closed by close()
                 size = os.fstat(f.fileno()).st_size
                 head = os.pread(f.fileno(), 9, 0)

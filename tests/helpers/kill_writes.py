@@ -25,11 +25,18 @@ def durable_steps(out: Path) -> list[int]:
 
 
 def kill_during_writes(
-    out: Path, target: str, numel: int, delay: float, timeout: float = 240, env: Optional[dict[str, str]] = None
+    out: Path,
+    target: str,
+    numel: int,
+    delay: float,
+    timeout: float = 240,
+    env: Optional[dict[str, str]] = None,
+    dedupe: bool = False,
 ) -> str:
     """Save ``numel``-element checkpoints to ``target`` in a loop, logging to ``out/events``; SIGKILL the
-    loop ``delay`` s after its first write is durable. The last event: ``"begin"`` when the kill landed
+    loop ``delay`` s after its first write is durable (``dedupe``: content-addressed saves). The last event: ``"begin"`` when the kill landed
     mid-write."""
-    proc = processes.start([job_script("async_save_loop.py"), out / "events", target, numel], env=env)
+    args = [job_script("async_save_loop.py"), out / "events", target, numel] + (["dedupe"] if dedupe else [])
+    proc = processes.start(args, env=env)
     processes.kill_when(proc, lambda: bool(durable_steps(out)), timeout, delay=delay)
     return events(out)[-1][0]

@@ -15,10 +15,16 @@ import torch
 from lightning_resume.cas import layout, live
 from lightning_resume.cas.refs import read_pack_header, read_refs
 from lightning_resume.cas.save import Lineage, commit_deduped
-from lightning_resume.errors import CheckpointCorruptError, ConfigurationError
+from lightning_resume.errors import (
+    CheckpointCorruptError,
+    ConfigurationError,
+    RemoteLoadMemoryError,
+    SkippedCheckpointWarning,
+)
 from lightning_resume.format import atomic, write
 from lightning_resume.format.read import load_file
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
+from lightning_resume.storage import files as storage
 from tests.helpers.compare import assert_bitwise
 
 FROZEN = "state_dict.frozen"
@@ -270,3 +276,62 @@ def test_a_second_save_at_the_same_step_writes_no_pack(tmp_path, save):
     assert read_refs(str(tmp_path / "last.ckpt")).wrote is None
     assert len(os.listdir(tmp_path / "blocks")) == 2
     assert_bitwise(_state(2), load_file(str(tmp_path / "last.ckpt")).checkpoint, "last")
+
+
+def test_a_remote_load_counts_the_referenced_blocks_against_its_memory_cap():
+    url = "memory://cas-budget/run/step=1.ckpt"
+    SafetensorsCheckpointIO(dedupe=True).save_checkpoint(_state(1), url)
+    small = storage.size(url)
+    cap = small + storage.reader_overhead(small) + (64 << 10)  # the file fits; with its 384 KiB of blocks it does not
+    with pytest.raises(RemoteLoadMemoryError, match="remote.max_load_bytes"):
+        load_file(url, max_remote_load_bytes=cap)
+    assert_bitwise(_state(1), load_file(url, max_remote_load_bytes=64 << 20).checkpoint, "within the cap")
+
+
+def test_a_last_checkpoint_whose_block_is_missing_falls_back_to_the_newest_that_loads(tmp_path):
+    io = SafetensorsCheckpointIO(dedupe=True)
+    io.save_checkpoint(_state(1), str(tmp_path / "step=1.ckpt"))
+    last = str(tmp_path / "last.ckpt")
+    io.save_checkpoint(_state(2), last)
+    os.remove(layout.pack_path(last, read_refs(last).wrote))  # the head and moments of step 2 are gone
+    with pytest.warns(SkippedCheckpointWarning, match=r"tensor '.*' \(pack .*, key [0-9a-f]+\): the pack is missing"):
+        loaded = SafetensorsCheckpointIO(dedupe=True).load_checkpoint(last)
+    assert_bitwise(_state(1), loaded, "fallback")
+
+
+def test_equal_tensors_hashed_first_are_written_once_in_one_pass(tmp_path, monkeypatch):
+    from lightning_resume.cas import write_pack
+
+    same, head = torch.ones(64, 1024), torch.zeros(64, 1024)
+    state = Lineage()
+    for step in (1, 2):  # head changes at save 2: written while hashed at save 3
+        tree, tensors = write.encode_tree({"a": same, "b": same.clone(), "head": head + step})
+        commit_deduped(str(tmp_path / f"{step}.ckpt"), tree, tensors, "xxh3-128", state, step=step)
+    tree, tensors = write.encode_tree({"a": same, "b": same.clone(), "head": head + 3})
+    state.held = {}  # nothing to reference: a and b (hashed first, equal) and head (unknown key) go into one pack
+    rewrites = []
+    monkeypatch.setattr(
+        write_pack, "_EqualBlocks", type("Counted", (Exception,), {"__init__": lambda e: rewrites.append(1)})
+    )
+    refs = commit_deduped(str(tmp_path / "3.ckpt"), tree, tensors, "xxh3-128", state, step=3)
+    assert rewrites == [] and refs.tensors["a"].key == refs.tensors["b"].key
+    assert len(read_pack_header(layout.pack_path(str(tmp_path / "3.ckpt"), refs.wrote)).keys) == 2
+    assert_bitwise({"a": same, "b": same, "head": head + 3}, load_file(str(tmp_path / "3.ckpt")).checkpoint, "once")
+
+
+def test_io_verify_reads_every_referenced_block(tmp_path):
+    from lightning_resume.io.verify import verify
+
+    _, (_, second) = _saved(tmp_path)
+    verify(second)
+    pack, key = _damage(second, "flipped byte")
+    with pytest.raises(CheckpointCorruptError, match=re.escape(f"(pack {pack}, key {key}): checksum mismatch")):
+        verify(second)
+
+
+def test_a_pack_that_is_not_a_regular_file_is_refused_without_opening_it(tmp_path):
+    _, (_, second) = _saved(tmp_path)
+    pack, _ = _damage(second, "missing pack")
+    os.mkfifo(pack)  # opening it for reading would wait for a writer forever
+    with pytest.raises(CheckpointCorruptError, match="the pack is not a regular file"):
+        load_file(second)

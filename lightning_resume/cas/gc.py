@@ -64,6 +64,8 @@ def collect(directory: str, lineage: str, keep: Iterable[str] = frozenset(), tem
     the temporaries interrupted pack writes left in ``blocks`` (``format.atomic.clean_stale_temporaries``:
     this host's of dead processes, others' a day old)."""
     directory = str(directory)
+    if not lineage:
+        return []  # no lineage proves nothing: never a collection of packs that name none
     kept = _names(set(keep) | live.pending())  # first: a save that commits after the listings had these pending
     blocks = storage.join(directory, BLOCKS)
     if temporaries:

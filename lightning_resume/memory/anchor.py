@@ -9,8 +9,9 @@ memory its kept saves could pin against what is free. :func:`decide` answers for
 - the anchor is the oldest of those acknowledged saves: every rank's state of it is in the memory of every one of
   its holders, so a node lost while a newer save is in transit still finds a complete set at the anchor. Saves
   kept below it (``memory.store``, ``keep-<seq>``) can go;
-- no anchor when some rank's memory cannot hold one more copy of what it keeps: kept saves would make a later
-  snapshot or replica not fit, so none are kept (as before there were any), said once by the caller with the sizes.
+- no anchor when some node's memory cannot hold one more copy of what its ranks keep (the ranks of a node share its
+  tmpfs, so their keeps add up against the one free space): kept saves would make a later snapshot or replica not
+  fit, so none are kept (as before there were any), said once by the caller with the sizes.
 
 Plain records in, a decision out: no collectives, no files (``memory.replicate.agree`` does those).
 """
@@ -35,12 +36,15 @@ class Vote:
     """Bytes a keep of each file this rank keeps (its snapshot, the replicas it holds) may pin beyond today."""
     free: int
     """Bytes free in this rank's memory tier."""
+    node: int = -1
+    """This rank's node: ranks of one node share its memory tier's free space. ``-1``: a node of its own."""
 
 
 @dataclass(frozen=True)
 class Gate:
     """Every rank's answer: replicate this save or not, and the anchor (keeps below it go); ``anchor`` ``None``: keep
-    nothing (``short`` then names the first rank without room: ``(rank, bytes needed, bytes free)``)."""
+    nothing (``short`` then names the first node without room by its first rank: ``(rank, bytes needed by the
+    node's ranks together, bytes free)``)."""
 
     replicate: bool
     anchor: Optional[int]
@@ -51,7 +55,20 @@ def decide(votes: Sequence[Vote]) -> Gate:
     """The gate of one save from every rank's vote (in rank order)."""
     replicating = [v for v in votes if v.replicating]
     replicate = bool(replicating) and not any(v.busy for v in replicating)
-    short = next(((r, v.pinned, v.free) for r, v in enumerate(votes) if v.free < v.pinned), None)
+    short = _short(votes)
     if short is not None or not replicating:
         return Gate(replicate, None, short)
     return Gate(replicate, min(v.acked for v in replicating))
+
+
+def _short(votes: Sequence[Vote]) -> Optional[tuple[int, int, int]]:
+    """The first node whose ranks' keeps together need more than its free space: ``(its first rank, bytes needed,
+    bytes free)``; ``None`` when every node has room."""
+    nodes: dict[object, list[int]] = {}
+    for rank, v in enumerate(votes):
+        nodes.setdefault(v.node if v.node >= 0 else ("rank", rank), []).append(rank)
+    for ranks in nodes.values():
+        needed, free = sum(votes[r].pinned for r in ranks), min(votes[r].free for r in ranks)
+        if free < needed:
+            return ranks[0], needed, free
+    return None

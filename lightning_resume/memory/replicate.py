@@ -80,8 +80,10 @@ class Replicator:
     """Send this rank's committed snapshots to ``holders`` and receive the replicas of ``owners`` (global
     ranks, ``memory.topology``) over ``group`` (``transport.transfer_group``), each on a daemon thread."""
 
-    def __init__(self, store: MemoryStore, group: Any, holders: Sequence[int], owners: Sequence[int]) -> None:
-        self.store, self.group = store, group
+    def __init__(
+        self, store: MemoryStore, group: Any, holders: Sequence[int], owners: Sequence[int], node: int = -1
+    ) -> None:
+        self.store, self.group, self.node = store, group, node  # node: ranks of one node share its free space
         self.holders, self.owners = list(holders), list(owners)
         self.enabled = bool(self.holders)
         self.last_transfer: Optional[TransferStats] = None
@@ -244,7 +246,7 @@ class Replicator:
             pinned, free = 0, 0
         with self._changed:
             busy = self.in_flight or self._pending is not None
-            return Vote(self.enabled, busy, self.acked, pinned, free)
+            return Vote(self.enabled, busy, self.acked, pinned, free, self.node)
 
     def apply(self, gate: Gate) -> None:
         """Keep this save and the replicas arriving while there is an anchor, and drop the kept saves below it (all of
@@ -256,8 +258,9 @@ class Replicator:
             rank, needed, free = gate.short
             if self.store.rank == 0:
                 _warn(
-                    f"ExactResume: the memory tier of rank {rank} has {byte_size(free)} free, less than the"
-                    f" {byte_size(needed)} that keeping its newest replicated save needs; no save is kept, so a node"
+                    f"ExactResume: the memory tier of rank {rank}'s node has {byte_size(free)} free, less than the"
+                    f" {byte_size(needed)} that keeping the newest replicated save of its ranks needs; no save is"
+                    " kept, so a node"
                     " lost while a replica is in transit resumes from the durable tier. Fix: a larger tmpfs"
                     " (`mount -o remount,size=XXG /dev/shm`, or `--shm-size` for Docker) or"
                     " MemoryTierOptions(dir=...) on a larger one"
@@ -329,12 +332,13 @@ def _warn(message: str) -> None:
 @dataclass(frozen=True)
 class Ring:
     """One run's replication: the resolved count, this rank's holders and the owners whose replicas it holds
-    (``memory.topology``), and the transfer group (``None`` without replicas)."""
+    (``memory.topology``), the transfer group (``None`` without replicas), and this rank's node (``-1``: unknown)."""
 
     replicas: int = 0
     holders: tuple[int, ...] = ()
     owners: tuple[int, ...] = ()
     group: Any = None
+    node: int = -1
 
 
 def ring(
@@ -359,14 +363,14 @@ def ring(
     place = order.index(rank)
     holders = [order[h] for h in topology.replica_holders(place, world_size, num_nodes, replicas)]
     owners = [order[o] for o in topology.replicas_held(place, world_size, num_nodes, replicas)]
-    return Ring(replicas, tuple(holders), tuple(owners), group)
+    return Ring(replicas, tuple(holders), tuple(owners), group, place // (world_size // num_nodes))
 
 
 def start(store: Optional[MemoryStore], plan: Ring) -> Optional[Replicator]:
     """The replicator of this fit, started (every rank, at train start); ``None`` without replicas."""
     if store is None or plan.replicas == 0:
         return None
-    replicator = Replicator(store, plan.group, plan.holders, plan.owners)
+    replicator = Replicator(store, plan.group, plan.holders, plan.owners, plan.node)
     replicator.start()
     return replicator
 

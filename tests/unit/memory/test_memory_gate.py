@@ -16,8 +16,10 @@ from tests.helpers.paths import free_port, job_script
 from tests.helpers.processes import start_preloaded
 
 
-def vote(busy: bool = False, acked: int = 4, replicating: bool = True, pinned: int = 10, free: int = 100) -> Vote:
-    return Vote(replicating, busy, acked, pinned, free)
+def vote(
+    busy: bool = False, acked: int = 4, replicating: bool = True, pinned: int = 10, free: int = 100, node: int = -1
+) -> Vote:
+    return Vote(replicating, busy, acked, pinned, free, node)
 
 
 @pytest.mark.parametrize(
@@ -29,8 +31,11 @@ def vote(busy: bool = False, acked: int = 4, replicating: bool = True, pinned: i
         ([vote(acked=5), vote(replicating=False, busy=True, acked=-1)], Gate(True, 5)),  # stopped there: no vote
         ([vote(replicating=False), vote(replicating=False)], Gate(False, None)),
         ([vote(), vote(pinned=200, free=100)], Gate(True, None, (1, 200, 100))),  # no room to keep: no anchor
+        # two ranks of node 1 share its tmpfs: each fits alone, both together do not
+        ([vote(node=0), vote(pinned=60, node=1), vote(pinned=60, node=1)], Gate(True, None, (1, 120, 100))),
+        ([vote(node=0), vote(pinned=60, node=1), vote(pinned=60, node=2)], Gate(True, 4)),  # one per node: room
     ],
-    ids=["idle", "one-busy", "none-acked", "one-stopped", "none-replicate", "no-room"],
+    ids=["idle", "one-busy", "none-acked", "one-stopped", "none-replicate", "no-room", "node-short", "node-room"],
 )
 def test_the_gate(votes: list[Vote], gate: Gate) -> None:
     assert decide(votes) == gate

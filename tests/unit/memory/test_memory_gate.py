@@ -73,4 +73,4 @@ def test_a_busy_rank_stops_every_rank_replicating_and_the_anchor_is_the_oldest_a
         ], (rank, got)
     assert [w for w in reports[1]["warnings"] if "kept" in w] == []
     (warning,) = [w for w in reports[0]["warnings"] if "no save is kept" in w]
-    assert "rank 1 has 1.0 KiB (1024 bytes) free, less than the 1.0 MiB" in warning and "/dev/shm" in warning
+    assert "rank 1's node has 1.0 KiB (1024 bytes) free, less than the 1.0 MiB" in warning and "/dev/shm" in warning

@@ -20,9 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root ho
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_resume.memory import transport
 from lightning_resume.memory.store import replica_name
 from lightning_resume.memory.tier import MemoryTier
 from tests.helpers.jobs import recover_job as job
@@ -75,15 +73,5 @@ def run_scenario(name: str, directory: Path, rank: int, group: Any) -> None:
     dist.barrier()
 
 
-def main(rank: int, port: int, directory: Path, names: list[str]) -> None:
-    torch.set_num_threads(1)
-    rank_zero_only.rank = rank
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group = transport.transfer_group()
-    for name in names:
-        run_scenario(name, directory, rank, group)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:])
+    job.main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:], run_scenario)

@@ -158,13 +158,15 @@ def run_scenario(name: str, directory: Path, rank: int, group: Any) -> None:
     dist.barrier()
 
 
-def main(rank: int, port: int, directory: Path, names: list[str]) -> None:
+def main(rank: int, port: int, directory: Path, names: list[str], scenario: Callable[..., Any] = run_scenario) -> None:
+    """Rank ``rank`` of the 2-process gloo job: each scenario of ``names`` in turn (``scenario(name, directory,
+    rank, group)``; another job's scenarios reuse this launch)."""
     torch.set_num_threads(1)
     rank_zero_only.rank = rank  # as Lightning's strategy sets it: rank 0 logs the run's lines
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = transport.transfer_group()
     for name in names:
-        run_scenario(name, directory, rank, group)
+        scenario(name, directory, rank, group)
     dist.destroy_process_group()
 
 

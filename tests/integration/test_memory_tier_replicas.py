@@ -365,15 +365,20 @@ def _replicated_under_slurm(machines: nodes.Cluster, cfg: dict[str, Any], where:
     )
 
 
-@pytest.mark.parametrize(("devices", "distribution"), [(1, "block"), (2, "cyclic")], ids=["2x1", "2x2-cyclic"])
+@pytest.mark.parametrize(
+    ("devices", "distribution", "sharded"),
+    [(1, "block", False), (2, "cyclic", False), (1, "block", True)],
+    ids=["2x1", "2x2-cyclic", "2x1-sharded"],
+)
 def test_a_node_lost_under_slurm_resumes_from_the_peers_replica_exactly(
-    tmp_path: Path, machines: nodes.Cluster, devices: int, distribution: str
+    tmp_path: Path, machines: nodes.Cluster, devices: int, distribution: str, sharded: bool
 ) -> None:
     """Launched as ``srun`` does (``tests/helpers/slurm_nodes.py``: one process per rank, SLURM's variables only):
     Lightning's ``SLURMEnvironment`` gives each rank its node, the ring replicates across nodes, node 1 is lost,
     and the relaunched job step resumes from node 0's replicas, bit for bit (A: the same job, uninterrupted).
     ``cyclic`` (``srun --distribution=cyclic``: rank r on node r % 2): the ring follows where ranks run, so no
-    replica stays on its owner's node."""
+    replica stays on its owner's node. ``sharded``: ``ShardedModelParallelStrategy`` (FSDP2, dp over every rank),
+    each rank's snapshot its local shards."""
     world = 2 * devices
     where = [
         node for r in range(world) for node in range(2) if r in slurm_nodes.ranks_on(node, 2, devices, distribution)
@@ -381,6 +386,8 @@ def test_a_node_lost_under_slurm_resumes_from_the_peers_replica_exactly(
     survivors = slurm_nodes.ranks_on(0, 2, devices, distribution)  # node 0's ranks, by local rank
     lost = slurm_nodes.ranks_on(1, 2, devices, distribution)
     cfg = _cfg(tmp_path, 2, devices)
+    if sharded:
+        cfg.update(sharded={"dp": world, "tp": 1}, safetensors=False, env={"PYTHONWARNINGS": "ignore"})
     a = dict(cfg, out=str(tmp_path / "A"), ckpt_dir=str(tmp_path / "A" / "ckpt"))
     slurm_nodes.run(a, machines, tmp_path, distribution)
     for rank in range(world):  # SLURM's placement, not torchrun's: the node from SLURM_NODEID

@@ -11,6 +11,10 @@ from lightning_resume.cas.refs import read_refs
 from lightning_resume.testing import assert_resumes_exactly
 from tests.helpers.paths import REPO_ROOT
 
+# Outside `make test` (~31 s): every dedupe kill-and-resume test already ends with prove's comparison of its runs
+# (``kill_resume.assert_exact_resume``); this one runs the CLI's own launches and kills on a user's script.
+EXTENDED = frozenset({"test_prove_says_exact_on_a_script_with_dedupe_saves_and_a_frozen_part"})
+
 TARGET = REPO_ROOT / "tests" / "helpers" / "jobs" / "prove_target.py"
 FROZEN = "state_dict.backbone.weight"
 

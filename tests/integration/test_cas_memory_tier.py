@@ -23,17 +23,26 @@ from tests.helpers import kill_resume as h
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
+EXTENDED = frozenset(
+    {"test_dedupe_durable_saves_resume_from_memory_reading_headers_only_or_from_disk_exactly[overlapped]"}
+)
+"""In make test-all only: the durable dedupe saves written in the background, their copy overlapped with the next
+step (``save="overlapped"``), beside the memory tier's snapshots."""
+
 DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 FROZEN = "state_dict.net.0.weight"
 
 
-def _cfg(tmp_path: Path, shm: Path) -> dict[str, Any]:
+SAVES = {"sync": {}, "overlapped": {"async": True, "overlap_copy": True}}
+
+
+def _cfg(tmp_path: Path, shm: Path, save: str) -> dict[str, Any]:
     memory = {"dir": str(shm), "every_n_train_steps_max": MEMORY_EVERY}
     exact = {"schedule": {"every_n_train_steps_max": DURABLE_EVERY}, "memory_tier": memory}
     return {
         "job": "dedupe_job.py", "safetensors": True, "io_args": {"dedupe": True}, "max_epochs": 2,
         "ckpt": {"save_top_k": 0}, "exact_args": exact, "ckpt_dir": str(tmp_path / "B" / "ckpt"),
-        "flush_memory_tier": True,
+        "flush_memory_tier": True, **SAVES[save],
     }  # fmt: skip
 
 
@@ -60,8 +69,9 @@ def _damage_every_pack(ckpt_dir: str) -> None:
         pack.write_bytes(bytes(data))
 
 
-def test_dedupe_durable_saves_resume_from_memory_reading_headers_only_or_from_disk_exactly(tmp_path, shm):
-    cfg = _cfg(tmp_path, shm)
+@pytest.mark.parametrize("save", list(SAVES))
+def test_dedupe_durable_saves_resume_from_memory_reading_headers_only_or_from_disk_exactly(tmp_path, shm, save):
+    cfg = _cfg(tmp_path, shm, save)
     h.uninterrupted(cfg, tmp_path)
     h.run_until_paused(dict(cfg, out=str(tmp_path / "B"), pause_before=KILL_AT), tmp_path)
     (snapshot,) = _snapshots(shm)

@@ -124,7 +124,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
             of at least 64 KiB is stored once per distinct content in packs under ``<dir>/blocks/`` and referenced
             by the checkpoint file, so a save writes only what changed since the run's previous save (a frozen
             backbone, LoRA's base weights, an unchanged retention set). Needs a 128-bit or stronger ``checksum``;
-            not with ``writer="process"`` or ``save="overlapped"`` in this release. Off by default.
+            with every ``save`` mode, not with ``writer="process"`` in this release. Off by default.
     """
 
     records_digests = True
@@ -147,7 +147,7 @@ class SafetensorsCheckpointIO(CheckpointIO):
         check_versions()
         resolve_last_through_callbacks()
         problems = _problems(checksum, verify, load_in_place, save, writer, on_error, remote)
-        problems += dedupe_problems(dedupe, checksum, save, writer)
+        problems += dedupe_problems(dedupe, checksum, writer)
         try:
             self.flush_timeout = parse_duration(flush_timeout, "flush_timeout")
         except ValueError as err:
@@ -546,7 +546,7 @@ def _problems(
     return found
 
 
-def dedupe_problems(dedupe: Any, checksum: str, save: str, writer: str) -> List[str]:
+def dedupe_problems(dedupe: Any, checksum: str, writer: str) -> List[str]:
     """What ``dedupe=True`` cannot go with in this release, each named with the fix (never a silent full save)."""
     if not isinstance(dedupe, bool):
         return [f"dedupe={dedupe!r} must be True or False"]
@@ -560,11 +560,7 @@ def dedupe_problems(dedupe: Any, checksum: str, save: str, writer: str) -> List[
     if writer == "process":
         found.append(
             "dedupe=True is not supported with writer='process' in this release (the writer process commits whole"
-            " files); use writer='thread' or dedupe=False"
-        )
-    if save == "overlapped":
-        found.append(
-            "dedupe=True is not supported with save='overlapped' in this release; use save='async' or 'sync', or"
-            " dedupe=False"
+            " files; a dedupe save's packs and references are written on the writer thread); use writer='thread'"
+            " (the default; save='async' or 'overlapped' still writes off the training thread), or dedupe=False"
         )
     return found

@@ -1,7 +1,9 @@
 """A training script for ``lightning-resume prove``, written as users write theirs, with a defect to choose.
 
 Usage: python prove_target.py [--defect NAME] [--devices N] [--max_steps N] [--validate_every N] [--crash_at N]
-[--num_nodes N] [--memory_dir DIR] (the memory tier, replicated to the next node when there are several).
+[--num_nodes N] [--memory_dir DIR] (the memory tier, replicated to the next node when there are several)
+[--dedupe] (``SafetensorsCheckpointIO(dedupe=True)``, and a frozen backbone with a trainable adapter, as a
+fine-tune with frozen weights is written, so each save after the first references the frozen weight).
 It trains a small
 model with dropout and AdamW on a plain ``DataLoader(shuffle=True)``, ``ExactResume()`` and a
 ``ModelCheckpoint`` into ``./ckpt`` (the working directory is the run's own), and relaunched it resumes with
@@ -30,7 +32,7 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from lightning_resume import ExactResume, MemoryTierOptions  # noqa: E402
+from lightning_resume import ExactResume, MemoryTierOptions, SafetensorsCheckpointIO  # noqa: E402
 
 
 class Points(Dataset):
@@ -55,15 +57,21 @@ NOISE = {"torch": torch.Generator().manual_seed(1), "numpy": np.random.default_r
 
 
 class Net(pl.LightningModule):
-    def __init__(self, defect: str) -> None:
+    def __init__(self, defect: str, frozen: bool = False) -> None:
         super().__init__()
         self.defect = defect
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
         self.register_buffer("seen", torch.zeros(()), persistent=False)
+        self.backbone = self.adapter = None
+        if frozen:  # a pretrained backbone (128 KiB) kept frozen, and an adapter trained on its features
+            self.backbone = nn.Linear(8, 4096).requires_grad_(False)
+            self.adapter = nn.Linear(4096, 8)
 
     def training_step(self, batch, batch_idx):
         time.sleep(0.02)  # a step takes a moment, as real ones do: the kills land while training
         x, y = batch
+        if self.backbone is not None and self.adapter is not None:
+            x = x + self.adapter(torch.relu(self.backbone(x)))
         if self.defect == "torch_generator":
             x = x + 0.1 * torch.randn(x.shape, generator=NOISE["torch"])
         elif self.defect == "numpy_generator":
@@ -80,7 +88,7 @@ class Net(pl.LightningModule):
         self.log("val_loss", nn.functional.binary_cross_entropy_with_logits(self.net(x), y))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
     def train_dataloader(self):
         cls = MyLoader if self.defect == "loader_subclass" else DataLoader
@@ -99,6 +107,7 @@ def main() -> None:
     parser.add_argument("--validate_every", type=int, default=0, help="validate every N batches (0: never)")
     parser.add_argument("--num_nodes", type=int, default=1, help="torchrun's --nnodes")
     parser.add_argument("--memory_dir", default=None, help="the memory tier on, in this tmpfs, every step")
+    parser.add_argument("--dedupe", action="store_true", help="content-addressed saves, a frozen backbone")
     args = parser.parse_args()
     if args.crash_at == 0:
         raise SystemExit("prove_target: crashing on purpose")
@@ -118,9 +127,10 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[exact, ModelCheckpoint(dirpath="ckpt", every_n_train_steps=4, save_last=True)],
+        plugins=[SafetensorsCheckpointIO(dedupe=True)] if args.dedupe else None,
     )
     ckpt_path = None if args.defect == "no_ckpt_path" else "last"
-    trainer.fit(Net(args.defect), ckpt_path=ckpt_path)
+    trainer.fit(Net(args.defect, frozen=args.dedupe), ckpt_path=ckpt_path)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -55,8 +55,7 @@ def _saved(tmp_path, steps=(1, 2), **io_args) -> tuple[SafetensorsCheckpointIO, 
     "args, says",
     [
         ({"checksum": "crc32"}, "dedupe=True needs a 128-bit or stronger checksum; use checksum='xxh3-128'"),
-        ({"writer": "process"}, "dedupe=True is not supported with writer='process'"),
-        ({"save": "overlapped"}, "dedupe=True is not supported with save='overlapped'"),
+        ({"writer": "process"}, "use writer='thread' (the default; save='async' or 'overlapped' still writes off"),
     ],
 )
 def test_dedupe_refuses_what_it_cannot_support_naming_the_option_and_the_fix(args, says):
@@ -207,12 +206,13 @@ def test_a_resumed_run_continues_the_lineage_and_references_the_frozen_weight(tm
     assert two.lineage == one.lineage and two.tensors[FROZEN].pack == one.wrote != two.wrote
 
 
-def test_async_saves_write_packs_and_load_bitwise(tmp_path):
-    io, paths = _saved(tmp_path, steps=(1, 2, 3), save="async")
+@pytest.mark.parametrize("save", ["async", "overlapped"])
+def test_async_saves_write_packs_and_load_bitwise(tmp_path, save):
+    io, paths = _saved(tmp_path, steps=(1, 2, 3), save=save)
     refs = [read_refs(p) for p in paths]
     assert refs[2].tensors[FROZEN].pack == refs[0].wrote != refs[2].wrote
     for step, path in zip((1, 2, 3), paths):
-        assert_bitwise(_state(step), SafetensorsCheckpointIO().load_checkpoint(path), f"async step {step}")
+        assert_bitwise(_state(step), SafetensorsCheckpointIO().load_checkpoint(path), f"{save} step {step}")
 
 
 def test_without_dedupe_nothing_is_referenced(tmp_path):
@@ -261,7 +261,7 @@ def test_dedupe_under_a_strategy_that_saves_directories_is_refused_at_fit_start_
     refuse_dedupe_with_directory_saves(full)
 
 
-@pytest.mark.parametrize("save", ["sync", "async"])
+@pytest.mark.parametrize("save", ["sync", "async", "overlapped"])
 def test_a_second_save_at_the_same_step_writes_no_pack(tmp_path, save):
     io = SafetensorsCheckpointIO(dedupe=True, save=save)
     for name in (

@@ -87,8 +87,8 @@ def collect(directory: str, lineage: str, keep: Iterable[str] = frozenset(), tem
     for name, path in sorted(candidates.items()):
         if name in referenced or name in _names(live.pending()):  # pending again: a save that began meanwhile
             continue
-        storage.remove(path)
-        removed.append(path)
+        if live.remove_unless_saving(blocks, path, storage.remove):  # no save of ours in flight there: removed
+            removed.append(path)
     return removed
 
 

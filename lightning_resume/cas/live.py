@@ -11,10 +11,40 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from typing import Iterable, Iterator, Set
+from typing import Callable, Iterable, Iterator, Set
 
 _lock = threading.Lock()
 _pending: Counter = Counter()  # pack path -> number of saves in flight holding it
+_saving: Counter = Counter()  # blocks directory -> saves in flight there (writing a pack or choosing packs to reuse)
+
+
+@contextlib.contextmanager
+def saving(blocks: str) -> Iterator[None]:
+    """A save in flight in the pack directory ``blocks``, from before it chooses the packs it reuses (and checks that
+    they exist) until its checkpoint file is committed: no collection in this process removes a pack there meanwhile
+    (:func:`remove_unless_saving`). Lightning's ``AsyncCheckpointIO`` runs a save on its own thread while the training
+    thread removes an older checkpoint and collects, so the two may overlap."""
+    key = blocks.rstrip("/")
+    with _lock:
+        _saving[key] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _saving[key] -= 1
+            if _saving[key] <= 0:
+                del _saving[key]
+
+
+def remove_unless_saving(blocks: str, path: str, remove: Callable[[str], object]) -> bool:
+    """Remove the pack ``path`` of the directory ``blocks`` with ``remove``, unless a save of this process is in
+    flight there or holds it; whether it was removed. Decided and done under the lock a save takes to begin, so no
+    save can choose the pack (or commit one under its name) between the check and the removal."""
+    with _lock:
+        if _saving.get(blocks.rstrip("/")) or path in _pending:
+            return False
+        remove(path)
+        return True
 
 
 def pending() -> Set[str]:

@@ -68,7 +68,7 @@ def commit_deduped(
     for name in chosen.hash_first:
         wait(name)
         first[name] = integrity.digest(algorithm, views[name])
-    with live.holding() as holder:
+    with live.saving(blocks_dir(path)), live.holding() as holder:
         referenced = _referenced(path, tensors, first, state, holder)
         blocks = [
             Block(name, views[name], first.get(name), tensors[name].element_size())

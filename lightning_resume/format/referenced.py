@@ -155,6 +155,7 @@ def read_referenced(
             ref = refs.tensors[name]
             t = (targets or {}).get(name)
             if t is None:
+                opened.entry(ref)  # the block exists with the tensor's size: a record's shape allocates nothing else
                 t = torch.empty(ref.shape, dtype=framing.DTYPES[ref.dtype])
             elif written is not None:
                 written.append(name)

@@ -97,7 +97,12 @@ def copy_checkpoint(source: str, target: str) -> None:
     elsewhere). A file without references is copied alone."""
     for name in sorted(packs_of(source) if is_safetensors(source) else ()):
         here, there = pack_path(source, name), pack_path(target, name)
-        if storage.size(there) != storage.size(here):
+        size = storage.size(here)
+        if size is None:  # never a mirrored checkpoint without its blocks: the upload fails, named, and is retried
+            raise FileNotFoundError(
+                f"{source} references the pack {here}, which is missing; the checkpoint is not mirrored"
+            )
+        if storage.size(there) != size:
             copy_file(here, there)
     copy_file(source, target)
 

@@ -86,3 +86,13 @@ def test_the_mirror_collects_the_packs_of_an_upload_killed_before_its_file(tmp_p
     assert mirror.wait(timeout=120)
     assert f"{orphan}.safetensors" not in _mirror_packs(target)
     verify(storage.join(target, "step=1.ckpt"))
+
+
+def test_a_checkpoint_whose_pack_is_missing_is_not_mirrored(tmp_path) -> None:
+    """Never a mirrored checkpoint without its blocks: the upload fails naming the pack, and the mirror holds nothing."""
+    local, target = tmp_path / "local", str(tmp_path / "mirror")
+    pack = write_checkpoint(str(local / "step=1.ckpt"), state(1), A)[0]
+    (local / BLOCKS / f"{pack}.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=f"references the pack .*{pack}.safetensors, which is missing"):
+        mirror_module.copy_checkpoint(str(local / "step=1.ckpt"), storage.join(target, "step=1.ckpt"))
+    assert not storage.exists(storage.join(target, "step=1.ckpt"))

@@ -3,11 +3,13 @@ missing or damaged block refused naming the checkpoint, the tensor, the pack and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from lightning_resume.errors import (
     RemoteLoadMemoryError,
     SkippedCheckpointWarning,
 )
-from lightning_resume.format import atomic, write
+from lightning_resume.format import atomic, referenced, write
 from lightning_resume.format.read import load_file
 from lightning_resume.io.plugin import SafetensorsCheckpointIO
 from lightning_resume.storage import files as storage
@@ -335,3 +337,53 @@ def test_a_pack_that_is_not_a_regular_file_is_refused_without_opening_it(tmp_pat
     os.mkfifo(pack)  # opening it for reading would wait for a writer forever
     with pytest.raises(CheckpointCorruptError, match="the pack is not a regular file"):
         load_file(second)
+
+
+def _commit(path: str, step: int, state: Lineage, frozen: torch.Tensor) -> None:
+    tree, tensors = write.encode_tree(
+        {"global_step": step, "state_dict": {"frozen": frozen, "head": torch.randn(65536)}}
+    )
+    commit_deduped(path, tree, tensors, "xxh3-128", state, step=step)
+
+
+def test_a_collection_beside_a_save_in_flight_never_removes_a_pack_that_save_commits_to(tmp_path, monkeypatch):
+    """Lightning's ``AsyncCheckpointIO`` saves on its own thread while the training thread removes an older checkpoint
+    and collects: a collection while the save's new pack is renamed in but not yet referenced removes nothing of it."""
+    from lightning_resume.cas import gc
+    from lightning_resume.cas import save as cas_save
+
+    state, frozen = Lineage(), torch.randn(65536)
+    _commit(str(tmp_path / "a.ckpt"), 1, state, frozen)
+    _commit(str(tmp_path / "b.ckpt"), 2, state, frozen)
+    renamed, collected = threading.Event(), threading.Event()
+    commit_pack = cas_save.commit_pack
+
+    def paused(*args, **kwargs):
+        out = commit_pack(*args, **kwargs)
+        renamed.set()  # the pack is in blocks/ under its name; no checkpoint names it yet
+        assert collected.wait(60), "the collection never ran"
+        return out
+
+    monkeypatch.setattr(cas_save, "commit_pack", paused)
+    saving = threading.Thread(target=_commit, args=(str(tmp_path / "c.ckpt"), 3, state, frozen))
+    saving.start()
+    assert renamed.wait(60), "the save never wrote its pack"
+    removed = gc.remove_and_collect(str(tmp_path / "a.ckpt"))
+    collected.set()
+    saving.join(60)
+    assert removed == [], removed  # a save in flight in that directory: nothing is collected now
+    load_file(str(tmp_path / "c.ckpt"))  # every block it references is there, and verifies
+    assert gc.remove_and_collect(str(tmp_path / "b.ckpt")) != []  # once no save is in flight, the orphans go
+    load_file(str(tmp_path / "c.ckpt"))
+
+
+def test_a_refs_record_claiming_a_huge_tensor_is_refused_before_any_allocation(tmp_path):
+    """A crafted shape in the refs record is checked against the block's size in its pack before memory is taken."""
+    path = str(tmp_path / "a.ckpt")
+    _commit(path, 1, Lineage(), torch.randn(65536))
+    refs = read_refs(path)
+    ref = refs.tensors[FROZEN]
+    huge = dataclasses.replace(ref, shape=(1 << 38,))
+    forged = dataclasses.replace(refs, tensors={**refs.tensors, FROZEN: huge})
+    with pytest.raises(CheckpointCorruptError, match="block size differs"):
+        referenced.read_referenced(path, forged, [FROZEN], check=None)

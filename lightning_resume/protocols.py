@@ -171,6 +171,14 @@ class InPlaceLoading(Protocol):
 
 
 @runtime_checkable
+class LineageKeeping(Protocol):
+    """A ``CheckpointIO`` whose saves continue a lineage between runs (``SafetensorsCheckpointIO(dedupe=True)``)."""
+
+    def continue_lineage(self, path: str) -> None:
+        """Continue the lineage of the durable checkpoint ``path``: the resume read its state elsewhere."""
+
+
+@runtime_checkable
 class LocalShardSnapshots(Protocol):
     """A strategy whose ranks hold shards (``io.sharded_strategy.ShardedModelParallelStrategy``) that the memory
     tier can snapshot one file per rank, as its local shards (``sharded.local``), and restore on the same mesh."""
@@ -212,6 +220,14 @@ def in_place_target(trainer: Any) -> Optional[InPlaceTarget]:
     checkpoint elsewhere (the memory tier's snapshot); ``None`` for another IO or when nothing is offered."""
     io: Optional[InPlaceLoading] = checkpoint_io_as(trainer, InPlaceLoading)
     return None if io is None else io.in_place_target()
+
+
+def continue_lineage(trainer: Any, path: str) -> None:
+    """Tell the trainer's :class:`LineageKeeping` IO, if it has one, that the run resumed the state of ``path`` from
+    elsewhere (the memory tier); nothing for another IO."""
+    io: Optional[LineageKeeping] = checkpoint_io_as(trainer, LineageKeeping)
+    if io is not None:
+        io.continue_lineage(path)
 
 
 def loaded_in_place(trainer: Any) -> Dict[str, Tuple[str, str]]:

@@ -34,6 +34,7 @@ from lightning_resume._compat import check_versions
 from lightning_resume._compat.lightning import resolve_last_through_callbacks, saves_directories
 from lightning_resume.cas.gc import cleanup, remove_and_collect
 from lightning_resume.cas.layout import BLOCKS
+from lightning_resume.cas.refs import read_refs
 from lightning_resume.cas.save import Lineage, commit_deduped
 from lightning_resume.durations import Duration, parse_duration
 from lightning_resume.errors import (
@@ -261,6 +262,14 @@ class SafetensorsCheckpointIO(CheckpointIO):
         if self.dedupe:
             self._lineage.adopt(path, loaded.refs)  # a resumed run continues the lineage it resumed from
         return loaded.checkpoint
+
+    def continue_lineage(self, path: str) -> None:
+        """With ``dedupe``: continue the lineage of the durable checkpoint ``path`` (its header's references only) when
+        the resume reads its state elsewhere, from the memory tier's snapshot of the same run. The next save then
+        references that checkpoint's packs, and the run's collections remove the packs its lineage left, as after a
+        resume from ``path`` itself (``protocols.LineageKeeping``)."""
+        if self.dedupe:
+            self._lineage.adopt(path, read_refs(path))
 
     def load_into(self, module: Optional[torch.nn.Module]) -> None:
         """Offer ``module``'s own tensors to the next ``load_checkpoint`` (``load_in_place``), its fallback

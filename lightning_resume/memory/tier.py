@@ -33,6 +33,7 @@ from lightning_resume.errors import (
     CheckpointCorruptError,
     ConfigurationError,
     ExactResumeWarning,
+    LightningResumeError,
     PartialLoadError,
 )
 from lightning_resume.format import partial as partly
@@ -59,6 +60,7 @@ from lightning_resume.protocols import (
     LocalShardSnapshots,
     StagingLender,
     checkpoint_io_as,
+    continue_lineage,
     in_place_target,
 )
 from lightning_resume.protocols import loaded_in_place as io_loaded_in_place
@@ -111,6 +113,7 @@ class MemoryTier:
         self.weights_only = True
         self._shards: Optional[LocalShardSnapshots] = None  # a sharded strategy's: snapshots of local shards
         self._target: Callable[[], Optional[InPlaceTarget]] = lambda: None  # what the durable load would read into
+        self._continue_lineage: Callable[[str], None] = lambda path: None  # the durable IO's dedupe lineage (cas)
         self._in_place: dict[str, tuple[str, str]] = {}  # the weights the memory resume read into the module
 
     def setup(self, trainer: pl.Trainer, directory: Optional[str]) -> None:
@@ -133,6 +136,7 @@ class MemoryTier:
         self.weights_only = lc.fit_weights_only(trainer) is not False  # the durable file is read as fit reads it
         self._shards = trainer.strategy if isinstance(trainer.strategy, LocalShardSnapshots) else None
         self._target, self._in_place = partial(in_place_target, trainer), {}  # the module the durable IO is offered
+        self._continue_lineage = partial(continue_lineage, trainer)
         if self._remove_hook is None and lc.requested_ckpt_path(trainer) == "last":
             choose = partial(self.choose, confirm=partial(confirm_last, trainer))  # "last" read headers only
             self._remove_hook = lc.substitute_checkpoint(trainer, choose)
@@ -175,6 +179,7 @@ class MemoryTier:
             self.resumed_tier = DURABLE if restored else None
             return restored
         peers.settle(self.store, outcome, offered, self._owners())  # kept saves, newer replicas: another line's
+        self._continue_dedupe(durable)
         # Each rank built its own snapshot; the save time that ranks compare at restore is rank 0's.
         _exact_state(snapshot.checkpoint)["saved_at"] = outcome.saved_at
         self.seq, self.run, self.sources = snapshot.seq, run, outcome.sources
@@ -186,6 +191,19 @@ class MemoryTier:
         if self._shards is not None:  # the strategy loads no state itself: its shards go in place here
             return snapshot.path, self._shards.restore_local(snapshot.checkpoint)
         return snapshot.path, snapshot.checkpoint
+
+    def _continue_dedupe(self, durable: Optional[str]) -> None:
+        """A memory resume of a run whose durable saves are deduped continues their lineage (``cas``): its next save
+        references the packs ``durable`` does, and its collections remove what its lineage left. A header that cannot
+        be read costs only a full next save: said in the log, the resume goes on."""
+        if durable is None:
+            return
+        try:
+            self._continue_lineage(durable)
+        except (LightningResumeError, OSError, ValueError) as err:
+            rank_zero_info(
+                f"ExactResume: the dedupe lineage of {durable} is not continued ({err}); its next save is whole"
+            )
 
     def _shard_problems(self, shards: LocalShardSnapshots, snapshot: MemorySnapshot) -> str:
         """Every rank: why the planned snapshots of local shards cannot restore this run (another mesh at this world

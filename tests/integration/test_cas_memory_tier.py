@@ -90,6 +90,15 @@ def test_dedupe_durable_saves_resume_from_memory_reading_headers_only_or_from_di
     out = h.output(c)
     assert "resuming from the memory tier at step 8" in out
     assert "SkippedCheckpointWarning" not in out and "checksum mismatch" not in out, out[-3000:]
+    # the resumed run continued the killed run's lineage: its saves reference the frozen weight where it was
+    before = read_refs(str(backup / "ckpt" / durable[-1].name))
+    after = [
+        read_refs(str(p))
+        for p in sorted(Path(cfg["ckpt_dir"]).glob("*.ckpt"))
+        if p.name not in {d.name for d in durable}
+    ]
+    assert after and all(r.lineage == before.lineage for r in after), (before.lineage, [r.lineage for r in after])
+    assert all(r.tensors[FROZEN].pack == before.tensors[FROZEN].pack for r in after)
 
     c = _restore(tmp_path, cfg, backup, shm, "C_node_lost")
     shutil.rmtree(shm)  # the machine is gone, and its shared memory with it

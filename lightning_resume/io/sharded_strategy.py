@@ -223,8 +223,15 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         return local.to_local(checkpoint)
 
     def check_local(self, checkpoint: Dict[str, Any]) -> List[str]:
-        """What keeps a memory snapshot from restoring this rank now (``sharded.local.check``)."""
-        return local.check(self._template(), checkpoint)
+        """What keeps a memory snapshot from restoring this rank now (``sharded.local.check``). Building the layout
+        initializes the state of an optimizer that has none (torch takes a zero-lr step): when the snapshot is
+        refused, that state is cleared again, so a fresh start that follows starts from nothing, as it would have."""
+        fresh = [optimizer for optimizer in self.optimizers if not optimizer.state]
+        problems = local.check(self._template(), checkpoint)
+        if problems:
+            for optimizer in fresh:
+                optimizer.state.clear()
+        return problems
 
     def restore_local(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         """Restore the model and optimizers from a memory snapshot's local shards, in place; the rest of the

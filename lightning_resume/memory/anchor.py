@@ -1,14 +1,18 @@
 """Which memory snapshots are replicated, and which replicated save is the anchor: a pure policy over the ranks' votes.
 
 At each memory save that the schedule replicates, every rank says (:class:`Vote`) whether its replicator is still busy
-with an earlier save, the newest save of its own that every one of its holders stored (acknowledged), and how much
-memory its kept saves could pin against what is free. :func:`decide` answers for every rank alike (:class:`Gate`):
+with an earlier save, the saves of its own that every one of its holders stored and kept (acknowledged) since the
+anchor, and how much memory its kept saves could pin against what is free. :func:`decide` answers for every rank alike (:class:`Gate`):
 
 - the save is replicated only when no replicating rank is busy, so every rank replicates the same saves, each one
   whole (a busy rank would otherwise skip a save the others sent, and no complete set of that save would exist);
-- the anchor is the oldest of those acknowledged saves: every rank's state of it is in the memory of every one of
-  its holders, so a node lost while a newer save is in transit still finds a complete set at the anchor. Saves
-  kept below it (``memory.store``, ``keep-<seq>``) can go;
+- the anchor is the newest save every rank acknowledged: every rank's state of it is kept in the memory of every one
+  of its holders, so a node lost while a newer save is in transit still finds a complete set at the anchor. Saves
+  kept below it (``memory.store``, ``keep-<seq>``) can go. Not the oldest of each rank's newest: a rank that lost
+  one save (a holder's write failed, its own save failed after the gate) while later ones were acknowledged would
+  make that a save some holder never stored, and the prune would remove the older complete set. The previous
+  anchor stays in every rank's set until a newer common one replaces it, so the anchor never goes back; ``-1``
+  (nothing goes) until a first save is common;
 - no anchor when some node's memory cannot hold one more copy of what its ranks keep (the ranks of a node share its
   tmpfs, so their keeps add up against the one free space): kept saves would make a later snapshot or replica not
   fit, so none are kept (as before there were any), said once by the caller with the sizes.
@@ -30,8 +34,8 @@ class Vote:
     """Whether this rank replicates at all (replication may have stopped here: a holder refused a replica)."""
     busy: bool
     """A transfer of an earlier save is in flight or waiting."""
-    acked: int
-    """The save sequence of the newest own save that every holder stored; ``-1``: none yet."""
+    acked: frozenset[int]
+    """The save sequences of this rank's own saves, at or after the anchor, that every holder stored and kept."""
     pinned: int
     """Bytes a keep of each file this rank keeps (its snapshot, the replicas it holds) may pin beyond today."""
     free: int
@@ -58,7 +62,8 @@ def decide(votes: Sequence[Vote]) -> Gate:
     short = _short(votes)
     if short is not None or not replicating:
         return Gate(replicate, None, short)
-    return Gate(replicate, min(v.acked for v in replicating))
+    common = frozenset.intersection(*(v.acked for v in replicating))
+    return Gate(replicate, max(common, default=-1))
 
 
 def _short(votes: Sequence[Vote]) -> Optional[tuple[int, int, int]]:

@@ -91,7 +91,8 @@ class Replicator:
         self.received = 0  # replicas written here
         self.begun = 0  # transfers begun (each snapshot sent to every holder is one)
         self.in_flight = False  # whether a transfer is being sent now
-        self.acked = -1  # the save sequence of the newest snapshot every holder stored
+        self.acked: set[int] = set()  # own saves every holder stored and kept, at or after the anchor (memory.anchor)
+        self._kept_own: set[int] = set()  # own saves kept here (a keep of the committed file)
         self.keeping = False  # whether committed snapshots and arriving replicas are kept (the gate, :func:`agree`)
         self.anchor: Optional[int] = None  # the newest gate's: kept saves below it are gone (``None``: none kept)
         self._warned_room = False
@@ -123,8 +124,8 @@ class Replicator:
     def offer(self, fd: int, step: int, seq: int) -> None:
         """A snapshot just committed, open as ``fd`` (taken: closed here or once sent): send it next, replacing
         one still waiting (coalesced). Returns at once; on the store's writer thread."""
-        if self.keeping:
-            self._keep(self.store.name, seq)
+        if self.keeping and self._keep(self.store.name, seq):
+            self._kept_own.add(seq)
         with self._changed:
             if not self.enabled or self._stopping:
                 os.close(fd)
@@ -186,7 +187,8 @@ class Replicator:
                 return True  # said on the holder; the next snapshot tries again
         self.sent += 1
         with self._changed:
-            self.acked = pending.seq
+            if pending.seq in self._kept_own:  # kept here and, each holder said so, there: part of a complete set
+                self.acked.add(pending.seq)
         self.last_transfer = TransferStats(nbytes, time.monotonic() - started, pending.step, pending.seq)
         return True
 
@@ -217,8 +219,8 @@ class Replicator:
         def write(nbytes: int, chunks: Any) -> tuple[int, int, int]:
             try:
                 self.store.write_received(name, nbytes, chunks)
-                if self.keeping:  # before the acknowledgement: an acknowledged save is kept
-                    self._keep(name, chunks.record[0])
+                if self.keeping and not self._keep(name, chunks.record[0]):  # an acknowledged save is kept
+                    return FAILED, nbytes, 0  # stored but not kept: no anchor may count on it
             except NotEnoughSharedMemory as err:
                 return REFUSED, err.needed, err.free  # the owner says it, once
             except OSError as err:
@@ -231,11 +233,14 @@ class Replicator:
 
         return write
 
-    def _keep(self, name: str, seq: int) -> None:
+    def _keep(self, name: str, seq: int) -> bool:
+        """Keep save ``seq`` of the committed file ``name``; whether it is kept."""
         try:
             self.store.keep(name, seq)
         except OSError as err:  # the file is committed; without its keep the anchor stays older
             log.warning("memory tier: could not keep save %d of %s: %s", seq, name, err)
+            return False
+        return True
 
     def vote(self) -> Vote:
         """This rank's word at a replicated save (``memory.anchor``); the previous snapshot committed and handed
@@ -246,12 +251,16 @@ class Replicator:
             pinned, free = 0, 0
         with self._changed:
             busy = self.in_flight or self._pending is not None
-            return Vote(self.enabled, busy, self.acked, pinned, free, self.node)
+            return Vote(self.enabled, busy, frozenset(self.acked), pinned, free, self.node)
 
     def apply(self, gate: Gate) -> None:
         """Keep this save and the replicas arriving while there is an anchor, and drop the kept saves below it (all of
         them without one: said once, with the sizes, by rank 0)."""
         self.keeping, self.anchor = gate.anchor is not None, gate.anchor
+        with self._changed:  # the saves below the anchor, or all without one, are no longer kept
+            below = -1 if gate.anchor is None else gate.anchor
+            self.acked = {s for s in self.acked if gate.anchor is not None and s >= below}
+            self._kept_own = {s for s in self._kept_own if gate.anchor is not None and s >= below}
         self.store.prune(gate.anchor, self.owners)
         if gate.short is not None and not self._warned_room:
             self._warned_room = True

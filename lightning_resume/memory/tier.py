@@ -208,7 +208,10 @@ class MemoryTier:
     def _shard_problems(self, shards: LocalShardSnapshots, snapshot: MemorySnapshot) -> str:
         """Every rank: why the planned snapshots of local shards cannot restore this run (another mesh at this world
         size, another model), in one line naming the ranks and paths; ``""`` when every rank's fits."""
-        mine = [f"rank {self.rank}: {line}" for line in shards.check_local(snapshot.checkpoint)]
+        try:
+            mine = [f"rank {self.rank}: {line}" for line in shards.check_local(snapshot.checkpoint)]
+        except Exception as err:  # noqa: BLE001 - one rank's failure is every rank's (no rank waits in the gather)
+            mine = [f"rank {self.rank}: its local shards could not be checked: {collective.describe(err)}"]
         everyone = [line for lines in collective.gather(mine) for line in lines]
         if not everyone:
             return ""
@@ -265,11 +268,13 @@ class MemoryTier:
         owner = "its caller" if module is None else f"the module {type(module).__name__}"
         try:
             loaded = self.store.load(run, into=into, into_owner=owner)
-        except (CheckpointCorruptError, PartialLoadError, OSError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - any rank's failure is every rank's (no rank waits in the gather)
             overwritten = getattr(err, "overwritten_in_place", 0)
             if module is not None and overwritten:
                 partly.mark(module, self.store.path, str(err), overwritten)
-            return None, [f"rank {self.rank}: its memory-tier state {self.store.path} did not load: {err}"]
+            said = err if isinstance(err, (CheckpointCorruptError, PartialLoadError, OSError, ValueError)) else None
+            why = str(said) if said is not None else collective.describe(err)
+            return None, [f"rank {self.rank}: its memory-tier state {self.store.path} did not load: {why}"]
         if loaded is None or (loaded.step, loaded.seq) != (checked.step, checked.seq):
             got = "nothing" if loaded is None else f"step {loaded.step} (save {loaded.seq})"
             return loaded, [f"rank {self.rank}: {self.store.path} changed after its check: {got}"]

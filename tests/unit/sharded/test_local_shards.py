@@ -47,3 +47,22 @@ def test_check_names_each_path_that_does_not_fit(results: list[dict]) -> None:
     assert len(mismatch["mesh"]) == 12, mismatch["mesh"]  # 4 weights, 8 moments: every one on another mesh
     assert "state_dict/0.weight: dtype float32 saved, float64 now" in mismatch["dtype"]
     assert mismatch["missing"] == ["state_dict/2.bias: not in the snapshot"]
+
+
+def test_a_refused_snapshot_leaves_an_optimizer_without_state_as_it_was() -> None:
+    """Checking a snapshot builds the state's layout, for which torch initializes an optimizer that has no state yet
+    (a zero-lr step: AdamW's ``step`` becomes 1). When the snapshot is refused, a fresh start follows: it must start
+    from no state, as it would have without the memory tier."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_resume.io.sharded_strategy import ShardedModelParallelStrategy
+
+    module = pl.LightningModule()
+    module.layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    strategy = ShardedModelParallelStrategy.__new__(ShardedModelParallelStrategy)  # set up by hand: no process group
+    strategy._model, strategy._lightning_module, strategy._optimizers = module, module, [optimizer]
+    problems = strategy.check_local({"state_dict": {}, "optimizer_states": []})
+    assert problems and "not a snapshot of local shards" in problems[0], problems
+    assert not optimizer.state, optimizer.state

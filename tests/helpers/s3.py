@@ -9,15 +9,18 @@ counts the bytes it sends for GET requests (what a client read).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 import fsspec
 import pytest
 
 from tests.helpers.paths import free_port
+
+W = TypeVar("W")
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -92,6 +95,18 @@ class S3Server:
 
     def stop(self) -> None:
         self._server.stop()
+
+    @contextlib.contextmanager
+    def watched(self, watcher: W) -> Iterator[W]:
+        """``watcher`` (anything with ``wrap(app) -> app``, a WSGI middleware that counts what it sees) in front of
+        the server while the block runs; the server as it was after."""
+        wsgi = self._server._server  # the werkzeug server under moto's ThreadedMotoServer
+        app = wsgi.app
+        wsgi.app = watcher.wrap(app)
+        try:
+            yield watcher
+        finally:
+            wsgi.app = app
 
 
 @pytest.fixture(scope="session")

@@ -157,13 +157,8 @@ class ObjectReads:
 
 @pytest.fixture
 def object_reads(s3_server) -> Iterator[ObjectReads]:
-    wsgi = s3_server._server._server  # the werkzeug server under moto's ThreadedMotoServer (as tests/helpers/s3.py)
-    app, counter = wsgi.app, ObjectReads()
-    wsgi.app = counter.wrap(app)
-    try:
+    with s3_server.watched(ObjectReads()) as counter:
         yield counter
-    finally:
-        wsgi.app = app
 
 
 def _header_ends(bucket: str) -> dict[str, int]:

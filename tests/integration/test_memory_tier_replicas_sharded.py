@@ -108,13 +108,8 @@ class ObjectGets:
 
 @pytest.fixture
 def object_gets(s3_server) -> Iterator[ObjectGets]:
-    wsgi = s3_server._server._server  # the werkzeug server under moto's ThreadedMotoServer (as tests/helpers/s3.py)
-    app, gets = wsgi.app, ObjectGets()
-    wsgi.app = gets.wrap(app)
-    try:
+    with s3_server.watched(ObjectGets()) as gets:
         yield gets
-    finally:
-        wsgi.app = app
 
 
 def _report(c: dict[str, Any], rank: int) -> dict[str, Any]:

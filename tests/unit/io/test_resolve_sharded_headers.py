@@ -101,13 +101,8 @@ class _ObjectGets:
 
 @pytest.fixture
 def object_gets(s3_server) -> Iterator[_ObjectGets]:
-    wsgi = s3_server._server._server  # the werkzeug server under moto's ThreadedMotoServer (as tests/helpers/s3.py)
-    app, gets = wsgi.app, _ObjectGets()
-    wsgi.app = gets.wrap(app)
-    try:
+    with s3_server.watched(_ObjectGets()) as gets:
         yield gets
-    finally:
-        wsgi.app = app
 
 
 @pytest.mark.parametrize("named", ["directory", "marker"])

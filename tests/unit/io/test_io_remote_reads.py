@@ -132,7 +132,7 @@ def test_a_server_that_ignores_range_is_refused_naming_the_url_and_range(s3_buck
 def test_a_whole_object_answer_is_refused_before_it_is_buffered(s3_bucket: str, in_front, monkeypatch) -> None:
     """The reader's 2 GETs are answered with a 64 MiB body each (HTTP 200, Range ignored): refused from the
     answer's headers. What the process allocated meanwhile (what the client read from the socket before the
-    refusal closed it: about 10 MB measured) is a fraction of one body (before: each stream held a whole body,
+    refusal closed it: about 10 MB measured, 20 MB under load) is a fraction of one body (before: each stream held a whole body,
     twice)."""
     size, block = 64 << 20, bytes(64 << 10)  # 2 streams of 4 MiB chunks: an 8 MiB window
     url = f"{s3_bucket}/big"
@@ -158,7 +158,9 @@ def test_a_whole_object_answer_is_refused_before_it_is_buffered(s3_bucket: str, 
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < size // 4, f"{peak} bytes allocated"
+    # about 10 MB on a quiet machine, 20 MB seen under load (the client reads on while the refusal is raised): far
+    # below one whole body, let alone the two the streams held before
+    assert peak < size // 2, f"{peak} bytes allocated"
 
 
 def test_a_short_body_is_retried_then_refused_naming_the_range(s3_bucket: str, in_front, monkeypatch) -> None:

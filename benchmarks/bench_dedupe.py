@@ -43,7 +43,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +62,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from benchmarks.bench_save_in_fit import StepClock, analyse  # noqa: E402
+from benchmarks.bench_save_in_fit import StepClock, analyse, child_result  # noqa: E402
 from lightning_resume import ExactResume, RetentionCheckpoint, RetentionPolicy, SafetensorsCheckpointIO  # noqa: E402
 
 SCENARIOS = ("lora", "full", "embedding")
@@ -397,11 +396,7 @@ def _raw_write(path: str, tensors: List[torch.Tensor], out: Dict[str, List[float
 def _spawn(scenario: str, plugin: str, root: str) -> Dict[str, Any]:
     """One fit in a fresh process (no thread, pool or page of one fit reaches the next)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", scenario, plugin, root]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if done.returncode != 0 or line is None:
-        raise RuntimeError(f"fit {scenario} {plugin!r} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(line[len("RESULT ") :])
+    return child_result(cmd, f"{scenario} {plugin!r}")
 
 
 def _med(v: List[float], fmt: str = "{:.3f}") -> str:

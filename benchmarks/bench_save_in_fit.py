@@ -450,10 +450,16 @@ def _child(args: argparse.Namespace) -> None:
 def _spawn(name: str, root: str, a: argparse.Namespace) -> Dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--root", root]
     cmd += ["--params-mb", str(a.params_mb), "--steps", str(a.steps), "--every", str(a.every)]
+    return child_result(cmd, repr(name))
+
+
+def child_result(cmd: List[str], what: str) -> Dict:
+    """Run the fit ``cmd`` in a fresh process; the JSON of its ``RESULT `` line (``RuntimeError`` naming ``what``
+    and the end of its stderr when it fails or prints none)."""
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if done.returncode != 0 or line is None:
-        raise RuntimeError(f"fit {name!r} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"fit {what} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(line[len("RESULT ") :])
 
 
